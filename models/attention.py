@@ -1,0 +1,117 @@
+"""Masks, the one attention function, and multi-head self/cross attention.
+
+Dimension legend (used in every shape comment of this package):
+    B batch rows, T query length, S key length, H query heads, K key/value heads
+    (K divides H; K < H is grouped-query attention), D head dim, C model dim (H * D).
+
+Masks are boolean with True = attend, built only by the helpers below:
+    padding mask   (B, 1, 1, S)  from a (B, S) "is a real token" mask
+    causal mask    (B, 1, T, S)  from per-row query positions and key positions, so it is
+                                 right-aligned for cached decoding (query t of row b sits at
+                                 position lengths[b] + t and sees keys at positions <= that)
+A query row with no key to attend gives zeros, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import BlockConfig
+from .positions import apply_rotary
+
+
+def padding_mask(keep: Tensor) -> Tensor:
+    """(B, S) bool/int, True/1 = real token -> (B, 1, 1, S) bool."""
+    return keep.bool()[:, None, None, :]  # (B, 1, 1, S)
+
+
+def causal_mask(q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """Query at position p attends keys at positions <= p.
+
+    q_pos: (B, T) absolute positions of the queries; k_pos: (S,) or (B, S) positions of the keys.
+    Returns (B, 1, T, S) bool.
+    """
+    if k_pos.dim() == 1:
+        k_pos = k_pos[None, :]  # (1, S)
+    return k_pos[:, None, None, :] <= q_pos[:, None, :, None]  # (B, 1, T, S)
+
+
+def positions_from_mask(keep: Tensor) -> Tensor:
+    """Positions that skip padding, for left- or right-padded rows: (B, T) -> (B, T) long."""
+    keep = keep.long()
+    return (keep.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float = 0.0) -> Tensor:
+    """Scaled dot-product attention, softmax(q k^T / sqrt(D)) v.
+
+    q: (B, H, T, D); k, v: (B, K, S, D) with H % K == 0; mask: bool, broadcastable to
+    (B, 1, T, S), True = attend. Returns (B, H, T, D). Fully masked query rows give zeros.
+    """
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=k.size(1) != q.size(1))
+    live = mask.any(dim=-1, keepdim=True)  # (B, 1, T, 1): rows with at least one key
+    safe = mask | ~live  # (B, 1, T, S): dead rows attend everywhere, then get zeroed
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=safe, dropout_p=dropout_p, enable_gqa=k.size(1) != q.size(1)
+    )  # (B, H, T, D)
+    return out.masked_fill(~live, 0.0)  # (B, H, T, D)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (or grouped-query) attention; self-attention or cross-attention.
+
+    Self-attention may write into a per-layer KV cache (see kv_cache.CacheView); cross-attention
+    takes keys/values precomputed once per request by `project_kv`.
+    """
+
+    def __init__(self, cfg: BlockConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.attn_bias)
+        self.dropout = cfg.dropout
+
+    def _split(self, x: Tensor, heads: int) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, heads, self.head_dim).transpose(1, 2)  # (B, heads, T, D)
+
+    def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, S, C) -> keys, values (B, K, S, D) each."""
+        k = self._split(self.k_proj(x), self.n_kv_heads)  # (B, K, S, D)
+        v = self._split(self.v_proj(x), self.n_kv_heads)  # (B, K, S, D)
+        return k, v
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        cache=None,
+        layer: int = 0,
+        kv: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """x: (B, T, C); mask: (B|1, 1, T|1, S) bool; rope: cos, sin (B, 1, T, D).
+
+        cache: a kv_cache.CacheView to write this step's keys into (self-attention);
+        kv: precomputed (B, K, S, D) keys/values (cross-attention). Returns (B, T, C).
+        """
+        b, t, _ = x.shape
+        q = self._split(self.q_proj(x), self.n_heads)  # (B, H, T, D)
+        if kv is None:
+            k, v = self.project_kv(x)  # (B, K, T, D) each
+            if rope is not None:
+                q = apply_rotary(q, *rope)  # (B, H, T, D)
+                k = apply_rotary(k, *rope)  # (B, K, T, D)
+            if cache is not None:
+                k, v = cache.write(layer, k, v)  # (B, K, S, D) each: past + this step
+        else:
+            k, v = kv  # (B, K, S, D) each
+        drop = self.dropout if self.training else 0.0
+        out = attention(q, k, v, mask, drop)  # (B, H, T, D)
+        out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, C)
+        return self.o_proj(out)  # (B, T, C)

@@ -1,0 +1,198 @@
+"""Frozen, validated configs: one per model family, sharing the block options.
+
+Every architectural choice the three families need is a field here, so an importer
+only has to fill a config and rename tensors. Configs round-trip through JSON
+(`to_dict` / `from_dict`) for our checkpoint format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+Position = Literal["sinusoidal", "learned", "rotary", "none"]
+Norm = Literal["layernorm", "rmsnorm"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"]
+
+_POSITIONS = ("sinusoidal", "learned", "rotary", "none")
+_NORMS = ("layernorm", "rmsnorm")
+_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a working model; the message names the field."""
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """Options shared by every transformer stack."""
+
+    vocab_size: int = 1000
+    d_model: int = 64  # C: model width
+    n_heads: int = 4  # H: query heads
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads (plain multi-head)
+    d_ff: int = 256  # hidden width of the feed-forward block
+    n_layers: int = 2
+    max_positions: int = 512  # longest sequence the position scheme (and the cache) supports
+    position: Position = "learned"
+    rope_theta: float = 10000.0
+    norm: Norm = "layernorm"
+    norm_eps: float = 1e-5
+    prenorm: bool = True  # False = post-norm (original Transformer, BERT, Marian)
+    final_norm: bool = True  # a norm after the last block (pre-norm stacks need one)
+    embed_norm: bool = False  # a norm right after the embeddings (BERT)
+    activation: Activation = "gelu"
+    attn_bias: bool = True  # bias on q/k/v/o projections
+    mlp_bias: bool = True
+    norm_bias: bool = True  # LayerNorm with a bias (ignored for RMSNorm)
+    dropout: float = 0.0
+    scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model)
+    tie_embeddings: bool = True  # output projection shares the token embedding matrix
+    pad_token_id: int | None = None
+
+    family: ClassVar[str] = "block"
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def head_dim(self) -> int:  # D
+        return self.d_model // self.n_heads
+
+    def _validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"{type(self).__name__}: {msg}")
+
+        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_positions"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) > 0,
+                 f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        need(self.d_model % self.n_heads == 0,
+             f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        need(self.kv_heads > 0 and self.n_heads % self.kv_heads == 0,
+             f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.kv_heads})")
+        need(self.position in _POSITIONS, f"position must be one of {_POSITIONS}, got {self.position!r}")
+        need(self.position != "rotary" or self.head_dim % 2 == 0,
+             f"rotary positions need an even head dim, got {self.head_dim}")
+        need(self.norm in _NORMS, f"norm must be one of {_NORMS}, got {self.norm!r}")
+        need(self.activation in _ACTIVATIONS,
+             f"activation must be one of {_ACTIVATIONS}, got {self.activation!r}")
+        need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
+        need(self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
+        need(self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
+             f"pad_token_id {self.pad_token_id} is outside the vocabulary (size {self.vocab_size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": self.family, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BlockConfig:
+        data = dict(data)
+        family = data.pop("family", cls.family)
+        target = CONFIGS.get(family)
+        if target is None:
+            raise ConfigError(f"unknown model family {family!r}; known: {sorted(CONFIGS)}")
+        names = {f.name for f in dataclasses.fields(target)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"{target.__name__}: unknown fields {unknown}")
+        return target(**data)
+
+    def replace(self, **changes: Any) -> BlockConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class EncoderConfig(BlockConfig):
+    """BERT-style encoder with pooling and an optional classification head."""
+
+    type_vocab_size: int = 0  # BERT token-type embeddings; 0 = none
+    pooling: Literal["mean", "cls"] = "mean"
+    normalize_embeddings: bool = True  # L2-normalise pooled embeddings (sentence-transformers)
+    labels: tuple[str, ...] = ()  # classification head labels; empty = no head
+    position: Position = "learned"
+    prenorm: bool = False
+    final_norm: bool = False
+    embed_norm: bool = True
+    activation: Activation = "gelu"
+    norm_eps: float = 1e-12
+
+    family: ClassVar[str] = "encoder"
+
+    def _validate(self) -> None:
+        super()._validate()
+        if self.pooling not in ("mean", "cls"):
+            raise ConfigError(f"EncoderConfig: pooling must be 'mean' or 'cls', got {self.pooling!r}")
+        if self.position == "rotary":
+            raise ConfigError("EncoderConfig: rotary positions are only supported in decoders")
+        if len(set(self.labels)) != len(self.labels):
+            raise ConfigError(f"EncoderConfig: duplicate labels in {self.labels}")
+
+
+@dataclass(frozen=True)
+class DecoderConfig(BlockConfig):
+    """Decoder-only causal language model (GPT-2 / Llama style)."""
+
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    family: ClassVar[str] = "decoder"
+
+
+@dataclass(frozen=True)
+class Seq2SeqConfig(BlockConfig):
+    """Encoder-decoder (Marian / original Transformer). n_layers is the encoder depth."""
+
+    decoder_layers: int | None = None  # None = n_layers
+    decoder_start_token_id: int = 0
+    eos_token_id: int = 0
+    final_logits_bias: bool = True  # Marian keeps a (vocab,) bias on the output logits
+    position: Position = "sinusoidal"
+    prenorm: bool = False
+    final_norm: bool = False
+    activation: Activation = "relu"
+
+    family: ClassVar[str] = "seq2seq"
+
+    @property
+    def n_decoder_layers(self) -> int:
+        return self.decoder_layers if self.decoder_layers is not None else self.n_layers
+
+    def _validate(self) -> None:
+        super()._validate()
+        if self.position == "rotary":
+            raise ConfigError("Seq2SeqConfig: rotary positions are not supported for cross-attention models")
+        for name in ("decoder_start_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if not 0 <= value < self.vocab_size:
+                raise ConfigError(f"Seq2SeqConfig: {name} {value} is outside the vocabulary ({self.vocab_size})")
+
+
+CONFIGS: dict[str, type[BlockConfig]] = {
+    "encoder": EncoderConfig,
+    "decoder": DecoderConfig,
+    "seq2seq": Seq2SeqConfig,
+}
+
+# Named presets: tiny ones for tests, the shapes of the default models for reference.
+PRESETS: dict[str, BlockConfig] = {
+    "tiny-encoder": EncoderConfig(vocab_size=100, d_model=16, n_heads=2, d_ff=32, n_layers=2,
+                                  max_positions=64, type_vocab_size=2, pad_token_id=0),
+    "tiny-gpt": DecoderConfig(vocab_size=100, d_model=16, n_heads=2, d_ff=32, n_layers=2, max_positions=64,
+                              activation="gelu_tanh", eos_token_ids=(1,)),
+    "tiny-llama": DecoderConfig(vocab_size=100, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, n_layers=2,
+                                max_positions=64, position="rotary", norm="rmsnorm", activation="swiglu",
+                                attn_bias=False, mlp_bias=False, eos_token_ids=(1,)),
+    "tiny-seq2seq": Seq2SeqConfig(vocab_size=100, d_model=16, n_heads=2, d_ff=32, n_layers=2,
+                                  max_positions=64, pad_token_id=2, decoder_start_token_id=2, eos_token_id=0,
+                                  scale_embeddings=True),
+}
+
+__all__ = [
+    "BlockConfig", "ConfigError", "DecoderConfig", "EncoderConfig", "Seq2SeqConfig", "CONFIGS", "PRESETS",
+]

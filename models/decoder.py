@@ -1,0 +1,39 @@
+"""Decoder-only causal language model (GPT-2 / Llama style)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import DecoderConfig
+from .kv_cache import CacheView
+from .stacks import CausalStack, gather_rows
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.stack = CausalStack(cfg, cfg.n_layers)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """(B, T, C) -> (B, T, V)."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.stack.embed.tokens.weight)
+        return self.lm_head(hidden)
+
+    def forward(
+        self,
+        ids: Tensor,
+        keep: Tensor | None = None,
+        cache: CacheView | None = None,
+        last: Tensor | None = None,
+    ) -> Tensor:
+        """ids (B, T) -> logits (B, T, V), or (B, 1, V) at index `last` (B,) of each row.
+
+        With `cache`, the step's keys/values are written into it; the caller advances the
+        cache lengths by each row's real token count afterwards.
+        """
+        hidden = self.stack(ids, keep, cache)  # (B, T, C)
+        return self.logits(gather_rows(hidden, last))

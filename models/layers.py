@@ -1,0 +1,131 @@
+"""Norms, feed-forward variants, embeddings and the transformer block shared by all families."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import MultiHeadAttention
+from .config import BlockConfig
+from .positions import LearnedPositions, SinusoidalPositions
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like the Llama reference."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., C)
+        return self.weight * x32.to(x.dtype)
+
+
+def make_norm(cfg: BlockConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.norm_bias)
+
+
+_ACT = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+class FeedForward(nn.Module):
+    """Two-layer MLP, or a gated one (SwiGLU / GeGLU: down(act(gate(x)) * up(x)))."""
+
+    def __init__(self, cfg: BlockConfig) -> None:
+        super().__init__()
+        self.gated = cfg.activation in ("swiglu", "geglu")
+        self.act = {"swiglu": F.silu, "geglu": F.gelu}.get(cfg.activation) or _ACT[cfg.activation]
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias) if self.gated else None
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gate is not None:
+            h = self.act(self.gate(x)) * self.up(x)  # (B, T, F)
+        else:
+            h = self.act(self.up(x))  # (B, T, F)
+        return self.down(self.dropout(h))  # (B, T, C)
+
+
+class Embeddings(nn.Module):
+    """Token (+ token type) (+ absolute position) embeddings, optional scaling and norm."""
+
+    def __init__(self, cfg: BlockConfig, type_vocab_size: int = 0) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        nn.init.normal_(self.tokens.weight, std=0.02)
+        self.scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+        self.types = nn.Embedding(type_vocab_size, cfg.d_model) if type_vocab_size else None
+        self.positions: nn.Module | None = None
+        if cfg.position == "learned":
+            self.positions = LearnedPositions(cfg.max_positions, cfg.d_model)
+        elif cfg.position == "sinusoidal":
+            self.positions = SinusoidalPositions(cfg.max_positions, cfg.d_model)
+        self.norm = make_norm(cfg) if cfg.embed_norm else None
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: Tensor, positions: Tensor, token_types: Tensor | None = None) -> Tensor:
+        """ids, positions, token_types: (B, T) long -> (B, T, C)."""
+        x = self.tokens(ids)  # (B, T, C)
+        if self.scale != 1.0:
+            x = x * self.scale
+        if self.positions is not None:
+            x = x + self.positions(positions).to(x.dtype)  # (B, T, C)
+        if self.types is not None:
+            types = token_types if token_types is not None else torch.zeros_like(ids)
+            x = x + self.types(types)  # (B, T, C)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.dropout(x)
+
+
+class Block(nn.Module):
+    """Self-attention (+ cross-attention) + feed-forward, pre- or post-norm."""
+
+    def __init__(self, cfg: BlockConfig, cross: bool = False) -> None:
+        super().__init__()
+        self.prenorm = cfg.prenorm
+        self.self_attn = MultiHeadAttention(cfg)
+        self.self_norm = make_norm(cfg)
+        self.cross_attn = MultiHeadAttention(cfg) if cross else None
+        self.cross_norm = make_norm(cfg) if cross else None
+        self.ff = FeedForward(cfg)
+        self.ff_norm = make_norm(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def _residual(self, x: Tensor, norm: nn.Module, fn) -> Tensor:
+        if self.prenorm:
+            return x + self.dropout(fn(norm(x)))
+        return norm(x + self.dropout(fn(x)))
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        cache=None,
+        layer: int = 0,
+        cross_kv: tuple[Tensor, Tensor] | None = None,
+        cross_mask: Tensor | None = None,
+    ) -> Tensor:
+        """x: (B, T, C) -> (B, T, C). cross_kv: (B, K, S_src, D) keys/values of the encoder output."""
+        x = self._residual(x, self.self_norm, lambda h: self.self_attn(h, mask, rope, cache, layer))
+        if self.cross_attn is not None:
+            if cross_kv is None:
+                raise ValueError("a cross-attention block needs the encoder's keys/values")
+            x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(h, cross_mask, kv=cross_kv))
+        return self._residual(x, self.ff_norm, self.ff)

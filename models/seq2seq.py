@@ -1,0 +1,57 @@
+"""Encoder-decoder (Marian / original Transformer) with separate encode() and decode()."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import Seq2SeqConfig
+from .kv_cache import CacheView, CrossCache
+from .layers import Embeddings
+from .stacks import CausalStack, EncoderStack, gather_rows
+
+
+class Seq2Seq(nn.Module):
+    """Shared token embeddings (Marian ties encoder, decoder and output embeddings)."""
+
+    def __init__(self, cfg: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        shared = Embeddings(cfg)
+        self.encoder = EncoderStack(cfg, embed=shared)
+        self.decoder = CausalStack(cfg, cfg.n_decoder_layers, cross=True, embed=Embeddings(cfg))
+        self.decoder.embed.tokens = shared.tokens  # one token matrix, two position/dropout wrappers
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.final_logits_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.final_logits_bias else None
+
+    def encode(self, src: Tensor, src_keep: Tensor | None = None) -> Tensor:
+        """src (B, S) -> memory (B, S, C)."""
+        return self.encoder(src, src_keep)
+
+    def cross_cache(self, memory: Tensor, src_keep: Tensor) -> CrossCache:
+        """Encoder keys/values for every decoder layer, computed once per request."""
+        kv = [block.cross_attn.project_kv(memory) for block in self.decoder.blocks]  # (B, K, S, D) x2
+        return CrossCache(kv, src_keep.bool())
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """(B, T, C) -> (B, T, V)."""
+        out = F.linear(hidden, self.decoder.embed.tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        return out + self.final_logits_bias if self.final_logits_bias is not None else out
+
+    def decode(
+        self,
+        tgt: Tensor,
+        cross: CrossCache,
+        tgt_keep: Tensor | None = None,
+        cache: CacheView | None = None,
+        last: Tensor | None = None,
+    ) -> Tensor:
+        """tgt (B, T) -> logits (B, T, V) (or (B, 1, V) at `last`)."""
+        hidden = self.decoder(tgt, tgt_keep, cache, cross)  # (B, T, C)
+        return self.logits(gather_rows(hidden, last))
+
+    def forward(self, src: Tensor, src_keep: Tensor, tgt: Tensor, tgt_keep: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits (B, T, V), for training and parity checks."""
+        memory = self.encode(src, src_keep)  # (B, S, C)
+        return self.decode(tgt, self.cross_cache(memory, src_keep), tgt_keep)

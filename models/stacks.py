@@ -1,0 +1,87 @@
+"""The two stacks every family is built from: a bidirectional encoder stack and a causal stack.
+
+Both take a (B, T) "keep" mask (True = real token) and build their boolean attention masks
+here and only here, with the helpers of attention.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .attention import causal_mask, padding_mask, positions_from_mask
+from .config import BlockConfig
+from .kv_cache import CacheView, CrossCache
+from .layers import Block, Embeddings, make_norm
+from .positions import RotaryPositions
+
+
+class EncoderStack(nn.Module):
+    """Embeddings + bidirectional blocks (+ final norm). Output (B, T, C)."""
+
+    def __init__(self, cfg: BlockConfig, embed: Embeddings | None = None, type_vocab_size: int = 0) -> None:
+        super().__init__()
+        self.embed = embed if embed is not None else Embeddings(cfg, type_vocab_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg) if cfg.final_norm else None
+
+    def forward(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None) -> Tensor:
+        """ids: (B, T) long; keep: (B, T) bool, True = real token. Returns (B, T, C)."""
+        if keep is None:
+            keep = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
+        positions = positions_from_mask(keep)  # (B, T): pad-invariant for left or right padding
+        x = self.embed(ids, positions, token_types)  # (B, T, C)
+        mask = padding_mask(keep)  # (B, 1, 1, T)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.norm(x) if self.norm is not None else x
+
+
+class CausalStack(nn.Module):
+    """Embeddings + causal blocks (+ cross-attention) (+ final norm). Output (B, T, C).
+
+    Without a cache, rows may be left- or right-padded (keep marks real tokens). With a cache,
+    inputs are right-padded: row b's T new tokens sit at positions lengths[b] .. lengths[b]+T-1.
+    """
+
+    def __init__(self, cfg: BlockConfig, n_layers: int, cross: bool = False,
+                 embed: Embeddings | None = None) -> None:
+        super().__init__()
+        self.embed = embed if embed is not None else Embeddings(cfg)
+        self.rotary = RotaryPositions(cfg.head_dim, cfg.rope_theta) if cfg.position == "rotary" else None
+        self.blocks = nn.ModuleList(Block(cfg, cross=cross) for _ in range(n_layers))
+        self.norm = make_norm(cfg) if cfg.final_norm else None
+
+    def forward(
+        self,
+        ids: Tensor,
+        keep: Tensor | None = None,
+        cache: CacheView | None = None,
+        cross: CrossCache | None = None,
+    ) -> Tensor:
+        """ids: (B, T) long; keep: (B, T) bool; cache: rows to read/write; cross: encoder keys/values."""
+        b, t = ids.shape
+        if cache is not None:
+            positions, s = cache.begin(t)  # (B, T), S = longest past + T
+            mask = causal_mask(positions, torch.arange(s, device=ids.device))  # (B, 1, T, S)
+        else:
+            if keep is None:
+                keep = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
+            positions = positions_from_mask(keep)  # (B, T)
+            slots = torch.arange(t, device=ids.device)  # (T,)
+            mask = causal_mask(slots.expand(b, t), slots) & padding_mask(keep)  # (B, 1, T, T)
+        x = self.embed(ids, positions)  # (B, T, C)
+        rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2
+        cross_mask = padding_mask(cross.src_keep) if cross is not None else None  # (B, 1, 1, S_src)
+        for i, block in enumerate(self.blocks):
+            kv = cross.kv[i] if cross is not None else None
+            x = block(x, mask, rope, cache, i, kv, cross_mask)
+        return self.norm(x) if self.norm is not None else x
+
+
+def gather_rows(hidden: Tensor, index: Tensor | None) -> Tensor:
+    """hidden (B, T, C), index (B,) -> (B, 1, C) at each row's index; None keeps all of T."""
+    if index is None:
+        return hidden
+    idx = index.view(-1, 1, 1).expand(-1, 1, hidden.size(-1))  # (B, 1, C)
+    return hidden.gather(1, idx)  # (B, 1, C)
