@@ -14,7 +14,6 @@ A query row with no key to attend gives zeros, never NaN.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 

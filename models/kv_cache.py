@@ -70,7 +70,7 @@ class KVCache:
         """Rows [start, start+len(index)) become rows start+index (beam search)."""
         stop = start + index.numel()
         src = index + start
-        n = int(self.lengths[start:stop].max()) if stop > start else 0
+        n = int(self.lengths[src].max()) if stop > start else 0
         for buf in self.k + self.v:
             buf[start:stop, :, :n] = buf[src, :, :n]
         self.lengths[start:stop] = self.lengths[src].clone()

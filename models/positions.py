@@ -46,16 +46,21 @@ class LearnedPositions(nn.Module):
 
 
 class RotaryPositions(nn.Module):
-    """Rotary embeddings in the rotate-half layout used by Llama checkpoints in `transformers`."""
+    """Rotary embeddings in the rotate-half layout used by Llama checkpoints in `transformers`.
+
+    The frequencies are recomputed in float32 on the positions' device rather than stored as a
+    buffer, so casting the model to bf16/fp16 cannot degrade them.
+    """
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (D/2,)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions (B, T) -> cos, sin (B, 1, T, D) in `dtype`."""
-        angles = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device)
+        inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))  # (D/2,)
+        angles = positions[..., None].float() * inv_freq  # (B, T, D/2)
         emb = torch.cat((angles, angles), dim=-1)  # (B, T, D)
         return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)  # (B, 1, T, D) each
 

