@@ -1,0 +1,187 @@
+"""The model catalog: which model serves each task, where its weights come from, and how to load it.
+
+A `ModelSpec` names a model, its task and its sources as URIs, so an operator can point a task
+at another checkpoint from the Serve config without code changes:
+
+    zoo:NAME        pinned default weights fetched by `python -m models.zoo fetch` (see zoo.py)
+    builtin:NAME    weights committed in this repository under models/weights/NAME
+    dir:PATH        a checkpoint in our format (config.json + model.safetensors)
+    hf:PATH         a Hugging Face directory (BERT, GPT-2, Llama, Marian) imported on load
+    gguf:PATH       a Llama-architecture GGUF file (converted once, then cached)
+    tiny:FAMILY     a tiny random model with a character tokenizer (tests only)
+
+Loaders are looked up in a registry dict by scheme.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from . import zoo
+from .checkpoints.format import load_checkpoint, load_state_strict
+from .text import TextTokenizer
+
+Task = Literal["classify", "embed", "translate", "generate"]
+BUILTIN_DIR = Path(__file__).parent / "weights"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to serve. `tasks` lists the endpoints the model answers (an encoder can do two)."""
+
+    name: str
+    tasks: tuple[str, ...]
+    source: str
+    head: str | None = None  # classify: a head checkpoint (builtin:NAME or dir:PATH)
+    tokenizer: str | None = None  # default: the tokenizer beside the weights
+    languages: tuple[str, str] | None = None  # translate: (source, target)
+    max_input_tokens: int | None = None  # default: the model's max_positions
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # decoding defaults for this model
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
+        data = dict(data)
+        for key in ("tasks", "languages"):
+            if data.get(key) is not None:
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve: eval mode, on its device, with its tokenizer."""
+
+    spec: ModelSpec
+    model: nn.Module
+    tokenizer: TextTokenizer
+    labels: tuple[str, ...] = ()
+    max_input_tokens: int = 512
+    load_seconds: float = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+# The defaults `make serve` uses: one encoder for classification and embeddings, our translator,
+# and SmolLM2 for generation.
+DEFAULT_SPECS: dict[str, ModelSpec] = {
+    "encoder": ModelSpec(
+        name="minilm-sentiment", tasks=("classify", "embed"), source="zoo:minilm",
+        head="builtin:sentiment-head", max_input_tokens=256,
+    ),
+    "translator": ModelSpec(
+        name="transformer-en-es", tasks=("translate",), source="builtin:translator-en-es",
+        languages=("en", "es"), max_input_tokens=128, defaults={"beam_size": 4, "max_new_tokens": 128},
+    ),
+    "generator": ModelSpec(
+        name="smollm2-135m-instruct", tasks=("generate",), source="gguf:zoo:smollm2",
+        max_input_tokens=2048, defaults={"max_new_tokens": 128, "temperature": 0.0},
+    ),
+}
+
+
+def _split(uri: str) -> tuple[str, str]:
+    scheme, sep, rest = uri.partition(":")
+    if not sep or scheme not in LOADERS:
+        raise ValueError(f"model source {uri!r} must start with one of {sorted(s + ':' for s in LOADERS)}")
+    return scheme, rest
+
+
+def resolve_dir(uri: str, cache_dir: Path) -> Path:
+    """Directory of a zoo:/builtin:/dir:/hf: source."""
+    scheme, rest = _split(uri)
+    if scheme == "zoo":
+        return zoo.resolve(rest, cache_dir)
+    if scheme == "builtin":
+        path = BUILTIN_DIR / rest
+        if not path.is_dir():
+            raise FileNotFoundError(f"no built-in weights {rest!r} under {BUILTIN_DIR}")
+        return path
+    return Path(rest).expanduser()
+
+
+def _load_hf_dir(path: Path) -> tuple[nn.Module, TextTokenizer]:
+    from .checkpoints.registry import import_hf_dir
+
+    return import_hf_dir(path), TextTokenizer.from_file(path)
+
+
+def _load_ours(path: Path) -> tuple[nn.Module, TextTokenizer]:
+    return load_checkpoint(path), TextTokenizer.from_file(path)
+
+
+def _load_gguf(rest: str, cache_dir: Path) -> tuple[nn.Module, TextTokenizer]:
+    """gguf:PATH, or gguf:zoo:NAME for a pinned GGUF (its hash is known, so no re-hashing)."""
+    from .checkpoints.cache import load_gguf_cached
+
+    if rest.startswith("zoo:"):
+        name = rest[len("zoo:"):]
+        (file, digest), = zoo.ZOO[name].files.items()
+        loaded = load_gguf_cached(zoo.resolve(name, cache_dir) / file, cache_dir, source_sha256=digest)
+    else:
+        loaded = load_gguf_cached(Path(rest).expanduser(), cache_dir)
+    hf_tok = loaded.tokenizer
+    special = {k: v for k, v in (("bos_token", hf_tok.bos_token), ("eos_token", hf_tok.eos_token)) if v}
+    return loaded.model, TextTokenizer(hf_tok.backend_tokenizer, loaded.chat_template, special)
+
+
+def _load_tiny(rest: str, cache_dir: Path) -> tuple[nn.Module, TextTokenizer]:
+    from .tiny import tiny_model
+
+    return tiny_model(rest)
+
+
+LOADERS: dict[str, Callable[[str, Path], tuple[nn.Module, TextTokenizer]]] = {
+    "zoo": lambda rest, cache_dir: _load_hf_dir(zoo.resolve(rest, cache_dir)),
+    "builtin": lambda rest, cache_dir: _load_ours(resolve_dir("builtin:" + rest, cache_dir)),
+    "dir": lambda rest, cache_dir: _load_ours(Path(rest).expanduser()),
+    "hf": lambda rest, cache_dir: _load_hf_dir(Path(rest).expanduser()),
+    "gguf": _load_gguf,
+    "tiny": _load_tiny,
+}
+
+
+def _attach_head(model: nn.Module, head_uri: str, cache_dir: Path) -> tuple[nn.Module, tuple[str, ...]]:
+    """Encoder + a classification head checkpoint (head.safetensors + head.json with its labels)."""
+    from safetensors.torch import load_file
+
+    from .encoder import EncoderModel
+
+    head_dir = resolve_dir(head_uri, cache_dir)
+    meta = json.loads((head_dir / "head.json").read_text())
+    labels = tuple(meta["labels"])
+    cfg = model.cfg.replace(labels=labels)
+    with_head = EncoderModel(cfg)
+    state = {k: v for k, v in model.state_dict().items()}
+    state.update({f"head.{k}": v for k, v in load_file(head_dir / "head.safetensors").items()})
+    load_state_strict(with_head, state)
+    return with_head.eval(), labels
+
+
+def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load, move to device once, cast, eval. Raises zoo.WeightsMissingError naming the fetch command."""
+    import time
+
+    started = time.perf_counter()
+    scheme, rest = _split(spec.source)
+    model, tokenizer = LOADERS[scheme](rest, cache_dir)
+    labels: tuple[str, ...] = tuple(getattr(model.cfg, "labels", ()))
+    if spec.head is not None:
+        model, labels = _attach_head(model, spec.head, cache_dir)
+    if spec.tokenizer is not None:
+        tokenizer = TextTokenizer.from_file(resolve_dir(spec.tokenizer, cache_dir))
+    model = model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
+    limit = min(spec.max_input_tokens or model.cfg.max_positions, model.cfg.max_positions)
+    return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started)

@@ -1,0 +1,204 @@
+"""Import Llama-architecture GGUF files (llama.cpp) as Hugging Face-style config + state, then our DecoderLM.
+
+What a GGUF holds and how it maps:
+- metadata `llama.*` / `tokenizer.ggml.*` -> a transformers LlamaConfig dict (hf_config_from_gguf);
+  `tie_word_embeddings` is True when the file has no `output.weight` tensor;
+- tensors, possibly quantized (Q4_1, Q8_0, ...), are dequantized to float32 and reshaped to the
+  reversed GGUF shape (GGUF lists the fastest-varying dimension first): `(out, in)` like nn.Linear;
+- GGUF names (`blk.N.attn_q.weight`, ...) -> transformers names (`model.layers.N.self_attn.q_proj.weight`);
+- llama.cpp's converter permutes the rows of the q and k projections (HF rotates the two halves of
+  each head, llama.cpp rotates adjacent pairs); `unpermute_rotary` undoes it, as transformers' own
+  GGUF loader does (modeling_gguf_pytorch_utils.LlamaTensorProcessor).
+The state is then handed to `models.checkpoints.llama.from_hf`. The chat template is metadata
+`tokenizer.chat_template`; the tokenizer is rebuilt by transformers from the `tokenizer.ggml.*` fields
+(load_gguf_tokenizer; slow: cache it with models.checkpoints.cache).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..decoder import DecoderLM
+from .format import CheckpointError
+from .llama import from_hf
+
+log = logging.getLogger(__name__)
+
+# GGUF names outside the blocks -> transformers names (suffix .weight/.bias kept)
+GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# GGUF names inside block N (`blk.N.<name>`) -> transformers names inside `model.layers.N.`
+BLOCK_TENSORS: dict[str, str] = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    """The decoded contents of a GGUF: transformers config dict, float32 state with transformers names."""
+
+    hf_config: dict[str, Any]
+    state: dict[str, Tensor]
+    chat_template: str | None
+
+
+def unpermute_rotary(w: Tensor, n_heads: int) -> Tensor:
+    """Undo llama.cpp's q/k row permutation (GGUF -> HF): w (n_heads * D, ...), n_heads = kv heads for k.
+
+    convert_hf_to_gguf reorders each head's rows [x0 .. x_{D/2-1}, y0 .. y_{D/2-1}] (HF rotates halves)
+    into [x0, y0, x1, y1, ...] (llama.cpp rotates adjacent pairs); this restores the HF order.
+    """
+    d = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, d, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # (H * D, ...)
+
+
+def hf_name(name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names raise."""
+    stem, _, suffix = name.rpartition(".")
+    parts = stem.split(".")
+    if len(parts) == 1 and stem in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[stem]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in BLOCK_TENSORS:
+        return f"model.layers.{parts[1]}.{BLOCK_TENSORS[parts[2]]}.{suffix}"
+    raise CheckpointError(f"GGUF tensor {name!r} has no Llama counterpart "
+                          f"(supported: {sorted(GLOBAL_TENSORS)}, "
+                          f"blk.N.{{{', '.join(sorted(BLOCK_TENSORS))}}})")
+
+
+_MISSING = object()
+
+
+def field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
+    """A metadata value (scalars as Python values, strings decoded, arrays as lists)."""
+    f = reader.get_field(key)
+    if f is None:
+        if default is _MISSING:
+            raise CheckpointError(f"GGUF metadata {key!r} is missing")
+        return default
+    return f.contents()
+
+
+def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
+    arch = "llama"
+    n_embd = int(field(reader, f"{arch}.embedding_length"))
+    n_heads = int(field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(field(reader, f"{arch}.attention.key_length", n_embd // n_heads))
+    rope_dims = int(field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise CheckpointError(f"GGUF: partial rotary (rope.dimension_count={rope_dims}, head dim {head_dim}) "
+                              "is not supported")
+    scaling = field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise CheckpointError(f"GGUF: rope scaling {scaling!r} is not supported")
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise CheckpointError("GGUF metadata 'tokenizer.ggml.tokens' is missing: cannot size the vocabulary")
+    theta = float(field(reader, f"{arch}.rope.freq_base", 10000.0))
+    eos = field(reader, "tokenizer.ggml.eos_token_id", None)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": len(tokens.data),
+        "hidden_size": n_embd,
+        "intermediate_size": int(field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(field(reader, f"{arch}.block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(field(reader, f"{arch}.context_length")),
+        "rms_norm_eps": float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": eos,
+        "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id", None),
+    }
+
+
+# general.architecture -> builder of the transformers config dict
+ARCHITECTURES: dict[str, Callable[[gguf.GGUFReader], dict[str, Any]]] = {"llama": _llama_config}
+
+
+def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """A transformers LlamaConfig dict from the GGUF metadata."""
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"GGUF architecture {arch!r} is not supported; "
+                              f"supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[arch](reader)
+
+
+def dequantized(tensor: gguf.ReaderTensor) -> Tensor:
+    """float32 tensor in transformers layout (reversed GGUF shape), owning its memory (not the mmap)."""
+    arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    if not arr.flags.writeable or arr.dtype != np.float32:  # F32 tensors come back as views of the file
+        arr = np.array(arr, dtype=np.float32)
+    shape = [int(n) for n in reversed(tensor.shape)]
+    return torch.from_numpy(arr).reshape(shape)
+
+
+def read_gguf(path: str | Path) -> GGUFModel:
+    """Config, float32 transformers-named state (q/k un-permuted) and chat template of a Llama GGUF."""
+    reader = gguf.GGUFReader(str(path))
+    hf_config = hf_config_from_gguf(reader)
+    heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
+    state: dict[str, Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        w = dequantized(tensor)  # (out, in) or (C,)
+        kind = tensor.name.split(".")[-2]
+        if kind in heads:
+            w = unpermute_rotary(w, heads[kind])  # (H * D, C)
+        state[name] = w
+    template = field(reader, "tokenizer.chat_template", None)
+    log.info("read %s: %d tensors (%s)", path, len(state),
+             ", ".join(sorted({t.tensor_type.name for t in reader.tensors})))
+    return GGUFModel(hf_config, state, template)
+
+
+def import_gguf(path: str | Path, dtype: torch.dtype | None = None) -> tuple[DecoderLM, GGUFModel]:
+    """Our DecoderLM (eval mode) from a Llama GGUF, and the decoded contents it was built from.
+
+    dtype: cast the (dequantized, float32) weights to it; None keeps float32.
+    """
+    contents = read_gguf(path)
+    return from_hf(contents.hf_config, contents.state, dtype=dtype), contents
+
+
+def load_gguf_tokenizer(path: str | Path) -> Any:
+    """The transformers (fast) tokenizer rebuilt from the GGUF's tokenizer.ggml.* metadata (takes seconds)."""
+    from transformers import AutoTokenizer  # heavy import, only needed here
+
+    p = Path(path)
+    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+
+
+__all__ = [
+    "ARCHITECTURES", "BLOCK_TENSORS", "GGUFModel", "GLOBAL_TENSORS", "dequantized", "field",
+    "hf_config_from_gguf",
+    "hf_name", "import_gguf", "load_gguf_tokenizer", "read_gguf", "unpermute_rotary",
+]

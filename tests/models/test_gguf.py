@@ -1,0 +1,215 @@
+"""GGUF import and the converted-weights cache, on tiny random Llama GGUFs written here.
+
+A random transformers LlamaForCausalLM is written the way llama.cpp's convert_hf_to_gguf does
+(its own names, q/k rows permuted, optional quantization); importing it must give the same logits.
+The naming table and permutation below are written out independently of models.checkpoints.gguf_import,
+so a mistake there cannot cancel out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from models.checkpoints import cache as converted
+from models.checkpoints.format import CheckpointError
+from models.checkpoints.gguf_import import (
+    hf_name,
+    import_gguf,
+    load_gguf_tokenizer,
+    read_gguf,
+    unpermute_rotary,
+)
+
+Q = gguf.GGMLQuantizationType
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENS = SPECIALS + list(bytes_to_unicode().values()) + ["Ġt", "he", "Ġthe"]
+MERGES = ["Ġ t", "h e", "Ġt he"]
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+N_LAYERS = 2
+
+# llama.cpp tensor names for transformers' Llama names (as convert_hf_to_gguf writes them)
+TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+for _i in range(N_LAYERS):
+    for _theirs, _ours in [("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+                           ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+                           ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down"),
+                           ("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm")]:
+        TO_GGUF[f"model.layers.{_i}.{_theirs}.weight"] = f"blk.{_i}.{_ours}.weight"
+
+
+def llamacpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """convert_hf_to_gguf.LlamaModel.permute, verbatim."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))
+
+
+def tiny_llama(tie: bool, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+                      rope_theta=500.0, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))  # not all ones, so norms must land in the right place
+    return model
+
+
+def write_gguf(path: Path, model: LlamaForCausalLM, qtype: gguf.GGMLQuantizationType) -> None:
+    """Write `model` as llama.cpp would, and load the quantization round-trip back into `model`.
+
+    Afterwards `model` holds exactly the weights the GGUF represents, so it is the reference.
+    """
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(TOKENS)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(TEMPLATE)
+    state = model.state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    for name, tensor in state.items():
+        original = tensor.numpy()
+        data = original
+        if name.endswith("q_proj.weight"):
+            data = llamacpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            data = llamacpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
+        if data.ndim == 2 and qtype != Q.F32:
+            w.add_tensor(TO_GGUF[name], gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            # blocks run along rows, so quantizing commutes with the row permutation
+            rounded = gguf.quants.dequantize(gguf.quants.quantize(original, qtype), qtype).reshape(original.shape)
+            with torch.no_grad():
+                model.get_parameter(name).copy_(torch.from_numpy(rounded))
+        else:
+            w.add_tensor(TO_GGUF[name], np.ascontiguousarray(data, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture
+def ids() -> torch.Tensor:
+    return torch.randint(0, len(TOKENS), (2, 11), generator=torch.Generator().manual_seed(1))  # (B, T)
+
+
+@pytest.mark.parametrize(("qtype", "tie"), [(Q.F32, True), (Q.F32, False), (Q.Q8_0, True)],
+                         ids=["f32-tied", "f32-untied", "q8_0-tied"])
+def test_import_matches_transformers(tmp_path: Path, ids: torch.Tensor, qtype: Q, tie: bool) -> None:
+    ref = tiny_llama(tie)
+    write_gguf(tmp_path / "tiny.gguf", ref, qtype)
+    model, contents = import_gguf(tmp_path / "tiny.gguf")
+    assert model.cfg.tie_embeddings is tie and contents.hf_config["tie_word_embeddings"] is tie
+    with torch.no_grad():
+        expected = ref(ids).logits  # (B, T, V)
+        got = model(ids)  # (B, T, V)
+    assert got.shape == expected.shape == (2, 11, len(TOKENS))
+    assert rel_err(got, expected) <= 1e-4
+
+
+def test_config_and_template_come_from_metadata(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "tiny.gguf", tiny_llama(tie=True), Q.F32)
+    contents = read_gguf(tmp_path / "tiny.gguf")
+    cfg = contents.hf_config
+    assert (cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"]) == (len(TOKENS), 64, 128)
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (N_LAYERS, 4, 2)
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["max_position_embeddings"]) == (1, 2, 64)
+    assert cfg["rope_theta"] == 500.0 and cfg["rms_norm_eps"] == pytest.approx(1e-5)
+    assert contents.chat_template == TEMPLATE
+    assert "lm_head.weight" not in contents.state
+    assert all(t.dtype == torch.float32 for t in contents.state.values())
+
+
+def test_unpermute_inverts_llamacpp_permutation() -> None:
+    w = torch.arange(8 * 2 * 3, dtype=torch.float32).reshape(16, 3)  # 2 heads of D=8, 3 inputs
+    permuted = torch.from_numpy(llamacpp_permute(w.numpy(), 4, 2))
+    assert not torch.equal(permuted, w)
+    assert torch.equal(unpermute_rotary(permuted, 2), w)
+
+
+def test_names_map_to_transformers_and_unknown_names_raise() -> None:
+    assert hf_name("blk.3.ffn_gate.weight") == "model.layers.3.mlp.gate_proj.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    with pytest.raises(CheckpointError, match="rope_freqs.weight"):
+        hf_name("rope_freqs.weight")
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "falcon")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="architecture 'falcon' is not supported"):
+        read_gguf(tmp_path / "other.gguf")
+
+
+def test_converted_cache_round_trip(tmp_path: Path, ids: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src" / "tiny.gguf"
+    src.parent.mkdir()
+    write_gguf(src, tiny_llama(tie=True), Q.Q8_0)
+    direct, _ = import_gguf(src)
+    cache_dir = tmp_path / "cache"
+
+    first = converted.load_gguf_cached(src, cache_dir)
+    entries = list((cache_dir / converted.CONVERTED).iterdir())
+    assert [e.name for e in entries] == [converted.cache_key(converted.zoo.sha256_file(src))]  # no temp dirs
+
+    def no_conversion(*args: object) -> None:
+        raise AssertionError("a cached entry must not be converted again")
+
+    monkeypatch.setattr(converted, "convert_gguf", no_conversion)
+    second = converted.load_gguf_cached(src, cache_dir)
+    with torch.no_grad():
+        expected = direct(ids)  # (B, T, V)
+        for loaded in (first, second):
+            assert torch.equal(loaded.model(ids), expected)
+    assert second.chat_template == TEMPLATE
+    reference = load_gguf_tokenizer(src)
+    text = "the cat sat on the mat"
+    assert second.tokenizer(text).input_ids == reference(text).input_ids
+    assert second.tokenizer.decode(second.tokenizer(text).input_ids) == text
+
+
+def test_new_source_file_gets_a_new_cache_entry(tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    for seed in (0, 1):
+        src = tmp_path / f"seed{seed}" / "tiny.gguf"
+        src.parent.mkdir()
+        write_gguf(src, tiny_llama(tie=True, seed=seed), Q.F32)
+        converted.load_gguf_cached(src, cache_dir)
+    assert len(list((cache_dir / converted.CONVERTED).iterdir())) == 2

@@ -1,0 +1,93 @@
+"""Parity with transformers on the real default weights (fetched once by `make weights`).
+
+These tests fail, rather than skip, when the weights are missing: the Makefile fetches them first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from models import zoo
+from models.checkpoints.cache import load_smollm2
+from models.checkpoints.registry import import_hf_dir
+
+pytestmark = pytest.mark.slow
+
+SENTENCES = [
+    "Hi.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Sentence embeddings map text of any length to one unit vector, which makes padding a good test.",
+]
+
+
+@pytest.fixture(scope="session")
+def weights_cache() -> Path:
+    """The zoo cache root, with every default model present and verified (else fail with the fix)."""
+    cache_dir = zoo.default_cache_dir()
+    try:
+        for name in zoo.ZOO:
+            zoo.resolve(name, cache_dir)
+    except zoo.WeightsMissingError as e:
+        pytest.fail(str(e))
+    return cache_dir
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def transformers_from_gguf(folder: Path, gguf_name: str) -> torch.nn.Module:
+    """transformers' own GGUF reading (config, dequantization, names, q/k un-permutation) in float32.
+
+    `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)` does the same but insists on the
+    `accelerate` package, which this project does not depend on; these are the functions it uses.
+    """
+    config = AutoConfig.from_pretrained(str(folder), gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(folder / gguf_name), return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys  # tied: no output.weight
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def test_minilm_embeddings_match_transformers(weights_cache: Path) -> None:
+    folder = zoo.resolve("minilm", weights_cache)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    keep = batch["attention_mask"].bool()  # (B, T)
+    assert keep.sum(1).unique().numel() == len(SENTENCES)  # really different lengths in one padded batch
+    ref_model = AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = import_hf_dir(folder)
+    with torch.no_grad():
+        hidden = ref_model(**batch).last_hidden_state  # (B, T, C)
+        w = batch["attention_mask"].unsqueeze(-1).float()  # (B, T, 1)
+        expected = F.normalize((hidden * w).sum(1) / w.sum(1).clamp(min=1e-9), dim=-1)  # (B, C)
+        got = ours.embed(batch["input_ids"], keep)  # (B, C)
+    assert got.shape == expected.shape == (len(SENTENCES), 384)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got.norm(dim=-1), torch.ones(len(SENTENCES)))
+
+
+def test_smollm2_logits_match_transformers_gguf_loader(weights_cache: Path) -> None:
+    folder = zoo.resolve("smollm2", weights_cache)
+    (gguf_name,) = zoo.ZOO["smollm2"].files
+    lm = load_smollm2(weights_cache)  # converts once, then loads from the converted cache
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>assistant" in prompt
+    ids = torch.tensor([lm.tokenizer(prompt).input_ids])  # (1, T)
+    ref_tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_name)
+    assert ids[0].tolist() == ref_tok(prompt).input_ids
+    ref = transformers_from_gguf(folder, gguf_name)
+    with torch.no_grad():
+        expected = ref(ids).logits  # (1, T, V)
+        got = lm.model(ids)  # (1, T, V)
+    assert got.shape == expected.shape == (1, ids.shape[1], 49152)
+    assert rel_err(got, expected) <= 1e-4
