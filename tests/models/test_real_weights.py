@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers import AutoModel, AutoTokenizer
 
 from models import zoo
 from models.checkpoints.cache import load_smollm2
 from models.checkpoints.registry import import_hf_dir
+from models.reference import transformers_from_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -40,21 +40,6 @@ def weights_cache() -> Path:
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
-def transformers_from_gguf(folder: Path, gguf_name: str) -> torch.nn.Module:
-    """transformers' own GGUF reading (config, dequantization, names, q/k un-permutation) in float32.
-
-    `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)` does the same but insists on the
-    `accelerate` package, which this project does not depend on; these are the functions it uses.
-    """
-    config = AutoConfig.from_pretrained(str(folder), gguf_file=gguf_name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    tensors = load_gguf_checkpoint(str(folder / gguf_name), return_tensors=True, model_to_load=model)["tensors"]
-    result = model.load_state_dict(tensors, strict=False)
-    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys  # tied: no output.weight
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    return model
 
 
 def test_minilm_embeddings_match_transformers(weights_cache: Path) -> None:
@@ -91,3 +76,15 @@ def test_smollm2_logits_match_transformers_gguf_loader(weights_cache: Path) -> N
         got = lm.model(ids)  # (1, T, V)
     assert got.shape == expected.shape == (1, ids.shape[1], 49152)
     assert rel_err(got, expected) <= 1e-4
+
+
+def test_smollm2_greedy_answer_names_paris(weights_cache: Path) -> None:
+    from models.catalog import DEFAULT_SPECS, load_model
+    from models.decoding import SamplingParams
+    from models.generate import generate
+
+    lm = load_model(DEFAULT_SPECS["generator"], weights_cache)
+    prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = lm.tokenizer.encode(prompt, add_special_tokens=False)
+    (out,) = generate(lm.model, [ids], SamplingParams(max_new_tokens=24))
+    assert "Paris" in lm.tokenizer.decode(out.tokens)
