@@ -64,7 +64,8 @@ def generate(
     seen = None
     if batch.any_penalty:
         seen = torch.zeros(b, model.cfg.vocab_size, dtype=torch.bool, device=device)  # (B, V)
-        seen.scatter_(1, ids, keep)
+        rows = torch.arange(b, device=device)[:, None].expand_as(ids)  # (B, T)
+        seen[rows[keep], ids[keep]] = True  # real prompt tokens only (pad ids may be real tokens)
     logits = model(ids, cache=cache.view(), last=lengths - 1)[:, 0]  # (B, V)
     cache.advance(lengths)
     out: list[list[int]] = [[] for _ in range(b)]

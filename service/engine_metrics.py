@@ -1,0 +1,45 @@
+"""What the engine reports: a stats snapshot (polled) and observer hooks (pushed), free of any
+metrics library; the Prometheus wiring subclasses EngineObserver."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .engine_events import Finished
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot taken after the last step (counters are totals since the engine was built)."""
+
+    running: int  # rows decoding
+    waiting: int  # queued, not yet prefilled
+    rows: int  # cache rows (the most sequences that can run at once)
+    cache_usage: float  # tokens held in the KV cache / its capacity (rows * max_total_tokens)
+    cache_bytes: int
+    prompt_tokens: int  # prefilled
+    generated_tokens: int  # sampled
+    steps: int
+    finished: Mapping[str, int] = field(default_factory=dict)  # finish_reason -> requests
+
+
+class EngineObserver:
+    """Metrics hooks; the defaults do nothing. Called on the engine thread (a request cancelled while
+    waiting is reported on the thread that cancelled it). Keep them cheap; an exception in a hook
+    is logged and ignored."""
+
+    def on_admitted(self, queued_s: float, prompt_tokens: int) -> None:
+        """A request was prefilled after waiting `queued_s` seconds."""
+
+    def on_first_token(self, ttft_s: float) -> None:
+        """Time from submit to a request's first token."""
+
+    def on_inter_token(self, seconds: float) -> None:
+        """Time between two consecutive tokens of one request."""
+
+    def on_step(self, stats: EngineStats, generated: int, step_s: float) -> None:
+        """After every scheduler step: gauges (running, waiting, cache usage), tokens it sampled."""
+
+    def on_finished(self, event: Finished) -> None:
+        """A request ended (any finish_reason); its usage and timing are in the event."""

@@ -1,0 +1,477 @@
+"""The continuous-batching engine on the tiny decoder: admission and eviction, cancellation, limits,
+determinism (alone = among others = models.generate), finish reasons, streamed text, failures.
+
+Most tests drive the scheduler by hand (`engine.step()` on an engine never started) so that what
+happens at each step is exact; a few run the engine thread and the asyncio front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from models.decoding import SamplingParams
+from models.generate import generate
+from models.kv_cache import CacheView
+from models.text import TextTokenizer
+from models.tiny import EOS, tiny_model
+from service.engine import GenerationEngine
+from service.engine_config import EngineClosed, EngineConfig, EngineOverloaded, RequestTooLarge
+from service.engine_events import Delta, Finished, RequestHandle
+from service.engine_metrics import EngineObserver, EngineStats
+from service.errors import InvalidRequest, Overloaded
+
+TEXT = "héllo ¿qué? 日本"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[nn.Module, TextTokenizer]:
+    return tiny_model("decoder")
+
+
+def make(model: nn.Module, tok: TextTokenizer, observer: EngineObserver | None = None,
+         **config: Any) -> GenerationEngine:
+    config.setdefault("max_total_tokens", 128)
+    return GenerationEngine(model, tok, EngineConfig(**config), observer)
+
+
+def run_until_idle(engine: GenerationEngine, max_steps: int = 1000) -> list[EngineStats]:
+    """Step by hand until nothing runs or waits; the stats after each step."""
+    seen = []
+    for _ in range(max_steps):
+        engine.step()
+        seen.append(engine.stats())
+        if seen[-1].running == 0 and seen[-1].waiting == 0:
+            return seen
+    raise AssertionError(f"not idle after {max_steps} steps")
+
+
+def read(handle: RequestHandle) -> tuple[list[Delta], Finished]:
+    """All events of a finished request (sync handle): its deltas and its Finished."""
+    events = list(handle.events(timeout=5))
+    assert isinstance(events[-1], Finished) and all(isinstance(e, Delta) for e in events[:-1])
+    return events[:-1], events[-1]  # type: ignore[return-value]
+
+
+def prompts_of(tok: TextTokenizer, n: int) -> list[list[int]]:
+    return [tok.encode(f"request {i}: " + "abc" * (i % 5), add_special_tokens=False) for i in range(n)]
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """Greedy, penalised and seeded sampled rows, each with its own length."""
+    kinds = [dict(), dict(repetition_penalty=1.3), dict(temperature=0.9, seed=7, top_k=20),
+             dict(temperature=1.2, seed=3, top_p=0.8, repetition_penalty=1.1)]
+    return [SamplingParams(max_new_tokens=3 + (5 * i) % 13, **kinds[i % len(kinds)]) for i in range(n)]
+
+
+class ScriptedLM(nn.Module):
+    """The tiny decoder (it still fills the KV cache) whose logits choose script[i] as the i-th new
+    token after a prompt of `prompt_len` tokens, then EOS."""
+
+    def __init__(self, base: nn.Module, script: Sequence[int], prompt_len: int) -> None:
+        super().__init__()
+        self.base, self.cfg, self.prompt_len = base, base.cfg, prompt_len
+        self.script = torch.tensor([*script, EOS])
+
+    def forward(self, ids: Tensor, keep: Tensor | None = None, cache: CacheView | None = None,
+                last: Tensor | None = None) -> Tensor:
+        assert cache is not None
+        past = cache.lengths.clone()  # (B,)
+        logits = self.base(ids, keep, cache, last)[:, -1:]  # (B, 1, V)
+        index = last if last is not None else torch.full_like(past, ids.size(1) - 1)  # (B,)
+        step = (past + index + 1 - self.prompt_len).clamp(0, len(self.script) - 1)  # (B,)
+        forced = torch.full_like(logits, -1e4)  # (B, 1, V)
+        forced[torch.arange(ids.size(0)), 0, self.script[step]] = 0.0
+        return forced
+
+
+class FaultyLM(nn.Module):
+    """The tiny decoder, raising when `fails(ids, cache)` says so; records every ids it is given."""
+
+    def __init__(self, base: nn.Module, fails: Callable[[Tensor, CacheView], bool]) -> None:
+        super().__init__()
+        self.base, self.cfg, self.fails = base, base.cfg, fails
+        self.calls: list[Tensor] = []
+
+    def forward(self, ids: Tensor, keep: Tensor | None = None, cache: CacheView | None = None,
+                last: Tensor | None = None) -> Tensor:
+        assert cache is not None
+        self.calls.append(ids.clone())
+        if self.fails(ids, cache):
+            raise RuntimeError("injected failure")
+        return self.base(ids, keep, cache, last)
+
+
+def reference(model: nn.Module, tok: TextTokenizer, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
+    out = generate(model, [prompt], params, decode=tok.decode)[0]
+    return out.tokens, out.finish_reason
+
+
+# -- admission, eviction, determinism ------------------------------------------------------------
+
+def test_more_requests_than_rows_all_complete_as_offline_generate(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    engine = make(model, tok, max_running=3)
+    prompts, params = prompts_of(tok, 8), mixed_params(8)
+    handles = [engine.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+    history = run_until_idle(engine)
+    assert (history[0].running, history[0].waiting) == (3, 5)
+    assert max(s.running for s in history) == 3
+    waiting = [s.waiting for s in history]
+    assert waiting == sorted(waiting, reverse=True) and waiting[-1] == 0  # admitted as rows free
+    for prompt, p, handle in zip(prompts, params, handles, strict=True):
+        _, final = read(handle)
+        tokens, reason = reference(model, tok, prompt, p)
+        assert list(final.token_ids) == tokens and final.finish_reason == reason
+        assert final.usage.prompt_tokens == len(prompt)
+        assert final.usage.completion_tokens == len(tokens) + (reason == "stop")
+    assert sum(history[-1].finished.values()) == 8
+
+
+def test_evicted_rows_are_packed_and_reused(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    engine = make(model, tok, max_running=4)
+    prompts = [list(range(3 + 25 * i, 3 + 25 * i + 4 + i)) for i in range(10)]  # disjoint token sets
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, repetition_penalty=(1.0, 3.0)[n % 2])
+              for n in (2, 9, 3, 7, 1, 5, 4, 8, 2, 6)]  # a moved row takes its seen-token mask along
+    handles = [engine.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+    for _ in range(200):
+        engine.step()
+        running = engine.stats().running
+        lengths = engine.cache.lengths
+        assert (lengths[:running] > 0).all() and (lengths[running:] == 0).all()  # live rows packed in front
+        if running == 0 and engine.stats().waiting == 0:
+            break
+    for prompt, p, handle in zip(prompts, params, handles, strict=True):
+        final = read(handle)[1]
+        assert list(final.token_ids) == reference(model, tok, prompt, p)[0]
+        assert final.finish_reason == "length" and len(final.token_ids) == p.max_new_tokens
+    assert engine.stats().cache_usage == 0.0
+
+
+def test_same_tokens_alone_and_among_16_concurrent(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    targets = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=1.0, seed=42,
+                                                                 top_p=0.9)]
+    prompt = tok.encode("the same request", add_special_tokens=False)
+    alone = []
+    for p in targets:
+        engine = make(model, tok, max_running=8)
+        handle = engine.submit(prompt, p)
+        run_until_idle(engine)
+        alone.append(read(handle)[1].token_ids)
+        assert list(alone[-1]) == reference(model, tok, prompt, p)[0]
+    with make(model, tok, max_running=8) as engine:  # the engine thread; rows free and refill mid-way
+        others = [engine.submit(q, p) for q, p in zip(prompts_of(tok, 8), mixed_params(8), strict=True)]
+        mine = [engine.submit(prompt, p) for p in targets]
+        others += [engine.submit(q, p) for q, p in zip(prompts_of(tok, 16)[8:], mixed_params(16)[8:], strict=True)]
+        together = [h.result_sync(timeout=20).token_ids for h in mine]
+        assert all(h.result_sync(timeout=20).finish_reason in ("stop", "length") for h in others)
+    assert together == alone
+
+
+# -- cancellation ----------------------------------------------------------------------------------
+
+def test_cancel_running_frees_its_row_within_one_step(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    engine = make(model, tok, max_running=2)
+    long = engine.submit(tok.encode("long", add_special_tokens=False), SamplingParams(max_new_tokens=60, ignore_eos=True))
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    other = engine.submit(tok.encode("other one", add_special_tokens=False), params)
+    for _ in range(3):
+        engine.step()
+    assert engine.stats().running == 2
+    assert engine.cancel(long.request_id)
+    engine.step()
+    assert engine.stats().running == 1 and int(engine.cache.lengths[1]) == 0  # freed, the other moved to row 0
+    deltas, final = read(long)
+    assert final.finish_reason == "cancelled" and "".join(d.text for d in deltas) == final.text
+    assert final.usage.completion_tokens == 4  # the prefill token + one decode token per step
+    assert not engine.cancel(long.request_id)
+    run_until_idle(engine)
+    assert list(read(other)[1].token_ids) == reference(model, tok, tok.encode("other one", add_special_tokens=False),
+                                                       params)[0]
+
+
+def test_cancelled_waiting_request_is_never_prefilled(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    faulty = FaultyLM(model, lambda ids, cache: False)
+    engine = make(faulty, tok, max_running=1)
+    first = engine.submit([10, 11, 12], SamplingParams(max_new_tokens=4))
+    waiting = engine.submit([200, 201, 202, 203], SamplingParams(max_new_tokens=4))
+    engine.step()
+    assert engine.cancel(waiting.request_id)
+    _, final = read(waiting)  # finished at once, before any further step
+    assert final.finish_reason == "cancelled" and final.timing.queued_s is None
+    assert final.usage.completion_tokens == 0 and final.text == ""
+    assert engine.stats().waiting == 0
+    run_until_idle(engine)
+    assert read(first)[1].finish_reason in ("stop", "length")
+    assert not any((ids == 200).any() for ids in faulty.calls)
+
+
+# -- limits ----------------------------------------------------------------------------------------
+
+def test_overloaded_at_submit(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    engine = make(model, tok, max_queued=2)
+    engine.submit([5, 6]), engine.submit([7, 8])
+    with pytest.raises(EngineOverloaded, match="max_queued") as err:
+        engine.submit([9])
+    assert isinstance(err.value, Overloaded) and err.value.status == 503
+    assert engine.stats().waiting == 2
+
+
+@pytest.mark.parametrize("prompt_len, max_new, limit", [
+    (41, 1, "max_prompt_tokens"),
+    (2, 31, "max_new_tokens"),
+    (30, 30, "max_total_tokens"),
+])
+def test_requests_over_a_limit_are_rejected_naming_it(tiny: tuple[nn.Module, TextTokenizer], prompt_len: int,
+                                                      max_new: int, limit: str) -> None:
+    model, tok = tiny
+    engine = make(model, tok, max_total_tokens=50, max_prompt_tokens=40, max_new_tokens=30)
+    with pytest.raises(RequestTooLarge, match=limit) as err:
+        engine.submit([5] * prompt_len, SamplingParams(max_new_tokens=max_new))
+    assert err.value.limit == limit and err.value.status == 422
+    assert engine.stats().waiting == 0
+
+
+def test_invalid_prompts_and_cache_budget(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    engine = make(model, tok)
+    for bad in ([], [model.cfg.vocab_size]):
+        with pytest.raises(InvalidRequest, match="prompt"):
+            engine.submit(bad)
+    engine.submit([5], request_id="a")
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.submit([5], request_id="a")
+    row = 2 * model.cfg.n_layers * model.cfg.kv_heads * 128 * model.cfg.head_dim * 4  # float32 K and V
+    assert make(model, tok, max_running=64, kv_cache_bytes=5 * row + 1).limits.rows == 5
+    assert make(model, tok, max_running=64, kv_cache_bytes=5 * row).cache.nbytes() == 5 * row
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        make(model, tok, kv_cache_bytes=row - 1)
+
+
+# -- finish reasons and streamed text --------------------------------------------------------------
+
+def scripted(tiny: tuple[nn.Module, TextTokenizer], text: str, prompt: list[int], **config: Any) -> GenerationEngine:
+    model, tok = tiny
+    return make(ScriptedLM(model, tok.encode(text, add_special_tokens=False), len(prompt)), tok, **config)
+
+
+@pytest.mark.parametrize("params, text, reason, n_tokens", [
+    (SamplingParams(max_new_tokens=100), TEXT, "stop", len(TEXT.encode()) + 1),  # eos
+    (SamplingParams(max_new_tokens=5), "héll", "length", 5),
+    (SamplingParams(max_new_tokens=100, stop=("¿q", "xyz")), "héllo ", "stop", 10),  # cut at a stop string
+    (SamplingParams(max_new_tokens=100, stop=("qué!",)), TEXT, "stop", len(TEXT.encode()) + 1),  # held back, released
+])
+def test_finish_reasons_and_streamed_text(tiny: tuple[nn.Module, TextTokenizer], params: SamplingParams,
+                                          text: str, reason: str, n_tokens: int) -> None:
+    prompt = [20, 21, 22]
+    engine = scripted(tiny, TEXT, prompt)
+    handle = engine.submit(prompt, params)
+    run_until_idle(engine)
+    deltas, final = read(handle)
+    assert final.finish_reason == reason and final.text == text
+    assert "".join(d.text for d in deltas) == final.text
+    assert all(d.text and "\ufffd" not in d.text for d in deltas)
+    assert final.usage.completion_tokens == n_tokens == len(final.timing.token_times_s)
+    assert len(deltas) < n_tokens  # bytes of one character wait for the rest of it
+
+
+def test_stop_token_id_ends_without_it(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    prompt = [20, 21]
+    question = tok.encode("¿", add_special_tokens=False)
+    engine = scripted(tiny, TEXT, prompt)
+    handle = engine.submit(prompt, SamplingParams(max_new_tokens=100, stop_token_ids=(question[0],)))
+    run_until_idle(engine)
+    final = read(handle)[1]
+    assert final.finish_reason == "stop" and final.text == "héllo "
+    assert list(final.token_ids) == tok.encode("héllo ", add_special_tokens=False)
+
+
+def test_streamed_pieces_add_up_with_random_bytes(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    engine = make(model, tok, max_running=4)
+    handles = [engine.submit(p, SamplingParams(max_new_tokens=40, temperature=1.5, seed=i, stop=("e", "th")))
+               for i, p in enumerate(prompts_of(tok, 6))]
+    run_until_idle(engine)
+    for handle in handles:
+        deltas, final = read(handle)
+        assert "".join(d.text for d in deltas) == final.text
+        assert [d.completion_tokens for d in deltas] == sorted(d.completion_tokens for d in deltas)
+
+
+# -- failures --------------------------------------------------------------------------------------
+
+POISON = 250
+
+
+def test_a_failing_prefill_fails_only_its_request(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    engine = make(FaultyLM(model, lambda ids, cache: bool((ids == POISON).any())), tok, max_running=4)
+    prompts = [[30, 31, 32], [40, POISON, 42, 43], [50, 51]]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    handles = [engine.submit(p, params) for p in prompts]
+    run_until_idle(engine)
+    bad = read(handles[1])[1]
+    assert bad.finish_reason == "error" and "injected failure" in (bad.error or "")
+    for i in (0, 2):
+        assert list(read(handles[i])[1].token_ids) == reference(model, tok, prompts[i], params)[0]
+
+
+def test_a_failing_decode_row_fails_alone_and_a_transient_failure_is_retried(
+        tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    calls = {"decode": 0}
+
+    def fails(ids: Tensor, cache: CacheView) -> bool:
+        if ids.size(1) != 1:
+            return False
+        calls["decode"] += 1
+        return calls["decode"] == 2 or bool((cache.lengths >= 40).any())  # once, and the long row always
+
+    engine = make(FaultyLM(model, fails), tok, max_running=4)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompts = [[30, 31, 32], [60] * 38, [50, 51]]
+    handles = [engine.submit(p, params) for p in prompts]
+    run_until_idle(engine)
+    bad = read(handles[1])[1]
+    assert bad.finish_reason == "error" and bad.usage.completion_tokens == 3  # failed at length 40
+    for i in (0, 2):
+        assert list(read(handles[i])[1].token_ids) == reference(model, tok, prompts[i], params)[0]
+    after = engine.submit([30, 31, 32], params)
+    run_until_idle(engine)
+    assert list(read(after)[1].token_ids) == reference(model, tok, [30, 31, 32], params)[0]
+
+
+def test_a_broken_step_fails_running_requests_and_the_engine_goes_on(
+        tiny: tuple[nn.Module, TextTokenizer], monkeypatch: pytest.MonkeyPatch) -> None:
+    model, tok = tiny
+    with make(model, tok) as engine:
+        real_decode, broken = engine._decode, {"left": 1}
+
+        def decode_once_broken() -> None:
+            if broken["left"]:
+                broken["left"] -= 1
+                raise KeyError("scheduler bug")
+            real_decode()
+
+        monkeypatch.setattr(engine, "_decode", decode_once_broken)
+        failed = engine.submit([30, 31], SamplingParams(max_new_tokens=5)).result_sync(timeout=10)
+        assert failed.finish_reason == "error" and "scheduler bug" in (failed.error or "")
+        ok = engine.submit([30, 31], SamplingParams(max_new_tokens=5)).result_sync(timeout=10)
+        assert ok.finish_reason in ("stop", "length") and engine.stats().running == 0
+
+
+# -- thread, asyncio front, metrics, shutdown ------------------------------------------------------
+
+class Recorder(EngineObserver):
+    def __init__(self) -> None:
+        self.admitted: list[int] = []
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.generated = 0
+        self.finished: list[Finished] = []
+
+    def on_admitted(self, queued_s: float, prompt_tokens: int) -> None:
+        self.admitted.append(prompt_tokens)
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.append(ttft_s)
+
+    def on_inter_token(self, seconds: float) -> None:
+        self.itl.append(seconds)
+
+    def on_step(self, stats: EngineStats, generated: int, step_s: float) -> None:
+        self.generated += generated
+
+    def on_finished(self, event: Finished) -> None:
+        self.finished.append(event)
+
+
+def test_async_streaming_cancel_and_metrics(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    recorder = Recorder()
+    engine = make(model, tok, recorder, max_running=4).start()
+    prompts = prompts_of(tok, 5)
+
+    async def stream(prompt: list[int], cancel_after: int | None) -> tuple[str, Finished]:
+        handle = engine.submit(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=1.0, seed=1))
+        pieces = []
+        async for event in handle:
+            if isinstance(event, Finished):
+                return "".join(pieces), event
+            pieces.append(event.text)
+            if cancel_after is not None and len(pieces) == cancel_after:
+                handle.cancel()
+        raise AssertionError("no Finished event")
+
+    async def main() -> list[tuple[str, Finished]]:
+        return await asyncio.wait_for(asyncio.gather(*(stream(p, 2 if i == 0 else None)
+                                                       for i, p in enumerate(prompts))), 20)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()  # joins the loop: its last on_step has run
+    stats = engine.stats()
+    assert results[0][1].finish_reason == "cancelled" and results[0][1].usage.completion_tokens < 30
+    assert all(final.finish_reason == "length" for _, final in results[1:])
+    assert all(text == final.text for text, final in results)
+    completion = sum(final.usage.completion_tokens for _, final in results)
+    assert stats.generated_tokens == recorder.generated == completion
+    assert stats.prompt_tokens == sum(recorder.admitted) == sum(len(p) for p in prompts)
+    assert len(recorder.ttft) == 5 and len(recorder.itl) == completion - 5
+    assert stats.finished == {"cancelled": 1, "length": 4} and len(recorder.finished) == 5
+    for _, final in results:
+        t = final.timing
+        assert 0 <= (t.queued_s or 0) <= (t.first_token_s or 0) <= t.total_s
+        assert len(t.inter_token_s) == final.usage.completion_tokens - 1 and min(t.inter_token_s) >= 0
+
+
+def test_idle_engine_sleeps_and_shutdown_ends_open_requests(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+
+    class IdleSignal(EngineObserver):
+        def __init__(self) -> None:
+            self.idle = threading.Event()
+
+        def on_step(self, stats: EngineStats, generated: int, step_s: float) -> None:
+            if stats.running == 0 and stats.waiting == 0:
+                self.idle.set()
+
+    signal = IdleSignal()
+    engine = make(model, tok, signal, max_running=1).start()
+    time.sleep(0.1)
+    assert engine.stats().steps == 0  # no busy loop while idle
+    engine.submit([30], SamplingParams(max_new_tokens=3)).result_sync(timeout=10)
+    assert signal.idle.wait(timeout=5)
+    steps = engine.stats().steps
+    time.sleep(0.1)
+    assert engine.stats().steps == steps > 0
+    engine.shutdown()
+    with pytest.raises(EngineClosed):
+        engine.submit([30])
+    idle = make(model, tok)  # never started: shutdown ends what waits
+    handle = idle.submit([30])
+    idle.shutdown()
+    final = read(handle)[1]
+    assert final.finish_reason == "error" and "shut down" in (final.error or "")
