@@ -1,0 +1,127 @@
+"""`python -m service` (= `make serve`): a local Ray, the app from deploy/serve_config.yaml, HTTP on :8000.
+
+    python -m service [--config deploy/serve_config.yaml] [--host 0.0.0.0] [--port 8000]
+
+No cluster is needed: Ray starts in this process and stops with it (Ctrl-C or SIGTERM). The
+settings are built once, here, from the config's application `args` and TS_* variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from models import zoo
+from models.catalog import resolve_dir
+
+from .settings import Settings
+
+log = logging.getLogger("service")
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = ROOT / "deploy" / "serve_config.yaml"
+OUR_APP = "service.app:build_app"
+
+
+def missing_weights(settings: Settings) -> list[str]:
+    """Problems with the weights each deployment needs, found before any replica starts."""
+    problems = []
+    for name, dep in settings.deployments.items():
+        assert dep.model is not None
+        for uri in (dep.model.source, dep.model.head):
+            if uri is None or uri.split(":", 1)[0] not in ("zoo", "builtin", "dir", "hf"):
+                continue
+            try:
+                path = resolve_dir(uri, settings.cache_path())
+                needed = path / ("head.json" if uri == dep.model.head else "config.json")
+                if not needed.is_file():
+                    raise FileNotFoundError(f"{needed} does not exist")
+            except (zoo.WeightsMissingError, FileNotFoundError, KeyError, ValueError) as e:
+                problems.append(f"{name} ({dep.model.name}): {uri}: {e}")
+    return problems
+
+
+def cpus_needed(settings: Settings) -> float:
+    total = settings.ingress.num_cpus * settings.ingress.num_replicas
+    for dep in settings.deployments.values():
+        replicas = dep.num_replicas
+        if dep.autoscaling_config is not None:
+            replicas = int(dep.autoscaling_config.get("min_replicas", 1))
+        total += dep.num_cpus * replicas
+    return total
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m service", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a Serve config file")
+    p.add_argument("--host", help="default: the config's http_options.host")
+    p.add_argument("--port", type=int, help="default: the config's http_options.port")
+    p.add_argument("--num-cpus", type=float, help="CPUs Ray may hand out (default: all, or what the config needs)")
+    p.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config: dict[str, Any] = yaml.safe_load(args.config.read_text())
+    apps = config.get("applications") or []
+    if len(apps) != 1 or apps[0].get("import_path") != OUR_APP:
+        log.error("%s: python -m service runs one application with import_path %s; use `serve run` "
+                  "for anything else", args.config, OUR_APP)
+        return 2
+    app_config = apps[0]
+    settings = Settings.build(app_config.get("args"), os.environ)
+    problems = missing_weights(settings)
+    if problems:
+        log.error("weights missing, nothing started:\n  %s\n`make weights` fetches the pinned ones; "
+                  "builtin weights are produced by their training scripts (models/train/).", "\n  ".join(problems))
+        return 1
+
+    import ray
+    from ray import serve
+
+    from .app import build_app_from_settings
+
+    http = dict(config.get("http_options") or {})
+    http["host"] = args.host or http.get("host", "0.0.0.0")
+    http["port"] = args.port or http.get("port", 8000)
+    num_cpus = args.num_cpus or max(float(os.cpu_count() or 1), cpus_needed(settings))
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=args.dashboard,
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started with SIGINT ignored (a background job)
+        signal.signal(sig, _interrupt)
+    try:
+        serve.start(http_options=http, proxy_location=config.get("proxy_location", "EveryNode"))
+        serve.run(build_app_from_settings(settings), name=app_config.get("name", "default"),
+                  route_prefix=app_config.get("route_prefix", "/"))
+        log.info("serving on http://%s:%s (OpenAPI at /docs); Ctrl-C stops", http["host"], http["port"])
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        log.info("stopping")
+    except RuntimeError as e:  # a deployment failed to start; the replica logs above say why
+        log.error("%s", e)
+        return 1
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

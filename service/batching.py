@@ -1,0 +1,332 @@
+"""Dynamic batching inside a model replica: padded batches, token budgets, length grouping. No Ray here.
+
+A request is split into items, one per input text. Items wait in one bounded queue per replica;
+a loop forms batches and runs them, one at a time, in the replica's single inference thread:
+
+- a batch is dispatched when the queue could fill one (max_batch_size items, or more padded
+  tokens than the budget) or when its oldest item has waited max_wait;
+- a batch always takes the oldest waiting item (nobody starves) and the run of items next to it in
+  length order that wastes the least compute on padding and empty slots, within
+  `n_rows * longest <= max_batch_tokens` (see `select_batch`);
+- each result goes to its own item's future; items of one request may land in different batches
+  and are reassembled in order by `submit_many`;
+- an item whose computation fails fails alone (a failing batch is split and re-run in halves);
+- cancelled items (the client went away) and expired items are dropped before compute and never
+  block the loop (cf. ray-project/ray#50046);
+- past `max_queued` waiting items a request is refused at once with `Overloaded`.
+
+Contract of `run_batch(payloads) -> results`: exactly one result per payload, in order; a result
+may be an Exception instance, which fails only that item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import Tensor
+
+from .errors import DeadlineExceeded, Overloaded
+
+log = logging.getLogger(__name__)
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """Token lists right-padded into one tensor; `keep` is True on real tokens."""
+
+    ids: Tensor  # (B, T) long
+    keep: Tensor  # (B, T) bool
+    lengths: tuple[int, ...]  # (B,) real tokens per row
+
+    @classmethod
+    def from_token_lists(cls, seqs: Sequence[Sequence[int]], pad_id: int,
+                         device: torch.device | str = "cpu") -> PaddedBatch:
+        if not seqs or any(len(s) == 0 for s in seqs):
+            raise ValueError("a padded batch needs at least one row and at least one token per row")
+        lengths = tuple(len(s) for s in seqs)
+        ids = torch.full((len(seqs), max(lengths)), pad_id, dtype=torch.long)  # (B, T)
+        for i, s in enumerate(seqs):
+            ids[i, : lengths[i]] = torch.as_tensor(list(s), dtype=torch.long)
+        keep = torch.arange(ids.size(1))[None, :] < torch.tensor(lengths)[:, None]  # (B, T)
+        return cls(ids.to(device), keep.to(device), lengths)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.ids.numel()
+
+    @property
+    def efficiency(self) -> float:
+        return self.real_tokens / self.computed_tokens
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_batch_size: int = 32  # items per batch
+    max_wait_s: float = 0.005  # longest the oldest item waits for company
+    max_batch_tokens: int = 16384  # n_rows * longest row <= this (a longer single item runs alone)
+    max_queued: int = 1024  # items waiting in this replica; past it requests are refused (503)
+    overhead_tokens: int = 64  # fixed cost of one batch in padded-token steps (see select_batch)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_batch_tokens", "max_queued"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_wait_s < 0 or self.overhead_tokens < 0:
+            raise ValueError(f"max_wait_s and overhead_tokens must be >= 0, got {self.max_wait_s}, "
+                             f"{self.overhead_tokens}")
+
+
+@dataclass
+class BatchStats:
+    """Counters since start-up (for metrics). Efficiency = real tokens / computed (padded) tokens."""
+
+    batches: int = 0
+    items: int = 0
+    largest_batch: int = 0
+    real_tokens: int = 0
+    computed_tokens: int = 0
+    failed: int = 0  # items whose computation raised
+    cancelled: int = 0  # dropped before compute: the caller went away
+    expired: int = 0  # dropped before compute: past their deadline
+    rejected: int = 0  # refused at submit: queue full
+
+    @property
+    def padding_efficiency(self) -> float:
+        return self.real_tokens / self.computed_tokens if self.computed_tokens else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "padding_efficiency": self.padding_efficiency}
+
+
+def select_batch(lengths: Sequence[int], max_batch_size: int, max_batch_tokens: int,
+                 overhead_tokens: int = 64) -> list[int]:
+    """Indices (in queue order) of the next batch from a queue of item lengths, oldest first.
+
+    Cost model: a batch of k rows padded to `longest` costs `overhead_tokens + k * longest`
+    token-steps (the overhead stands for the fixed cost of a forward pass); an item's ideal cost is
+    its length plus its share of a full batch's overhead. The batch holds index 0 (the oldest item,
+    so nobody starves) plus a run of items next to it in length order; of the runs that fit
+    (k <= max_batch_size, `k * longest <= max_batch_tokens`) it takes the one with the least excess
+    cost per item, excess = padding + the overhead share of the empty slots (older items first on
+    ties). A full batch is thus the run with the least padding, and a short item is padded to a long
+    one only when that costs less than a smaller batch.
+    """
+    if not lengths:
+        return []
+    order = sorted(range(len(lengths)), key=lambda j: (lengths[j], j))  # by length
+    pos = order.index(0)
+    length_sum, index_sum = [0], [0]  # prefix sums over `order`
+    for j in order:
+        length_sum.append(length_sum[-1] + lengths[j])
+        index_sum.append(index_sum[-1] + j)
+
+    def empty_slots(k: int) -> float:
+        return overhead_tokens * (1 - k / max_batch_size)
+
+    best = (empty_slots(1), 0, pos, 1)  # (excess per item, index sum, start, k): the oldest alone
+    for k in range(2, min(max_batch_size, len(lengths)) + 1):
+        for start in range(max(0, pos - k + 1), min(pos, len(order) - k) + 1):
+            longest = lengths[order[start + k - 1]]
+            if k * longest > max_batch_tokens:
+                continue
+            padding = k * longest - (length_sum[start + k] - length_sum[start])
+            key = ((empty_slots(k) + padding) / k, index_sum[start + k] - index_sum[start], start, k)
+            best = min(best, key)
+    _, _, start, k = best
+    return sorted(order[start: start + k])
+
+
+@dataclass(eq=False)
+class _Item(Generic[P]):
+    payload: P
+    length: int
+    future: asyncio.Future
+    deadline: float | None  # time.monotonic() seconds
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class DynamicBatcher(Generic[P, R]):
+    """Gathers items from concurrent requests into batches for `run_batch` (see the module docstring).
+
+    Owned by one model replica; all methods must be called from that replica's event loop.
+    `run_batch` runs in `executor` (one worker thread: one inference at a time per replica).
+    """
+
+    def __init__(self, run_batch: Callable[[list[P]], Sequence[R | BaseException]], limits: BatchLimits,
+                 executor: Executor | None = None, name: str = "batcher") -> None:
+        self.run_batch = run_batch
+        self.limits = limits
+        self.executor = executor
+        self.name = name
+        self.stats = BatchStats()
+        self._queue: list[_Item[P]] = []
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._running: list[_Item[P]] = []  # the batch being computed
+
+    # -- submitting ----------------------------------------------------------------------------
+    async def submit(self, payload: P, length: int, deadline: float | None = None) -> R:
+        return (await self.submit_many([payload], [length], deadline))[0]
+
+    async def submit_many(self, payloads: Sequence[P], lengths: Sequence[int],
+                          deadline: float | None = None) -> list[R]:
+        """Queue one item per payload; return their results in order, or raise the first failure
+        (by input index). On failure or cancellation the request's other items are cancelled."""
+        if len(payloads) != len(lengths):
+            raise ValueError(f"{len(payloads)} payloads but {len(lengths)} lengths")
+        if not payloads:
+            return []
+        self._ensure_started()
+        self._make_room(len(payloads))
+        loop = asyncio.get_running_loop()
+        items = [_Item(p, n, loop.create_future(), deadline) for p, n in zip(payloads, lengths, strict=True)]
+        self._queue.extend(items)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        futures = [it.future for it in items]
+        try:
+            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+            failures = [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()]
+            if failures:
+                raise failures[0]
+            return [f.result() for f in futures]
+        finally:
+            for f in futures:
+                if not f.done():
+                    f.cancel()  # dropped by the loop before compute
+
+    def _make_room(self, n: int) -> None:
+        if len(self._queue) + n > self.limits.max_queued:
+            self._drop_finished()
+        if len(self._queue) + n > self.limits.max_queued:
+            self.stats.rejected += n
+            raise Overloaded(f"{self.name}: {len(self._queue)} inputs are queued (limit "
+                             f"{self.limits.max_queued}); retry later")
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for it in self._queue if not it.future.done())
+
+    @property
+    def alive(self) -> bool:
+        """False once the loop has died (it should never; a health check reports it)."""
+        return self._task is None or not self._task.done()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"{self.name}-loop")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        for it in [*self._queue, *self._running]:
+            if not it.future.done():
+                it.future.cancel()
+        self._queue.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                batch = await self._next_batch()
+                await self._run(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad batch stop the loop
+                log.exception("%s: batch loop error", self.name)
+
+    def _drop_finished(self) -> None:
+        """Remove cancelled items and fail expired ones (both before compute)."""
+        now = time.monotonic()
+        kept: list[_Item[P]] = []
+        for it in self._queue:
+            if it.future.done():
+                self.stats.cancelled += 1
+            elif it.deadline is not None and now >= it.deadline:
+                it.future.set_exception(DeadlineExceeded(f"{self.name}: deadline passed while queued"))
+                self.stats.expired += 1
+            else:
+                kept.append(it)
+        self._queue = kept
+
+    async def _next_batch(self) -> list[_Item[P]]:
+        assert self._wakeup is not None
+        lim = self.limits
+        while True:
+            self._drop_finished()
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            queued = len(self._queue)
+            full = queued >= lim.max_batch_size or queued * max(it.length for it in self._queue) > lim.max_batch_tokens
+            wait = self._queue[0].enqueued + lim.max_wait_s - time.monotonic()
+            if full or wait <= 0:
+                chosen = select_batch([it.length for it in self._queue], lim.max_batch_size,
+                                      lim.max_batch_tokens, lim.overhead_tokens)
+                picked = set(chosen)
+                batch = [self._queue[i] for i in chosen]
+                self._queue = [it for i, it in enumerate(self._queue) if i not in picked]
+                return batch
+            self._wakeup.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), wait)
+
+    async def _run(self, batch: list[_Item[P]]) -> None:
+        self._running = batch
+        try:
+            results: list[R | BaseException] = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self._run_isolated, [it.payload for it in batch])
+        except Exception as e:  # the executor itself failed (e.g. shut down): fail the batch, keep going
+            results = [e] * len(batch)
+        finally:
+            self._running = []
+        s = self.stats
+        s.batches += 1
+        s.items += len(batch)
+        s.largest_batch = max(s.largest_batch, len(batch))
+        s.real_tokens += sum(it.length for it in batch)
+        s.computed_tokens += len(batch) * max(it.length for it in batch)
+        for it, result in zip(batch, results, strict=True):
+            if isinstance(result, BaseException):
+                s.failed += 1
+            if it.future.done():  # cancelled while computing
+                continue
+            if isinstance(result, BaseException):
+                it.future.set_exception(result)
+            else:
+                it.future.set_result(result)
+
+    def _run_isolated(self, payloads: list[P]) -> list[R | BaseException]:
+        """run_batch, checked against its contract; a raising batch is split in halves and re-run,
+        so only the items that fail on their own get an exception. Runs in the inference thread."""
+        try:
+            results = list(self.run_batch(payloads))
+            if len(results) != len(payloads):
+                raise RuntimeError(f"{self.name}: run_batch returned {len(results)} results "
+                                   f"for {len(payloads)} inputs")
+            return results
+        except Exception as e:
+            if len(payloads) == 1:
+                log.warning("%s: an item failed: %r", self.name, e)
+                return [e]
+            half = len(payloads) // 2
+            return self._run_isolated(payloads[:half]) + self._run_isolated(payloads[half:])

@@ -1,0 +1,238 @@
+"""One settings object for the service, built once at start-up and passed in (never read at import).
+
+Sources, later ones winning:
+1. the defaults below (models from `models.catalog.DEFAULT_SPECS`);
+2. the application `args` of the Serve config (deploy/serve_config.yaml) or of `build_app(args)`;
+3. environment variables `TS_<FIELD>`; `__` separates nesting levels and a value is read as JSON
+   when it parses as JSON, else as a string:
+
+       TS_DEVICE=cpu
+       TS_REQUEST_TIMEOUT_S=10
+       TS_DEPLOYMENTS__ENCODER__NUM_REPLICAS=2
+       TS_DEPLOYMENTS__ENCODER__BATCHING__MAX_WAIT_MS=2
+
+`deployments` maps a deployment name to what it serves. When `args` gives `deployments`, that is
+the whole set; a deployment without `model` serves `DEFAULT_SPECS[<its name>]`. The kind of
+deployment (encoder, translator, generator) follows from the model's tasks (`TASK_KIND`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from models.catalog import ModelSpec
+
+ENV_PREFIX = "TS_"
+Task = Literal["classify", "embed", "translate", "generate"]
+TASK_KIND: dict[str, str] = {"classify": "encoder", "embed": "encoder", "translate": "translator",
+                             "generate": "generator"}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+# What `make serve` runs when the config names no deployments (generation joins with its engine).
+DEFAULT_DEPLOYMENTS = ("encoder", "translator")
+
+
+def _default_specs() -> dict[str, ModelSpec]:
+    """models.catalog imports torch; the ingress replica, which unpickles Settings, does not need it."""
+    from models.catalog import DEFAULT_SPECS
+
+    return DEFAULT_SPECS
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSettings(_Frozen):
+    """A `models.catalog.ModelSpec` as it appears in a config file (see catalog.py for the URIs)."""
+
+    name: str = Field(min_length=1)
+    tasks: tuple[Task, ...] = Field(min_length=1)
+    source: str
+    head: str | None = None
+    tokenizer: str | None = None
+    languages: tuple[str, str] | None = None
+    max_input_tokens: int | None = Field(None, ge=1)
+    defaults: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSettings:
+        kinds = {TASK_KIND[t] for t in self.tasks}
+        if len(kinds) != 1:
+            raise ValueError(f"model {self.name!r}: tasks {list(self.tasks)} need different kinds of "
+                             f"deployment ({sorted(kinds)}); split them into two deployments")
+        if "translate" in self.tasks and self.languages is None:
+            raise ValueError(f"model {self.name!r} translates but names no languages: [source, target]")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return TASK_KIND[self.tasks[0]]
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> ModelSettings:
+        return cls(name=spec.name, tasks=spec.tasks, source=spec.source, head=spec.head,
+                   tokenizer=spec.tokenizer, languages=spec.languages,
+                   max_input_tokens=spec.max_input_tokens, defaults=dict(spec.defaults))
+
+    def to_spec(self) -> ModelSpec:
+        from models.catalog import ModelSpec
+
+        return ModelSpec(name=self.name, tasks=self.tasks, source=self.source, head=self.head,
+                         tokenizer=self.tokenizer, languages=self.languages,
+                         max_input_tokens=self.max_input_tokens, defaults=dict(self.defaults))
+
+
+class BatchingSettings(_Frozen):
+    """Dynamic batching in each replica (service/batching.py)."""
+
+    max_batch_size: int = Field(32, ge=1)  # inputs per batch
+    max_wait_ms: float = Field(5.0, ge=0)  # the oldest input waits at most this long for company
+    max_batch_tokens: int = Field(16384, ge=1)  # rows * longest row (padded tokens) per batch
+    max_queued: int = Field(1024, ge=1)  # inputs waiting per replica; past it: 503 + Retry-After
+    overhead_tokens: int = Field(64, ge=0)  # a batch's fixed cost in padded tokens (length grouping)
+
+
+class DeploymentSettings(_Frozen):
+    """One model deployment: what it serves and how it scales."""
+
+    model: ModelSettings | None = None  # None: DEFAULT_SPECS[<deployment name>]
+    batching: BatchingSettings = BatchingSettings()
+    num_replicas: int = Field(1, ge=1)
+    autoscaling_config: dict[str, Any] | None = None  # Ray Serve's; replaces num_replicas when set
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float | None = Field(None, ge=0)  # None: 1 when the device may be CUDA and Ray has a GPU
+    device: str | None = None  # None: Settings.device
+    dtype: str | None = None  # None: Settings.dtype
+    torch_threads: int | None = Field(None, ge=1)  # None: max(1, num_cpus)
+    max_ongoing_requests: int = Field(256, ge=1)  # requests in one replica at once (they batch there)
+    max_queued_requests: int = Field(1024, ge=1)  # requests each caller queues for this deployment
+    startup_gate: str | None = None  # tests only: the replica waits for this file before loading
+
+    @model_validator(mode="after")
+    def _check(self) -> DeploymentSettings:
+        _check_device(self.device, self.dtype)
+        return self
+
+    @property
+    def spec(self) -> ModelSpec:
+        assert self.model is not None, "Settings fills every deployment's model"
+        return self.model.to_spec()
+
+    def threads(self) -> int:
+        return self.torch_threads or max(1, int(self.num_cpus))
+
+
+class IngressSettings(_Frozen):
+    """The FastAPI ingress deployment: it validates, routes and converts, so it needs little CPU."""
+
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(1024, ge=1)
+    max_queued_requests: int = Field(4096, ge=1)  # at each proxy; past it the proxy answers 503
+
+
+class Settings(_Frozen):
+    device: str = "auto"  # auto: cuda when the replica sees a GPU, else cpu
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    cache_dir: str | None = None  # pinned weights; None: models.zoo.default_cache_dir()
+    request_timeout_s: float = Field(30.0, gt=0)  # deadline per request (504); X-Request-Timeout lowers it
+    max_body_bytes: int = Field(1 << 20, ge=64)  # 413 past this
+    max_inputs: int = Field(64, ge=1)  # texts per request
+    retry_after_s: float = Field(1.0, gt=0)  # Retry-After on 503
+    readiness_timeout_s: float = Field(2.0, gt=0)  # how long /readyz waits for each deployment
+    ingress: IngressSettings = IngressSettings()
+    deployments: dict[str, DeploymentSettings] = Field(
+        default_factory=lambda: {name: DeploymentSettings(model=ModelSettings.from_spec(_default_specs()[name]))
+                                 for name in DEFAULT_DEPLOYMENTS})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_default_models(cls, data: Any) -> Any:
+        """A deployment without `model` serves the default model of the same name."""
+        if not isinstance(data, dict) or not isinstance(data.get("deployments"), dict):
+            return data
+        filled: dict[str, Any] = {}
+        defaults = _default_specs()
+        for name, dep in data["deployments"].items():
+            if isinstance(dep, DeploymentSettings) and dep.model is None and name in defaults:
+                dep = dep.model_copy(update={"model": ModelSettings.from_spec(defaults[name])})
+            elif isinstance(dep, dict) and dep.get("model") is None and name in defaults:
+                dep = {**dep, "model": ModelSettings.from_spec(defaults[name])}
+            filled[name] = dep
+        return {**data, "deployments": filled}
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        _check_device(self.device, self.dtype)
+        if not self.deployments:
+            raise ValueError("no model deployments configured")
+        seen: dict[tuple[str, str], str] = {}
+        for name, dep in self.deployments.items():
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+                raise ValueError(f"deployment name {name!r} may use only letters, digits, '_' and '-'")
+            if dep.model is None:
+                raise ValueError(f"deployment {name!r} needs a model (no default model has that name; "
+                                 f"defaults: {sorted(_default_specs())})")
+            for task in dep.model.tasks:
+                other = seen.setdefault((task, dep.model.name), name)
+                if other != name:
+                    raise ValueError(f"deployments {other!r} and {name!r} both serve model "
+                                     f"{dep.model.name!r} for {task!r}")
+            if dep.batching.max_queued < self.max_inputs:
+                raise ValueError(f"deployment {name!r}: batching.max_queued ({dep.batching.max_queued}) "
+                                 f"must be >= max_inputs ({self.max_inputs}), or a full request never fits")
+        return self
+
+    @classmethod
+    def build(cls, args: Mapping[str, Any] | None, env: Mapping[str, str]) -> Settings:
+        """Defaults < args < TS_* environment variables. Raises pydantic.ValidationError naming the field."""
+        data = json.loads(json.dumps(dict(args or {})))  # a deep, plain copy
+        data.setdefault("deployments", {name: {} for name in DEFAULT_DEPLOYMENTS})
+        for key, raw in sorted(env.items()):
+            if key.startswith(ENV_PREFIX) and len(key) > len(ENV_PREFIX):
+                _set_path(data, key[len(ENV_PREFIX):].lower().split("__"), _env_value(raw))
+        settings = cls.model_validate(data)
+        if settings.cache_dir is None:  # resolved once, here (models.zoo reads its variable only there)
+            from models.zoo import default_cache_dir
+
+            settings = settings.model_copy(update={"cache_dir": str(default_cache_dir())})
+        return settings
+
+    def device_for(self, dep: DeploymentSettings) -> tuple[str, str]:
+        return dep.device or self.device, dep.dtype or self.dtype
+
+    def cache_path(self) -> Path:
+        from models.zoo import default_cache_dir
+
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
+
+def _check_device(device: str | None, dtype: str | None) -> None:
+    if device is not None and not _DEVICE.match(device):
+        raise ValueError(f"device must be auto, cpu, mps, cuda or cuda:N, got {device!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+
+
+def _env_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
+    for part in path[:-1]:
+        node = data.get(part)
+        if not isinstance(node, dict):
+            node = data[part] = {}
+        data = node
+    data[path[-1]] = value

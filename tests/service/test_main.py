@@ -1,0 +1,41 @@
+"""`python -m service` before it starts Ray: the weights check and the CPUs it asks Ray for."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from service.__main__ import cpus_needed, main, missing_weights
+from service.settings import Settings
+
+TINY = {"name": "tiny", "tasks": ["embed"], "source": "tiny:encoder"}
+
+
+def test_missing_weights_names_the_deployment_and_source(tmp_path: Path) -> None:
+    args = {"cache_dir": str(tmp_path), "deployments": {
+        "enc": {"model": TINY},
+        "mine": {"model": {**TINY, "name": "mine", "source": f"dir:{tmp_path / 'nowhere'}"}},
+    }}
+    problems = missing_weights(Settings.build(args, env={}))
+    assert len(problems) == 1 and problems[0].startswith(f"mine (mine): dir:{tmp_path / 'nowhere'}")
+
+
+def test_cpus_needed_counts_replicas() -> None:
+    args = {"ingress": {"num_cpus": 0.5}, "deployments": {
+        "a": {"model": TINY, "num_cpus": 2, "num_replicas": 2},
+        "b": {"model": {**TINY, "name": "b"}, "num_cpus": 1, "autoscaling_config": {"min_replicas": 3}},
+    }}
+    assert cpus_needed(Settings.build(args, env={})) == 0.5 + 4 + 3
+
+
+def test_main_refuses_to_start_without_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "applications:\n  - import_path: service.app:build_app\n    args:\n"
+        f"      cache_dir: {tmp_path}\n      deployments:\n        enc:\n          model:\n"
+        f"            {{name: x, tasks: [embed], source: 'dir:{tmp_path / 'absent'}'}}\n")
+    for key in [k for k in os.environ if k.startswith("TS_")]:
+        monkeypatch.delenv(key)
+    assert main(["--config", str(config)]) == 1

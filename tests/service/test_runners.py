@@ -1,0 +1,129 @@
+"""Model runners without Ray: tokenization limits, batch results equal to solo model calls, translation params."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.beam_search import BeamParams, translate_ids
+from models.catalog import LoadedModel, ModelSpec, load_model
+from models.tiny import EOS
+from service.batching import BatchLimits
+from service.errors import InvalidItem, InvalidRequest
+from service.runners import (
+    EncodeItem,
+    EncoderRunner,
+    TranslateItem,
+    TranslateOptions,
+    TranslatorRunner,
+    resolve_device,
+    tokenize,
+)
+
+TEXTS = ["a", "hello world", "a considerably longer sentence with many more bytes in it", "mid length"]
+
+
+def _load(family: str, tasks: tuple[str, ...], **extra: object) -> LoadedModel:
+    spec = ModelSpec(name=f"tiny-{family}", tasks=tasks, source=f"tiny:{family}", max_input_tokens=64, **extra)
+    return load_model(spec, Path("/nonexistent-cache"))
+
+
+@pytest.fixture(scope="module")
+def encoder() -> EncoderRunner:
+    return EncoderRunner(_load("encoder", ("classify", "embed")), "encoder", BatchLimits(max_wait_s=0.01))
+
+
+@pytest.fixture(scope="module")
+def translator() -> TranslatorRunner:
+    loaded = _load("seq2seq", ("translate",), languages=("en", "es"), defaults={"beam_size": 3, "max_new_tokens": 6})
+    return TranslatorRunner(loaded, "translator", BatchLimits(max_wait_s=0.01))
+
+
+def test_tokenize_names_the_bad_text_and_truncates_keeping_special_tokens(translator: TranslatorRunner) -> None:
+    tok = translator.loaded.tokenizer
+    with pytest.raises(InvalidItem) as too_long:
+        tokenize(tok, ["ok", "x" * 40], limit=32, truncate=False)
+    assert too_long.value.index == 1 and "41 tokens" in too_long.value.message
+    with pytest.raises(InvalidItem) as broken:
+        tokenize(tok, ["ok", "bad \ud800"], limit=32, truncate=False)
+    assert broken.value.index == 1 and "could not be tokenized" in broken.value.message
+    (cut,) = tokenize(tok, ["x" * 40], limit=32, truncate=True)
+    assert len(cut) == 32 and cut[-1] == EOS and cut[:-1] == tok.encode("x" * 31)[:-1]
+
+
+def test_encoder_batch_equals_each_text_alone(encoder: EncoderRunner) -> None:
+    model = encoder.loaded.model
+    ids = tokenize(encoder.loaded.tokenizer, TEXTS, 64, truncate=False)
+    batch = encoder.run_batch([EncodeItem(x, i % 2 == 0) for i, x in enumerate(ids)])
+    with torch.inference_mode():
+        for i, x in enumerate(ids):
+            alone = torch.tensor([x])
+            emb = model.embed(alone)[0]
+            if i % 2 == 0:
+                probs = model.classify(alone)[0].softmax(-1)
+                assert batch[i].scores == pytest.approx(dict(zip(model.cfg.labels, probs.tolist(), strict=True)),
+                                                        abs=1e-5)
+                assert batch[i].label == model.cfg.labels[int(probs.argmax())]
+            else:
+                torch.testing.assert_close(torch.tensor(batch[i]), emb, atol=1e-5, rtol=0)
+
+
+def test_encoder_requests_through_the_batcher(encoder: EncoderRunner) -> None:
+    async def main() -> tuple[list, object]:
+        return await asyncio.gather(encoder.classify(TEXTS, False, 5.0), encoder.embed(TEXTS[:2], False, 5.0))
+
+    results, embeddings = asyncio.run(main())
+    assert len(results) == len(TEXTS) and len(embeddings.vectors) == 2
+    assert embeddings.prompt_tokens == sum(len(t.encode()) for t in TEXTS[:2])
+
+
+def test_translator_params_defaults_and_limits(translator: TranslatorRunner) -> None:
+    assert translator.params(TranslateOptions()) == BeamParams(3, 6)
+    assert translator.params(TranslateOptions(beam_size=1, max_new_tokens=2)) == BeamParams(1, 2)
+    with pytest.raises(InvalidRequest) as e:
+        translator.params(TranslateOptions(max_new_tokens=10_000))
+    assert e.value.param == "max_new_tokens"
+    assert translator.banned == [0]  # pad (= decoder start) is never generated
+
+
+def test_translator_mixed_params_in_one_batch_equal_solo(translator: TranslatorRunner) -> None:
+    tok, model = translator.loaded.tokenizer, translator.loaded.model
+    items = [TranslateItem(tok.encode(t), BeamParams(b, n)) for t, b, n in zip(TEXTS, [1, 4, 2, 3], [5, 3, 8, 6],
+                                                                               strict=True)]
+    batch = translator.run_batch(items)
+    for item, out in zip(items, batch, strict=True):
+        assert out == tok.decode(translate_ids(model, [item.ids], item.params, banned_ids=[0])[0])
+
+
+def test_info_reports_the_loaded_model(encoder: EncoderRunner) -> None:
+    info = encoder.info()
+    assert info.name == "tiny-encoder" and info.device == "cpu" and info.dtype == "float32"
+    assert info.labels == ("negative", "neutral", "positive") and info.max_input_tokens == 64
+    assert "padding_efficiency" in info.stats
+
+
+def test_resolve_device() -> None:
+    assert resolve_device("cpu", "auto") == ("cpu", torch.float32)
+    assert resolve_device("cuda:1", "auto") == ("cuda:1", torch.bfloat16)
+    assert resolve_device("cpu", "bfloat16") == ("cpu", torch.bfloat16)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto", "float32") == (expected, torch.float32)
+
+
+def test_a_classify_model_needs_a_head() -> None:
+    loaded = _load("encoder", ("classify",))
+    loaded.labels = ()
+    with pytest.raises(ValueError, match="no classification head"):
+        EncoderRunner(loaded, "encoder", BatchLimits())
+
+
+def test_an_embedding_only_encoder_warms_up_without_a_head() -> None:
+    loaded = _load("encoder", ("embed",))
+    loaded.labels = ()
+    loaded.model.head = None
+    runner = EncoderRunner(loaded, "encoder", BatchLimits())
+    runner.warm_up()
+    assert runner.batcher.stats.batches == 0  # warm-up runs the model directly, not through the queue

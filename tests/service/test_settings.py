@@ -1,0 +1,81 @@
+"""Settings: defaults, Serve config args, TS_* overrides, validation, and the Serve options they give."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from models.catalog import DEFAULT_SPECS
+from service.deployments import deployment_options
+from service.settings import DeploymentSettings, Settings
+
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"
+TINY = {"name": "tiny", "tasks": ["classify", "embed"], "source": "tiny:encoder"}
+
+
+def test_defaults_serve_the_catalog_models() -> None:
+    s = Settings.build(None, env={})
+    assert set(s.deployments) == {"encoder", "translator"}
+    assert s.deployments["encoder"].spec == DEFAULT_SPECS["encoder"]
+    assert s.deployments["translator"].spec == DEFAULT_SPECS["translator"]
+
+
+def test_the_shipped_serve_config_is_valid() -> None:
+    config = yaml.safe_load(CONFIG.read_text())
+    (app,) = config["applications"]
+    assert app["import_path"] == "service.app:build_app" and config["http_options"]["port"] == 8000
+    s = Settings.build(app["args"], env={})
+    assert s.deployments["encoder"].model.name == "minilm-sentiment"  # type: ignore[union-attr]
+    assert s.deployments["translator"].batching.max_batch_size == 16
+
+
+def test_environment_overrides_nested_fields_with_json_values() -> None:
+    env = {"TS_DEVICE": "cpu", "TS_REQUEST_TIMEOUT_S": "5", "TS_DEPLOYMENTS__ENCODER__NUM_REPLICAS": "2",
+           "TS_DEPLOYMENTS__TRANSLATOR__BATCHING__MAX_WAIT_MS": "1.5", "OTHER": "ignored"}
+    s = Settings.build({"max_inputs": 8}, env)
+    assert s.device == "cpu" and s.request_timeout_s == 5.0 and s.max_inputs == 8
+    assert s.deployments["encoder"].num_replicas == 2
+    assert s.deployments["translator"].batching.max_wait_ms == 1.5
+    assert s.deployments["translator"].model.name == "transformer-en-es"  # type: ignore[union-attr]
+
+
+def test_args_deployments_are_the_whole_set() -> None:
+    s = Settings.build({"deployments": {"enc": {"model": TINY}}}, env={})
+    assert list(s.deployments) == ["enc"] and s.deployments["enc"].model.kind == "encoder"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("args", "env", "match"), [
+    ({"devise": "cpu"}, {}, "devise"),
+    ({}, {"TS_MAX_INPUTS": "many"}, "max_inputs"),
+    ({"device": "gpu"}, {}, "device must be"),
+    ({"dtype": "int8"}, {}, "dtype must be"),
+    ({"deployments": {"mystery": {}}}, {}, "needs a model"),
+    ({"deployments": {}}, {}, "no model deployments"),
+    ({"deployments": {"a": {"model": TINY}, "b": {"model": TINY}}}, {}, "both serve model 'tiny'"),
+    ({"deployments": {"t": {"model": {**TINY, "tasks": ["translate"]}}}}, {}, "names no languages"),
+    ({"deployments": {"t": {"model": {**TINY, "tasks": ["classify", "translate"]}}}}, {}, "split them"),
+    ({"max_inputs": 64, "deployments": {"a": {"model": TINY, "batching": {"max_queued": 8}}}}, {}, "max_queued"),
+    ({"deployments": {"a b": {"model": TINY}}}, {}, "may use only"),
+])
+def test_invalid_settings_name_the_problem(args: dict[str, Any], env: dict[str, str], match: str) -> None:
+    with pytest.raises(ValidationError, match=match):
+        Settings.build(args, env)
+
+
+def test_deployment_options_follow_the_settings() -> None:
+    s = Settings.build({"deployments": {"a": {"model": TINY, "num_replicas": 3, "num_cpus": 2}}}, env={})
+    dep = s.deployments["a"]
+    opts = deployment_options(dep, s, cluster_gpus=0)
+    assert opts["num_replicas"] == 3 and opts["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
+    assert opts["max_ongoing_requests"] == 256 and opts["max_queued_requests"] == 1024
+    assert deployment_options(dep, s, cluster_gpus=1)["ray_actor_options"]["num_gpus"] == 1.0
+    cpu_only = dep.model_copy(update={"device": "cpu"})
+    assert deployment_options(cpu_only, s, cluster_gpus=1)["ray_actor_options"]["num_gpus"] == 0.0
+    scaled = DeploymentSettings(model=dep.model, autoscaling_config={"min_replicas": 1, "max_replicas": 4})
+    opts = deployment_options(scaled, s, cluster_gpus=0)
+    assert "num_replicas" not in opts and opts["autoscaling_config"]["max_replicas"] == 4
+    assert dep.threads() == 2 and DeploymentSettings(model=dep.model, num_cpus=0).threads() == 1
