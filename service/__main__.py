@@ -37,6 +37,12 @@ def missing_weights(settings: Settings) -> list[str]:
     for name, dep in settings.deployments.items():
         assert dep.model is not None
         for uri in (dep.model.source, dep.model.head):
+            if uri is not None and uri.startswith("gguf:zoo:"):  # a pinned GGUF file (the generator's)
+                try:
+                    zoo.resolve(uri.removeprefix("gguf:zoo:"), settings.cache_path())
+                except (zoo.WeightsMissingError, KeyError, ValueError) as e:
+                    problems.append(f"{name} ({dep.model.name}): {uri}: {e}")
+                continue
             if uri is None or uri.split(":", 1)[0] not in ("zoo", "builtin", "dir", "hf"):
                 continue
             try:

@@ -27,6 +27,7 @@ from .errors import (
     error_response,
     install_error_handlers,
 )
+from .generation_api import generation_router
 from .messages import Classification as ClassificationResult
 from .messages import Embeddings, ModelInfo, TranslateOptions
 from .routing import Backend, ModelRoutes, Route
@@ -126,7 +127,8 @@ def create_api(settings: Settings, backend: Backend) -> FastAPI:
     app = FastAPI(
         title="transformer-serve",
         version="0.1.0",
-        description="Classification, embeddings and translation on our own transformers, batched dynamically. "
+        description="Classification, embeddings and translation on our own transformers, batched dynamically; "
+                    "text generation (also OpenAI-compatible) with continuous batching. "
                     f"Errors are JSON {{\"error\": {{\"type\", \"message\", \"param\"?}}}}; send "
                     f"`{TIMEOUT_HEADER}: <seconds>` to lower the per-request deadline.",
     )
@@ -195,12 +197,14 @@ def create_api(settings: Settings, backend: Backend) -> FastAPI:
                     ready=True, device=result.device, dtype=result.dtype, max_input_tokens=result.max_input_tokens,
                     labels=list(result.labels) or None,
                     languages=list(result.languages) if result.languages else None,
-                    defaults=result.defaults, stats=result.stats))
+                    defaults=result.defaults, stats=result.stats, limits=result.limits or None))
             else:
                 cards.append(ModelCard(id=dep.model.name, created=0, deployment=name, tasks=list(dep.model.tasks),
                                        ready=False, defaults=dep.model.defaults))
         tasks = {task: [r.model for r in rs] for task, rs in routes.by_task.items()}
         return ModelList(data=cards, tasks=tasks)
+
+    app.include_router(generation_router(routes, backend, lambda r: request_timeout(r, settings), ERRORS))
 
     @app.get("/healthz", response_model=Health, tags=["service"])
     async def healthz() -> Health:

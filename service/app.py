@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
@@ -53,6 +54,7 @@ class ServeBackend:
 
     def __init__(self, handles: dict[str, DeploymentHandle], readiness_timeout_s: float) -> None:
         self.handles = handles
+        self.streaming = {name: handle.options(stream=True) for name, handle in handles.items()}
         self.readiness_timeout_s = readiness_timeout_s
         self._seen_ready: set[str] = set()
 
@@ -69,6 +71,25 @@ class ServeBackend:
             raise asyncio.CancelledError() from None
         except Exception as e:
             raise _as_service_error(deployment, e) from None
+
+    async def stream(self, deployment: str, method: str, *args: Any) -> AsyncIterator[Any]:
+        """Items of a generator method, through Serve's streaming responses."""
+        if deployment not in self._seen_ready:
+            await self.info(deployment, self.readiness_timeout_s)
+        response = getattr(self.streaming[deployment], method).remote(*args)
+        ended = False
+        try:
+            async for item in response:
+                yield item
+            ended = True
+        except RequestCancelledError:
+            raise asyncio.CancelledError() from None
+        except Exception as e:
+            ended = True
+            raise _as_service_error(deployment, e) from None
+        finally:
+            if not ended:  # closed early, or the reading task was cancelled: cancel the model call too
+                response.cancel()
 
     async def info(self, deployment: str, timeout_s: float) -> ModelInfo:
         response = self.handles[deployment].info.remote()

@@ -3,13 +3,15 @@
 A replica loads its model once in its constructor (onto its device, cast to its dtype), warms it
 up, and only then joins the deployment: Serve routes nothing to a replica still loading, and the
 ingress's /readyz answers 503 until every deployment has a replica. Inference runs under
-torch.inference_mode in the replica's single inference thread (see service/runners.py).
+torch.inference_mode in the replica's single inference thread (see service/runners.py); a
+generator's in its engine's scheduler thread (service/generation.py, service/engine.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,19 @@ import torch
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
-from models.catalog import load_model
+from models.catalog import LoadedModel, load_model
 
 from .batching import BatchLimits
-from .messages import Classification, Embeddings, ModelInfo, TranslateOptions
+from .generation import GeneratorRunner, engine_config
+from .messages import (
+    Classification,
+    Embeddings,
+    GenerationDone,
+    GenerationEvent,
+    GenerationRequest,
+    ModelInfo,
+    TranslateOptions,
+)
 from .runners import RUNNERS, Runner, resolve_device
 from .settings import DeploymentSettings, Settings
 
@@ -28,22 +39,31 @@ log = logging.getLogger("ray.serve")
 GATE_TIMEOUT_S = 600.0
 
 
+def _load(name: str, settings: Settings) -> tuple[DeploymentSettings, LoadedModel]:
+    """The replica's model: threads set, startup gate passed, loaded onto its device in its dtype."""
+    dep = settings.deployments[name]
+    assert dep.model is not None
+    torch.set_num_threads(dep.threads())
+    _wait_for_gate(dep.startup_gate)
+    device, dtype = resolve_device(*settings.device_for(dep))
+    return dep, load_model(dep.spec, settings.cache_path(), device=device, dtype=dtype)
+
+
+def _log_loaded(name: str, loaded: LoadedModel, warm_up_started: float) -> None:
+    log.info("%s: %s loaded on %s/%s in %.1f s, warmed up in %.2f s", name, loaded.spec.name, loaded.device,
+             str(loaded.dtype).removeprefix("torch."), loaded.load_seconds, time.perf_counter() - warm_up_started)
+
+
 class ModelDeployment:
     """Common replica life cycle: load, warm up, report info and health."""
 
     def __init__(self, name: str, settings: Settings) -> None:
-        dep = settings.deployments[name]
+        dep, loaded = _load(name, settings)
         assert dep.model is not None
-        torch.set_num_threads(dep.threads())
-        _wait_for_gate(dep.startup_gate)
-        device, dtype = resolve_device(*settings.device_for(dep))
-        loaded = load_model(dep.spec, settings.cache_path(), device=device, dtype=dtype)
-        limits = _limits(dep)
-        self.runner: Runner = RUNNERS[dep.model.kind](loaded, name, limits)
+        self.runner: Runner = RUNNERS[dep.model.kind](loaded, name, _limits(dep))
         started = time.perf_counter()
         self.runner.warm_up()
-        log.info("%s: %s loaded on %s/%s in %.1f s, warmed up in %.2f s", name, dep.model.name, device,
-                 str(dtype).removeprefix("torch."), loaded.load_seconds, time.perf_counter() - started)
+        _log_loaded(name, loaded, started)
 
     async def info(self) -> ModelInfo:
         return self.runner.info()
@@ -72,8 +92,49 @@ class TranslatorDeployment(ModelDeployment):
         return await self.runner.translate(texts, options, timeout_s)  # type: ignore[attr-defined]
 
 
-# deployment kind (settings.TASK_KIND) -> deployment; the generator's joins here.
-DEPLOYMENTS: dict[str, Deployment] = {"encoder": EncoderDeployment, "translator": TranslatorDeployment}
+@serve.deployment
+class GeneratorDeployment:
+    """Text generation on one decoder-only LM: one continuous-batching engine per replica, started
+    after the model loaded and warmed up. `generate` answers whole; `generate_stream` is a streaming
+    method (call it with `handle.options(stream=True)`). A cancelled call (client gone, deadline)
+    cancels its request in the engine, which frees the row within one step."""
+
+    def __init__(self, name: str, settings: Settings) -> None:
+        dep, loaded = _load(name, settings)
+        self.runner = GeneratorRunner(loaded, name, engine_config(dep.engine, loaded))
+        started = time.perf_counter()
+        self.runner.warm_up()
+        self.runner.start()
+        _log_loaded(name, loaded, started)
+        log.info("%s: generation engine limits %s", name, self.runner.engine.limits)
+
+    async def generate(self, request: GenerationRequest) -> GenerationDone:
+        return await self.runner.generate(request)
+
+    async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        events = self.runner.stream(request)
+        try:
+            async for event in events:
+                yield event
+        finally:  # Serve throws CancelledError in here when the caller goes away: close the inner stream now
+            await events.aclose()
+
+    async def info(self) -> ModelInfo:
+        return self.runner.info()
+
+    def check_health(self) -> None:
+        if not self.runner.alive:
+            raise RuntimeError(f"{self.runner.deployment}: the generation engine has stopped")
+
+    def __del__(self) -> None:
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.close()
+
+
+# deployment kind (settings.TASK_KIND) -> deployment
+DEPLOYMENTS: dict[str, Deployment] = {"encoder": EncoderDeployment, "translator": TranslatorDeployment,
+                                      "generator": GeneratorDeployment}
 
 
 def _limits(dep: DeploymentSettings) -> BatchLimits:

@@ -132,6 +132,12 @@ class GenerationEngine:
         self._record(event)
         return True
 
+    @property
+    def alive(self) -> bool:
+        """The scheduler thread runs: False before start(), after shutdown(), or if the loop died."""
+        with self._cond:
+            return self._thread is not None and self._thread.is_alive() and not self._closed
+
     def stats(self) -> EngineStats:
         with self._cond:
             running, usage = self._snapshot

@@ -39,6 +39,7 @@ class ModelInfo:
     loaded_at: float = 0.0  # unix time
     load_seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
+    limits: dict[str, Any] = field(default_factory=dict)  # generators: the engine's resolved limits
 
 
 @dataclass(frozen=True)
@@ -46,3 +47,73 @@ class TranslateOptions:
     beam_size: int | None = None  # None: the model's default
     max_new_tokens: int | None = None
     truncate: bool = False
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # system, user or assistant
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation, as the ingress sends it to a generator replica.
+
+    Exactly one of `prompt` (tokenized with the model's special tokens) and `messages` (rendered
+    with the model's chat template) is set. Sampling fields left at None take the model's defaults
+    (ModelSpec.defaults), then models.decoding.SamplingParams'.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def prompt_field(self) -> str:
+        """The HTTP field the prompt came from (errors about it name this)."""
+        return "prompt" if self.messages is None else "messages"
+
+
+@dataclass(frozen=True)
+class GenerationStarted:
+    """First event of a stream: the request was accepted by the engine (queued or running)."""
+
+    request_id: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of generated text, final (complete characters, never part of a stop string)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationDone:
+    """The end of a generation: the whole text (= the concatenated TextDeltas of a stream).
+
+    finish_reason: "stop" (end of sequence, a stop string) or "length" (max_new_tokens); "error"
+    only as the last event of a stream that failed after it started (`error` says why).
+    """
+
+    request_id: str
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+GenerationEvent = GenerationStarted | TextDelta | GenerationDone

@@ -6,6 +6,7 @@ targets without code changes here; a task no configured model serves answers 404
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,6 +28,12 @@ class Backend(Protocol):
     async def call(self, deployment: str, method: str, *args: Any) -> Any:
         """Call a deployment method; raises ServiceError subclasses (Overloaded, NotReady, ...).
         Cancelling the awaiting task cancels the remote call."""
+        ...
+
+    def stream(self, deployment: str, method: str, *args: Any) -> AsyncIterator[Any]:
+        """Call a streaming (generator) deployment method; an async generator of its items. Errors
+        as for call(), from the first item on. Closing the generator early, or cancelling the task
+        reading it, cancels the remote call."""
         ...
 
     async def info(self, deployment: str, timeout_s: float) -> ModelInfo:

@@ -105,7 +105,9 @@ class ModelCard(BaseModel):
     labels: list[str] | None = None
     languages: list[str] | None = None
     defaults: dict[str, Any] = Field(default_factory=dict)
-    stats: dict[str, Any] | None = Field(None, description="Batching counters of the replica that answered.")
+    stats: dict[str, Any] | None = Field(None, description="Batching (or, for a generator, engine) counters of "
+                                                              "the replica that answered.")
+    limits: dict[str, Any] | None = Field(None, description="Generators: the engine's limits (rows, tokens, queue).")
 
 
 class ModelList(BaseModel):

@@ -35,8 +35,8 @@ TASK_KIND: dict[str, str] = {"classify": "encoder", "embed": "encoder", "transla
                              "generate": "generator"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
-# What `make serve` runs when the config names no deployments (generation joins with its engine).
-DEFAULT_DEPLOYMENTS = ("encoder", "translator")
+# What `make serve` runs when the config names no deployments.
+DEFAULT_DEPLOYMENTS = ("encoder", "translator", "generator")
 
 
 def _default_specs() -> dict[str, ModelSpec]:
@@ -100,11 +100,25 @@ class BatchingSettings(_Frozen):
     overhead_tokens: int = Field(64, ge=0)  # a batch's fixed cost in padded tokens (length grouping)
 
 
+class EngineSettings(_Frozen):
+    """The continuous-batching engine of a generator deployment (service/engine.py). The defaults suit
+    SmolLM2-135M on CPU: 8 sequences of up to 1024 tokens fit the 384 MiB KV cache in float32."""
+
+    max_running: int = Field(8, ge=1)  # sequences decoding at once (cache rows, if the budget holds them)
+    kv_cache_mib: float = Field(384.0, gt=0)  # KV-cache budget; rows = min(max_running, budget // row size)
+    max_total_tokens: int | None = Field(1024, ge=2)  # prompt + output per request (cut to max_positions)
+    max_prompt_tokens: int | None = Field(None, ge=1)  # None: the model's max_input_tokens, < max_total_tokens
+    max_new_tokens: int | None = Field(512, ge=1)  # output tokens per request; None: max_total_tokens - 1
+    max_queued: int = Field(64, ge=1)  # requests waiting for a row; past it 503 + Retry-After
+    prefill_tokens: int = Field(2048, ge=1)  # padded prompt tokens per admission step (one always fits)
+
+
 class DeploymentSettings(_Frozen):
     """One model deployment: what it serves and how it scales."""
 
     model: ModelSettings | None = None  # None: DEFAULT_SPECS[<deployment name>]
-    batching: BatchingSettings = BatchingSettings()
+    batching: BatchingSettings = BatchingSettings()  # encoder and translator deployments
+    engine: EngineSettings = EngineSettings()  # generator deployments
     num_replicas: int = Field(1, ge=1)
     autoscaling_config: dict[str, Any] | None = None  # Ray Serve's; replaces num_replicas when set
     num_cpus: float = Field(1.0, ge=0)
@@ -186,7 +200,7 @@ class Settings(_Frozen):
                 if other != name:
                     raise ValueError(f"deployments {other!r} and {name!r} both serve model "
                                      f"{dep.model.name!r} for {task!r}")
-            if dep.batching.max_queued < self.max_inputs:
+            if dep.model.kind != "generator" and dep.batching.max_queued < self.max_inputs:
                 raise ValueError(f"deployment {name!r}: batching.max_queued ({dep.batching.max_queued}) "
                                  f"must be >= max_inputs ({self.max_inputs}), or a full request never fits")
         return self

@@ -1,6 +1,6 @@
 """End to end over real HTTP: a local Ray + Serve running the app with tiny models.
 
-One session fixture starts Ray, deploys the app on a free 127.0.0.1 port and watches /readyz go
+One module fixture starts Ray, deploys the app on a free 127.0.0.1 port and watches /readyz go
 from 503 to 200 (the `gated` deployment waits for a file before loading). Batching knobs are small
 so concurrent requests really share batches. The `gated` deployment also has a tiny queue and a
 long max_wait, for the 503 and 504 paths.
@@ -90,7 +90,7 @@ def _poll(client: httpx.Client, path: str, status: int, timeout_s: float) -> htt
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # module: other e2e modules start their own Ray
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     import ray
     from ray import serve

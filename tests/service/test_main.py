@@ -39,3 +39,10 @@ def test_main_refuses_to_start_without_weights(tmp_path: Path, monkeypatch: pyte
     for key in [k for k in os.environ if k.startswith("TS_")]:
         monkeypatch.delenv(key)
     assert main(["--config", str(config)]) == 1
+
+
+def test_missing_weights_checks_a_pinned_gguf(tmp_path: Path) -> None:
+    gen = {"name": "gen", "tasks": ["generate"], "source": "gguf:zoo:smollm2"}
+    problems = missing_weights(Settings.build({"cache_dir": str(tmp_path), "deployments": {"gen": {"model": gen}}},
+                                              env={}))
+    assert len(problems) == 1 and problems[0].startswith("gen (gen): gguf:zoo:smollm2: ") and "fetch" in problems[0]

@@ -19,9 +19,10 @@ TINY = {"name": "tiny", "tasks": ["classify", "embed"], "source": "tiny:encoder"
 
 def test_defaults_serve_the_catalog_models() -> None:
     s = Settings.build(None, env={})
-    assert set(s.deployments) == {"encoder", "translator"}
+    assert set(s.deployments) == {"encoder", "translator", "generator"}
     assert s.deployments["encoder"].spec == DEFAULT_SPECS["encoder"]
     assert s.deployments["translator"].spec == DEFAULT_SPECS["translator"]
+    assert s.deployments["generator"].spec == DEFAULT_SPECS["generator"]
 
 
 def test_the_shipped_serve_config_is_valid() -> None:
@@ -31,6 +32,8 @@ def test_the_shipped_serve_config_is_valid() -> None:
     s = Settings.build(app["args"], env={})
     assert s.deployments["encoder"].model.name == "minilm-sentiment"  # type: ignore[union-attr]
     assert s.deployments["translator"].batching.max_batch_size == 16
+    assert s.deployments["generator"].model.kind == "generator"  # type: ignore[union-attr]
+    assert s.deployments["generator"].engine.max_running == 8 and s.deployments["generator"].num_cpus == 2
 
 
 def test_environment_overrides_nested_fields_with_json_values() -> None:
@@ -79,3 +82,12 @@ def test_deployment_options_follow_the_settings() -> None:
     opts = deployment_options(scaled, s, cluster_gpus=0)
     assert "num_replicas" not in opts and opts["autoscaling_config"]["max_replicas"] == 4
     assert dep.threads() == 2 and DeploymentSettings(model=dep.model, num_cpus=0).threads() == 1
+
+
+def test_engine_settings_of_a_generator() -> None:
+    env = {"TS_DEPLOYMENTS__GENERATOR__ENGINE__MAX_RUNNING": "4", "TS_DEPLOYMENTS__GENERATOR__ENGINE__KV_CACHE_MIB": "64"}
+    s = Settings.build(None, env)
+    engine = s.deployments["generator"].engine
+    assert engine.max_running == 4 and engine.kv_cache_mib == 64 and engine.max_total_tokens == 1024
+    with pytest.raises(ValidationError, match="max_queued"):
+        Settings.build({"deployments": {"generator": {"engine": {"max_queued": 0}}}}, env={})

@@ -1,0 +1,129 @@
+"""The generator runner without Ray, on the tiny decoder: engine limits from the settings, prompts and
+chat templates, defaults, errors naming fields, cancellation of a whole answer and of a stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.catalog import LoadedModel, ModelSpec, load_model
+from service.engine_config import EngineOverloaded, RequestTooLarge
+from service.errors import InvalidRequest
+from service.generation import GeneratorRunner, engine_config
+from service.messages import ChatMessage, GenerationDone, GenerationRequest, GenerationStarted, TextDelta
+from service.settings import EngineSettings
+
+POSITIONS = 512  # tiny:decoder's max_positions
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def loaded(defaults: dict[str, object] | None = None, max_input_tokens: int | None = None) -> LoadedModel:
+    spec = ModelSpec(name="tiny", tasks=("generate",), source="tiny:decoder", defaults=defaults or {},
+                     max_input_tokens=max_input_tokens)
+    return load_model(spec, Path("unused"))
+
+
+def runner(settings: EngineSettings | None = None, **defaults: object) -> GeneratorRunner:
+    model = loaded(defaults)
+    return GeneratorRunner(model, "gen", engine_config(settings or EngineSettings(max_total_tokens=None), model))
+
+
+def test_engine_limits_follow_the_settings_within_the_model() -> None:
+    model = loaded(max_input_tokens=100)
+    cfg = engine_config(EngineSettings(max_total_tokens=4096, kv_cache_mib=2, max_running=3), model)
+    assert cfg.max_total_tokens == POSITIONS and cfg.max_prompt_tokens == 100  # cut to the model's limits
+    assert cfg.kv_cache_bytes == 2 * 2**20 and cfg.max_running == 3 and cfg.max_new_tokens == 512
+    cfg = engine_config(EngineSettings(max_total_tokens=64, max_prompt_tokens=1000), model)
+    assert cfg.max_total_tokens == 64 and cfg.max_prompt_tokens == 63
+    limits = GeneratorRunner(model, "gen", cfg).engine.limits
+    assert (limits.max_total_tokens, limits.max_prompt_tokens, limits.max_new_tokens) == (64, 63, 63)
+
+
+def test_a_default_max_new_tokens_shrinks_to_fit_but_a_requested_one_does_not() -> None:
+    r = runner(max_new_tokens=100)
+    prompt = "x" * (POSITIONS - 30)
+    ids = r.prompt_ids(GenerationRequest("a", prompt=prompt))
+    assert r.params(GenerationRequest("a", prompt="hi"), 2).max_new_tokens == 100
+    assert r.params(GenerationRequest("a", prompt=prompt), len(ids)).max_new_tokens == 30
+    with pytest.raises(RequestTooLarge, match="max_total_tokens") as e:
+        r.submit(GenerationRequest("a", prompt=prompt, max_new_tokens=31))
+    assert e.value.param == "max_new_tokens" and e.value.limit == "max_total_tokens"
+    assert runner().params(GenerationRequest("a", prompt="hi"), 2).max_new_tokens == 64  # SamplingParams'
+
+
+def test_chat_uses_the_template_and_its_errors_name_messages() -> None:
+    r = runner()
+    messages = (ChatMessage("developer", "be brief"), ChatMessage("user", "hi"))
+    ids = r.prompt_ids(GenerationRequest("a", messages=messages))
+    assert r.loaded.tokenizer.decode(ids) == "<system>be brief\n<user>hi\n<assistant>"
+    with pytest.raises(RequestTooLarge) as e:
+        r.submit(GenerationRequest("a", messages=(ChatMessage("user", "y" * POSITIONS),)))
+    assert e.value.param == "messages" and e.value.limit == "max_prompt_tokens"
+    with pytest.raises(InvalidRequest, match="could not be tokenized") as bad:
+        r.submit(GenerationRequest("a", prompt="bad \ud800"))
+    assert bad.value.param == "prompt"
+    r.loaded.tokenizer.chat_template = None
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        r.prompt_ids(GenerationRequest("a", messages=messages))
+
+
+def _wait_finished(r: GeneratorRunner, n: int, timeout_s: float = 5.0) -> None:
+    """Until n requests finished (Finished events go out just after the rows are freed)."""
+    deadline = time.monotonic() + timeout_s
+    while sum(r.engine.stats().finished.values()) < n:
+        assert time.monotonic() < deadline, r.engine.stats()
+        time.sleep(0.005)
+
+
+def test_whole_answers_streams_and_cancellation() -> None:
+    r = runner(EngineSettings(max_total_tokens=None, max_running=1, max_queued=1))
+    r.warm_up()
+    r.start()
+    try:
+        async def main() -> None:
+            request = GenerationRequest("whole", prompt="héllo ¿qué?", max_new_tokens=30, temperature=0.8, seed=4)
+            whole = await r.generate(request)
+            events = [e async for e in r.stream(GenerationRequest("streamed", **{
+                k: getattr(request, k) for k in ("prompt", "max_new_tokens", "temperature", "seed")}))]
+            assert isinstance(events[0], GenerationStarted) and isinstance(events[-1], GenerationDone)
+            assert all(isinstance(e, TextDelta) for e in events[1:-1])
+            assert "".join(e.text for e in events[1:-1]) == whole.text == events[-1].text  # type: ignore[union-attr]
+            assert events[0].prompt_tokens == whole.prompt_tokens == len("héllo ¿qué?".encode())  # type: ignore[union-attr]
+
+            long = GenerationRequest("long", prompt="go", max_new_tokens=500)
+            task = asyncio.create_task(r.generate(long))
+            while r.engine.stats().running == 0:
+                await asyncio.sleep(0.001)
+            queued, _ = r.submit(GenerationRequest("queued", prompt="go"))
+            with pytest.raises(EngineOverloaded):  # one row running, one request waiting: full
+                r.submit(GenerationRequest("refused", prompt="go"))
+            queued.cancel()
+            task.cancel()  # the client went away
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            stream = r.stream(GenerationRequest("stream", prompt="go", max_new_tokens=500))
+            assert isinstance(await anext(stream), GenerationStarted)
+            await anext(stream)
+            await stream.aclose()  # the ingress closed it
+
+        asyncio.run(main())
+        _wait_finished(r, 6)
+        info = r.info()
+        assert info.stats["finished"] == {"length": 3, "cancelled": 3}  # warm-up, whole, streamed; the rest
+        assert info.stats["running"] == info.stats["waiting"] == 0
+        assert info.limits["rows"] == 1 and info.max_input_tokens == POSITIONS - 1
+    finally:
+        r.close()
+    assert not r.alive

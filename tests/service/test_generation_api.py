@@ -1,0 +1,159 @@
+"""The generation routes in process (no Ray, no model): request conversion, the three SSE formats,
+errors before and after a stream starts, OpenAI's field names in errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from service.api import create_api
+from service.engine_config import RequestTooLarge
+from service.errors import NotReady, Overloaded, ServiceError
+from service.messages import (
+    ChatMessage,
+    GenerationDone,
+    GenerationEvent,
+    GenerationRequest,
+    GenerationStarted,
+    ModelInfo,
+    TextDelta,
+)
+from service.settings import Settings
+
+GEN = {"name": "gen", "tasks": ["generate"], "source": "tiny:decoder"}
+
+
+class FakeBackend:
+    """Streams `events` (then raises `fail`, if set); a whole answer is the last event. Records requests."""
+
+    def __init__(self, events: list[GenerationEvent], fail: ServiceError | None = None,
+                 refuse: ServiceError | None = None) -> None:
+        self.events, self.fail, self.refuse = events, fail, refuse
+        self.requests: list[GenerationRequest] = []
+        self.closed = 0
+
+    async def call(self, deployment: str, method: str, request: GenerationRequest) -> Any:
+        assert (deployment, method) == ("generator", "generate")
+        self.requests.append(request)
+        if self.refuse is not None:
+            raise self.refuse
+        return self.events[-1]
+
+    async def stream(self, deployment: str, method: str, request: GenerationRequest) -> AsyncIterator[Any]:
+        assert (deployment, method) == ("generator", "generate_stream")
+        self.requests.append(request)
+        if self.refuse is not None:
+            raise self.refuse
+        try:
+            for event in self.events:
+                yield event
+            if self.fail is not None:
+                raise self.fail
+        finally:
+            self.closed += 1
+
+    async def info(self, deployment: str, timeout_s: float) -> ModelInfo:
+        return ModelInfo(name="gen", deployment=deployment, tasks=("generate",), device="cpu", dtype="float32",
+                         max_input_tokens=8)
+
+
+def post(backend: FakeBackend, path: str, body: dict[str, Any]) -> httpx.Response:
+    app = create_api(Settings.build({"deployments": {"generator": {"model": GEN}}, "retry_after_s": 3}, env={}),
+                     backend)
+
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(main())
+
+
+def payloads(r: httpx.Response) -> list[Any]:
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.text.endswith("\n\n") and all(block.startswith("data: ") for block in r.text[:-2].split("\n\n"))
+    return [b[6:] if b[6:] == "[DONE]" else json.loads(b[6:]) for b in r.text[:-2].split("\n\n")]
+
+
+EVENTS: list[GenerationEvent] = [GenerationStarted("r1", 5), TextDelta("Hé"), TextDelta("llo"),
+                                 GenerationDone("r1", "Héllo", "length", 5, 3)]
+USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+def test_generate_answers_whole_or_as_events() -> None:
+    backend = FakeBackend(EVENTS)
+    body = {"prompt": "hi", "max_new_tokens": 3, "temperature": 0.5, "top_k": 4, "top_p": 0.9,
+            "repetition_penalty": 1.1, "seed": 7, "stop": "x"}
+    whole = post(backend, "/v1/generate", body)
+    assert whole.json() == {"model": "gen", "text": "Héllo", "finish_reason": "length", "usage": USAGE}
+    streamed = payloads(post(backend, "/v1/generate", {**body, "stream": True}))
+    assert streamed == [{"text": "Hé"}, {"text": "llo"},
+                        {"model": "gen", "text": "", "finish_reason": "length", "usage": USAGE}]
+    first, second = backend.requests
+    assert first == GenerationRequest(first.request_id, prompt="hi", max_new_tokens=3, temperature=0.5, top_k=4,
+                                      top_p=0.9, repetition_penalty=1.1, seed=7, stop=("x",))
+    assert second.request_id != first.request_id and backend.closed == 1
+
+
+def test_completions_chunks_in_openai_format() -> None:
+    backend = FakeBackend(EVENTS)
+    whole = post(backend, "/v1/completions", {"prompt": ["hi"], "max_tokens": 3}).json()
+    assert whole["object"] == "text_completion" and whole["id"].startswith("cmpl-") and whole["usage"] == USAGE
+    assert whole["choices"] == [{"index": 0, "text": "Héllo", "logprobs": None, "finish_reason": "length"}]
+    chunks = payloads(post(backend, "/v1/completions", {"prompt": "hi", "stream": True}))
+    assert chunks[-1] == "[DONE]" and all(c["object"] == "text_completion" and "usage" not in c for c in chunks[:-1])
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["Hé", "llo", ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "length"]
+    with_usage = payloads(post(backend, "/v1/completions", {"prompt": "hi", "stream": True,
+                                                             "stream_options": {"include_usage": True}}))
+    assert with_usage[-2]["choices"] == [] and with_usage[-2]["usage"] == USAGE
+    assert all(c["usage"] is None for c in with_usage[:-2])
+
+
+def test_chat_chunks_in_openai_format() -> None:
+    backend = FakeBackend(EVENTS)
+    messages = [{"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    whole = post(backend, "/v1/chat/completions", {"messages": messages, "max_tokens": 9,
+                                                   "max_completion_tokens": 3, "n": 1, "stop": ["a", "b"]}).json()
+    assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
+    assert whole["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Héllo"},
+                                 "logprobs": None, "finish_reason": "length"}]
+    request = backend.requests[0]
+    assert request.messages == (ChatMessage("developer", "be brief"), ChatMessage("user", "hi"))
+    assert request.prompt is None and request.max_new_tokens == 3 and request.stop == ("a", "b")
+    chunks = payloads(post(backend, "/v1/chat/completions", {"messages": messages, "stream": True}))
+    assert chunks[-1] == "[DONE]" and {c["object"] for c in chunks[:-1]} == {"chat.completion.chunk"}
+    assert [c["choices"][0]["delta"] for c in chunks[:-1]] == [
+        {"role": "assistant", "content": ""}, {"content": "Hé"}, {"content": "llo"}, {}]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path", ["/v1/generate", "/v1/completions", "/v1/chat/completions"])
+def test_a_failure_after_the_stream_started_is_a_last_error_event(path: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    died = FakeBackend(EVENTS[:2], fail=NotReady("generator: the model replica died; retry later"))
+    *_, last = payloads(post(died, path, {**body, "stream": True}))
+    assert last == {"error": {"type": "model_not_ready", "message": "generator: the model replica died; retry later"}}
+    failed = FakeBackend([*EVENTS[:2], GenerationDone("r1", "Hé", "error", 5, 1, error="RuntimeError: boom")])
+    *_, last = payloads(post(failed, path, {**body, "stream": True}))
+    assert last["error"]["type"] == "internal_error" and "boom" not in json.dumps(last)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_refusals_are_json_errors_with_the_route_field_names(stream: bool) -> None:
+    too_long = RequestTooLarge("max_new_tokens=900 is over the limit max_new_tokens (512)", "max_new_tokens",
+                               "max_new_tokens")
+    r = post(FakeBackend([], refuse=too_long), "/v1/completions", {"prompt": "hi", "max_tokens": 900, "stream": stream})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "max_tokens"
+    assert "limit max_new_tokens" in r.json()["error"]["message"]
+    r = post(FakeBackend([], refuse=too_long), "/v1/chat/completions",
+             {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 900, "stream": stream})
+    assert r.json()["error"]["param"] == "max_completion_tokens"
+    r = post(FakeBackend([], refuse=Overloaded("full")), "/v1/generate", {"prompt": "hi", "stream": stream})
+    assert r.status_code == 503 and r.headers["Retry-After"] == "3" and r.json()["error"]["type"] == "overloaded_error"

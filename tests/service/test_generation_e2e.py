@@ -1,0 +1,487 @@
+"""Generation end to end over real HTTP: a local Ray + Serve with tiny decoders, and the default
+SmolLM2 for one slow test.
+
+One module fixture starts Ray and Serve's HTTP proxy on a free 127.0.0.1 port; the tiny app is
+deployed on it at "/", SmolLM2 (slow test only) as a second app under "/smollm2". Deployments:
+- `generator`: `tiny:decoder` (byte tokenizer, chat template), 16 rows, for results and formats;
+- `long`: the same architecture saved with 4096 positions and no end-of-sequence token, so a
+  request runs for thousands of steps; one row and one queue slot, for overload, cancellation and
+  deadlines. It has no chat template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from models.config import DecoderConfig
+from models.decoder import DecoderLM
+from models.decoding import SamplingParams
+from models.generate import generate
+from models.tiny import VOCAB, byte_tokenizer, tiny_model
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+TINY, LONG = "tiny-decoder", "tiny-decoder-long"
+MAX_POSITIONS = 512  # tiny:decoder's; its engine: max_prompt_tokens 511, max_total_tokens 512
+RETRY_AFTER = "2"
+TEXT = "héllo ¿qué? 日本"
+
+
+def long_decoder(path: Path) -> Path:
+    """tiny:decoder's architecture with 4096 positions and no eos: only max_new_tokens stops it."""
+    cfg = DecoderConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_layers=2,
+                        max_positions=4096, position="rotary", norm="rmsnorm", activation="swiglu",
+                        attn_bias=False, mlp_bias=False, eos_token_ids=())
+    from models.checkpoints.format import save_checkpoint
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = DecoderLM(cfg).eval()
+    save_checkpoint(model, path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
+def app_args(long_dir: Path) -> dict[str, Any]:
+    return {
+        "device": "cpu", "retry_after_s": int(RETRY_AFTER), "readiness_timeout_s": 2,
+        "deployments": {
+            "generator": {
+                "model": {"name": TINY, "tasks": ["generate"], "source": "tiny:decoder",
+                          "defaults": {"max_new_tokens": 24}},
+                "num_cpus": 0, "torch_threads": 1,
+                "engine": {"max_running": 16, "max_queued": 32, "max_total_tokens": None, "max_new_tokens": 256}},
+            "long": {
+                "model": {"name": LONG, "tasks": ["generate"], "source": f"dir:{long_dir}"},
+                "num_cpus": 0, "torch_threads": 1,
+                "engine": {"max_running": 1, "max_queued": 1, "max_total_tokens": 4096, "max_new_tokens": 4000}},
+        },
+    }
+
+
+@dataclass
+class Cluster:
+    url: str
+
+    def client(self, prefix: str = "") -> httpx.Client:
+        return httpx.Client(base_url=self.url + prefix, timeout=60)
+
+    def async_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=60,
+                                 limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+    def openai(self, prefix: str = "") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}{prefix}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(client: httpx.Client, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if client.get("/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{client.base_url}readyz did not answer 200 within {timeout_s} s")
+        time.sleep(0.2)
+
+
+def _deploy(settings_args: dict[str, Any], name: str, prefix: str) -> None:
+    from ray import serve
+
+    from service.app import build_app_from_settings
+    from service.settings import Settings
+
+    serve.run(build_app_from_settings(Settings.build(settings_args, env={})), name=name, route_prefix=prefix)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    import ray
+    from ray import serve
+
+    port = _free_port()
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield Cluster(f"http://127.0.0.1:{port}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    _deploy(app_args(long_decoder(tmp_path_factory.mktemp("long-decoder"))), "generation", "/")
+    with cluster.client() as c:
+        _wait_ready(c, timeout_s=120)
+    return cluster
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+def sse_payloads(lines: Iterator[str]) -> list[Any]:
+    """The `data:` payloads of a server-sent event stream, decoded ("[DONE]" kept as is)."""
+    out: list[Any] = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return out
+
+
+def generate_both(c: httpx.Client, body: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """/v1/generate without and with stream; the JSON answer and the stream's events."""
+    whole = c.post("/v1/generate", json=body)
+    assert whole.status_code == 200, whole.text
+    with c.stream("POST", "/v1/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_payloads(r.iter_lines())
+    return whole.json(), events
+
+
+def stats(c: httpx.Client, deployment: str) -> dict[str, Any]:
+    cards = {m["deployment"]: m for m in c.get("/v1/models").json()["data"]}
+    return cards[deployment]["stats"]
+
+
+def wait_idle(c: httpx.Client, deployment: str, timeout_s: float = 5.0) -> tuple[dict[str, Any], float]:
+    """Poll the engine's stats until nothing runs or waits; the stats and the seconds it took."""
+    started = time.monotonic()
+    while True:
+        s = stats(c, deployment)
+        if s["running"] == 0 and s["waiting"] == 0:
+            return s, time.monotonic() - started
+        assert time.monotonic() - started < timeout_s, f"{deployment} still busy after {timeout_s} s: {s}"
+        time.sleep(0.02)
+
+
+def _error(r: httpx.Response, status: int, type_: str, param: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and body["error"]["type"] == type_, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert "Traceback" not in r.text
+    if param is not None:
+        assert body["error"].get("param") == param, body
+    return body["error"]
+
+
+# -- /v1/generate ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("params", [
+    {"max_new_tokens": 40},
+    {"max_new_tokens": 40, "temperature": 0.9, "top_k": 50, "top_p": 0.9, "repetition_penalty": 1.2, "seed": 11},
+], ids=["greedy", "seeded-sampled"])
+def test_streamed_text_adds_up_to_the_whole_answer(server: Cluster, params: dict[str, Any]) -> None:
+    with server.client() as c:
+        whole, events = generate_both(c, {"prompt": TEXT, **params})
+    assert whole["model"] == TINY and whole["finish_reason"] in ("stop", "length")
+    *pieces, last = events
+    assert pieces and all(set(p) == {"text"} and p["text"] for p in pieces)
+    assert "".join(p["text"] for p in pieces) == whole["text"]
+    assert last == {"model": TINY, "text": "", "finish_reason": whole["finish_reason"], "usage": whole["usage"]}
+    u = whole["usage"]
+    assert u["prompt_tokens"] == len(TEXT.encode()) and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    assert whole["finish_reason"] == "stop" or u["completion_tokens"] == 40
+    # random bytes from the byte-level model: multi-byte characters are split over tokens
+    assert any(ord(ch) > 127 for ch in whole["text"])
+
+
+def test_greedy_http_answer_is_offline_generate(server: Cluster) -> None:
+    model, tok = tiny_model("decoder")
+    prompt = "the quick brown fox"
+    ref = generate(model, [tok.encode(prompt)], SamplingParams(max_new_tokens=30))[0]
+    with server.client() as c:
+        body = c.post("/v1/generate", json={"prompt": prompt, "max_new_tokens": 30}).json()
+    assert body["text"] == tok.decode(ref.tokens)
+    assert body["finish_reason"] == ref.finish_reason
+    assert body["usage"]["completion_tokens"] == len(ref.tokens) + (ref.finish_reason == "stop")
+
+
+def test_stop_strings_and_model_defaults(server: Cluster) -> None:
+    with server.client() as c:
+        free = c.post("/v1/generate", json={"prompt": "abc", "max_new_tokens": 60}).json()["text"]
+        assert len(free) >= 12
+        stop = free[10:12]
+        cut, events = generate_both(c, {"prompt": "abc", "max_new_tokens": 60, "stop": [stop, "\x00zz"]})
+        default = c.post("/v1/generate", json={"prompt": "abc"}).json()
+    assert cut["text"] == free[:free.index(stop)] and cut["finish_reason"] == "stop"
+    assert "".join(e["text"] for e in events[:-1]) == cut["text"]
+    assert default["usage"]["completion_tokens"] <= 24  # the model's default max_new_tokens
+    assert default["finish_reason"] == "stop" or default["usage"]["completion_tokens"] == 24
+
+
+def _request_mix(n: int) -> list[dict[str, Any]]:
+    rng = random.Random(5)
+    kinds = [{}, {"repetition_penalty": 1.3}, {"temperature": 0.8, "seed": 1, "top_k": 20},
+             {"temperature": 1.1, "top_p": 0.85, "seed": 2}]
+    return [{"prompt": f"request {i}: " + "xyz" * rng.randint(0, 20), "max_new_tokens": rng.randint(3, 60),
+             **kinds[i % len(kinds)]} for i in range(n)]
+
+
+def test_same_text_alone_and_among_16_concurrent_requests(server: Cluster) -> None:
+    bodies = _request_mix(16)
+    with server.client() as c:
+        alone = [c.post("/v1/generate", json=b).json() for b in bodies]
+
+    async def one(ac: httpx.AsyncClient, i: int, body: dict[str, Any]) -> dict[str, Any]:
+        if i % 2 == 0:
+            r = await ac.post("/v1/generate", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+        async with ac.stream("POST", "/v1/generate", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            events = sse_payloads(iter([line async for line in r.aiter_lines()]))
+        last = events[-1]
+        return {"model": last["model"], "text": "".join(e["text"] for e in events[:-1]),
+                "finish_reason": last["finish_reason"], "usage": last["usage"]}
+
+    async def main() -> list[dict[str, Any]]:
+        async with server.async_client() as ac:
+            return await asyncio.gather(*(one(ac, i, b) for i, b in enumerate(bodies)))
+
+    with server.client() as c:
+        steps_before = stats(c, "generator")["steps"]
+        together = asyncio.run(main())
+        steps = stats(c, "generator")["steps"] - steps_before
+    assert together == alone
+    assert steps < sum(a["usage"]["completion_tokens"] for a in alone)  # they shared decode steps
+
+
+# -- OpenAI's API through the official client -------------------------------------------------------
+
+def test_openai_completions_with_and_without_stream(server: Cluster) -> None:
+    client = server.openai()
+    params = {"model": TINY, "prompt": "hello there", "max_tokens": 20, "temperature": 0.7, "seed": 3,
+              "stop": "\x00never"}
+    whole = client.completions.create(**params)
+    with server.client() as c:
+        native = c.post("/v1/generate", json={"prompt": "hello there", "max_new_tokens": 20, "temperature": 0.7,
+                                               "seed": 3, "stop": ["\x00never"]}).json()
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-") and whole.model == TINY
+    assert len(whole.choices) == 1 and whole.choices[0].text == native["text"]
+    assert whole.choices[0].finish_reason == native["finish_reason"]
+    assert whole.usage is not None and whole.usage.model_dump(exclude_none=True) == native["usage"]
+    chunks = list(client.completions.create(**params, stream=True, stream_options={"include_usage": True}))
+    assert all(ch.object == "text_completion" and ch.id == chunks[0].id for ch in chunks)
+    texts = [ch.choices[0].text for ch in chunks if ch.choices]
+    assert "".join(texts) == whole.choices[0].text
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finish[-1] == whole.choices[0].finish_reason and set(finish[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_openai_chat_completions_with_and_without_stream(server: Cluster) -> None:
+    client = server.openai()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi ¿qué tal?"}]
+    whole = client.chat.completions.create(model=TINY, messages=messages, max_tokens=25, temperature=0,  # type: ignore[arg-type]
+                                           extra_body={"repetition_penalty": 1.2})
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
+    message = whole.choices[0].message
+    assert message.role == "assistant" and whole.choices[0].finish_reason in ("stop", "length")
+    _, tok = tiny_model("decoder")
+    prompt = tok.apply_chat_template(messages)
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
+    stream = client.chat.completions.create(model=TINY, messages=messages, max_tokens=25, temperature=0,  # type: ignore[arg-type]
+                                            extra_body={"repetition_penalty": 1.2}, stream=True)
+    chunks = list(stream)
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert [m.id for m in client.models.list()] == [TINY, LONG]
+
+
+def test_openai_client_sees_422_for_unsupported_parameters(server: Cluster) -> None:
+    client = server.openai()
+    with pytest.raises(openai.UnprocessableEntityError, match="n=2"):
+        client.completions.create(model=TINY, prompt="hi", n=2)
+    with pytest.raises(openai.UnprocessableEntityError, match="frequency_penalty"):
+        client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hi"}],
+                                       frequency_penalty=0.5)
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+CHAT = [{"role": "user", "content": "hi"}]
+BAD = [
+    ("/v1/generate", {"prompt": "hi", "temperature": -0.1}, "temperature", None),
+    ("/v1/generate", {"prompt": "hi", "temperature": "0.5"}, "temperature", None),
+    ("/v1/generate", {"prompt": "hi", "top_p": 1.5}, "top_p", None),
+    ("/v1/generate", {"prompt": "hi", "top_p": 0}, "top_p", None),
+    ("/v1/generate", {"prompt": "hi", "top_k": -1}, "top_k", None),
+    ("/v1/generate", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", None),
+    ("/v1/generate", {"prompt": "hi", "seed": -1}, "seed", None),
+    ("/v1/generate", {"prompt": "hi", "seed": 1.5}, "seed", None),
+    ("/v1/generate", {"prompt": "hi", "max_new_tokens": 0}, "max_new_tokens", None),
+    ("/v1/generate", {"prompt": "hi", "max_new_tokens": 10**12}, "max_new_tokens", None),
+    ("/v1/generate", {"prompt": "hi", "max_new_tokens": MAX_POSITIONS}, "max_new_tokens", "max_new_tokens"),
+    ("/v1/generate", {"prompt": "x" * 300, "max_new_tokens": 250}, "max_new_tokens", "max_total_tokens"),
+    ("/v1/generate", {"prompt": "x" * MAX_POSITIONS}, "prompt", "max_prompt_tokens"),
+    ("/v1/generate", {"prompt": ""}, "prompt", None),
+    ("/v1/generate", {"prompt": 3}, "prompt", None),
+    ("/v1/generate", {}, "prompt", None),
+    ("/v1/generate", {"prompt": "hi", "stop": [""]}, "stop[0]", None),
+    ("/v1/generate", {"prompt": "hi", "stop": ["a"] * 9}, "stop", None),
+    ("/v1/generate", {"prompt": "hi", "stop": 5}, "stop", None),
+    ("/v1/generate", {"prompt": "hi", "stream": "yes"}, "stream", None),
+    ("/v1/generate", {"prompt": "hi", "beam": 2}, "beam", None),
+    ("/v1/generate", {"prompt": "hi", "model": "no-such-model"}, "model", None),
+    ("/v1/generate", {"prompt": "hi", "stream": True, "max_new_tokens": 600}, "max_new_tokens", "max_new_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", None),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty", None),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": -1.0}, "presence_penalty", None),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs", None),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", None),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", None),
+    ("/v1/completions", {"prompt": [1, 2]}, "prompt[0]", None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, "max_tokens", "max_new_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "max_tokens": 600}, "max_tokens", "max_new_tokens"),
+    ("/v1/chat/completions", {"messages": []}, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content", None),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 3}, "n", None),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": 2.5}, "temperature", None),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, "logprobs", None),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": []}, "tools", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * MAX_POSITIONS}]}, "messages",
+     "max_prompt_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "model": LONG}, "messages", "chat template"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "names"), BAD)
+def test_bad_parameters_are_a_422_naming_them(server: Cluster, path: str, body: dict[str, Any], param: str,
+                                              names: str | None) -> None:
+    with server.client() as c:
+        error = _error(c.post(path, json=body), 422, "invalid_request_error", param)
+    if names is not None:
+        assert names in error["message"]
+
+
+def test_malformed_bodies_are_a_422(server: Cluster) -> None:
+    with server.client() as c:
+        for raw, param in [(b'{"prompt": "bad \\ud800 text"}', "prompt"), (b'{"prompt": ', None), (b"[]", None)]:
+            _error(c.post("/v1/generate", content=raw, headers={"content-type": "application/json"}),
+                   422, "invalid_request_error", param)
+
+
+# -- overload, cancellation, deadlines (the `long` deployment: one row, one queue slot) -------------
+
+LONG_BODY = {"prompt": "go", "model": LONG, "max_new_tokens": 4000}
+
+
+def test_a_full_engine_answers_503_with_retry_after(server: Cluster) -> None:
+    with server.client() as c, server.client() as c2:
+        with c.stream("POST", "/v1/generate", json={**LONG_BODY, "stream": True}) as running:
+            lines = running.iter_lines()  # kept: dropping a half-read iterator closes the connection
+            next(lines)  # text arrives: it holds the only row
+            with c2.stream("POST", "/v1/generate", json={**LONG_BODY, "stream": True}) as queued:
+                assert queued.status_code == 200  # accepted into the one queue slot
+                with server.client() as c3:
+                    for body in (LONG_BODY, {**LONG_BODY, "stream": True}):
+                        r = c3.post("/v1/generate", json=body)
+                        _error(r, 503, "overloaded_error")
+                        assert r.headers["Retry-After"] == RETRY_AFTER and r.elapsed.total_seconds() < 2
+        idle, _ = wait_idle(c, "long")
+        ok = c.post("/v1/generate", json={**LONG_BODY, "max_new_tokens": 5})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
+    assert idle["finished"].get("cancelled", 0) >= 2  # both streams were cancelled when they closed
+
+
+def test_a_client_that_disconnects_frees_its_row(server: Cluster) -> None:
+    with server.client() as c:
+        wait_idle(c, "long")
+        before = stats(c, "long")
+        with c.stream("POST", "/v1/generate", json={**LONG_BODY, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = sse_payloads(iter([next(lines)]))[0]
+            assert first["text"] and stats(c, "long")["running"] == 1
+        after, seconds = wait_idle(c, "long")  # the stream was closed after one event
+        assert after["finished"].get("cancelled", 0) == before["finished"].get("cancelled", 0) + 1
+        assert after["generated_tokens"] - before["generated_tokens"] < 4000
+        assert seconds < 2.0
+        with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+            c.post("/v1/generate", json=LONG_BODY, timeout=0.5)
+        gone, _ = wait_idle(c, "long")
+        assert gone["finished"].get("cancelled", 0) == before["finished"].get("cancelled", 0) + 2
+
+
+def test_a_deadline_answers_504_and_cancels_the_generation(server: Cluster) -> None:
+    with server.client() as c:
+        wait_idle(c, "long")
+        before = stats(c, "long")["finished"].get("cancelled", 0)
+        r = c.post("/v1/generate", json=LONG_BODY, headers={"X-Request-Timeout": "0.3"})
+        _error(r, 504, "timeout_error")
+        assert r.elapsed.total_seconds() < 2
+        after, _ = wait_idle(c, "long")
+    assert after["finished"].get("cancelled", 0) == before + 1
+
+
+def test_models_and_readiness_include_the_generators(server: Cluster) -> None:
+    with server.client() as c:
+        body = c.get("/v1/models").json()
+        ready = c.get("/readyz").json()
+        spec = c.get("/openapi.json").json()
+    assert body["object"] == "list" and body["tasks"] == {"generate": [TINY, LONG]}
+    cards = {m["id"]: m for m in body["data"]}
+    assert cards[TINY]["owned_by"] == "transformer-serve" and cards[TINY]["ready"]
+    assert cards[TINY]["limits"]["rows"] == 16 and cards[TINY]["max_input_tokens"] == MAX_POSITIONS - 1
+    assert cards[LONG]["limits"]["max_total_tokens"] == 4096 and cards[TINY]["defaults"] == {"max_new_tokens": 24}
+    assert ready == {"status": "ready", "deployments": {"generator": "ready", "long": "ready"}}
+    assert {"/v1/generate", "/v1/completions", "/v1/chat/completions"} <= set(spec["paths"])
+
+
+# -- the default model ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2(cluster: Cluster) -> Iterator[Cluster]:
+    from ray import serve
+
+    _deploy({"device": "cpu", "deployments": {"generator": {"num_cpus": 0, "torch_threads": 2}}},
+            "smollm2", "/smollm2")
+    try:
+        with cluster.client("/smollm2") as c:
+            _wait_ready(c, timeout_s=180)
+        yield cluster
+    finally:
+        serve.delete("smollm2")
+
+
+@pytest.mark.slow
+def test_smollm2_answers_the_capital_of_france(smollm2: Cluster) -> None:
+    client = smollm2.openai("/smollm2")
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages,  # type: ignore[arg-type]
+                                           temperature=0, max_tokens=40)
+    text = whole.choices[0].message.content or ""
+    assert "Paris" in text, text
+    stream = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages,  # type: ignore[arg-type]
+                                            temperature=0, max_tokens=40, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == text
