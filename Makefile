@@ -36,5 +36,10 @@ lint: venv
 bench: weights
 	$(PY) -m models.bench
 
+# Serving side by side: ours vs plain transformers vs Ray Serve @serve.batch (loadtests/README.md).
+# About 12-15 min on 2 cores; results in .bench/, tables in docs/benchmarks.md. E.g. BENCH_ARGS="--duration 6".
+bench-serve: weights
+	$(PY) -m loadtests.bench $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -36,7 +36,7 @@ from .settings import EngineSettings
 
 log = logging.getLogger(__name__)
 # request fields that fall back to the model's defaults (ModelSpec.defaults), then SamplingParams'
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "ignore_eos")
 CHAT_ROLES = {"developer": "system"}  # roles the templates know under another name
 WARM_UP_STEPS = 8
 DEFAULT_MAX_NEW = SamplingParams().max_new_tokens  # when neither the request nor the model sets one

@@ -214,7 +214,8 @@ def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = 
     return GenerationRequest(
         request_id=uuid.uuid4().hex, prompt=prompt, messages=messages, max_new_tokens=max_new_tokens,
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-        repetition_penalty=body.repetition_penalty, seed=body.seed, stop=tuple(body.stop or ()))
+        repetition_penalty=body.repetition_penalty, seed=body.seed, stop=tuple(body.stop or ()),
+        ignore_eos=body.ignore_eos)
 
 
 def generation_router(routes: ModelRoutes, backend: Backend, deadline: Callable[[Request], float],

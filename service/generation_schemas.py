@@ -46,6 +46,8 @@ class Sampling(_Request):
     seed: int | None = Field(None, ge=0, lt=2**63, strict=True,
                              description="Seeds this request's sampler: same seed and inputs, same text.")
     stop: Stops | None = None
+    ignore_eos: StrictBool | None = Field(None, description="Keep generating past the end-of-sequence token "
+                                                             "until max tokens (benchmarks; as vLLM's extra).")
     stream: StrictBool = Field(False, description="Answer with server-sent events as the text is generated.")
 
 

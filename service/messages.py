@@ -74,6 +74,7 @@ class GenerationRequest:
     repetition_penalty: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool | None = None
 
     @property
     def prompt_field(self) -> str:

@@ -63,6 +63,13 @@ def test_a_default_max_new_tokens_shrinks_to_fit_but_a_requested_one_does_not() 
     assert runner().params(GenerationRequest("a", prompt="hi"), 2).max_new_tokens == 64  # SamplingParams'
 
 
+def test_ignore_eos_generates_exactly_max_new_tokens() -> None:
+    r = runner()
+    params = r.params(GenerationRequest("a", prompt="hi", max_new_tokens=40, ignore_eos=True), 2)
+    assert params.ignore_eos and params.max_new_tokens == 40
+    assert not r.params(GenerationRequest("a", prompt="hi"), 2).ignore_eos
+
+
 def test_chat_uses_the_template_and_its_errors_name_messages() -> None:
     r = runner()
     messages = (ChatMessage("developer", "be brief"), ChatMessage("user", "hi"))

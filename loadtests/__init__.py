@@ -1,0 +1,1 @@
+"""Load generation and side-by-side serving benchmarks (see loadtests/README.md)."""

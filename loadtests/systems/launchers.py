@@ -1,0 +1,102 @@
+"""How the benchmark starts each system: a command line and environment per system name.
+
+`SYSTEMS[name](config)` returns a `Launch` (argv, extra environment, the tasks it will serve). Every
+system serves HTTP on 127.0.0.1:<port>, answers GET /readyz with 200 once its models are loaded and
+GET /v1/models with batching counters, and runs as a child process the harness stops with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import ours
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    tasks: tuple[str, ...]
+    models: str  # model set name (modelsets.py)
+    port: int
+    threads: int  # torch threads of each model (ours: each deployment)
+    device: str  # auto | cpu | cuda[:N]
+    workdir: Path  # generated configs and logs
+    cache_dir: str | None = None  # None: models.zoo.default_cache_dir()
+    request_timeout_s: float = 120.0  # ours' per-request deadline during the benchmark
+    max_batch_size: int = 32  # serve_batch's @serve.batch
+    batch_wait_ms: float = 5.0
+
+
+@dataclass(frozen=True)
+class Launch:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    tasks: tuple[str, ...] = ()  # what it will serve (a subset of the config's tasks)
+    skipped: dict[str, str] = field(default_factory=dict)  # task -> why this system cannot serve it
+
+
+def _baseline_argv(module: str, cfg: LaunchConfig) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        module,
+        "--port",
+        str(cfg.port),
+        "--tasks",
+        ",".join(cfg.tasks),
+        "--models",
+        cfg.models,
+        "--threads",
+        str(cfg.threads),
+        "--device",
+        cfg.device,
+    ]
+    return argv + (["--cache-dir", cfg.cache_dir] if cfg.cache_dir else [])
+
+
+def plain(cfg: LaunchConfig) -> Launch:
+    return Launch(_baseline_argv("loadtests.systems.plain", cfg), tasks=cfg.tasks)
+
+
+def serve_batch(cfg: LaunchConfig) -> Launch:
+    argv = _baseline_argv("loadtests.systems.serve_batch", cfg)
+    argv += ["--max-batch-size", str(cfg.max_batch_size), "--batch-wait-ms", str(cfg.batch_wait_ms)]
+    return Launch(argv, tasks=cfg.tasks)
+
+
+def our_service(cfg: LaunchConfig) -> Launch:
+    skipped = ours.unsupported(cfg.tasks)
+    tasks = tuple(t for t in cfg.tasks if t not in skipped)
+    if not tasks:
+        return Launch([], tasks=(), skipped=skipped)
+    path = ours.write_config(
+        tasks,
+        cfg.models,
+        cfg.port,
+        cfg.threads,
+        cfg.device,
+        cfg.request_timeout_s,
+        cfg.workdir / "ours_serve_config.yaml",
+    )
+    env = {"TRANSFORMER_SERVE_CACHE": cfg.cache_dir} if cfg.cache_dir else {}
+    argv = [
+        sys.executable,
+        "-m",
+        "service",
+        "--config",
+        str(path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(cfg.port),
+    ]
+    return Launch(argv, env, tasks, skipped)
+
+
+SYSTEMS: dict[str, Callable[[LaunchConfig], Launch]] = {
+    "ours": our_service,
+    "plain": plain,
+    "serve_batch": serve_batch,
+}
