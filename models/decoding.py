@@ -104,7 +104,8 @@ def filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     drop = rank >= k  # (B, V) outside top-k
     probs = sorted_logits.masked_fill(drop, NEG_INF).softmax(-1)  # (B, V)
     before = probs.cumsum(-1) - probs  # (B, V): mass of strictly better tokens
-    drop = drop | (before >= top_p[:, None])  # (B, V); the best token always stays
+    # the best token always stays; top_p = 1 filters nothing (float cumsums can reach 1 early)
+    drop = drop | ((before >= top_p[:, None]) & (top_p[:, None] < 1.0))  # (B, V)
     drop = torch.zeros_like(drop).scatter(-1, order, drop)  # (B, V) back to vocabulary order
     return logits.masked_fill(drop, NEG_INF)
 

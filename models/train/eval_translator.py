@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", type=Path, default=None, help="training log.jsonl to plot")
     p.add_argument("--plot", type=Path, default=Path("docs/img/translator_loss.png"))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.log:
         plot_loss(args.log, args.plot)

@@ -1,0 +1,119 @@
+"""Config validation (messages name the problem), presets, and the to_dict / from_dict round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from models.config import (
+    CONFIGS,
+    PRESETS,
+    BlockConfig,
+    ConfigError,
+    DecoderConfig,
+    EncoderConfig,
+    Seq2SeqConfig,
+)
+
+BAD_CONFIGS = {
+    "heads-divide-width": (DecoderConfig, dict(d_model=30, n_heads=4),
+                           "d_model (30) must be divisible by n_heads (4)"),
+    "kv-heads-divide-heads": (DecoderConfig, dict(n_heads=4, n_kv_heads=3),
+                              "n_heads (4) must be a multiple of n_kv_heads (3)"),
+    "zero-kv-heads": (DecoderConfig, dict(n_kv_heads=0), "must be a multiple of n_kv_heads (0)"),
+    "activation": (DecoderConfig, dict(activation="tanh"), "activation must be one of"),
+    "norm": (EncoderConfig, dict(norm="batchnorm"), "norm must be one of"),
+    "position": (Seq2SeqConfig, dict(position="alibi"), "position must be one of"),
+    "pad-too-big": (DecoderConfig, dict(vocab_size=100, pad_token_id=100),
+                    "pad_token_id 100 is outside the vocabulary (size 100)"),
+    "pad-negative": (EncoderConfig, dict(pad_token_id=-1), "pad_token_id -1 is outside the vocabulary"),
+    "rotary-odd-head-dim": (DecoderConfig, dict(d_model=12, n_heads=4, position="rotary"),
+                            "rotary positions need an even head dim, got 3"),
+    "rotary-encoder": (EncoderConfig, dict(position="rotary"), "rotary positions are only supported in decoders"),
+    "rotary-seq2seq": (Seq2SeqConfig, dict(position="rotary"), "rotary positions are not supported"),
+    "zero-layers": (DecoderConfig, dict(n_layers=0), "n_layers must be a positive integer, got 0"),
+    "float-width": (DecoderConfig, dict(d_model=64.0), "d_model must be a positive integer"),
+    "dropout": (DecoderConfig, dict(dropout=1.0), "dropout must be in [0, 1), got 1.0"),
+    "norm-eps": (DecoderConfig, dict(norm_eps=0.0), "norm_eps must be positive"),
+    "pooling": (EncoderConfig, dict(pooling="max"), "pooling must be 'mean' or 'cls', got 'max'"),
+    "labels": (EncoderConfig, dict(labels=("a", "b", "a")), "duplicate labels"),
+    "seq2seq-eos": (Seq2SeqConfig, dict(vocab_size=50, eos_token_id=50), "eos_token_id 50 is outside"),
+    "seq2seq-start": (Seq2SeqConfig, dict(vocab_size=50, decoder_start_token_id=-1),
+                      "decoder_start_token_id -1 is outside"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_names_the_problem(case: str) -> None:
+    cls, fields, message = BAD_CONFIGS[case]
+    with pytest.raises(ConfigError) as info:
+        cls(**fields)
+    assert message in str(info.value)
+    assert str(info.value).startswith(cls.__name__)  # and names the config class
+    assert isinstance(info.value, ValueError)
+
+
+def test_replace_validates_too() -> None:
+    with pytest.raises(ConfigError, match="divisible by n_heads"):
+        PRESETS["tiny-gpt"].replace(n_heads=3)
+
+
+def test_configs_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PRESETS["tiny-gpt"].d_model = 32  # type: ignore[misc]
+
+
+def test_derived_sizes() -> None:
+    llama = PRESETS["tiny-llama"]
+    assert (llama.kv_heads, llama.head_dim) == (2, 4)
+    gpt = PRESETS["tiny-gpt"]
+    assert gpt.kv_heads == gpt.n_heads  # None means plain multi-head
+    s2s = Seq2SeqConfig(n_layers=3)
+    assert s2s.n_decoder_layers == 3 and s2s.replace(decoder_layers=1).n_decoder_layers == 1
+
+
+def test_presets_cover_every_family() -> None:
+    assert {cfg.family for cfg in PRESETS.values()} == set(CONFIGS)
+    for name, cfg in PRESETS.items():
+        assert isinstance(cfg, CONFIGS[cfg.family]), name
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_dict_round_trip(name: str) -> None:
+    cfg = PRESETS[name]
+    data = cfg.to_dict()
+    assert data["family"] == cfg.family
+    again = BlockConfig.from_dict(data)
+    assert type(again) is type(cfg) and again == cfg
+    assert CONFIGS[cfg.family].from_dict(data) == cfg  # from the family's own class too
+    assert data == cfg.to_dict()  # from_dict does not consume its argument
+
+
+def test_round_trip_keeps_non_default_fields() -> None:
+    cfg = EncoderConfig(labels=("neg", "pos"), pooling="cls", n_kv_heads=2, pad_token_id=3)
+    assert BlockConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_unknown_field_is_named() -> None:
+    data = {**PRESETS["tiny-gpt"].to_dict(), "n_experts": 8, "alibi": True}
+    with pytest.raises(ConfigError, match=r"DecoderConfig: unknown fields \['alibi', 'n_experts'\]"):
+        BlockConfig.from_dict(data)
+
+
+def test_field_of_another_family_is_unknown() -> None:
+    data = {**PRESETS["tiny-gpt"].to_dict(), "pooling": "mean"}  # an encoder-only field
+    with pytest.raises(ConfigError, match=r"unknown fields \['pooling'\]"):
+        BlockConfig.from_dict(data)
+
+
+def test_unknown_family_is_named() -> None:
+    data = {**PRESETS["tiny-gpt"].to_dict(), "family": "mamba"}
+    with pytest.raises(ConfigError, match=r"unknown model family 'mamba'; known: \['decoder', 'encoder', "):
+        BlockConfig.from_dict(data)
+
+
+def test_invalid_values_fail_on_load_too() -> None:
+    data = {**PRESETS["tiny-llama"].to_dict(), "n_kv_heads": 3}
+    with pytest.raises(ConfigError, match="multiple of n_kv_heads"):
+        BlockConfig.from_dict(data)

@@ -1,0 +1,278 @@
+"""Decoding strategies (models/decoding.py) and offline generation (models/generate.py).
+
+Dimension legend: B batch rows, V vocabulary. Sampling rows carry their own seeded generator,
+so a row's tokens never depend on the rows it is batched with.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from models.config import DecoderConfig
+from models.decoder import DecoderLM
+from models.decoding import (
+    BatchParams,
+    RowSampler,
+    SamplingParams,
+    apply_repetition_penalty,
+    filter_top_k_top_p,
+    find_stop,
+    next_tokens,
+    stop_holdback,
+)
+from models.generate import Generated, generate
+
+V = 50
+NEG_INF = float("-inf")
+
+
+def random_logits(b: int, spread: float = 3.0, seed: int = 0) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, V, generator=g) * spread  # (B, V)
+
+
+def pick(logits: Tensor, params: list[SamplingParams], seen: Tensor | None = None) -> Tensor:
+    return next_tokens(logits, BatchParams.build(params), [RowSampler(p) for p in params], seen)
+
+
+# --- SamplingParams -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+    (dict(temperature=-0.1), "temperature must be >= 0, got -0.1"),
+    (dict(top_k=-1), "top_k must be >= 0, got -1"),
+    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+    (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0, got 0.0"),
+])
+def test_sampling_params_validation_names_the_field(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**fields)
+    assert message in str(info.value)
+
+
+def test_sampling_params_reports_every_problem() -> None:
+    with pytest.raises(ValueError, match="temperature must be >= 0.*; top_k must be >= 0"):
+        SamplingParams(temperature=-1.0, top_k=-2)
+    assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
+
+
+# --- choosing tokens ------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax() -> None:
+    logits = random_logits(4)
+    assert torch.equal(pick(logits, [SamplingParams()] * 4), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("filt", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=3, top_p=1e-6)])
+def test_filters_that_leave_one_token_equal_greedy(filt: dict) -> None:
+    logits = random_logits(4, spread=0.5)  # flat: plain sampling would rarely pick the argmax
+    for seed in range(5):
+        params = [SamplingParams(temperature=1.5, seed=seed + 10 * row, **filt) for row in range(4)]
+        assert torch.equal(pick(logits, params), logits.argmax(-1))
+
+
+def test_top_k_keeps_exactly_k_per_row() -> None:
+    logits = random_logits(3)
+    top_k = torch.tensor([1, 5, 0])  # 0 = no filter
+    out = filter_top_k_top_p(logits, top_k, torch.ones(3))
+    assert (out > NEG_INF).sum(-1).tolist() == [1, 5, V]
+    for row, k in enumerate((1, 5)):
+        kept = set(torch.nonzero(out[row] > NEG_INF).flatten().tolist())
+        assert kept == set(logits[row].topk(k).indices.tolist())
+        assert torch.equal(out[row][out[row] > NEG_INF], logits[row][out[row] > NEG_INF])  # values untouched
+
+
+def test_top_p_keeps_the_nucleus() -> None:
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 0.5, 0.3, 0.15, 0.05
+    logits = probs.log()[None, :].expand(4, 4)  # (B, 4)
+    top_p = torch.tensor([0.4, 0.75, 0.85, 0.97])
+    kept = filter_top_k_top_p(logits, torch.zeros(4, dtype=torch.long), top_p) > NEG_INF  # (B, 4)
+    # the smallest set of best tokens whose mass reaches top_p
+    assert kept.tolist() == [
+        [False, True, False, False], [False, True, False, True], [False, True, True, True], [True] * 4,
+    ]
+
+
+def test_top_k_and_top_p_combine_per_row() -> None:
+    """Row-wise parity with transformers' TopKLogitsWarper + TopPLogitsWarper, different params per row."""
+    logits = random_logits(6, seed=3)
+    settings = [(0, 0.9), (10, 1.0), (10, 0.5), (3, 0.99), (1, 1.0), (0, 0.3)]
+    top_k = torch.tensor([k for k, _ in settings])
+    top_p = torch.tensor([p for _, p in settings])
+    out = filter_top_k_top_p(logits, top_k, top_p)
+    for row, (k, p) in enumerate(settings):
+        want = logits[row:row + 1]
+        if k:
+            want = TopKLogitsWarper(k)(None, want)
+        if p < 1.0:
+            want = TopPLogitsWarper(p)(None, want)
+        assert torch.equal(out[row] > NEG_INF, want[0] > NEG_INF), (k, p)
+
+
+def test_no_filter_row_is_left_alone_even_when_peaked() -> None:
+    """top_k=0, top_p=1 changes nothing, however small the tail probabilities (a row batched with
+    filtered rows must sample from the same distribution as alone)."""
+    logits = random_logits(4, spread=20.0)  # float32 cumsums reach 1.0 well before the tail
+    out = filter_top_k_top_p(logits, torch.zeros(4, dtype=torch.long), torch.ones(4))
+    assert torch.equal(out, logits)
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    logits = random_logits(3, seed=4)
+    history = torch.tensor([[3, 7, 7, 12], [0, 1, 2, 3], [40, 41, 5, 5]])  # (B, L) tokens so far
+    seen = torch.zeros(3, V, dtype=torch.bool).scatter_(1, history, True)  # (B, V)
+    penalty = torch.tensor([1.3, 0.7, 2.0])  # per row; < 1 encourages repeats
+    got = apply_repetition_penalty(logits, seen, penalty)
+    for row in range(3):
+        proc = RepetitionPenaltyLogitsProcessor(float(penalty[row]))
+        want = proc(history[row:row + 1], logits[row:row + 1].clone())
+        torch.testing.assert_close(got[row], want[0], atol=0, rtol=0)
+    assert torch.equal(got[~seen], logits[~seen])
+
+
+def test_repetition_penalty_changes_the_greedy_choice() -> None:
+    logits = torch.tensor([[2.0, 1.5, 0.0]])
+    seen = torch.tensor([[True, False, False]])
+    params = [SamplingParams(repetition_penalty=2.0)]
+    assert pick(logits, params, seen).tolist() == [1]  # 2.0 / 2 < 1.5
+    assert pick(logits, params, None).tolist() == [0]  # nothing seen, nothing penalised
+
+
+def test_same_seed_same_samples_different_seed_different_samples() -> None:
+    logits = random_logits(1, spread=0.5)
+
+    def draws(seed: int) -> list[int]:
+        params = [SamplingParams(temperature=1.0, seed=seed)]
+        batch, samplers = BatchParams.build(params), [RowSampler(params[0])]
+        return [int(next_tokens(logits, batch, samplers)[0]) for _ in range(30)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+    assert len(set(draws(7))) > 5  # really sampling, not argmax
+
+
+# --- stop strings ---------------------------------------------------------------------------------
+
+
+def test_find_stop() -> None:
+    assert find_stop("abc STOP def END", ("END", "STOP")) == 4  # the earliest of several
+    assert find_stop("abc STOP def END", ("END", "STOP"), start=5) == 13
+    assert find_stop("abc", ("x", "")) == -1  # empty stop strings are ignored
+    assert find_stop("abc", ()) == -1
+
+
+def test_stop_holdback() -> None:
+    assert stop_holdback("hello wor", ("world",)) == 3
+    assert stop_holdback("hello w", ("xyz", "wo", "world")) == 1
+    assert stop_holdback("hello ", ("world",)) == 0
+    assert stop_holdback("ab", ("abcd",)) == 2  # the whole text may be a stop's beginning
+    assert stop_holdback("x</s", ("</s>", "</stop>")) == 3
+
+
+# --- generate() -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lm() -> DecoderLM:
+    """A tiny LM with no eos, its weights spread so greedy output is varied."""
+    torch.manual_seed(0)
+    cfg = DecoderConfig(vocab_size=V, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, n_layers=2, max_positions=64,
+                        position="rotary", norm="rmsnorm", activation="swiglu")
+    model = DecoderLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.6)
+    return model.eval()
+
+
+PROMPTS = [[5, 9, 13], [7], [20, 21, 22, 23, 24, 25]]
+
+
+def test_generate_greedy_batched_equals_alone(lm: DecoderLM) -> None:
+    params = [SamplingParams(max_new_tokens=n) for n in (8, 12, 5)]
+    batched = generate(lm, PROMPTS, params)
+    for prompt, p, got in zip(PROMPTS, params, batched, strict=True):
+        assert got == generate(lm, [prompt], p)[0]
+        assert got.finish_reason == "length" and len(got.tokens) == p.max_new_tokens
+    assert len(set(batched[1].tokens)) > 3  # non-trivial output
+
+
+def test_generate_greedy_equals_argmax_of_full_recomputation(lm: DecoderLM) -> None:
+    got = generate(lm, [PROMPTS[0]], SamplingParams(max_new_tokens=6))[0].tokens
+    seq = list(PROMPTS[0])
+    with torch.no_grad():
+        for _ in range(6):
+            seq.append(int(lm(torch.tensor([seq]))[0, -1].argmax()))
+    assert got == seq[len(PROMPTS[0]):]
+
+
+def test_seeded_sampled_row_alone_equals_batched(lm: DecoderLM) -> None:
+    rows = [
+        SamplingParams(max_new_tokens=10, temperature=0.9, seed=7),  # no filter
+        SamplingParams(max_new_tokens=10),  # greedy
+        SamplingParams(max_new_tokens=6, temperature=1.3, top_k=8, top_p=0.8, repetition_penalty=1.5, seed=3),
+    ]
+    batched = generate(lm, PROMPTS, rows)
+    for prompt, p, got in zip(PROMPTS, rows, batched, strict=True):
+        assert got == generate(lm, [prompt], p)[0]
+    assert batched[0] == generate(lm, [PROMPTS[0]], rows[0])[0]  # and again: seeded = reproducible
+    other_seed = SamplingParams(max_new_tokens=10, temperature=0.9, seed=8)
+    assert generate(lm, [PROMPTS[0]], other_seed)[0].tokens != batched[0].tokens
+
+
+def test_stop_token_ends_a_row_without_it(lm: DecoderLM) -> None:
+    free = generate(lm, [PROMPTS[1]], SamplingParams(max_new_tokens=12))[0].tokens
+    stop_at = 4
+    stop_token = free[stop_at]
+    first = free.index(stop_token)  # the first occurrence is where it stops
+    got = generate(lm, [PROMPTS[1], PROMPTS[0]], SamplingParams(max_new_tokens=12, stop_token_ids=(stop_token,)))
+    assert got[0] == Generated(free[:first], "stop")
+    assert got[1].finish_reason in ("stop", "length")
+    ignored = generate(lm, [PROMPTS[1]], SamplingParams(max_new_tokens=12, stop_token_ids=(stop_token,),
+                                                         ignore_eos=True))[0]
+    assert ignored == Generated(free, "length")
+
+
+def test_model_eos_stops_unless_ignored(lm: DecoderLM) -> None:
+    free = generate(lm, [PROMPTS[2]], SamplingParams(max_new_tokens=12))[0].tokens
+    eos = free[3]
+    with_eos = DecoderLM(lm.cfg.replace(eos_token_ids=(eos,))).eval()
+    with_eos.load_state_dict(lm.state_dict())
+    got = generate(with_eos, [PROMPTS[2]], SamplingParams(max_new_tokens=12))[0]
+    assert got == Generated(free[:free.index(eos)], "stop")
+    ignored = generate(with_eos, [PROMPTS[2]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    assert ignored == Generated(free, "length")
+
+
+def test_stop_string_ends_a_row(lm: DecoderLM) -> None:
+    def decode(tokens: list[int]) -> str:
+        return "".join(f"<{t}>" for t in tokens)
+
+    free = generate(lm, [PROMPTS[0]], SamplingParams(max_new_tokens=12))[0].tokens
+    stop = f"<{free[2]}><{free[3]}>"  # a stop string spanning two tokens
+    end = decode(free).index(stop)
+    got = generate(lm, [PROMPTS[0]], SamplingParams(max_new_tokens=12, stop=(stop,)), decode=decode)[0]
+    assert got.finish_reason == "stop"
+    text = decode(got.tokens)
+    assert find_stop(text, (stop,)) == end and text.endswith(stop)  # stops on the token completing it
+    no_decoder = generate(lm, [PROMPTS[0]], SamplingParams(max_new_tokens=12, stop=(stop,)))[0]
+    assert no_decoder == Generated(free, "length")
+
+
+def test_generate_rejects_bad_requests(lm: DecoderLM) -> None:
+    with pytest.raises(ValueError, match="2 prompts but 1 parameter sets"):
+        generate(lm, PROMPTS[:2], [SamplingParams()])
+    with pytest.raises(ValueError, match="every prompt needs at least one token"):
+        generate(lm, [[1], []], SamplingParams())
+    with pytest.raises(ValueError, match="exceeds the model's 64"):
+        generate(lm, [list(range(10))], SamplingParams(max_new_tokens=60))

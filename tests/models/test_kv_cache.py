@@ -1,0 +1,184 @@
+"""KVCache (per-row positions, packing, beam reordering, views) and CrossCache.
+
+Dimension legend: R cache rows, B rows of a view, K kv heads, L slots per row, T new tokens,
+S key length of a step, D head dim. Keys are filled with recognisable values so every test
+checks exactly which slot holds what.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from models.config import PRESETS
+from models.kv_cache import CrossCache, KVCache
+
+LAYERS, ROWS, K, L, D = 2, 4, 2, 8, 3
+
+
+def make_cache() -> KVCache:
+    return KVCache(LAYERS, ROWS, K, L, D)
+
+
+def tokens(b: int, t: int, base: float) -> tuple[Tensor, Tensor]:
+    """Keys (B, K, T, D) whose value encodes (row, token): base + 10 * row + token; values = -keys."""
+    k = base + 10 * torch.arange(b)[:, None, None, None] + torch.arange(t)[None, None, :, None]  # (B, 1, T, 1)
+    k = k.float().expand(b, K, t, D).clone()  # (B, K, T, D)
+    return k, -k
+
+
+def slot_ids(cache: KVCache, layer: int = 0) -> Tensor:
+    """The encoded value at every (row, slot) of head 0: (R, L)."""
+    return cache.k[layer][:, 0, :, 0]
+
+
+def test_buffers_are_preallocated() -> None:
+    cache = make_cache()
+    assert len(cache.k) == len(cache.v) == LAYERS
+    assert cache.k[0].shape == (ROWS, K, L, D) and cache.lengths.shape == (ROWS,)
+    assert cache.nbytes() == 2 * LAYERS * ROWS * K * L * D * 4
+
+
+def test_for_model_uses_the_decoder_stack() -> None:
+    cfg = PRESETS["tiny-seq2seq"].replace(n_layers=3, decoder_layers=1)
+    cache = KVCache.for_model(cfg, rows=2, max_len=5)
+    assert len(cache.k) == 1 and cache.k[0].shape == (2, cfg.kv_heads, 5, cfg.head_dim)
+    llama = KVCache.for_model(PRESETS["tiny-llama"], rows=1)
+    assert llama.k[0].shape == (1, 2, PRESETS["tiny-llama"].max_positions, 4)
+
+
+def test_write_at_per_row_positions_and_advance() -> None:
+    cache = make_cache()
+    cache.lengths[:] = torch.tensor([0, 2, 5, 1])
+    view = cache.view()
+    positions, s = view.begin(2)
+    assert torch.equal(positions, torch.tensor([[0, 1], [2, 3], [5, 6], [1, 2]]))
+    assert s == 7  # longest past (5) + 2 new
+    k, v = tokens(ROWS, 2, base=100)
+    k_all, v_all = view.write(0, k, v)
+    assert k_all.shape == v_all.shape == (ROWS, K, s, D)
+    for row, start in enumerate([0, 2, 5, 1]):
+        got = slot_ids(cache)[row, start:start + 2]
+        assert torch.equal(got, torch.tensor([100.0, 101.0]) + 10 * row)
+        assert torch.equal(cache.v[0][row, 0, start:start + 2, 0], -got)
+    assert cache.k[1].abs().sum() == 0  # other layers untouched
+    assert torch.equal(cache.lengths, torch.tensor([0, 2, 5, 1]))  # the caller advances
+    cache.advance(torch.tensor([2, 1, 2, 0]))  # right-padded rows advance by their real tokens only
+    assert torch.equal(cache.lengths, torch.tensor([2, 3, 7, 1]))
+    cache.advance(1, start=1, stop=3)
+    assert torch.equal(cache.lengths, torch.tensor([2, 4, 8, 1]))
+    cache.reset(2)
+    assert torch.equal(cache.lengths, torch.tensor([2, 4, 0, 0]))
+
+
+def test_write_returns_views_of_the_buffer() -> None:
+    cache = make_cache()
+    view = cache.view()
+    view.begin(1)
+    k_all, _ = view.write(0, *tokens(ROWS, 1, base=1))
+    assert k_all.untyped_storage().data_ptr() == cache.k[0].untyped_storage().data_ptr()
+
+
+def test_view_slices_rows() -> None:
+    cache = make_cache()
+    cache.lengths[:] = torch.tensor([1, 3, 2, 4])
+    view = cache.view(1, 3)
+    assert torch.equal(view.lengths, torch.tensor([3, 2]))
+    positions, s = view.begin(1)
+    assert torch.equal(positions, torch.tensor([[3], [2]])) and s == 4
+    k, v = tokens(2, 1, base=50)
+    k_all, _ = view.write(1, k, v)
+    assert k_all.shape == (2, K, 4, D)
+    assert cache.k[1][1, 0, 3, 0] == 50 and cache.k[1][2, 0, 2, 0] == 60
+    assert cache.k[1][0].abs().sum() == 0 and cache.k[1][3].abs().sum() == 0  # rows outside the view
+    view.cache.advance(1, view.start, view.stop)
+    assert torch.equal(cache.lengths, torch.tensor([1, 4, 3, 4]))
+
+
+def test_capacity_error_names_the_sizes() -> None:
+    cache = make_cache()
+    cache.lengths[:] = torch.tensor([0, 6, 0, 0])
+    with pytest.raises(ValueError, match=f"KV cache holds {L} tokens per row; this step needs 9"):
+        cache.view().begin(3)
+    with pytest.raises(ValueError, match="this step needs 9"):
+        cache.view().write(0, *tokens(ROWS, 3, base=0))
+    cache.view(2, 4).begin(3)  # rows with room are fine
+    positions, s = cache.view().begin(2)
+    assert s == L  # exactly full is allowed
+
+
+def _filled() -> KVCache:
+    """Rows of lengths 3, 1, 4, 2 whose slot values are 10 * row + slot + 1 (zeros beyond)."""
+    cache = make_cache()
+    lengths = torch.tensor([3, 1, 4, 2])
+    view = cache.view()
+    view.begin(4)
+    for layer in range(LAYERS):
+        view.write(layer, *tokens(ROWS, 4, base=1 + 100 * layer))
+    slots = torch.arange(L)[None, :]  # (1, L)
+    for buf in cache.k + cache.v:
+        buf.masked_fill_((slots >= lengths[:, None])[:, None, :, None], 0.0)  # only real tokens stay
+    cache.advance(lengths)
+    return cache
+
+
+def test_move_row_copies_keys_values_and_length() -> None:
+    cache = _filled()
+    before = slot_ids(cache).clone()
+    cache.move_row(2, 0)  # pack: row 2 takes the slot of finished row 0
+    assert cache.lengths[0] == 4 and cache.lengths[2] == 4
+    assert torch.equal(slot_ids(cache)[0, :4], before[2, :4])
+    assert torch.equal(cache.k[1][0], cache.k[1][2]) and torch.equal(cache.v[1][0], cache.v[1][2])
+    assert torch.equal(slot_ids(cache)[2], before[2])  # the source keeps its data
+    cache.move_row(1, 1)
+    assert torch.equal(slot_ids(cache)[1], before[1])
+
+
+def test_reorder_gathers_rows_for_beams() -> None:
+    cache = _filled()
+    before = [buf.clone() for buf in cache.k + cache.v]
+    lengths = cache.lengths.clone()
+    index = torch.tensor([2, 2, 0, 1])  # beam 2 survives twice; beam 3 dies
+    cache.reorder(index)
+    assert torch.equal(cache.lengths, lengths[index])
+    for buf, old in zip(cache.k + cache.v, before, strict=True):
+        for row, src in enumerate(index.tolist()):
+            n = int(lengths[src])
+            assert torch.equal(buf[row, :, :n], old[src, :, :n]), (row, src)
+
+
+def test_reorder_with_offset_leaves_other_rows() -> None:
+    """Rows [start, start + n) are one request's beams; rows before start belong to others."""
+    cache = _filled()
+    before = slot_ids(cache).clone()
+    lengths = cache.lengths.clone()
+    cache.reorder(torch.tensor([2, 0]), start=1)  # rows 1, 2 become old rows 3, 1
+    assert torch.equal(cache.lengths, lengths[[0, 3, 1, 3]])
+    assert torch.equal(slot_ids(cache)[1, :2], before[3, :2])
+    assert torch.equal(slot_ids(cache)[2, :1], before[1, :1])
+    assert torch.equal(slot_ids(cache)[0], before[0]) and torch.equal(slot_ids(cache)[3], before[3])
+
+
+def test_reorder_copies_longer_source_rows_whole() -> None:
+    """A short row replaced by a longer one gets all of the longer row's slots."""
+    cache = _filled()
+    before = slot_ids(cache).clone()
+    cache.reorder(torch.tensor([2, 2]), start=0)  # row 0 (3 tokens) and row 1 (1 token) <- row 2 (4)
+    assert torch.equal(slot_ids(cache)[0, :4], before[2, :4])
+    assert torch.equal(slot_ids(cache)[1, :4], before[2, :4])
+
+
+def test_cross_cache_select() -> None:
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(3, K, 5, D, generator=g), torch.randn(3, K, 5, D, generator=g)) for _ in range(LAYERS)]
+    src_keep = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    cross = CrossCache(kv, src_keep)
+    index = torch.tensor([1, 1, 1, 2])  # three beams of source 1, one of source 2; source 0 finished
+    picked = cross.select(index)
+    assert len(picked.kv) == LAYERS
+    assert torch.equal(picked.src_keep, src_keep[index])
+    for (k, v), (k0, v0) in zip(picked.kv, kv, strict=True):
+        assert k.shape == v.shape == (4, K, 5, D)
+        assert torch.equal(k, k0[index]) and torch.equal(v, v0[index])
+    assert torch.equal(cross.src_keep, src_keep)  # the original is unchanged
