@@ -98,6 +98,8 @@ class BlockConfig:
         if target is None:
             raise ConfigError(f"unknown model family {family!r}; known: {sorted(CONFIGS)}")
         names = {f.name for f in dataclasses.fields(target)}
+        # JSON has no tuples: give tuple-typed fields (labels, eos ids) back their type
+        data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(f"{target.__name__}: unknown fields {unknown}")

