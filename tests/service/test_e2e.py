@@ -27,6 +27,7 @@ import pytest
 
 from models.beam_search import BeamParams, translate_ids
 from models.tiny import tiny_model
+from tests.service.http_checks import assert_error
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,15 +123,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         ray.shutdown()
 
 
-def _error(r: httpx.Response, status: int, type_: str, param: str | None = None) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"} and body["error"]["type"] == type_, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    assert "Traceback" not in r.text
-    if param is not None:
-        assert body["error"].get("param") == param, body
-    return body["error"]
 
 
 # -- life cycle, discovery ----------------------------------------------------------------------
@@ -139,7 +131,7 @@ def test_readyz_is_503_before_the_models_load_and_200_after(server: Server) -> N
     before = server.readyz_before
     assert before.status_code == 503 and before.headers["Retry-After"] == "2"
     assert before.json()["status"] == "not_ready" and before.json()["deployments"]["gated"] != "ready"
-    _error(server.call_before, 503, "model_not_ready")
+    assert_error(server.call_before, 503, "model_not_ready")
     assert server.call_before.headers["Retry-After"] == "2"
     with server.client() as c:
         r = c.get("/readyz")
@@ -284,7 +276,7 @@ def test_a_bad_input_fails_only_its_own_request(server: Server) -> None:
             return await asyncio.gather(broken, *good)
 
     broken, *good = asyncio.run(main())
-    error = _error(broken, 422, "invalid_request_error", "inputs[1]")
+    error = assert_error(broken, 422, "invalid_request_error", "inputs[1]")
     assert "tokenized" in error["message"]
     for t, r in zip(texts, good, strict=True):
         assert r.status_code == 200
@@ -325,13 +317,13 @@ BAD_INPUT = [
 @pytest.mark.parametrize(("path", "body", "param"), BAD_INPUT)
 def test_bad_input_is_a_422_naming_the_field(server: Server, path: str, body: Any, param: str | None) -> None:
     with server.client() as c:
-        _error(c.post(path, json=body), 422, "invalid_request_error", param)
+        assert_error(c.post(path, json=body), 422, "invalid_request_error", param)
 
 
 @pytest.mark.parametrize("raw", [b'{"inputs": ["ok", ', b"not json", b""])
 def test_malformed_json_is_a_422(server: Server, raw: bytes) -> None:
     with server.client() as c:
-        _error(c.post("/v1/classify", content=raw, headers={"content-type": "application/json"}),
+        assert_error(c.post("/v1/classify", content=raw, headers={"content-type": "application/json"}),
                422, "invalid_request_error")
 
 
@@ -347,10 +339,10 @@ def test_truncate_accepts_a_long_text(server: Server) -> None:
 
 def test_bad_timeout_header_wrong_method_and_unknown_path(server: Server) -> None:
     with server.client() as c:
-        _error(c.post("/v1/classify", json={"inputs": "ok"}, headers={"X-Request-Timeout": "soon"}),
+        assert_error(c.post("/v1/classify", json={"inputs": "ok"}, headers={"X-Request-Timeout": "soon"}),
                422, "invalid_request_error", "X-Request-Timeout")
-        _error(c.get("/v1/classify"), 405, "method_not_allowed_error")
-        _error(c.get("/v1/nothing"), 404, "not_found_error")
+        assert_error(c.get("/v1/classify"), 405, "method_not_allowed_error")
+        assert_error(c.get("/v1/nothing"), 404, "not_found_error")
 
 
 def test_an_oversized_body_is_a_413(server: Server) -> None:
@@ -362,9 +354,9 @@ def test_an_oversized_body_is_a_413(server: Server) -> None:
             yield big[i: i + 1024]
 
     with server.client() as c:
-        _error(c.post("/v1/classify", content=big, headers={"content-type": "application/json"}),
+        assert_error(c.post("/v1/classify", content=big, headers={"content-type": "application/json"}),
                413, "request_too_large")
-        _error(c.post("/v1/classify", content=chunks(), headers={"content-type": "application/json"}),
+        assert_error(c.post("/v1/classify", content=chunks(), headers={"content-type": "application/json"}),
                413, "request_too_large")
 
 
@@ -381,7 +373,7 @@ def test_overload_answers_503_with_retry_after_at_once(server: Server) -> None:
     assert statuses.count(200) <= MAX_INPUTS
     for r in responses:
         if r.status_code == 503:
-            _error(r, 503, "overloaded_error")
+            assert_error(r, 503, "overloaded_error")
             assert r.headers["Retry-After"] == "2"
             assert r.elapsed.total_seconds() < 0.9  # refused at once, not after the 1 s batching wait
     with server.client() as c:  # the queue drains and serves again
@@ -392,7 +384,7 @@ def test_a_deadline_answers_504_and_never_wedges_the_batcher(server: Server) -> 
     with server.client() as c:
         r = c.post("/v1/classify", json={"inputs": "late", "model": "tiny-encoder-gated"},
                    headers={"X-Request-Timeout": "0.2"})
-        _error(r, 504, "timeout_error")
+        assert_error(r, 504, "timeout_error")
         assert r.elapsed.total_seconds() < 0.9
         ok = c.post("/v1/classify", json={"inputs": "after", "model": "tiny-encoder-gated"})
         assert ok.status_code == 200

@@ -32,6 +32,7 @@ from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.generate import generate
 from models.tiny import VOCAB, byte_tokenizer, tiny_model
+from tests.service.http_checks import assert_error
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,15 +182,6 @@ def wait_idle(c: httpx.Client, deployment: str, timeout_s: float = 5.0) -> tuple
         time.sleep(0.02)
 
 
-def _error(r: httpx.Response, status: int, type_: str, param: str | None = None) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"} and body["error"]["type"] == type_, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    assert "Traceback" not in r.text
-    if param is not None:
-        assert body["error"].get("param") == param, body
-    return body["error"]
 
 
 # -- /v1/generate ----------------------------------------------------------------------------------
@@ -380,7 +372,7 @@ BAD = [
 def test_bad_parameters_are_a_422_naming_them(server: Cluster, path: str, body: dict[str, Any], param: str,
                                               names: str | None) -> None:
     with server.client() as c:
-        error = _error(c.post(path, json=body), 422, "invalid_request_error", param)
+        error = assert_error(c.post(path, json=body), 422, "invalid_request_error", param)
     if names is not None:
         assert names in error["message"]
 
@@ -388,7 +380,7 @@ def test_bad_parameters_are_a_422_naming_them(server: Cluster, path: str, body: 
 def test_malformed_bodies_are_a_422(server: Cluster) -> None:
     with server.client() as c:
         for raw, param in [(b'{"prompt": "bad \\ud800 text"}', "prompt"), (b'{"prompt": ', None), (b"[]", None)]:
-            _error(c.post("/v1/generate", content=raw, headers={"content-type": "application/json"}),
+            assert_error(c.post("/v1/generate", content=raw, headers={"content-type": "application/json"}),
                    422, "invalid_request_error", param)
 
 
@@ -407,7 +399,7 @@ def test_a_full_engine_answers_503_with_retry_after(server: Cluster) -> None:
                 with server.client() as c3:
                     for body in (LONG_BODY, {**LONG_BODY, "stream": True}):
                         r = c3.post("/v1/generate", json=body)
-                        _error(r, 503, "overloaded_error")
+                        assert_error(r, 503, "overloaded_error")
                         assert r.headers["Retry-After"] == RETRY_AFTER and r.elapsed.total_seconds() < 2
         idle, _ = wait_idle(c, "long")
         ok = c.post("/v1/generate", json={**LONG_BODY, "max_new_tokens": 5})
@@ -438,7 +430,7 @@ def test_a_deadline_answers_504_and_cancels_the_generation(server: Cluster) -> N
         wait_idle(c, "long")
         before = stats(c, "long")["finished"].get("cancelled", 0)
         r = c.post("/v1/generate", json=LONG_BODY, headers={"X-Request-Timeout": "0.3"})
-        _error(r, 504, "timeout_error")
+        assert_error(r, 504, "timeout_error")
         assert r.elapsed.total_seconds() < 2
         after, _ = wait_idle(c, "long")
     assert after["finished"].get("cancelled", 0) == before + 1
