@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -89,19 +89,27 @@ class GenerateFormat:
 
 
 @dataclass
-class CompletionFormat:
-    """OpenAI's text_completion chunks; a usage chunk (no choices) last when include_usage."""
+class _OpenAIFormat:
+    """OpenAI's streamed chunk envelope: id, object, created, model, choices (+ usage when asked)."""
 
     id: str
     created: int
     model: str
     include_usage: bool
     end: bytes = DONE
+    object_name: ClassVar[str] = ""
 
     def chunk(self, choices: list[dict[str, Any]], used: dict[str, int] | None = None) -> dict[str, Any]:
-        out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+        out = {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                "choices": choices}
         return out | {"usage": used} if self.include_usage else out
+
+
+@dataclass
+class CompletionFormat(_OpenAIFormat):
+    """OpenAI's text_completion chunks; a usage chunk (no choices) last when include_usage."""
+
+    object_name: ClassVar[str] = "text_completion"
 
     def render(self, event: GenerationEvent) -> list[dict[str, Any]]:
         if isinstance(event, TextDelta):
@@ -113,19 +121,10 @@ class CompletionFormat:
 
 
 @dataclass
-class ChatFormat:
+class ChatFormat(_OpenAIFormat):
     """OpenAI's chat.completion.chunk: the role first, then content deltas, then finish_reason."""
 
-    id: str
-    created: int
-    model: str
-    include_usage: bool
-    end: bytes = DONE
-
-    def chunk(self, choices: list[dict[str, Any]], used: dict[str, int] | None = None) -> dict[str, Any]:
-        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-               "choices": choices}
-        return out | {"usage": used} if self.include_usage else out
+    object_name: ClassVar[str] = "chat.completion.chunk"
 
     def render(self, event: GenerationEvent) -> list[dict[str, Any]]:
         def choice(delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
