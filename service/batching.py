@@ -109,6 +109,14 @@ class BatchStats:
     def padding_efficiency(self) -> float:
         return self.real_tokens / self.computed_tokens if self.computed_tokens else 1.0
 
+    def record(self, items: int, real_tokens: int, computed_tokens: int) -> None:
+        """Count one computed batch of `items` rows."""
+        self.batches += 1
+        self.items += items
+        self.largest_batch = max(self.largest_batch, items)
+        self.real_tokens += real_tokens
+        self.computed_tokens += computed_tokens
+
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "padding_efficiency": self.padding_efficiency}
 
@@ -300,11 +308,7 @@ class DynamicBatcher(Generic[P, R]):
         finally:
             self._running = []
         s = self.stats
-        s.batches += 1
-        s.items += len(batch)
-        s.largest_batch = max(s.largest_batch, len(batch))
-        s.real_tokens += sum(it.length for it in batch)
-        s.computed_tokens += len(batch) * max(it.length for it in batch)
+        s.record(len(batch), sum(it.length for it in batch), len(batch) * max(it.length for it in batch))
         for it, result in zip(batch, results, strict=True):
             if isinstance(result, BaseException):
                 s.failed += 1

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from models.catalog import LoadedModel, ModelSpec, load_model, resolve_dir
 from models.text import TextTokenizer
+from service.batching import BatchStats
 
 log = logging.getLogger(__name__)
 PARITY_TEXTS = ("The service answered quickly.", "A second, slightly longer sentence to check padding.")
@@ -41,27 +42,11 @@ class BatchCost:
     computed_tokens: int  # rows x longest (what the padded batch computes)
 
 
-@dataclass
-class Counters:
-    """Batching counters in the shape of the service's BatchStats (/v1/models `stats`)."""
-
-    batches: int = 0
-    items: int = 0
-    largest_batch: int = 0
-    real_tokens: int = 0
-    computed_tokens: int = 0
-    failed: int = 0
+class Counters(BatchStats):
+    """The service's batching counters (/v1/models `stats`), fed from a baseline's padded batches."""
 
     def add(self, items: int, cost: BatchCost) -> None:
-        self.batches += 1
-        self.items += items
-        self.largest_batch = max(self.largest_batch, items)
-        self.real_tokens += cost.real_tokens
-        self.computed_tokens += cost.computed_tokens
-
-    def as_dict(self) -> dict[str, Any]:
-        eff = self.real_tokens / self.computed_tokens if self.computed_tokens else 1.0
-        return {**self.__dict__, "padding_efficiency": eff}
+        self.record(items, cost.real_tokens, cost.computed_tokens)
 
 
 def resolve_device(device: str) -> tuple[str, torch.dtype]:
