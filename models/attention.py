@@ -14,6 +14,8 @@ A query row with no key to attend gives zeros, never NaN.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -43,20 +45,39 @@ def positions_from_mask(keep: Tensor) -> Tensor:
     return (keep.cumsum(-1) - 1).clamp(min=0)  # (B, T)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float = 0.0) -> Tensor:
+@dataclass(frozen=True)
+class AttentionMask:
+    """A boolean mask (True = attend) made ready for scaled_dot_product_attention once per forward
+    pass, so the layers do not redo it: query rows with no key to attend ("dead" rows, e.g. padding
+    queries of an encoder) attend everywhere in `safe`, and their outputs are zeroed after."""
+
+    safe: Tensor  # (B, 1, T, S) bool: the mask, with dead rows all True
+    dead: Tensor | None  # (B, 1, T, 1) bool: rows with no key; None when every row has one
+
+    @classmethod
+    def build(cls, mask: Tensor) -> AttentionMask:
+        live = mask.any(dim=-1, keepdim=True)  # (B, 1, T, 1): rows with at least one key
+        if bool(live.all()):
+            return cls(mask, None)
+        return cls(mask | ~live, ~live)  # (B, 1, T, S), (B, 1, T, 1)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | AttentionMask | None,
+              dropout_p: float = 0.0) -> Tensor:
     """Scaled dot-product attention, softmax(q k^T / sqrt(D)) v.
 
     q: (B, H, T, D); k, v: (B, K, S, D) with H % K == 0; mask: bool, broadcastable to
-    (B, 1, T, S), True = attend. Returns (B, H, T, D). Fully masked query rows give zeros.
+    (B, 1, T, S), True = attend (or an AttentionMask built from one). Returns (B, H, T, D).
+    Fully masked query rows give zeros.
     """
+    gqa = k.size(1) != q.size(1)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=k.size(1) != q.size(1))
-    live = mask.any(dim=-1, keepdim=True)  # (B, 1, T, 1): rows with at least one key
-    safe = mask | ~live  # (B, 1, T, S): dead rows attend everywhere, then get zeroed
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=safe, dropout_p=dropout_p, enable_gqa=k.size(1) != q.size(1)
-    )  # (B, H, T, D)
-    return out.masked_fill(~live, 0.0)  # (B, H, T, D)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)  # (B, H, T, D)
+    if not isinstance(mask, AttentionMask):
+        mask = AttentionMask.build(mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.safe, dropout_p=dropout_p,
+                                         enable_gqa=gqa)  # (B, H, T, D)
+    return out if mask.dead is None else out.masked_fill(mask.dead, 0.0)  # (B, H, T, D)
 
 
 class MultiHeadAttention(nn.Module):
@@ -88,7 +109,7 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        mask: Tensor | None,
+        mask: Tensor | AttentionMask | None,
         rope: tuple[Tensor, Tensor] | None = None,
         cache=None,
         layer: int = 0,

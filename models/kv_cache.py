@@ -84,6 +84,7 @@ class CacheView:
     start: int
     stop: int
     step_len: int | None = None  # S of the step in progress, set by begin()
+    _slots: tuple[int, Tensor] | None = None  # (T, flat slot index (B*K*T,)) of the step in progress
 
     @property
     def lengths(self) -> Tensor:
@@ -104,19 +105,32 @@ class CacheView:
     def begin(self, t: int) -> tuple[Tensor, int]:
         """Start a step of T new tokens per row: their positions (B, T) and S (checked once)."""
         self.step_len = self.key_len(t)
+        self._slots = None
         return self.positions(t), self.step_len
+
+    def _slot_index(self, t: int, kv_heads: int) -> Tensor:
+        """Where the step's keys go in a layer buffer seen as (R * K * L, D): row-major offsets of
+        (row, head, position) for every row, head and new token, (B * K * T,); the same for every
+        layer, so a step computes it once."""
+        if self._slots is not None and self._slots[0] == t:
+            return self._slots[1]
+        max_len = self.cache.max_len
+        rows = torch.arange(self.start, self.stop, device=self.cache.lengths.device)  # (B,)
+        heads = torch.arange(kv_heads, device=rows.device)  # (K,)
+        base = (rows[:, None] * kv_heads + heads[None, :]) * max_len  # (B, K)
+        index = (base[:, :, None] + self.positions(t)[:, None, :]).reshape(-1)  # (B * K * T,)
+        self._slots = (t, index)
+        return index
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store new keys/values (B, K, T, D) at each row's next slots; return (B, K, S, D) views."""
-        b, _, t, _ = k.shape
-        kbuf = self.cache.k[layer][self.start:self.stop]  # (B, K, L, D) view
-        vbuf = self.cache.v[layer][self.start:self.stop]  # (B, K, L, D) view
+        b, kh, t, d = k.shape
         s = self.step_len if self.step_len is not None else self.key_len(t)  # checks capacity first
-        pos = self.positions(t)  # (B, T)
-        rows = torch.arange(b, device=k.device)[:, None]  # (B, 1)
-        kbuf[rows, :, pos] = k.transpose(1, 2)  # (B, T, K, D) written into (B, K, L, D)
-        vbuf[rows, :, pos] = v.transpose(1, 2)  # (B, T, K, D) written into (B, K, L, D)
-        return kbuf[:, :, :s], vbuf[:, :, :s]  # (B, K, S, D) each
+        index = self._slot_index(t, kh)  # (B * K * T,)
+        kbuf, vbuf = self.cache.k[layer], self.cache.v[layer]  # (R, K, L, D) each, contiguous
+        kbuf.view(-1, d).index_copy_(0, index, k.reshape(-1, d).to(kbuf.dtype))  # (B*K*T, D) rows copied
+        vbuf.view(-1, d).index_copy_(0, index, v.reshape(-1, d).to(vbuf.dtype))  # (B*K*T, D) rows copied
+        return kbuf[self.start:self.stop, :, :s], vbuf[self.start:self.stop, :, :s]  # (B, K, S, D) each
 
 
 @dataclass

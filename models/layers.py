@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import MultiHeadAttention
+from .attention import AttentionMask, MultiHeadAttention
 from .config import BlockConfig
 from .positions import LearnedPositions, SinusoidalPositions
 
@@ -22,9 +22,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., C)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)  # (..., C) in float32
+        return self.weight * normed.to(x.dtype)  # (..., C)
 
 
 def make_norm(cfg: BlockConfig) -> nn.Module:
@@ -55,7 +54,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate is not None:
-            h = self.act(self.gate(x)) * self.up(x)  # (B, T, F)
+            h = self.act(self.gate(x)).mul_(self.up(x))  # (B, T, F), in place: one buffer less
         else:
             h = self.act(self.up(x))  # (B, T, F)
         return self.down(self.dropout(h))  # (B, T, C)
@@ -115,12 +114,12 @@ class Block(nn.Module):
     def forward(
         self,
         x: Tensor,
-        mask: Tensor | None,
+        mask: Tensor | AttentionMask | None,
         rope: tuple[Tensor, Tensor] | None = None,
         cache=None,
         layer: int = 0,
         cross_kv: tuple[Tensor, Tensor] | None = None,
-        cross_mask: Tensor | None = None,
+        cross_mask: Tensor | AttentionMask | None = None,
     ) -> Tensor:
         """x: (B, T, C) -> (B, T, C). cross_kv: (B, K, S_src, D) keys/values of the encoder output."""
         x = self._residual(x, self.self_norm, lambda h: self.self_attn(h, mask, rope, cache, layer))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .attention import causal_mask, padding_mask, positions_from_mask
+from .attention import AttentionMask, causal_mask, padding_mask, positions_from_mask
 from .config import BlockConfig
 from .kv_cache import CacheView, CrossCache
 from .layers import Block, Embeddings, make_norm
@@ -31,7 +31,7 @@ class EncoderStack(nn.Module):
             keep = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
         positions = positions_from_mask(keep)  # (B, T): pad-invariant for left or right padding
         x = self.embed(ids, positions, token_types)  # (B, T, C)
-        mask = padding_mask(keep)  # (B, 1, 1, T)
+        mask = AttentionMask.build(padding_mask(keep))  # (B, 1, 1, T)
         for block in self.blocks:
             x = block(x, mask)
         return self.norm(x) if self.norm is not None else x
@@ -70,9 +70,10 @@ class CausalStack(nn.Module):
             positions = positions_from_mask(keep)  # (B, T)
             slots = torch.arange(t, device=ids.device)  # (T,)
             mask = causal_mask(slots.expand(b, t), slots) & padding_mask(keep)  # (B, 1, T, T)
+        mask = AttentionMask.build(mask)  # once for every layer
         x = self.embed(ids, positions)  # (B, T, C)
         rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2
-        cross_mask = padding_mask(cross.src_keep) if cross is not None else None  # (B, 1, 1, S_src)
+        cross_mask = AttentionMask.build(padding_mask(cross.src_keep)) if cross is not None else None  # (B,1,1,S)
         for i, block in enumerate(self.blocks):
             kv = cross.kv[i] if cross is not None else None
             x = block(x, mask, rope, cache, i, kv, cross_mask)
