@@ -4,7 +4,8 @@ TGI do), on our own model and KV cache. No Ray here: a deployment owns one engin
 Every step, on the engine's one thread:
 1. free the rows of cancelled requests;
 2. admit waiting requests (FIFO, while rows are free and their padded prompts fit the prefill
-   budget): one right-padded prefill on fresh rows at the end of the live block, sampling each
+   budget), prefilled on fresh rows at the end of the live block in groups of similar prompt
+   length (one right-padded forward per group, so little compute goes to padding), sampling each
    request's first token at its last prompt index;
 3. one decode step over all live rows [0, n) (each at its own cache position), one token per row;
 4. free the rows of requests that finished; the last live rows move into the holes, so the live
@@ -34,6 +35,7 @@ from models.decoding import SamplingParams
 from models.kv_cache import KVCache
 from models.text import TextTokenizer
 
+from .batching import select_batch
 from .engine_batch import RunningBatch
 from .engine_config import EngineClosed, EngineConfig, EngineLimits, EngineOverloaded
 from .engine_events import Finished, RequestHandle
@@ -42,6 +44,9 @@ from .engine_state import SeqState
 from .errors import InvalidRequest
 
 log = logging.getLogger(__name__)
+# select_batch's fixed cost of one prefill forward pass, in padded prompt tokens: prompts of very
+# different lengths are prefilled in separate passes when the padding would cost more than this.
+PREFILL_OVERHEAD_TOKENS = 64
 
 
 class GenerationEngine:
@@ -208,12 +213,20 @@ class GenerationEngine:
                       time.perf_counter() - started)
 
     def _admit(self) -> None:
-        """Prefill the waiting requests that fit on fresh rows; a group whose prefill fails is
-        retried request by request, and only those that fail again are failed."""
+        """Prefill the waiting requests that fit on fresh rows, in groups of similar prompt lengths
+        (select_batch's cost model: padding against the fixed cost of a forward pass)."""
         group = self._take_waiting()
-        if not group:
-            return
-        self._admitting, start = group, len(self._batch)
+        while group:
+            lengths = [len(seq.prompt) for seq in group]
+            picked = set(select_batch(lengths, len(group), self.limits.prefill_tokens, PREFILL_OVERHEAD_TOKENS))
+            self._prefill([seq for i, seq in enumerate(group) if i in picked],
+                          rest=[seq for i, seq in enumerate(group) if i not in picked])
+            group = [seq for i, seq in enumerate(group) if i not in picked]
+
+    def _prefill(self, group: list[SeqState], rest: list[SeqState]) -> None:
+        """Prefill `group` on fresh rows; if that fails, retry request by request and fail only those
+        that fail again. `rest` (taken, not yet prefilled) is failed too if anything escapes."""
+        self._admitting, start = group + rest, len(self._batch)
         tokens: list[int] = []
         try:
             tokens = self._batch.prefill(group)

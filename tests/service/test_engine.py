@@ -164,6 +164,23 @@ def test_evicted_rows_are_packed_and_reused(tiny: tuple[nn.Module, TextTokenizer
     assert engine.stats().cache_usage == 0.0
 
 
+def test_prompts_of_very_different_lengths_are_prefilled_in_separate_forwards(
+        tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    spy = FaultyLM(model, lambda ids, cache: False)
+    engine = make(spy, tok, max_running=8)
+    prompts = [list(range(3, 3 + n)) for n in (90, 2, 3, 88, 2)]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    handles = [engine.submit(p, params) for p in prompts]
+    engine.step()  # all five admitted in one step
+    prefills = sorted(tuple(ids.shape) for ids in spy.calls[:-1])  # the last call is the decode step
+    assert prefills == [(2, 90), (3, 3)], prefills  # not one (5, 90) forward, 85 % padding
+    assert tuple(spy.calls[-1].shape) == (5, 1)
+    run_until_idle(engine)
+    for prompt, handle in zip(prompts, handles, strict=True):
+        assert list(read(handle)[1].token_ids) == reference(model, tok, prompt, params)[0]
+
+
 def test_same_tokens_alone_and_among_16_concurrent(tiny: tuple[nn.Module, TextTokenizer]) -> None:
     model, tok = tiny
     targets = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=1.0, seed=42,
