@@ -34,6 +34,7 @@ class Sample:
     error: str | None = None
     ttft: float | None = None  # streamed generation: seconds from start to the first text
     tokens: int | None = None  # generation: output tokens
+    piece_times: tuple[float, ...] = ()  # streamed generation: when each piece of text arrived
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ async def send(
 
 
 async def _streamed(client: httpx.AsyncClient, spec: RequestSpec, t0: float, start: float) -> Sample:
-    ttft, pieces, usage = None, 0, None
+    ttft, usage = None, None
+    times: list[float] = []
     async with client.stream("POST", spec.path, json=spec.body) as r:
         if r.status_code != 200:
             body = (await r.aread()).decode(errors="replace")
@@ -93,12 +95,12 @@ async def _streamed(client: httpx.AsyncClient, spec: RequestSpec, t0: float, sta
                 )
             usage = completion_tokens(event) or usage
             if completion_text(event):
-                pieces += 1
+                times.append(time.perf_counter() - t0)
                 if ttft is None:
-                    ttft = time.perf_counter() - t0 - start
+                    ttft = times[0] - start
     end = time.perf_counter() - t0
-    tokens = usage or (spec.asked_tokens if spec.exact_length else pieces)
-    return Sample(start, end, True, 200, ttft=ttft, tokens=tokens)
+    tokens = usage or (spec.asked_tokens if spec.exact_length else len(times))
+    return Sample(start, end, True, 200, ttft=ttft, tokens=tokens, piece_times=tuple(times))
 
 
 class _Progress:

@@ -2,7 +2,10 @@
 
 Definitions (one run, window = [warm-up end, warm-up end + duration]):
 - throughput: successful requests that *finished* inside the window / its length (steady state);
-  generation tokens/s likewise with their output tokens;
+- generation tokens/s: output tokens that reached the client inside the window / its length. A
+  streamed answer's tokens count as its pieces arrive (spread evenly over its pieces), so a long
+  stream still running at the window's end counts its part; an answer sent whole counts when it
+  finishes, as its client sees it;
 - latency, TTFT, TPOT percentiles: successful requests that *started* inside the window (including
   those that finished during the drain); requests still in flight when the drain ended are
   `unfinished` and not in the percentiles (so under overload the percentiles are a lower bound);
@@ -65,11 +68,20 @@ def summarize(outcome: RunOutcome, generation: bool) -> dict[str, Any]:
         "latencies_ms": [round((s.end - s.start) * 1000.0, 2) for s in ok],
     }
     if generation:
-        out.update(_generation(finished, ok, length))
+        delivered = sum(_tokens_between(s, start, end) for s in outcome.samples if s.ok)
+        out.update(_generation(delivered, ok, length))
     return out
 
 
-def _generation(finished: list[Sample], ok: list[Sample], length: float) -> dict[str, Any]:
+def _tokens_between(s: Sample, start: float, end: float) -> float:
+    """Output tokens of one answer that reached its client in [start, end]."""
+    if s.piece_times:
+        inside = sum(1 for t in s.piece_times if start <= t <= end)
+        return (s.tokens or 0) * inside / len(s.piece_times)
+    return float(s.tokens or 0) if start <= s.end <= end else 0.0
+
+
+def _generation(delivered: float, ok: list[Sample], length: float) -> dict[str, Any]:
     streamed = [s for s in ok if s.ttft is not None]
     with_tokens = [s for s in ok if s.tokens]
     tpot = [
@@ -78,7 +90,7 @@ def _generation(finished: list[Sample], ok: list[Sample], length: float) -> dict
         if s.tokens and s.tokens > 1 and s.ttft is not None
     ]
     return {
-        "output_tokens_per_s": sum(s.tokens or 0 for s in finished) / length if length > 0 else math.nan,
+        "output_tokens_per_s": delivered / length if length > 0 else math.nan,
         "streamed": bool(streamed),
         # without streaming the first token reaches the client with the last one
         "ttft_ms": dist_ms(ttfts := [s.ttft if s.ttft is not None else s.end - s.start for s in ok]),

@@ -106,6 +106,19 @@ def test_summary_windows() -> None:
     assert s["errors"] == 1 and s["error_kinds"] == {"503": 1} and s["unfinished"] == 2
 
 
+def test_generation_tokens_count_when_they_reach_the_client() -> None:
+    samples = [
+        Sample(0.2, 1.5, True, 200, tokens=8),  # sent whole, finished in the window: all 8 count
+        Sample(0.5, 2.5, True, 200, tokens=10),  # sent whole, finished in the drain: none count
+        # streamed over 4 pieces, two of them inside the window: half of its 40 tokens count
+        Sample(0.1, 2.8, True, 200, ttft=0.4, tokens=40, piece_times=(0.5, 1.2, 1.9, 2.8)),
+        Sample(1.1, 1.3, False, 503, "503: busy", tokens=None),
+    ]
+    s = summarize(RunOutcome(samples, (1.0, 2.0), unfinished=0, wall_s=3.0), generation=True)
+    assert s["output_tokens_per_s"] == pytest.approx(8 + 20)
+    assert s["ttft_ms"]["n"] == 0  # no successful request started inside the window
+
+
 def test_stats_delta_derives_batching() -> None:
     payload = {
         "data": [
