@@ -1,0 +1,346 @@
+"""Metrics, request ids and logs, in process (no Ray): names and labels as documented in
+docs/observability.md, histograms that observe what they claim (fed by a real DynamicBatcher,
+a real GenerationEngine on the tiny decoder, and the HTTP API with a fake backend), the
+multiprocess merge of several processes, and JSON log lines carrying the request id.
+
+Every test reads a fresh CollectorRegistry (`ServiceMetrics(CollectorRegistry())`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from models.decoding import SamplingParams
+from models.tiny import tiny_model
+from service.api import create_api
+from service.batching import BatchLimits, DynamicBatcher
+from service.engine import GenerationEngine
+from service.engine_config import EngineConfig
+from service.errors import NotReady, Overloaded
+from service.logs import REQUEST_ID, JsonFormatter, valid_request_id
+from service.messages import Classification, ModelInfo
+from service.metrics import PREFIX, SPECS, ServiceMetrics, clean_dead_processes, render
+from service.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs" / "observability.md"
+BOUNDED_LABELS = {"endpoint", "status", "model", "reason", "finish_reason", "deployment", "kind", "device", "dtype"}
+ENCODER = {"name": "enc", "tasks": ["classify", "embed"], "source": "tiny:encoder"}
+
+
+def value(metrics: ServiceMetrics, name: str, **labels: str) -> float:
+    """One sample (full name, e.g. `..._count`) from the registry; 0 when absent."""
+    got = metrics.registry.get_sample_value(PREFIX + name, labels)
+    return 0.0 if got is None else got
+
+
+@pytest.fixture
+def metrics() -> ServiceMetrics:
+    return ServiceMetrics(CollectorRegistry())
+
+
+# -- names and labels ---------------------------------------------------------------------------------
+
+def documented() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """docs/observability.md's metric table: name -> (type, labels)."""
+    rows = re.findall(r"^\| `(transformer_serve_\w+)` \| (\w+) \| ([^|]*) \|", DOCS.read_text(), re.MULTILINE)
+    return {name: (kind, tuple(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows}
+
+
+def test_every_metric_is_documented_with_its_type_and_labels() -> None:
+    defined = {PREFIX + name: (spec.kind, spec.labels) for name, spec in SPECS.items()}
+    assert documented() == defined
+
+
+def test_names_use_one_prefix_base_units_and_bounded_labels(metrics: ServiceMetrics) -> None:
+    for name, spec in SPECS.items():
+        assert set(spec.labels) <= BOUNDED_LABELS, name
+        if spec.kind == "counter":
+            assert name.endswith("_total"), name
+        if spec.kind == "histogram":
+            assert name.endswith(("_seconds", "_tokens", "_size", "_ratio")), name
+            assert list(spec.buckets) == sorted(spec.buckets), name
+        if name.endswith("_ratio"):
+            assert spec.kind != "counter" and (not spec.buckets or spec.buckets[-1] == 1.0), name
+    families = {f.name for f in metrics.registry.collect()}
+    assert families == {PREFIX + n.removesuffix("_total") for n in SPECS}  # prometheus_client's family names
+
+
+# -- the dynamic batcher ------------------------------------------------------------------------------
+
+def test_batch_metrics_observe_the_batches_the_batcher_ran(metrics: ServiceMetrics) -> None:
+    lengths = [3, 5, 8, 2, 7]
+    ran: list[list[int]] = []
+
+    def run_batch(payloads: list[int]) -> list[int]:
+        ran.append(payloads)
+        return payloads
+
+    async def main() -> None:
+        batcher = DynamicBatcher(run_batch, BatchLimits(max_batch_size=2, max_wait_s=0.01, max_queued=6),
+                                 name="b", observer=metrics.batch_observer("m"))
+        assert await batcher.submit_many(lengths, lengths) == lengths
+        with pytest.raises(Overloaded):
+            await batcher.submit_many([1] * 7, [1] * 7)
+        await batcher.close()
+
+    asyncio.run(main())
+    m = {"model": "m"}
+    assert value(metrics, "batch_size_count", **m) == len(ran) >= 3  # at most 2 rows per batch
+    assert value(metrics, "batch_size_sum", **m) == len(lengths)
+    real = sum(lengths)
+    computed = sum(len(b) * max(b) for b in ran)
+    assert value(metrics, "batch_real_tokens_total", **m) == real
+    assert value(metrics, "batch_computed_tokens_total", **m) == computed
+    assert value(metrics, "batch_tokens_sum", **m) == computed
+    assert value(metrics, "batch_padding_efficiency_ratio_count", **m) == len(ran)
+    efficiencies = [sum(b) / (len(b) * max(b)) for b in ran]
+    assert value(metrics, "batch_padding_efficiency_ratio_sum", **m) == pytest.approx(sum(efficiencies))
+    assert value(metrics, "batch_inference_seconds_count", **m) == len(ran)
+    assert value(metrics, "queue_wait_seconds_count", **m) == len(lengths)  # one wait per item
+    assert value(metrics, "queue_wait_seconds_sum", **m) > 0
+    assert value(metrics, "queue_depth", **m) == 0  # all taken
+    assert value(metrics, "batch_dropped_items_total", model="m", reason="rejected") == 7
+
+
+# -- the generation engine ----------------------------------------------------------------------------
+
+def test_engine_metrics_observe_what_the_engine_did(metrics: ServiceMetrics) -> None:
+    torch.set_num_threads(1)
+    model, tok = tiny_model("decoder")
+    engine = GenerationEngine(model, tok, EngineConfig(max_running=2, max_total_tokens=64),
+                              metrics.engine_observer("gen"))
+    handles = [engine.submit(tok.encode(p), SamplingParams(max_new_tokens=n, ignore_eos=True))
+               for p, n in (("hello", 5), ("a longer prompt", 3), ("x", 4))]
+    peak_waiting = 0.0
+    for _ in range(100):
+        engine.step()
+        peak_waiting = max(peak_waiting, value(metrics, "generation_waiting_requests", model="gen"))
+        if engine.stats().running == engine.stats().waiting == 0:
+            break
+    results = [h.result_sync() for h in handles]
+    m = {"model": "gen"}
+    generated = sum(r.usage.completion_tokens for r in results)
+    assert generated == 12
+    assert value(metrics, "generation_generated_tokens_total", **m) == generated
+    assert value(metrics, "generation_prompt_tokens_total", **m) == sum(r.usage.prompt_tokens for r in results)
+    assert value(metrics, "generation_time_to_first_token_seconds_count", **m) == 3
+    assert value(metrics, "generation_inter_token_latency_seconds_count", **m) == generated - 3
+    assert value(metrics, "queue_wait_seconds_count", **m) == 3
+    assert value(metrics, "generation_requests_finished_total", model="gen", finish_reason="length") == 3
+    assert value(metrics, "batch_size_sum", **m) == generated  # rows that got a token, summed over steps
+    assert peak_waiting == 1  # two rows: the third request waited
+    for gauge in ("generation_running_requests", "generation_waiting_requests", "queue_depth",
+                  "generation_kv_cache_usage_ratio"):
+        assert value(metrics, gauge, **m) == 0, gauge
+
+
+# -- the ingress --------------------------------------------------------------------------------------
+
+class Backend:
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+    async def call(self, deployment: str, method: str, *args: Any) -> Any:
+        if self.error is not None:
+            raise self.error
+        return [Classification("pos", 1.0, {"pos": 1.0}) for _ in args[0]]
+
+    async def info(self, deployment: str, timeout_s: float) -> ModelInfo:
+        return ModelInfo(name="enc", deployment=deployment, tasks=("classify", "embed"), device="cpu",
+                         dtype="float32", max_input_tokens=8)
+
+
+def call_api(metrics: ServiceMetrics, requests: list[tuple[str, str, dict[str, Any]]],
+             error: BaseException | None = None, proxy_echoes_id: bool = False,
+             settings: dict[str, Any] | None = None) -> list[httpx.Response]:
+    args = {"deployments": {"encoder": {"model": ENCODER}}, **(settings or {})}
+    app = create_api(Settings.build(args, env={}), Backend(error), metrics, proxy_echoes_id=proxy_echoes_id)
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [await client.request(method, path, **kw) for method, path, kw in requests]
+
+    return asyncio.run(main())
+
+
+def test_requests_are_counted_by_endpoint_and_status(metrics: ServiceMetrics) -> None:
+    call_api(metrics, [("POST", "/v1/classify", {"json": {"inputs": ["a", "b"]}}),
+                       ("POST", "/v1/classify", {"json": {"inputs": []}}),
+                       ("GET", "/no/such/path/with-content", {}),
+                       ("GET", "/healthz", {})])
+    assert value(metrics, "requests_total", endpoint="/v1/classify", status="200") == 1
+    assert value(metrics, "requests_total", endpoint="/v1/classify", status="422") == 1
+    assert value(metrics, "requests_total", endpoint="other", status="404") == 1  # never the raw path
+    assert value(metrics, "requests_total", endpoint="/healthz", status="200") == 1
+    assert value(metrics, "request_duration_seconds_count", endpoint="/v1/classify") == 2
+    assert value(metrics, "request_duration_seconds_sum", endpoint="/v1/classify") > 0
+    assert value(metrics, "requests_in_progress", endpoint="/v1/classify") == 0
+
+
+@pytest.mark.parametrize("error, reason", [(Overloaded("full"), "overloaded_error"),
+                                           (NotReady("loading"), "model_not_ready")])
+def test_503_refusals_are_counted_by_error_type(metrics: ServiceMetrics, error: Exception, reason: str) -> None:
+    (r,) = call_api(metrics, [("POST", "/v1/classify", {"json": {"inputs": "a"}})], error=error)
+    assert r.status_code == 503
+    assert value(metrics, "rejected_requests_total", endpoint="/v1/classify", reason=reason) == 1
+    assert value(metrics, "requests_total", endpoint="/v1/classify", status="503") == 1
+
+
+def test_an_unexpected_error_is_a_counted_500_with_a_request_id(metrics: ServiceMetrics) -> None:
+    (r,) = call_api(metrics, [("POST", "/v1/classify", {"json": {"inputs": "a"}})], error=RuntimeError("secret"))
+    assert r.status_code == 500 and "secret" not in r.text
+    assert r.json()["error"]["type"] == "internal_error"
+    assert valid_request_id(r.headers["x-request-id"])
+    assert value(metrics, "requests_total", endpoint="/v1/classify", status="500") == 1
+
+
+def test_request_ids_are_kept_when_valid_else_generated(metrics: ServiceMetrics) -> None:
+    good = "req-1.2:abc=="
+    ok, bad_chars, too_long, missing, not_found = call_api(metrics, [
+        ("POST", "/v1/classify", {"json": {"inputs": "a"}, "headers": {"X-Request-ID": good}}),
+        ("GET", "/healthz", {"headers": {"X-Request-ID": "a b<script>"}}),
+        ("GET", "/healthz", {"headers": {"X-Request-ID": "x" * 129}}),
+        ("GET", "/healthz", {}),
+        ("GET", "/nowhere", {"headers": {"X-Request-ID": good}}),
+    ])
+    assert ok.headers.get_list("x-request-id") == [good]
+    assert not_found.status_code == 404 and not_found.headers["x-request-id"] == good  # errors too
+    generated = [r.headers["x-request-id"] for r in (bad_chars, too_long, missing)]
+    assert all(valid_request_id(g) and len(g) == 32 for g in generated) and len(set(generated)) == 3
+
+
+def test_behind_serves_proxy_only_a_replaced_id_is_added(metrics: ServiceMetrics) -> None:
+    """Serve's proxy copies the incoming X-Request-ID onto every response; adding it again would
+    send it twice. A replaced (invalid) id is the one the logs use, so it is sent."""
+    kept, replaced = call_api(metrics, [("GET", "/healthz", {"headers": {"X-Request-ID": "abc"}}),
+                                        ("GET", "/healthz", {"headers": {"X-Request-ID": "a b"}})],
+                              proxy_echoes_id=True)
+    assert "x-request-id" not in kept.headers
+    assert valid_request_id(replaced.headers["x-request-id"]) and replaced.headers["x-request-id"] != "a b"
+
+
+def test_metrics_route_serves_the_text_format(metrics: ServiceMetrics) -> None:
+    _, r = call_api(metrics, [("POST", "/v1/classify", {"json": {"inputs": "a"}}), ("GET", "/metrics", {})])
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(r.text) for s in f.samples}
+    assert samples[(PREFIX + "requests_total", (("endpoint", "/v1/classify"), ("status", "200")))] == 1
+
+
+# -- several processes of a node ----------------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import sys
+    from service.metrics import process_metrics
+    m = process_metrics()
+    m["requests_total"].labels("/v1/classify", "200").inc(int(sys.argv[1]))
+    m["generation_running_requests"].labels("gen").set(int(sys.argv[1]))
+    m["model_load_seconds"].labels("gen").set(float(sys.argv[1]))
+    print("ready", flush=True)
+    sys.stdin.readline()  # stay alive until told
+""")
+
+
+@pytest.fixture
+def children(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen[str]]]]:
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"), "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(n)], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for n in (2, 5)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        yield tmp_path / "metrics", procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def test_render_merges_the_processes_of_a_node_and_forgets_dead_gauges(
+        children: tuple[Path, list[subprocess.Popen[str]]], monkeypatch: pytest.MonkeyPatch) -> None:
+    path, (live, dying) = children
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(path))
+
+    def scrape() -> dict[tuple[str, str], float]:
+        body, _ = render(ServiceMetrics(CollectorRegistry()))
+        return {(s.name, s.labels.get("model", s.labels.get("endpoint", ""))): s.value
+                for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+
+    before = scrape()
+    assert before[(PREFIX + "requests_total", "/v1/classify")] == 7
+    assert before[(PREFIX + "generation_running_requests", "gen")] == 7  # livesum
+    assert before[(PREFIX + "model_load_seconds", "gen")] == 5  # livemax
+    dying.communicate("\n")
+    assert clean_dead_processes(path) == [dying.pid]
+    after = scrape()
+    assert after[(PREFIX + "requests_total", "/v1/classify")] == 7  # totals never go backwards
+    assert after[(PREFIX + "generation_running_requests", "gen")] == 2  # only the live process
+    assert after[(PREFIX + "model_load_seconds", "gen")] == 2
+    live.communicate("\n")
+
+
+# -- logs ---------------------------------------------------------------------------------------------
+
+def test_json_log_lines_carry_the_request_id_and_extras() -> None:
+    record = logging.LogRecord("service.x", logging.WARNING, __file__, 1, "hello %s", ("world",), None)
+    record.status = 503
+    token = REQUEST_ID.set("rid-1")
+    try:
+        line = json.loads(JsonFormatter().format(record))
+    finally:
+        REQUEST_ID.reset(token)
+    assert line["message"] == "hello world" and line["level"] == "WARNING" and line["logger"] == "service.x"
+    assert line["request_id"] == "rid-1" and line["status"] == 503 and line["ts"].endswith("Z")
+
+
+@pytest.mark.parametrize("access_log", [False, True])
+def test_access_lines_only_when_turned_on(metrics: ServiceMetrics, caplog: pytest.LogCaptureFixture,
+                                          access_log: bool) -> None:
+    with caplog.at_level(logging.INFO, logger="service.access"):
+        call_api(metrics, [("GET", "/healthz", {"headers": {"X-Request-ID": "rid-7"}})],
+                 settings={"access_log": access_log})
+    lines = [r for r in caplog.records if r.name == "service.access"]
+    if not access_log:
+        assert lines == []
+        return
+    (line,) = lines
+    assert line.status == 200 and line.path == "/healthz"  # type: ignore[attr-defined]
+    assert json.loads(JsonFormatter().format(line))["request_id"] == "rid-7"
+
+
+@pytest.mark.parametrize("raw, ok", [("abc-123", True), ("a" * 128, True), ("a" * 129, False), ("", False),
+                                     ("a b", False), ("é", False), (None, False), ("Root=1-5f;Parent=x", True)])
+def test_valid_request_ids(raw: str | None, ok: bool) -> None:
+    assert valid_request_id(raw) == (raw if ok else None)
+
+
+def test_every_replica_gets_the_metrics_dir_and_quiet_serve_logs(tmp_path: Path) -> None:
+    from service.deployments import deployment_options
+
+    args = {"deployments": {"encoder": {"model": ENCODER}}, "metrics_dir": str(tmp_path)}
+    settings = Settings.build(args, env={})
+    opts = deployment_options(settings.deployments["encoder"], settings, cluster_gpus=0)
+    assert opts["ray_actor_options"]["runtime_env"] == {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}}
+    assert opts["logging_config"] == {"encoding": "JSON", "enable_access_log": False}
+    loud = Settings.build({**args, "access_log": True, "log_json": False}, env={})
+    assert deployment_options(loud.deployments["encoder"], loud, 0)["logging_config"] == {
+        "encoding": "TEXT", "enable_access_log": True}
