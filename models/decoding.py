@@ -78,7 +78,8 @@ class BatchParams:
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> BatchParams:
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+        # a top_k past any vocabulary filters nothing; capped so that it fits int64 (found by fuzzing)
+        top_k = torch.tensor([min(p.top_k, 2**31 - 1) for p in params], dtype=torch.long, device=device)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
         return cls(temp, top_k, top_p, rep, bool((temp > 0).any()), bool((rep != 1.0).any()),
@@ -105,7 +106,8 @@ def filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     probs = sorted_logits.masked_fill(drop, NEG_INF).softmax(-1)  # (B, V)
     before = probs.cumsum(-1) - probs  # (B, V): mass of strictly better tokens
     # the best token always stays; top_p = 1 filters nothing (float cumsums can reach 1 early)
-    drop = drop | ((before >= top_p[:, None]) & (top_p[:, None] < 1.0))  # (B, V)
+    # (rank > 0: a top_p that rounds to 0 in float32, e.g. 5e-324, must not drop the best token too)
+    drop = drop | ((before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (rank > 0))  # (B, V)
     drop = torch.zeros_like(drop).scatter(-1, order, drop)  # (B, V) back to vocabulary order
     return logits.masked_fill(drop, NEG_INF)
 

@@ -1,0 +1,103 @@
+"""One local Ray Serve with tiny models for every e2e module of this package (package-scoped: one
+cluster start for overload, faults and cancellation; the fault tests leave it whole again).
+
+Deployments, each sized for what it is used for:
+- `encoder`: tiny:encoder, small batches; faults under classify load.
+- `slow`: tiny:encoder whose batcher waits 3 s for company, so requests sit in its queue and a
+  client can disconnect mid-request.
+- `generator`: tiny:decoder with 16 rows and a deep queue; cancellation and engine faults
+  (`ignore_eos` makes a request run for all its max_new_tokens).
+- `burst`: tiny:decoder with 2 rows and 4 queue slots, 8 requests in the replica and 8 queued for
+  it at the ingress: a small capacity to overload (the model, not the HTTP stack, is the bottleneck).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtests.replicas import serve_replicas
+from tests.live import deploy, local_cluster, wait_for
+
+APP = "reliability"
+DEADLINE_S = 30.0  # request_timeout_s (the default): no request may take longer (+ slack for the HTTP hops)
+RETRY_AFTER = "1"
+
+
+def _encoder(name: str, batching: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"model": {"name": name, "tasks": ["classify", "embed"], "source": "tiny:encoder", "max_input_tokens": 64},
+            "num_cpus": 0, "torch_threads": 1, "batching": batching, **extra}
+
+
+def _decoder(name: str, engine: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"model": {"name": name, "tasks": ["generate"], "source": "tiny:decoder"}, "num_cpus": 0,
+            "torch_threads": 1, "engine": {"max_total_tokens": None, "max_new_tokens": 500, **engine}, **extra}
+
+
+def app_args() -> dict[str, Any]:
+    return {
+        "device": "cpu", "retry_after_s": int(RETRY_AFTER), "readiness_timeout_s": 1, "request_timeout_s": DEADLINE_S,
+        "max_inputs": 8,
+        "deployments": {
+            "encoder": _encoder("tiny-encoder", {"max_batch_size": 16, "max_wait_ms": 2, "max_queued": 256}),
+            "slow": _encoder("tiny-encoder-slow", {"max_batch_size": 256, "max_wait_ms": 3000, "max_queued": 256}),
+            "generator": _decoder("tiny-decoder", {"max_running": 16, "max_queued": 256}),
+            "burst": _decoder("tiny-decoder-burst", {"max_running": 2, "max_queued": 4}, max_ongoing_requests=8,
+                              max_queued_requests=8),
+        },
+    }
+
+
+@dataclass
+class Live:
+    url: str
+
+    def client(self, timeout_s: float = DEADLINE_S + 5) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def async_client(self, connections: int = 256, timeout_s: float = DEADLINE_S + 5) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=timeout_s,
+                                 limits=httpx.Limits(max_connections=connections,
+                                                     max_keepalive_connections=connections))
+
+    def pids(self, deployment: str) -> list[int]:
+        return [p.pid for p in serve_replicas().get((APP, deployment), [])]
+
+    def stats(self, deployment: str) -> dict[str, Any]:
+        with self.client() as c:
+            cards = {m["deployment"]: m for m in c.get("/v1/models").json()["data"]}
+        card = cards[deployment]
+        assert card["ready"], card
+        return card["stats"]
+
+    def wait_stats(self, deployment: str, done: Any, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Poll the deployment's stats until done(stats); the last stats. AssertionError naming them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats(deployment)
+            if done(stats):
+                return stats
+            assert time.monotonic() < deadline, f"{deployment} stats after {timeout_s} s: {stats}"
+            time.sleep(0.1)
+
+
+def engine_idle(stats: dict[str, Any]) -> bool:
+    return stats["running"] == 0 and stats["waiting"] == 0 and stats["cache_usage"] == 0
+
+
+@pytest.fixture(scope="package")
+def live() -> Iterator[Live]:
+    with local_cluster(num_cpus=4) as url:
+        deploy(app_args(), name=APP, prefix="/")
+        wait_for(url, "/readyz", 200, timeout_s=120)
+        yield Live(url)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)

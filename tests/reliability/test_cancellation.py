@@ -1,0 +1,91 @@
+"""100 clients that hang up mid-request or mid-stream leave nothing behind: no engine rows, KV cache,
+waiting requests or batcher queue; the replicas' memory is as before; the next requests are
+answered normally (greedy generation gives the same text as before the storm)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtests.replicas import rss_mib, serve_replicas
+from tests.reliability.conftest import APP, Live, engine_idle, run
+
+pytestmark = pytest.mark.e2e
+log = logging.getLogger(__name__)
+LONG = {"prompt": "go on", "max_new_tokens": 400, "ignore_eos": True}
+STREAMS, WHOLE, QUEUED = 40, 30, 30
+SLOW = "tiny-encoder-slow"
+
+
+async def hang_up_mid_stream(client: httpx.AsyncClient) -> str:
+    """Read the first text event, then close the connection."""
+    async with client.stream("POST", "/v1/generate", json={**LONG, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                return line
+    raise AssertionError("the stream ended before its first event")
+
+
+async def give_up(client: httpx.AsyncClient, path: str, body: dict[str, Any], after_s: float) -> None:
+    """A client whose own timeout fires while the server still works on the request."""
+    with pytest.raises(httpx.ReadTimeout):
+        await client.post(path, json=body, timeout=after_s)
+
+
+async def storm(live: Live) -> list[Any]:
+    async with live.async_client(connections=128) as client:
+        jobs = ([hang_up_mid_stream(client) for _ in range(STREAMS)]
+                + [give_up(client, "/v1/generate", LONG, 1.0) for _ in range(WHOLE)]
+                + [give_up(client, "/v1/classify", {"inputs": [f"text {i}", "more"], "model": SLOW}, 0.5) for i in range(QUEUED)])
+        return await asyncio.gather(*jobs)
+
+
+def test_a_hundred_clients_that_disconnect_leave_nothing_behind(live: Live) -> None:
+    with live.client() as c:
+        greedy = {"prompt": "the same text", "max_new_tokens": 20}
+        reference = c.post("/v1/generate", json=greedy).json()["text"]
+        assert c.post("/v1/classify", json={"inputs": "warm", "model": SLOW}).status_code == 200
+    before_gen = live.wait_stats("generator", engine_idle)
+    before_slow = live.stats("slow")
+    replicas = serve_replicas()
+    rss_before = {k: rss_mib(v) for k, v in replicas.items() if k[0] == APP}
+
+    results = run(storm(live))
+    assert len(results) == STREAMS + WHOLE + QUEUED == 100
+
+    # the engine: every request cancelled, rows and cache free, nothing waiting
+    after_gen = live.wait_stats("generator", engine_idle, timeout_s=10)
+    log.info("generator before %s, after %s; slow before %s", before_gen, after_gen, before_slow)
+    cancelled = after_gen["finished"].get("cancelled", 0) - before_gen["finished"].get("cancelled", 0)
+    assert cancelled == STREAMS + WHOLE, after_gen
+    assert after_gen["generated_tokens"] - before_gen["generated_tokens"] < (STREAMS + WHOLE) * LONG["max_new_tokens"]
+    # the batcher: the inputs still queued were dropped when their batch came up, never computed
+    after_slow = live.wait_stats("slow", lambda s: s["queued"] == 0 and s["cancelled"] - before_slow["cancelled"]
+                                 == 2 * QUEUED, timeout_s=10)
+    assert after_slow["items"] == before_slow["items"] and after_slow["failed"] == before_slow["failed"]
+
+    with live.client() as c:  # the next requests are answered normally
+        assert c.post("/v1/generate", json=greedy).json()["text"] == reference
+        r = c.post("/v1/classify", json={"inputs": ["after", "the storm"], "model": SLOW})
+        assert r.status_code == 200 and len(r.json()["results"]) == 2
+    assert live.wait_stats("generator", engine_idle)
+    for key, procs in replicas.items():
+        if key[0] == APP:
+            assert rss_mib(procs) < rss_before[key] * 1.10 + 16, (key, rss_before[key], rss_mib(procs))
+
+
+def test_metrics_carry_no_request_content(live: Live) -> None:
+    marker = "zq-live-marker-9183"
+    with live.client() as c:
+        assert c.post("/v1/classify", json={"inputs": [marker]}).status_code == 200
+        assert c.post("/v1/generate", json={"prompt": marker, "max_new_tokens": 4, "stop": [marker]}).status_code == 200
+        assert c.post("/v1/generate", json={"prompt": marker, "model": marker}).status_code == 422
+        assert c.get(f"/v1/{marker}").status_code == 404
+        metrics = c.get("/metrics")
+    assert metrics.status_code == 200 and "# TYPE" in metrics.text
+    assert marker not in metrics.text and "zq-live" not in metrics.text

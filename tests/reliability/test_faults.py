@@ -1,0 +1,153 @@
+"""SIGKILL a model replica's process under load: Ray Serve starts a new one; the requests in flight
+end with a 503 JSON error (or an answer), none hangs; /readyz answers 503 during the outage; the
+service is whole again within 60 s. The same for the generation engine in the middle of streams,
+which end with an error event or a closed connection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.reliability.conftest import DEADLINE_S, RETRY_AFTER, Live, run
+
+pytestmark = pytest.mark.e2e
+log = logging.getLogger(__name__)
+WHOLE_WITHIN_S = 60.0
+RETRY_LATER = {"model_not_ready", "overloaded_error"}
+
+
+@dataclass
+class Outcome:
+    status: int  # 0: the client gave up (a hang) or the connection broke
+    seconds: float
+    error: str | None = None
+    retry_after: str | None = None
+
+
+@dataclass
+class Outage:
+    killed_pid: int
+    new_pids: list[int] = field(default_factory=list)
+    readyz_503: bool = False
+    whole_after_s: float | None = None
+    outcomes: list[Outcome] = field(default_factory=list)
+
+
+async def keep_busy(client: httpx.AsyncClient, path: str, body: dict[str, Any], stop: asyncio.Event,
+                    out: list[Outcome]) -> None:
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            r = await client.post(path, json=body)
+        except httpx.HTTPError:
+            out.append(Outcome(0, time.monotonic() - started))
+            continue
+        error = r.json()["error"]["type"] if r.status_code != 200 else None
+        out.append(Outcome(r.status_code, time.monotonic() - started, error, r.headers.get("Retry-After")))
+
+
+async def kill_under_load(live: Live, deployment: str, path: str, body: dict[str, Any],
+                          while_killing: Any = None) -> Outage:
+    """SIGKILL the deployment's replica under 6 clients of load; poll /readyz until it was 503 and
+    then 200 with a request answered; keep the load on 1 s more."""
+    (pid,) = live.pids(deployment)
+    outage, stop = Outage(pid), asyncio.Event()
+    async with live.async_client() as client:
+        workers = [asyncio.create_task(keep_busy(client, path, body, stop, outage.outcomes)) for _ in range(6)]
+        await asyncio.sleep(1.0)
+        extra = asyncio.create_task(while_killing(client)) if while_killing else None
+        if extra is not None:
+            await asyncio.sleep(0.5)  # the streams are open
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while time.monotonic() - killed < WHOLE_WITHIN_S:
+            r = await client.get("/readyz", timeout=5)
+            if r.status_code == 503:
+                outage.readyz_503 = True
+                assert r.headers["Retry-After"] == RETRY_AFTER and r.json()["deployments"][deployment] != "ready"
+            elif outage.readyz_503 and (await client.post(path, json=body)).status_code == 200:
+                outage.whole_after_s = time.monotonic() - killed
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(*workers, *([extra] if extra else []))
+    outage.new_pids = live.pids(deployment)
+    return outage
+
+
+def check(outage: Outage) -> None:
+    counts: dict[int, int] = {}
+    for o in outage.outcomes:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    log.info("killed %d; /readyz 503: %s; whole after %s s; new pids %s; outcomes %s; slowest %.2f s",
+             outage.killed_pid, outage.readyz_503, outage.whole_after_s and round(outage.whole_after_s, 1),
+             outage.new_pids, counts, max(o.seconds for o in outage.outcomes))
+    assert outage.readyz_503, "/readyz never reported the outage"
+    assert outage.whole_after_s is not None and outage.whole_after_s < WHOLE_WITHIN_S
+    assert outage.new_pids and outage.killed_pid not in outage.new_pids
+    statuses = {o.status for o in outage.outcomes}
+    assert statuses <= {200, 503}, [o for o in outage.outcomes if o.status not in (200, 503)]
+    assert 200 in statuses  # 503s depend on timing: Serve may retry a request on the new replica instead
+    for o in outage.outcomes:
+        assert o.seconds < DEADLINE_S + 2, o  # none hangs
+        if o.status == 503:
+            assert o.error in RETRY_LATER and o.retry_after == RETRY_AFTER, o
+
+
+def test_a_killed_encoder_replica_is_replaced_and_no_request_hangs(live: Live) -> None:
+    outage = run(kill_under_load(live, "encoder", "/v1/classify", {"inputs": ["a text", "another one"]}))
+    check(outage)
+    with live.client() as c:
+        assert c.post("/v1/classify", json={"inputs": "after"}).status_code == 200
+
+
+async def streams_across_the_kill(client: httpx.AsyncClient, n: int = 4) -> list[tuple[str, float]]:
+    """n long streams, each read to its end: how each ended ('error:<type>', 'closed', 'done') and when."""
+
+    async def one() -> tuple[str, float]:
+        body = {"prompt": "stream on", "max_new_tokens": 500, "ignore_eos": True, "stream": True}
+        try:
+            async with client.stream("POST", "/v1/generate", json=body) as r:
+                assert r.status_code == 200
+                last = None
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        last = json.loads(line[6:])
+                ended = time.monotonic()
+                if last is not None and "error" in last:
+                    return f"error:{last['error']['type']}", ended
+                return ("done" if last and last.get("finish_reason") else "closed"), ended
+        except httpx.HTTPError:
+            return "closed", time.monotonic()
+
+    return await asyncio.gather(*(one() for _ in range(n)))
+
+
+def test_a_killed_engine_ends_its_streams_and_comes_back(live: Live) -> None:
+    ends: list[tuple[str, float]] = []
+
+    async def during(client: httpx.AsyncClient) -> None:
+        ends.extend(await streams_across_the_kill(client))
+
+    started = time.monotonic()
+    outage = run(kill_under_load(live, "generator", "/v1/generate", {"prompt": "busy", "max_new_tokens": 30,
+                                                                     "ignore_eos": True}, during))
+    log.info("streams across the kill: %s", [(how, round(when - started, 1)) for how, when in ends])
+    check(outage)
+    assert len(ends) == 4
+    for how, when in ends:
+        assert how in ("error:model_not_ready", "closed"), how  # none ran on as if nothing happened
+        assert when - started < DEADLINE_S + 5  # and none hung
+    with live.client() as c:
+        r = c.post("/v1/generate", json={"prompt": "after", "max_new_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
