@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: venv weights serve test test-fast lint bench bench-serve clean
+.PHONY: venv weights serve test test-fast lint bench bench-serve fuzz soak clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,14 @@ bench: weights
 # About 12-15 min on 2 cores; results in .bench/, tables in docs/benchmarks.md. E.g. BENCH_ARGS="--duration 6".
 bench-serve: weights
 	$(PY) -m loadtests.bench $(BENCH_ARGS)
+
+# Reliability (docs/reliability.md): schemathesis over the API in process (FUZZ_ARGS="--url http://...")
+# and a 10-minute soak of the default models with memory per replica (SOAK_ARGS="--minutes 30").
+fuzz: venv
+	$(PY) -m loadtests.fuzz --max-examples 100 $(FUZZ_ARGS)
+
+soak: weights
+	$(PY) -m loadtests.soak --minutes 10 $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

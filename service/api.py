@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .auth import install_access_control
 from .errors import (
     DeadlineExceeded,
     InvalidItem,
@@ -30,6 +31,8 @@ from .errors import (
 from .generation_api import generation_router
 from .messages import Classification as ClassificationResult
 from .messages import Embeddings, ModelInfo, TranslateOptions
+from .metrics import ServiceMetrics, process_metrics, render
+from .observability import Observability
 from .routing import Backend, ModelRoutes, Route
 from .schemas import (
     Classification,
@@ -51,6 +54,7 @@ from .schemas import (
 from .settings import Settings
 
 TIMEOUT_HEADER = "X-Request-Timeout"
+METRICS_PATH = "/metrics"
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in {
         404: "No model serves this task", 413: "Body too large", 422: "Invalid request",
@@ -122,7 +126,11 @@ def request_timeout(request: Request, settings: Settings) -> float:
     return min(value, settings.request_timeout_s)
 
 
-def create_api(settings: Settings, backend: Backend) -> FastAPI:
+def create_api(settings: Settings, backend: Backend, metrics: ServiceMetrics | None = None,
+               proxy_echoes_id: bool = False) -> FastAPI:
+    """The app. `metrics`: this process's by default; `proxy_echoes_id`: Ray Serve's proxy already
+    returns X-Request-ID (service/observability.py)."""
+    metrics = metrics if metrics is not None else process_metrics()
     routes = ModelRoutes(settings)
     app = FastAPI(
         title="transformer-serve",
@@ -134,6 +142,10 @@ def create_api(settings: Settings, backend: Backend) -> FastAPI:
     )
     install_error_handlers(app, settings.retry_after_s)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s)
+    install_access_control(app, settings, ErrorResponse, (TIMEOUT_HEADER,))  # keys, CORS: before the body
+    app.add_middleware(Observability, metrics=metrics, endpoints=lambda: _paths(app),  # outermost
+                       retry_after_s=settings.retry_after_s, access_log=settings.access_log,
+                       proxy_echoes_id=proxy_echoes_id)
 
     async def call(route: Route, method: str, field: str, timeout: float, *args: Any) -> Any:
         """The model call under the request's deadline; item errors name `<field>[i]`."""
@@ -206,6 +218,12 @@ def create_api(settings: Settings, backend: Backend) -> FastAPI:
 
     app.include_router(generation_router(routes, backend, lambda r: request_timeout(r, settings), ERRORS))
 
+    @app.get(METRICS_PATH, response_class=Response, include_in_schema=False)  # an ops route, like /docs
+    async def prometheus_metrics() -> Response:
+        """Prometheus text format: the metrics of every replica on this node (docs/observability.md)."""
+        body, content_type = await asyncio.to_thread(render, metrics)
+        return Response(body, media_type=content_type)
+
     @app.get("/healthz", response_model=Health, tags=["service"])
     async def healthz() -> Health:
         """Liveness: 200 while the server answers."""
@@ -223,6 +241,11 @@ def create_api(settings: Settings, backend: Backend) -> FastAPI:
         return JSONResponse(body.model_dump(), status_code=503, headers=headers)
 
     return app
+
+
+def _paths(app: FastAPI) -> set[str]:
+    """Every path the app answers: its OpenAPI paths, /metrics and the docs' own."""
+    return set(app.openapi()["paths"]) | {p for p in (METRICS_PATH, app.openapi_url, app.docs_url, app.redoc_url) if p}
 
 
 def _base64(vector: list[float]) -> str:

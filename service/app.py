@@ -27,7 +27,9 @@ from ray.serve.handle import DeploymentHandle
 
 from .api import create_api
 from .errors import InternalError, NotReady, Overloaded, ServiceError
+from .logs import configure_logging, serve_logging_config
 from .messages import ModelInfo
+from .metrics import default_metrics_dir, replica_actor_options
 from .settings import Settings
 
 log = logging.getLogger("ray.serve")
@@ -50,7 +52,9 @@ def _as_service_error(deployment: str, exc: BaseException) -> ServiceError:
 
 class ServeBackend:
     """Model calls through Serve handles (see routing.Backend). The first call to a deployment checks
-    that it has a loaded replica (503 model_not_ready otherwise) instead of queueing behind a load."""
+    that it has a loaded replica (503 model_not_ready otherwise) instead of queueing behind a load;
+    so does the first call after one found no replica (it died): while a new one loads, requests get
+    a 503 within readiness_timeout_s rather than wait in Serve's queue until their deadline."""
 
     def __init__(self, handles: dict[str, DeploymentHandle], readiness_timeout_s: float) -> None:
         self.handles = handles
@@ -70,7 +74,7 @@ class ServeBackend:
         except RequestCancelledError:
             raise asyncio.CancelledError() from None
         except Exception as e:
-            raise _as_service_error(deployment, e) from None
+            raise self._failed(deployment, e) from None
 
     async def stream(self, deployment: str, method: str, *args: Any) -> AsyncIterator[Any]:
         """Items of a generator method, through Serve's streaming responses."""
@@ -86,7 +90,7 @@ class ServeBackend:
             raise asyncio.CancelledError() from None
         except Exception as e:
             ended = True
-            raise _as_service_error(deployment, e) from None
+            raise self._failed(deployment, e) from None
         finally:
             if not ended:  # closed early, or the reading task was cancelled: cancel the model call too
                 response.cancel()
@@ -97,11 +101,18 @@ class ServeBackend:
             info = await asyncio.wait_for(_wait(response), timeout_s)
         except asyncio.TimeoutError:
             response.cancel()
+            self._seen_ready.discard(deployment)
             raise NotReady(f"{deployment}: no loaded replica answered within {timeout_s:g} s") from None
         except Exception as e:
-            raise _as_service_error(deployment, e) from None
+            raise self._failed(deployment, e) from None
         self._seen_ready.add(deployment)
         return info
+
+    def _failed(self, deployment: str, exc: BaseException) -> ServiceError:
+        err = _as_service_error(deployment, exc)
+        if isinstance(err, NotReady):  # no replica: probe before the next call
+            self._seen_ready.discard(deployment)
+        return err
 
 
 async def _wait(response: Any) -> Any:
@@ -114,22 +125,28 @@ class Ingress:
     """Validates, routes and converts; the model deployments batch and compute."""
 
     def __init__(self, settings: Settings, handles: dict[str, DeploymentHandle]) -> None:
+        configure_logging(settings.log_json)
         self.settings = settings
         self.backend = ServeBackend(handles, settings.readiness_timeout_s)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_api(self.settings, self.backend)
+        return create_api(self.settings, self.backend, proxy_echoes_id=True)
 
 
 def build_app_from_settings(settings: Settings) -> Application:
     from .deployments import bind_model  # torch and the models: not needed in the ingress replica
 
+    if settings.metrics_dir is None:  # one directory per deployed app, the same path on every node
+        settings = settings.model_copy(update={"metrics_dir": default_metrics_dir()})
     cluster_gpus = float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
     models = {name: bind_model(name, settings, cluster_gpus) for name in settings.deployments}
     ing = settings.ingress
+    placement = {} if ing.max_replicas_per_node is None else {"max_replicas_per_node": ing.max_replicas_per_node}
     return Ingress.options(
         num_replicas=ing.num_replicas,
-        ray_actor_options={"num_cpus": ing.num_cpus},
+        ray_actor_options={"num_cpus": ing.num_cpus, **replica_actor_options(settings.metrics_dir)},
+        logging_config=serve_logging_config(settings.log_json, settings.access_log),
+        **placement,
         max_ongoing_requests=ing.max_ongoing_requests,
         max_queued_requests=ing.max_queued_requests,
         backpressure_config={"retry_after_s": settings.retry_after_s},

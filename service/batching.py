@@ -33,6 +33,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor
 
+from .batch_metrics import BatchObserver
 from .errors import DeadlineExceeded, Overloaded
 
 log = logging.getLogger(__name__)
@@ -176,12 +177,14 @@ class DynamicBatcher(Generic[P, R]):
     """
 
     def __init__(self, run_batch: Callable[[list[P]], Sequence[R | BaseException]], limits: BatchLimits,
-                 executor: Executor | None = None, name: str = "batcher") -> None:
+                 executor: Executor | None = None, name: str = "batcher",
+                 observer: BatchObserver | None = None) -> None:
         self.run_batch = run_batch
         self.limits = limits
         self.executor = executor
         self.name = name
         self.stats = BatchStats()
+        self.observer = observer or BatchObserver()
         self._queue: list[_Item[P]] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -204,6 +207,7 @@ class DynamicBatcher(Generic[P, R]):
         loop = asyncio.get_running_loop()
         items = [_Item(p, n, loop.create_future(), deadline) for p, n in zip(payloads, lengths, strict=True)]
         self._queue.extend(items)
+        self._observe("on_queue", len(self._queue))
         assert self._wakeup is not None
         self._wakeup.set()
         futures = [it.future for it in items]
@@ -223,6 +227,7 @@ class DynamicBatcher(Generic[P, R]):
             self._drop_finished()
         if len(self._queue) + n > self.limits.max_queued:
             self.stats.rejected += n
+            self._observe("on_dropped", "rejected", n)
             raise Overloaded(f"{self.name}: {len(self._queue)} inputs are queued (limit "
                              f"{self.limits.max_queued}); retry later")
 
@@ -265,15 +270,23 @@ class DynamicBatcher(Generic[P, R]):
         """Remove cancelled items and fail expired ones (both before compute)."""
         now = time.monotonic()
         kept: list[_Item[P]] = []
+        dropped = {"cancelled": 0, "expired": 0}
         for it in self._queue:
             if it.future.done():
-                self.stats.cancelled += 1
+                dropped["cancelled"] += 1
             elif it.deadline is not None and now >= it.deadline:
                 it.future.set_exception(DeadlineExceeded(f"{self.name}: deadline passed while queued"))
-                self.stats.expired += 1
+                dropped["expired"] += 1
             else:
                 kept.append(it)
         self._queue = kept
+        self.stats.cancelled += dropped["cancelled"]
+        self.stats.expired += dropped["expired"]
+        for reason, n in dropped.items():
+            if n:
+                self._observe("on_dropped", reason, n)
+        if any(dropped.values()):
+            self._observe("on_queue", len(kept))
 
     async def _next_batch(self) -> list[_Item[P]]:
         assert self._wakeup is not None
@@ -293,6 +306,7 @@ class DynamicBatcher(Generic[P, R]):
                 picked = set(chosen)
                 batch = [self._queue[i] for i in chosen]
                 self._queue = [it for i, it in enumerate(self._queue) if i not in picked]
+                self._observe("on_queue", len(self._queue))
                 return batch
             self._wakeup.clear()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -300,6 +314,8 @@ class DynamicBatcher(Generic[P, R]):
 
     async def _run(self, batch: list[_Item[P]]) -> None:
         self._running = batch
+        started = time.monotonic()
+        waits = [started - it.enqueued for it in batch]
         try:
             results: list[R | BaseException] = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._run_isolated, [it.payload for it in batch])
@@ -308,7 +324,9 @@ class DynamicBatcher(Generic[P, R]):
         finally:
             self._running = []
         s = self.stats
-        s.record(len(batch), sum(it.length for it in batch), len(batch) * max(it.length for it in batch))
+        real, computed = sum(it.length for it in batch), len(batch) * max(it.length for it in batch)
+        s.record(len(batch), real, computed)
+        self._observe("on_batch", len(batch), real, computed, time.monotonic() - started, waits)
         for it, result in zip(batch, results, strict=True):
             if isinstance(result, BaseException):
                 s.failed += 1
@@ -318,6 +336,12 @@ class DynamicBatcher(Generic[P, R]):
                 it.future.set_exception(result)
             else:
                 it.future.set_result(result)
+
+    def _observe(self, hook: str, *args: Any) -> None:
+        try:
+            getattr(self.observer, hook)(*args)
+        except Exception:
+            log.exception("%s: batch observer hook %s failed", self.name, hook)
 
     def _run_isolated(self, payloads: list[P]) -> list[R | BaseException]:
         """run_batch, checked against its contract; a raising batch is split in halves and re-run,

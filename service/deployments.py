@@ -23,6 +23,7 @@ from models.catalog import LoadedModel, load_model
 
 from .batching import BatchLimits
 from .generation import GeneratorRunner, engine_config
+from .logs import configure_logging, serve_logging_config
 from .messages import (
     Classification,
     Embeddings,
@@ -32,6 +33,7 @@ from .messages import (
     ModelInfo,
     TranslateOptions,
 )
+from .metrics import ServiceMetrics, process_metrics, replica_actor_options
 from .runners import RUNNERS, Runner, resolve_device
 from .settings import DeploymentSettings, Settings
 
@@ -43,6 +45,7 @@ def _load(name: str, settings: Settings) -> tuple[DeploymentSettings, LoadedMode
     """The replica's model: threads set, startup gate passed, loaded onto its device in its dtype."""
     dep = settings.deployments[name]
     assert dep.model is not None
+    configure_logging(settings.log_json)  # this replica's own loggers; Serve's follow serve_logging_config
     torch.set_num_threads(dep.threads())
     _wait_for_gate(dep.startup_gate)
     device, dtype = resolve_device(*settings.device_for(dep))
@@ -54,16 +57,24 @@ def _log_loaded(name: str, loaded: LoadedModel, warm_up_started: float) -> None:
              str(loaded.dtype).removeprefix("torch."), loaded.load_seconds, time.perf_counter() - warm_up_started)
 
 
+def _report_loaded(metrics: ServiceMetrics, name: str, kind: str, loaded: LoadedModel, queue_capacity: int) -> None:
+    metrics.model_loaded(loaded.spec.name, name, kind, str(loaded.device), str(loaded.dtype).removeprefix("torch."),
+                         loaded.load_seconds, queue_capacity)
+
+
 class ModelDeployment:
     """Common replica life cycle: load, warm up, report info and health."""
 
     def __init__(self, name: str, settings: Settings) -> None:
         dep, loaded = _load(name, settings)
         assert dep.model is not None
-        self.runner: Runner = RUNNERS[dep.model.kind](loaded, name, _limits(dep))
+        metrics = process_metrics()
+        self.runner: Runner = RUNNERS[dep.model.kind](loaded, name, _limits(dep),
+                                                      metrics.batch_observer(loaded.spec.name))
         started = time.perf_counter()
         self.runner.warm_up()
         _log_loaded(name, loaded, started)
+        _report_loaded(metrics, name, dep.model.kind, loaded, dep.batching.max_queued)
 
     async def info(self) -> ModelInfo:
         return self.runner.info()
@@ -101,11 +112,14 @@ class GeneratorDeployment:
 
     def __init__(self, name: str, settings: Settings) -> None:
         dep, loaded = _load(name, settings)
-        self.runner = GeneratorRunner(loaded, name, engine_config(dep.engine, loaded))
+        metrics = process_metrics()
+        self.runner = GeneratorRunner(loaded, name, engine_config(dep.engine, loaded),
+                                      metrics.engine_observer(loaded.spec.name))
         started = time.perf_counter()
         self.runner.warm_up()
         self.runner.start()
         _log_loaded(name, loaded, started)
+        _report_loaded(metrics, name, "generator", loaded, self.runner.engine.limits.max_queued)
         log.info("%s: generation engine limits %s", name, self.runner.engine.limits)
 
     async def generate(self, request: GenerationRequest) -> GenerationDone:
@@ -158,10 +172,12 @@ def deployment_options(dep: DeploymentSettings, settings: Settings, cluster_gpus
     gpus = dep.num_gpus
     if gpus is None:
         gpus = 1.0 if cluster_gpus > 0 and (device == "auto" or device.startswith("cuda")) else 0.0
+    actor = {"num_cpus": dep.num_cpus, "num_gpus": gpus, **replica_actor_options(settings.metrics_dir)}
     options: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": dep.num_cpus, "num_gpus": gpus},
+        "ray_actor_options": actor,
         "max_ongoing_requests": dep.max_ongoing_requests,
         "max_queued_requests": dep.max_queued_requests,
+        "logging_config": serve_logging_config(settings.log_json, settings.access_log),
     }
     if dep.autoscaling_config is not None:
         options["autoscaling_config"] = dep.autoscaling_config

@@ -158,7 +158,9 @@ def install_error_handlers(app: FastAPI, retry_after_s: float) -> None:
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(
             exc.status_code, str(exc.detail))
-        return error_response(cls(message), retry_after_s)
+        response = error_response(cls(message), retry_after_s)
+        response.headers.update(exc.headers or {})  # e.g. the Allow header of a 405 (RFC 9110)
+        return response
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error on %s %s", request.method, request.url.path)

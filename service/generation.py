@@ -23,6 +23,7 @@ from models.decoding import SamplingParams
 from .engine import GenerationEngine
 from .engine_config import EngineConfig, RequestTooLarge
 from .engine_events import Delta, Finished, RequestHandle
+from .engine_metrics import EngineObserver
 from .errors import InternalError, InvalidRequest
 from .messages import (
     GenerationDone,
@@ -55,9 +56,10 @@ def engine_config(settings: EngineSettings, loaded: LoadedModel) -> EngineConfig
 class GeneratorRunner:
     """One decoder-only model and its engine. Build, `warm_up()`, then `start()`."""
 
-    def __init__(self, loaded: LoadedModel, deployment: str, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, deployment: str, config: EngineConfig,
+                 observer: EngineObserver | None = None) -> None:
         self.loaded, self.deployment = loaded, deployment
-        self.engine = GenerationEngine(loaded.model, loaded.tokenizer, config, name=f"{deployment}-engine")
+        self.engine = GenerationEngine(loaded.model, loaded.tokenizer, config, observer, name=f"{deployment}-engine")
         self.defaults = {k: v for k, v in loaded.spec.defaults.items() if k in SAMPLING_FIELDS}
         SamplingParams(**self.defaults)  # bad model defaults fail the replica at start, not each request
         self.loaded_at = time.time()

@@ -20,6 +20,7 @@ from models.beam_search import BeamParams, translate_ids
 from models.catalog import LoadedModel
 from models.text import TextTokenizer
 
+from .batch_metrics import BatchObserver
 from .batching import BatchLimits, DynamicBatcher, PaddedBatch
 from .errors import InvalidItem, InvalidRequest
 from .messages import Classification, Embeddings, ModelInfo, TranslateOptions
@@ -73,12 +74,13 @@ def _deadline(timeout_s: float | None) -> float | None:
 class Runner:
     """Shared by every model kind: the loaded model, one inference thread, the batcher, info()."""
 
-    def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits) -> None:
+    def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits,
+                 observer: BatchObserver | None = None) -> None:
         self.loaded = loaded
         self.deployment = deployment
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{deployment}-inference")
         self.batcher: DynamicBatcher[Any, Any] = DynamicBatcher(self.run_batch, limits, self.executor,
-                                                                name=deployment)
+                                                                name=deployment, observer=observer)
         self.loaded_at = time.time()
 
     def run_batch(self, payloads: list[Any]) -> list[Any]:
@@ -94,7 +96,8 @@ class Runner:
             name=spec.name, deployment=self.deployment, tasks=tuple(spec.tasks), device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."), max_input_tokens=loaded.max_input_tokens,
             labels=tuple(loaded.labels), languages=spec.languages, defaults=dict(spec.defaults),
-            loaded_at=self.loaded_at, load_seconds=loaded.load_seconds, stats=self.batcher.stats.as_dict())
+            loaded_at=self.loaded_at, load_seconds=loaded.load_seconds,
+            stats={**self.batcher.stats.as_dict(), "queued": self.batcher.queued})  # queued: inputs waiting now
 
     async def close(self) -> None:
         await self.batcher.close()
@@ -110,8 +113,9 @@ class EncodeItem:
 class EncoderRunner(Runner):
     """Classification and embeddings on one encoder; both tasks share batches (one forward pass)."""
 
-    def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits) -> None:
-        super().__init__(loaded, deployment, limits)
+    def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits,
+                 observer: BatchObserver | None = None) -> None:
+        super().__init__(loaded, deployment, limits, observer)
         if "classify" in loaded.spec.tasks and not loaded.labels:
             raise ValueError(f"model {loaded.spec.name!r} serves classify but has no classification head "
                              "(set `head` in its model settings)")
@@ -161,8 +165,9 @@ class TranslatorRunner(Runner):
     """Beam search on the encoder-decoder; each item keeps its own beam size and length limit inside
     a shared batch (translate_ids takes one BeamParams per source)."""
 
-    def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits) -> None:
-        super().__init__(loaded, deployment, limits)
+    def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits,
+                 observer: BatchObserver | None = None) -> None:
+        super().__init__(loaded, deployment, limits, observer)
         cfg = loaded.model.cfg
         self.banned = sorted({t for t in (cfg.pad_token_id, cfg.decoder_start_token_id) if t is not None}
                              - {cfg.eos_token_id})

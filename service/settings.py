@@ -24,7 +24,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 if TYPE_CHECKING:
     from models.catalog import ModelSpec
@@ -133,6 +141,8 @@ class DeploymentSettings(_Frozen):
     @model_validator(mode="after")
     def _check(self) -> DeploymentSettings:
         _check_device(self.device, self.dtype)
+        if self.autoscaling_config is not None:
+            _check_autoscaling(self.autoscaling_config)
         return self
 
     @property
@@ -151,6 +161,8 @@ class IngressSettings(_Frozen):
     num_cpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(1024, ge=1)
     max_queued_requests: int = Field(4096, ge=1)  # at each proxy; past it the proxy answers 503
+    # 1 with num_replicas = nodes: an ingress on every node, so each node's /metrics is its own (README)
+    max_replicas_per_node: int | None = Field(None, ge=1)
 
 
 class Settings(_Frozen):
@@ -162,10 +174,29 @@ class Settings(_Frozen):
     max_inputs: int = Field(64, ge=1)  # texts per request
     retry_after_s: float = Field(1.0, gt=0)  # Retry-After on 503
     readiness_timeout_s: float = Field(2.0, gt=0)  # how long /readyz waits for each deployment
+    # API keys (service/auth.py); none here nor in the file: no auth. TS_API_KEYS=key1,key2
+    api_keys: tuple[SecretStr, ...] = ()
+    api_keys_file: str | None = None  # one key per line, read by the ingress at start-up
+    protect_metrics: bool = False  # with keys: /metrics needs one too
+    protect_docs: bool = False  # with keys: /docs, /redoc and /openapi.json need one too
+    cors_origins: tuple[str, ...] = ()  # origins browsers may call from ("*": any); empty: CORS off
+    # logs and metrics (docs/observability.md)
+    log_json: bool = True  # JSON log lines with the request id; false: plain text
+    access_log: bool = False  # one log line per request (ingress and Serve's proxy and replicas)
+    metrics_dir: str | None = None  # per-node directory of the replicas' metric files; None: fresh per app
     ingress: IngressSettings = IngressSettings()
     deployments: dict[str, DeploymentSettings] = Field(
         default_factory=lambda: {name: DeploymentSettings(model=ModelSettings.from_spec(_default_specs()[name]))
                                  for name in DEFAULT_DEPLOYMENTS})
+
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        """A comma-separated string (as in TS_API_KEYS=k1,k2) is a list; a lone number (TS_* values
+        parse as JSON) is its digits."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
 
     @model_validator(mode="before")
     @classmethod
@@ -234,6 +265,23 @@ def _check_device(device: str | None, dtype: str | None) -> None:
         raise ValueError(f"device must be auto, cpu, mps, cuda or cuda:N, got {device!r}")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+
+
+def _check_autoscaling(config: Mapping[str, Any]) -> None:
+    """Ray Serve silently ignores unknown autoscaling keys, so a misspelt one would quietly keep the
+    default (e.g. a 600 s downscale delay): name it here, then let Ray check the values."""
+    from ray.serve.config import AutoscalingConfig
+
+    known = AutoscalingConfig.model_fields
+    unknown = sorted(set(config) - set(known))
+    if unknown:
+        raise ValueError(f"autoscaling_config: unknown keys {unknown}; Ray Serve knows {sorted(known)}")
+    try:
+        AutoscalingConfig(**config)
+    except ValidationError as e:
+        problems = "; ".join(": ".join([*map(str, err["loc"]), str(err["msg"]).removeprefix("Value error, ")])
+                             for err in e.errors())
+        raise ValueError(f"autoscaling_config {dict(config)}: {problems}") from None
 
 
 def _env_value(raw: str) -> Any:

@@ -11,11 +11,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import random
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +24,10 @@ import pytest
 
 from models.beam_search import BeamParams, translate_ids
 from models.tiny import tiny_model
+from tests.live import local_cluster, wait_for
 from tests.service.http_checks import assert_error
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
 MAX_INPUTS, MAX_BODY, LIMIT = 8, 16384, 64
 SMALL_BATCHES = {"max_batch_size": 8, "max_wait_ms": 25, "max_batch_tokens": 256, "max_queued": 256,
                  "overhead_tokens": 16}
@@ -71,58 +68,27 @@ class Server:
                                  limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _poll(client: httpx.Client, path: str, status: int, timeout_s: float) -> httpx.Response:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            r = client.get(path, timeout=5)
-            if r.status_code == status:
-                return r
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"GET {path} did not answer {status} within {timeout_s} s")
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")  # module: other e2e modules start their own Ray
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    import ray
     from ray import serve
 
     from service.app import build_app_from_settings
     from service.settings import Settings
 
     gate = tmp_path_factory.mktemp("gate") / "open"
-    port = _free_port()
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_cluster() as url:
         app = build_app_from_settings(Settings.build(app_args(gate), env={}))
         deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "e2e", "route_prefix": "/"},
                                      daemon=True)
         deploying.start()
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            _poll(client, "/healthz", 200, timeout_s=180)
+        with httpx.Client(base_url=url, timeout=30) as client:
+            wait_for(url, "/healthz", 200, timeout_s=180)
             readyz_before = client.get("/readyz")
             call_before = client.post("/v1/classify", json={"inputs": "hi", "model": "tiny-encoder-gated"})
             gate.touch()
             deploying.join(timeout=180)
-            _poll(client, "/readyz", 200, timeout_s=60)
-        yield Server(f"http://127.0.0.1:{port}", readyz_before, call_before)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
+            wait_for(url, "/readyz", 200, timeout_s=60)
+        yield Server(url, readyz_before, call_before)
 
 
 # -- life cycle, discovery ----------------------------------------------------------------------

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,10 +30,10 @@ from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.generate import generate
 from models.tiny import VOCAB, byte_tokenizer, tiny_model
+from tests.live import deploy, local_cluster, wait_for
 from tests.service.http_checks import assert_error
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
 TINY, LONG = "tiny-decoder", "tiny-decoder-long"
 MAX_POSITIONS = 512  # tiny:decoder's; its engine: max_prompt_tokens 511, max_total_tokens 512
 RETRY_AFTER = "2"
@@ -89,56 +87,16 @@ class Cluster:
         return openai.OpenAI(base_url=f"{self.url}{prefix}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(client: httpx.Client, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if client.get("/readyz", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{client.base_url}readyz did not answer 200 within {timeout_s} s")
-        time.sleep(0.2)
-
-
-def _deploy(settings_args: dict[str, Any], name: str, prefix: str) -> None:
-    from ray import serve
-
-    from service.app import build_app_from_settings
-    from service.settings import Settings
-
-    serve.run(build_app_from_settings(Settings.build(settings_args, env={})), name=name, route_prefix=prefix)
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    import ray
-    from ray import serve
-
-    port = _free_port()
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield Cluster(f"http://127.0.0.1:{port}")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_cluster() as url:
+        yield Cluster(url)
 
 
 @pytest.fixture(scope="module")
 def server(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Cluster:
-    _deploy(app_args(long_decoder(tmp_path_factory.mktemp("long-decoder"))), "generation", "/")
-    with cluster.client() as c:
-        _wait_ready(c, timeout_s=120)
+    deploy(app_args(long_decoder(tmp_path_factory.mktemp("long-decoder"))), "generation", "/")
+    wait_for(cluster.url, "/readyz", 200, timeout_s=120)
     return cluster
 
 
@@ -456,11 +414,10 @@ def test_models_and_readiness_include_the_generators(server: Cluster) -> None:
 def smollm2(cluster: Cluster) -> Iterator[Cluster]:
     from ray import serve
 
-    _deploy({"device": "cpu", "deployments": {"generator": {"num_cpus": 0, "torch_threads": 2}}},
+    deploy({"device": "cpu", "deployments": {"generator": {"num_cpus": 0, "torch_threads": 2}}},
             "smollm2", "/smollm2")
     try:
-        with cluster.client("/smollm2") as c:
-            _wait_ready(c, timeout_s=180)
+        wait_for(f"{cluster.url}/smollm2", "/readyz", 200, timeout_s=180)
         yield cluster
     finally:
         serve.delete("smollm2")

@@ -25,7 +25,8 @@ def test_missing_weights_names_the_deployment_and_source(tmp_path: Path) -> None
 def test_cpus_needed_counts_replicas() -> None:
     args = {"ingress": {"num_cpus": 0.5}, "deployments": {
         "a": {"model": TINY, "num_cpus": 2, "num_replicas": 2},
-        "b": {"model": {**TINY, "name": "b"}, "num_cpus": 1, "autoscaling_config": {"min_replicas": 3}},
+        "b": {"model": {**TINY, "name": "b"}, "num_cpus": 1,
+              "autoscaling_config": {"min_replicas": 3, "max_replicas": 5}},
     }}
     assert cpus_needed(Settings.build(args, env={})) == 0.5 + 4 + 3
 

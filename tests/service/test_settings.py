@@ -33,7 +33,7 @@ def test_the_shipped_serve_config_is_valid() -> None:
     assert s.deployments["encoder"].model.name == "minilm-sentiment"  # type: ignore[union-attr]
     assert s.deployments["translator"].batching.max_batch_size == 16
     assert s.deployments["generator"].model.kind == "generator"  # type: ignore[union-attr]
-    assert s.deployments["generator"].engine.max_running == 8 and s.deployments["generator"].num_cpus == 2
+    assert s.deployments["generator"].engine.max_running == 32 and s.deployments["generator"].num_cpus == 2
 
 
 def test_environment_overrides_nested_fields_with_json_values() -> None:
@@ -63,6 +63,12 @@ def test_args_deployments_are_the_whole_set() -> None:
     ({"deployments": {"t": {"model": {**TINY, "tasks": ["classify", "translate"]}}}}, {}, "split them"),
     ({"max_inputs": 64, "deployments": {"a": {"model": TINY, "batching": {"max_queued": 8}}}}, {}, "max_queued"),
     ({"deployments": {"a b": {"model": TINY}}}, {}, "may use only"),
+    ({"deployments": {"a": {"model": TINY, "autoscaling_config": {"max_replica": 2}}}}, {},
+     r"unknown keys \['max_replica'\]"),
+    ({"deployments": {"a": {"model": TINY, "autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}}}, {},
+     "max_replicas .2. must be greater than or equal to min_replicas .3."),
+    ({}, {"TS_DEPLOYMENTS__ENCODER__AUTOSCALING_CONFIG": '{"target_ongoing_requests": 0}'},
+     "target_ongoing_requests: Input should be greater than 0"),
 ])
 def test_invalid_settings_name_the_problem(args: dict[str, Any], env: dict[str, str], match: str) -> None:
     with pytest.raises(ValidationError, match=match):
