@@ -4,7 +4,9 @@
     serve run service.app:build_app device=cpu  # or args on the command line
     python -m service                           # = make serve: local Ray + the config above
 
-Hops per request: HTTP proxy -> ingress replica (validate, route) -> model replica (batch, run).
+Hops per request: ingress replica (validate, route) -> model replica (batch, run). `python -m
+service` turns on Ray Serve's throughput mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1): the ingress replica
+serves HTTP itself and replicas talk gRPC; without it, Serve's HTTP proxy adds a hop in front.
 The ingress builds its FastAPI app in the replica (`__serve_build_asgi_app__`), from the settings
 it was bound with; nothing is built at import time.
 """

@@ -2,8 +2,9 @@
 deployments the benchmark's tasks need, written to a file that `python -m service --config` reads.
 
 Each deployment keeps its settings from the shipped config (batching knobs, CPUs, queues); the
-benchmark sets only the model (for a non-default model set), torch threads, device, the request
-deadline, and HTTP on 127.0.0.1.
+benchmark sets only the model (for a non-default model set), torch threads, one replica per model
+(no autoscaling, so every system computes on the same threads), device, the request deadline, and
+HTTP on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def serve_config(
         if task in specs:
             dep["model"] = spec_dict(specs[task])
         dep["torch_threads"] = threads
+        dep.pop("autoscaling_config", None)  # one replica per model, like the alternatives' one process
+        dep["num_replicas"] = 1
         if gpus and device != "cpu" and dep.get("num_gpus") is None:
             dep["num_gpus"] = round(gpus / len(tasks), 3)
         deployments[name] = dep

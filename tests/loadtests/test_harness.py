@@ -168,7 +168,8 @@ def test_ours_config_keeps_shipped_settings_and_narrows() -> None:
                 "args": {
                     "request_timeout_s": 30,
                     "deployments": {
-                        "encoder": {"num_cpus": 1, "batching": {"max_batch_size": 32}},
+                        "encoder": {"num_cpus": 1, "batching": {"max_batch_size": 32},
+                                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 4}},
                         "translator": {"num_cpus": 1},
                     },
                 },
@@ -180,6 +181,7 @@ def test_ours_config_keeps_shipped_settings_and_narrows() -> None:
     assert list(args["deployments"]) == ["encoder"]
     enc = args["deployments"]["encoder"]
     assert enc["batching"] == {"max_batch_size": 32} and enc["torch_threads"] == 3
+    assert enc["num_replicas"] == 1 and "autoscaling_config" not in enc  # the same threads as the others
     assert enc["model"]["source"] == "tiny:encoder" and args["device"] == "cpu"
     assert args["request_timeout_s"] == 120.0 and config["http_options"] == {
         "host": "127.0.0.1",
