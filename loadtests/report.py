@@ -185,7 +185,8 @@ def _header(meta: dict[str, Any]) -> list[str]:
         "*unfinished*, left out of the percentiles). One text per request: English sentences (median 9 "
         "words, up to 40); for classification 20 % of texts have 2–10 sentences. Generation: prompts of "
         f"10–200 tokens, outputs of 16–128 tokens (log-normal, median 48), greedy, {length}.{poisson} "
-        "Throughput counts requests finished inside the measured window.",
+        "Throughput counts requests finished inside the measured window; generation tokens/s counts "
+        "output tokens that reached the client inside it (a stream's tokens as its pieces arrive).",
         "- **Systems:**",
         *[f"  - `{name}`: {SYSTEM_NOTES.get(name, name)}" for name in s["systems"]],
     ]

@@ -26,13 +26,13 @@ from models.catalog import resolve_dir
 
 from .logs import configure_logging, serve_logging_config
 from .metrics import default_metrics_dir
+from .ray_env import use_fast_path
 from .settings import Settings
 
 log = logging.getLogger("service")
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "deploy" / "serve_config.yaml"
 OUR_APP = "service.app:build_app"
-THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"  # set it to 0 to keep Serve's HTTP proxy
 
 
 def missing_weights(settings: Settings) -> list[str]:
@@ -105,9 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "builtin weights are produced by their training scripts (models/train/).", "\n  ".join(problems))
         return 1
 
-    # Ray Serve's throughput mode, read by every Ray process at start-up: the ingress replica serves
-    # HTTP itself (no proxy hop) and replicas talk gRPC. It doubled classify throughput here.
-    os.environ.setdefault(THROUGHPUT_ENV, "1")
+    log.info("Ray Serve request path: %s (service/ray_env.py)", use_fast_path(os.environ))
     import ray
     from ray import serve
 

@@ -4,7 +4,8 @@ Starts a local Ray + Serve with tiny models (max_wait 0, so no batching wait) an
 trivial request, sequentially (one request in flight, so these are latencies, not throughput):
 
   http      a plain uvicorn + FastAPI app answering GET /ping in this process (HTTP client + server)
-  proxy     GET /healthz through Serve: HTTP proxy -> ingress replica
+  proxy     GET /healthz through Serve: HAProxy (or Serve's proxy) -> ingress replica, on the request
+            path `python -m service` chooses (service/ray_env.py)
   handle    DeploymentHandle call from this process to the encoder replica's info(): one Ray hop
   models    GET /v1/models: proxy -> ingress -> encoder replica's info() (the hops, no batching)
   classify  POST /v1/classify with one 1-character text: proxy -> ingress -> encoder replica
@@ -107,7 +108,12 @@ def measure(n: int, worker_env: dict[str, str] | None = None) -> dict[str, dict[
         with httpx.Client(base_url=f"http://127.0.0.1:{serve_port}") as c:
             results["proxy"] = _time(lambda: c.get("/healthz").raise_for_status(), n)
             handle = serve.get_deployment_handle("encoder", app_name="hops")
-            results["handle"] = _time(lambda: handle.info.remote().result(), n)
+            loop = asyncio.new_event_loop()  # throughput mode runs a handle's router on the caller's loop
+
+            async def info() -> Any:
+                return await handle.info.remote()
+
+            results["handle"] = _time(lambda: loop.run_until_complete(info()), n)
             results["models"] = _time(lambda: c.get("/v1/models").raise_for_status(), n)
             results["classify"] = _time(lambda: c.post("/v1/classify", json={"inputs": "a"}).raise_for_status(), n)
     finally:
@@ -163,6 +169,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="environment of the Ray workers, e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from .ray_env import use_fast_path
+
+    log.info("Ray Serve request path: %s", use_fast_path(os.environ))  # as `python -m service` runs
     results = measure(args.n, dict(kv.split("=", 1) for kv in args.worker_env))
     log.info("%-9s %8s %8s %8s", "hop", "p50 ms", "p90 ms", "mean ms")
     for name, r in results.items():

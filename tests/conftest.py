@@ -1,7 +1,7 @@
 """Session-wide test settings."""
 
-import os
+from service.ray_env import use_fast_path
 
-# Ray Serve's throughput mode (the ingress serves HTTP itself, gRPC between replicas), as
-# `python -m service` runs it; every Ray process a test starts inherits it.
-os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+# Ray Serve's request path as `python -m service` runs it (service/ray_env.py); every Ray process a
+# test starts inherits it.
+use_fast_path()
