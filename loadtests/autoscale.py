@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+
+from .cluster import local_cluster
 
 log = logging.getLogger("loadtests.autoscale")
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,28 +307,6 @@ def plot(timeline: Timeline, path: Path) -> None:
     plt.close(fig)
 
 
-@contextmanager
-def local_serve(env: dict[str, str], num_cpus: int = 4) -> Iterator[str]:
-    """A fresh local Ray with Serve's proxy on a free 127.0.0.1 port (as tests/live.py's local_cluster)."""
-    import socket
-
-    import ray
-    from ray import serve
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", **env}})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.autoscale", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("docs/img/autoscaling.png"), help="the PNG to write")
@@ -342,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     s = Scenario(concurrency=args.concurrency)
     app = "autoscale"
-    with local_serve(cluster_env(s)) as url:
+    with local_cluster(env=cluster_env(s)) as url:
         serve.run(build_app_from_settings(Settings.build(app_args(s), env={})), name=app, route_prefix="/")
         timeline = run(url, app, s)
     plot(timeline, args.out)

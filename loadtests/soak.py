@@ -21,9 +21,9 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from loadtests.cluster import deploy, local_cluster, wait_for
 from loadtests.replicas import replica_rss_mib
 from loadtests.workload import load_sentences
 
@@ -189,46 +190,16 @@ def local_service(args: dict[str, Any], num_cpus: float) -> AbstractContextManag
 
     @contextmanager
     def run() -> Any:
-        import ray
-        from ray import serve
-
-        from service.app import build_app_from_settings
-        from service.settings import Settings
-
         data = json.loads(json.dumps(args))
         for dep in data.get("deployments", {}).values():
             dep.pop("autoscaling_config", None)
             dep["num_replicas"] = 1
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app_from_settings(Settings.build(data, os.environ)), name="soak", route_prefix="/")
-            url = f"http://127.0.0.1:{port}"
-            _wait_ready(url, timeout_s=600)
+        with local_cluster(math.ceil(num_cpus), env={}) as url:
+            deploy(data, name="soak", env=os.environ)  # TS_* variables apply
+            wait_for(url, "/readyz", 200, timeout_s=600)
             yield url
-        finally:
-            serve.shutdown()
-            ray.shutdown()
 
     return run()
-
-
-def _wait_ready(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url}/readyz did not answer 200 within {timeout_s:g} s")
-        time.sleep(1.0)
 
 
 def config_args(path: Path) -> dict[str, Any]:
