@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
@@ -24,18 +23,10 @@ from service.generation import GeneratorRunner, engine_config
 from service.messages import GenerationRequest, TranslateOptions
 from service.runners import EncoderRunner, TranslatorRunner
 from service.settings import EngineSettings
+from tests.service.http_checks import send
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "zq-secret-internals-7731"
-
-
-def send(app: Any, method: str, path: str, **kwargs: Any) -> httpx.Response:
-    async def main() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.request(method, path, **kwargs)
-
-    return asyncio.run(main())
 
 
 # -- limits at the edge: refused before the backend is called ---------------------------------------

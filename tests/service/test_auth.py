@@ -15,18 +15,10 @@ from loadtests.fake_backend import EchoBackend, fake_app, fake_settings
 from service.api import create_api
 from service.auth import UNAUTHORIZED, KeyChecker, route_path
 from service.settings import Settings
+from tests.service.http_checks import send
 
 KEYS = ("key-one-0123456789", "key-two-abcdefghij")
 CLASSIFY = ("POST", "/v1/classify", {"json": {"inputs": "hello"}})
-
-
-def send(app: Any, method: str, path: str, **kwargs: Any) -> httpx.Response:
-    async def main() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.request(method, path, **kwargs)
-
-    return asyncio.run(main())
 
 
 def bearer(key: str) -> dict[str, str]:
