@@ -61,12 +61,16 @@ def test_a_hundred_clients_that_disconnect_leave_nothing_behind(live: Live) -> N
     # the engine: every request cancelled, rows and cache free, nothing waiting
     after_gen = live.wait_stats("generator", engine_idle, timeout_s=10)
     log.info("generator before %s, after %s; slow before %s", before_gen, after_gen, before_slow)
+    # A request whose client left before Serve handed it to the replica never reaches the engine (or
+    # the batcher below): nothing to free there. The others must have been cancelled, not run out.
     cancelled = after_gen["finished"].get("cancelled", 0) - before_gen["finished"].get("cancelled", 0)
-    assert cancelled == STREAMS + WHOLE, after_gen
+    assert 0 < cancelled <= STREAMS + WHOLE, after_gen
+    assert sum(after_gen["finished"].values()) - sum(before_gen["finished"].values()) == cancelled, after_gen
     assert after_gen["generated_tokens"] - before_gen["generated_tokens"] < (STREAMS + WHOLE) * LONG["max_new_tokens"]
     # the batcher: the inputs still queued were dropped when their batch came up, never computed
-    after_slow = live.wait_stats("slow", lambda s: s["queued"] == 0 and s["cancelled"] - before_slow["cancelled"]
-                                 == 2 * QUEUED, timeout_s=10)
+    after_slow = live.wait_stats("slow", lambda s: s["queued"] == 0 and s["cancelled"] > before_slow["cancelled"],
+                                 timeout_s=10)
+    assert after_slow["cancelled"] - before_slow["cancelled"] <= 2 * QUEUED, after_slow
     assert after_slow["items"] == before_slow["items"] and after_slow["failed"] == before_slow["failed"]
 
     with live.client() as c:  # the next requests are answered normally
