@@ -100,7 +100,7 @@ async def run_system(
 ) -> None:
     info = rec.results["systems"][name]
     busy = False  # the previous run left work running past the settle limit
-    connections = max(max(plan.concurrency), 256)
+    connections = max(max(plan.concurrency, default=0), 256)  # a Poisson-only plan has no levels
     async with http_client(url, connections, plan.request_timeout_s) as client:
         cards = (await _models(client) or {}).get("data", [])
         info["models"] = [{k: v for k, v in card.items() if k != "stats"} for card in cards]
