@@ -1,7 +1,22 @@
 """Session-wide test settings."""
 
+from collections.abc import Iterator
+
+import pytest
+import torch
+
 from service.ray_env import use_fast_path
 
 # Ray Serve's request path as `python -m service` runs it (service/ray_env.py); every Ray process a
 # test starts inherits it.
 use_fast_path()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny tensors: one torch thread is fastest, and the machine's cores are shared. Modules that
+    want it say `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

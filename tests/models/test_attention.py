@@ -9,7 +9,6 @@ Masks are bool with True = attend: padding (B, 1, 1, S), causal (B, 1, T, S).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,14 +19,7 @@ from models.config import DecoderConfig
 from models.kv_cache import KVCache
 from models.positions import RotaryPositions
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one thread is fastest, and the machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
 
 
 B, T, S, D = 3, 5, 7, 8

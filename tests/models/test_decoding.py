@@ -6,8 +6,6 @@ so a row's tokens never depend on the rows it is batched with.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import Tensor
@@ -31,14 +29,7 @@ from models.decoding import (
 )
 from models.generate import Generated, generate
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one thread is fastest, and the machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
 
 
 V = 50

@@ -14,7 +14,7 @@ Marian, the output head untied and eos nudged) so outputs are varied, and each t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,14 +29,7 @@ from models.decoding import SamplingParams
 from models.generate import generate
 from models.seq2seq import Seq2Seq
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one thread is fastest, and the machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
 
 
 VOCAB, PAD, EOS = 100, 0, 1

@@ -11,8 +11,6 @@ perturbed away from its init so identity norms and zero biases cannot hide a bug
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import Tensor, nn
@@ -23,14 +21,7 @@ from models.encoder import EncoderModel
 from models.kv_cache import KVCache
 from models.seq2seq import Seq2Seq
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one thread is fastest, and the machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
 
 
 TOL = dict(atol=1e-5, rtol=1e-5)

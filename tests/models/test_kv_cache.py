@@ -7,8 +7,6 @@ checks exactly which slot holds what.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import Tensor
@@ -16,14 +14,7 @@ from torch import Tensor
 from models.config import PRESETS
 from models.kv_cache import CrossCache, KVCache
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one thread is fastest, and the machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
 
 
 LAYERS, ROWS, K, L, D = 2, 4, 2, 8, 3

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -28,15 +28,9 @@ from service.engine_events import Delta, Finished, RequestHandle
 from service.engine_metrics import EngineObserver, EngineStats
 from service.errors import InvalidRequest, Overloaded
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
+
 TEXT = "héllo ¿qué? 日本"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from models.catalog import LoadedModel, ModelSpec, load_model
 from service.engine_config import EngineOverloaded, RequestTooLarge
@@ -18,15 +16,9 @@ from service.generation import GeneratorRunner, engine_config
 from service.messages import ChatMessage, GenerationDone, GenerationRequest, GenerationStarted, TextDelta
 from service.settings import EngineSettings
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
+
 POSITIONS = 512  # tiny:decoder's max_positions
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def loaded(defaults: dict[str, object] | None = None, max_input_tokens: int | None = None) -> LoadedModel:
