@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from service.api import create_api
-from service.engine_config import RequestTooLarge
+from service.engine_errors import RequestTooLarge
 from service.errors import InvalidItem
 from service.messages import (
     Classification,

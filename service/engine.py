@@ -37,7 +37,8 @@ from models.text import TextTokenizer
 
 from .batching import select_batch
 from .engine_batch import RunningBatch
-from .engine_config import EngineClosed, EngineConfig, EngineLimits, EngineOverloaded
+from .engine_config import EngineConfig, EngineLimits
+from .engine_errors import EngineClosed, EngineOverloaded
 from .engine_events import Finished, RequestHandle
 from .engine_metrics import EngineObserver, EngineStats
 from .engine_state import SeqState

@@ -1,9 +1,7 @@
-"""Limits of the continuous-batching engine and the errors a request meets at submit time.
+"""Limits of the continuous-batching engine (its request errors: service/engine_errors.py).
 
 `EngineConfig` is what an operator sets; `EngineLimits` is the config resolved against one model
-(its max_positions, the bytes of one cache row), computed once when the engine is built. The
-errors subclass service.errors, so the HTTP layer answers 422 (a request over a limit) or 503 with
-Retry-After (the queue is full, the engine is shut down) without knowing the engine.
+(its max_positions, the bytes of one cache row), computed once when the engine is built.
 """
 
 from __future__ import annotations
@@ -16,24 +14,8 @@ import torch
 from models.config import DecoderConfig
 from models.decoding import SamplingParams
 
-from .errors import InvalidRequest, NotReady, Overloaded
-
-
-class EngineOverloaded(Overloaded):
-    """The waiting queue holds max_queued requests: answer 503 + Retry-After, do not queue more."""
-
-
-class EngineClosed(NotReady):
-    """submit() after shutdown()."""
-
-
-class RequestTooLarge(InvalidRequest):
-    """A request over one of the engine's limits; `limit` names the EngineConfig field (-> 422)."""
-
-    def __init__(self, message: str, param: str | None = None, limit: str | None = None) -> None:
-        super().__init__(message, param)
-        self.args = (message, param, limit)  # pickles whole across Ray
-        self.limit = limit
+from .engine_errors import RequestTooLarge
+from .errors import InvalidRequest
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from models.catalog import LoadedModel
 from models.decoding import SamplingParams
 
 from .engine import GenerationEngine
-from .engine_config import EngineConfig, RequestTooLarge
+from .engine_config import EngineConfig
+from .engine_errors import RequestTooLarge
 from .engine_events import Delta, Finished, RequestHandle
 from .engine_metrics import EngineObserver
 from .errors import InternalError, InvalidRequest

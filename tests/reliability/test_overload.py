@@ -1,5 +1,5 @@
 """A burst of 10x the measured capacity on a small generator (2 rows, 4 queue slots): every request
-is answered 200 or 503 + Retry-After (the refusals fast), none past its deadline; afterwards the
+is answered 200 or 503 + Retry-After (every refusal within a second), none past its deadline; afterwards the
 latency is back to normal and the replicas' memory has not grown."""
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def test_a_burst_of_ten_times_capacity(live: Live) -> None:
         assert r.seconds < DEADLINE_S + 1, r  # none past its deadline (0: the client gave up)
         if r.status == 503:
             assert r.error == "overloaded_error" and r.retry_after == RETRY_AFTER, r
-    assert p(refused, 50) < 1.0, f"503s p50 {p(refused, 50):.2f} s"
+    assert max(refused) < 1.0, f"503s p50 {p(refused, 50):.3f} s, max {max(refused):.3f} s"  # every one, at once
     assert {r.status for r in after} == {200}
     p50_before = statistics.median(r.seconds for r in before)
     p50_after = statistics.median(r.seconds for r in after)

@@ -17,7 +17,7 @@ from loadtests.fake_backend import EchoBackend, fake_app
 from models.catalog import LoadedModel, ModelSpec, load_model
 from models.checkpoints.hf import read_hf_dir
 from service.batching import BatchLimits
-from service.engine_config import RequestTooLarge
+from service.engine_errors import RequestTooLarge
 from service.errors import InvalidItem, InvalidRequest
 from service.generation import GeneratorRunner, engine_config
 from service.messages import GenerationRequest, TranslateOptions

@@ -23,7 +23,8 @@ from models.kv_cache import CacheView
 from models.text import TextTokenizer
 from models.tiny import EOS, tiny_model
 from service.engine import GenerationEngine
-from service.engine_config import EngineClosed, EngineConfig, EngineOverloaded, RequestTooLarge
+from service.engine_config import EngineConfig
+from service.engine_errors import EngineClosed, EngineOverloaded, RequestTooLarge
 from service.engine_events import Delta, Finished, RequestHandle
 from service.engine_metrics import EngineObserver, EngineStats
 from service.errors import InvalidRequest, Overloaded

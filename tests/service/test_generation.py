@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from models.catalog import LoadedModel, ModelSpec, load_model
-from service.engine_config import EngineOverloaded, RequestTooLarge
+from service.engine_errors import EngineOverloaded, RequestTooLarge
 from service.errors import InvalidRequest
 from service.generation import GeneratorRunner, engine_config
 from service.messages import ChatMessage, GenerationDone, GenerationRequest, GenerationStarted, TextDelta

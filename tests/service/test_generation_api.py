@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from service.api import create_api
-from service.engine_config import RequestTooLarge
+from service.engine_errors import RequestTooLarge
 from service.errors import NotReady, Overloaded, ServiceError
 from service.messages import (
     ChatMessage,
