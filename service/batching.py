@@ -81,7 +81,7 @@ class BatchLimits:
     max_wait_s: float = 0.005  # longest the oldest item waits for company
     max_batch_tokens: int = 16384  # n_rows * longest row <= this (a longer single item runs alone)
     max_queued: int = 1024  # items waiting in this replica; past it requests are refused (503)
-    overhead_tokens: int = 64  # fixed cost of one batch in padded-token steps (see select_batch)
+    overhead_tokens: int = 32  # fixed cost of one batch in padded-token steps (see select_batch)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "max_queued"):
@@ -123,7 +123,7 @@ class BatchStats:
 
 
 def select_batch(lengths: Sequence[int], max_batch_size: int, max_batch_tokens: int,
-                 overhead_tokens: int = 64) -> list[int]:
+                 overhead_tokens: int = 32) -> list[int]:
     """Indices (in queue order) of the next batch from a queue of item lengths, oldest first.
 
     Cost model: a batch of k rows padded to `longest` costs `overhead_tokens + k * longest`

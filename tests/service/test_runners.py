@@ -12,6 +12,7 @@ from models.beam_search import BeamParams, translate_ids
 from models.catalog import LoadedModel, ModelSpec, load_model
 from models.tiny import EOS
 from service.batching import BatchLimits
+from service import runners
 from service.errors import InvalidItem, InvalidRequest
 from service.runners import (
     EncodeItem,
@@ -111,6 +112,20 @@ def test_resolve_device() -> None:
     assert resolve_device("cpu", "bfloat16") == ("cpu", torch.bfloat16)
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto", "float32") == (expected, torch.float32)
+
+
+def test_auto_bf16_is_bfloat16_on_cuda_and_on_cpus_with_amx(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    amx = tmp_path / "amx"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n\nprocessor\t: 1\n")
+    avx = tmp_path / "avx"
+    avx.write_text("flags\t\t: fpu avx2 avx512_bf16\n")  # avx512_bf16 without amx_bf16: not enough
+    assert runners.cpu_has_amx_bf16(str(amx)) and not runners.cpu_has_amx_bf16(str(avx))
+    assert not runners.cpu_has_amx_bf16(str(tmp_path / "missing"))
+    assert resolve_device("cuda", "auto-bf16") == ("cuda", torch.bfloat16)
+    for has_amx, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(runners, "cpu_has_amx_bf16", lambda has=has_amx: has)
+        assert resolve_device("cpu", "auto-bf16") == ("cpu", dtype)
+        assert resolve_device("cpu", "auto") == ("cpu", torch.float32)  # plain auto never picks bfloat16 on cpu
 
 
 def test_a_classify_model_needs_a_head() -> None:
