@@ -11,8 +11,8 @@ import torch
 from models.beam_search import BeamParams, translate_ids
 from models.catalog import LoadedModel, ModelSpec, load_model
 from models.tiny import EOS
-from service.batching import BatchLimits
 from service import runners
+from service.batching import BatchLimits
 from service.errors import InvalidItem, InvalidRequest
 from service.runners import (
     EncodeItem,
