@@ -76,6 +76,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="torch threads per model in every system (default: CPUs - 1, leaving one for HTTP)",
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N], for every system")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="auto: each system's default (ours: the shipped config, where the generator is "
+                        "auto-bf16; the alternatives: bfloat16 on cuda, float32 on cpu); else every model "
+                        "of every system in this dtype")
     p.add_argument("--compare-at", type=int, default=32, help="concurrency of the ours-vs-alternative ratios")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -139,6 +143,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
         args.request_timeout,
         args.settle,
         args.progress,
+        args.dtype,
     )
 
 

@@ -37,6 +37,7 @@ class Plan:
     request_timeout_s: float
     settle_s: float
     progress_s: float
+    dtype: str = "auto"  # auto: each system's own (ours: the shipped config; the others: float32 on cpu)
 
     def runs_per_system(self) -> int:
         return len(self.tasks) * len(self.concurrency) + (

@@ -154,7 +154,21 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}"
 
 
-def _header(meta: dict[str, Any]) -> list[str]:
+def _dtypes(systems: dict[str, Any]) -> str:
+    """' (ours: generate bfloat16, ...; plain: ...)': the dtype each system reported per model."""
+    parts = []
+    for name, info in systems.items():
+        seen = []
+        for card in info.get("models") or []:
+            dtype = card.get("dtype") or (card.get("info") or {}).get("dtype")
+            if dtype:
+                seen.append(f"{card.get('id')} {dtype}")
+        if seen:
+            parts.append(f"{name}: {', '.join(seen)}")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _header(meta: dict[str, Any], systems: dict[str, Any] | None = None) -> list[str]:
     """Machine, versions, models, load and systems, as a bullet list."""
     m, s = meta["machine"], meta["settings"]
     models = "; ".join(
@@ -175,7 +189,7 @@ def _header(meta: dict[str, Any]) -> list[str]:
     return [
         f"- **Machine:** {m.get('nproc')} CPUs ({m.get('cpu_model', '?')}), {m.get('ram_gib', '?')} GiB RAM, "
         f"{m.get('gpu') or 'no GPU'}; the load generator runs on the same machine. Device `{s['device']}`, "
-        f"{s['threads']} torch thread(s) per model.",
+        f"dtype `{s.get('dtype', 'auto')}`{_dtypes(systems or {})}, {s['threads']} torch thread(s) per model.",
         "- **Versions:** " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         f"- **Models** (the same weights in every system): {models}",
         f"- **Load:** closed loop (N clients, each sends its next request when the previous one returns) at "
@@ -203,7 +217,7 @@ def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         "",
         f"    {meta['command']}",
         "",
-        *_header(meta),
+        *_header(meta, results.get("systems")),
         "",
     ]
     for name, sysinfo in results["systems"].items():

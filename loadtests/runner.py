@@ -217,7 +217,8 @@ def bench_system(
 
     port = free_port()
     config = LaunchConfig(
-        plan.tasks, plan.models, port, plan.threads, plan.device, out, cache_dir, plan.request_timeout_s
+        plan.tasks, plan.models, port, plan.threads, plan.device, out, cache_dir, plan.request_timeout_s,
+        dtype=plan.dtype,
     )
     launch = SYSTEMS[name](config)
     info: dict[str, Any] = {"tasks": list(launch.tasks), "skipped": dict(launch.skipped), "argv": launch.argv}

@@ -49,10 +49,13 @@ class Counters(BatchStats):
         self.record(items, cost.real_tokens, cost.computed_tokens)
 
 
-def resolve_device(device: str) -> tuple[str, torch.dtype]:
-    """As the service's "auto": cuda + bfloat16 when a GPU is visible, else cpu + float32."""
+def resolve_device(device: str, dtype: str = "auto") -> tuple[str, torch.dtype]:
+    """As the service's "auto": cuda + bfloat16 when a GPU is visible, else cpu + float32; or the
+    dtype given (float32 | bfloat16 | float16)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype != "auto":
+        return device, getattr(torch, dtype)
     return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
@@ -233,11 +236,12 @@ def _finish(task: str, model: Any, spec: ModelSpec, started: float, parity: floa
             "parity_max_abs_diff": parity,
             "load_seconds": time.perf_counter() - started,
             "device": model.device,
+            "dtype": str(model.dtype).removeprefix("torch."),
         },
     )
 
 
-def build_classifier(spec: ModelSpec, cache_dir: Path, device: str) -> Built:
+def build_classifier(spec: ModelSpec, cache_dir: Path, device: str, dtype: str = "auto") -> Built:
     from safetensors.torch import load_file
 
     started = time.perf_counter()
@@ -270,7 +274,7 @@ def build_classifier(spec: ModelSpec, cache_dir: Path, device: str) -> Built:
         "cpu",
     )
     parity = _classifier_parity(model, ours)
-    return _finish("classify", _to(model, device), spec, started, parity)
+    return _finish("classify", _to(model, device, dtype), spec, started, parity)
 
 
 def _classifier_parity(model: Classifier, ours: LoadedModel) -> float:
@@ -282,7 +286,7 @@ def _classifier_parity(model: Classifier, ours: LoadedModel) -> float:
     return float((mine - theirs).abs().max())
 
 
-def build_translator(spec: ModelSpec, cache_dir: Path, device: str) -> Built:
+def build_translator(spec: ModelSpec, cache_dir: Path, device: str, dtype: str = "auto") -> Built:
     from transformers import MarianConfig, MarianMTModel
 
     from models.checkpoints.marian import to_hf_marian
@@ -304,10 +308,10 @@ def build_translator(spec: ModelSpec, cache_dir: Path, device: str) -> Built:
         theirs = hf(
             input_ids=src, attention_mask=torch.ones_like(src), decoder_input_ids=tgt
         ).logits  # (1, 4, V)
-    return _finish("translate", _to(model, device), spec, started, float((mine - theirs).abs().max()))
+    return _finish("translate", _to(model, device, dtype), spec, started, float((mine - theirs).abs().max()))
 
 
-def build_generator(spec: ModelSpec, cache_dir: Path, device: str) -> Built:
+def build_generator(spec: ModelSpec, cache_dir: Path, device: str, dtype: str = "auto") -> Built:
     started = time.perf_counter()
     ours = load_model(spec, cache_dir)
     scheme, _, rest = spec.source.partition(":")
@@ -336,10 +340,10 @@ def build_generator(spec: ModelSpec, cache_dir: Path, device: str) -> Built:
     with torch.inference_mode():
         mine = ours.model(ids)[:, -1]  # (1, V)
         theirs = hf(input_ids=ids).logits[:, -1]  # (1, V)
-    return _finish("generate", _to(model, device), spec, started, float((mine - theirs).abs().max()))
+    return _finish("generate", _to(model, device, dtype), spec, started, float((mine - theirs).abs().max()))
 
 
-BUILDERS: dict[str, Callable[[ModelSpec, Path, str], Built]] = {
+BUILDERS: dict[str, Callable[[ModelSpec, Path, str, str], Built]] = {
     "classify": build_classifier,
     "translate": build_translator,
     "generate": build_generator,
@@ -347,16 +351,17 @@ BUILDERS: dict[str, Callable[[ModelSpec, Path, str], Built]] = {
 
 
 def build_all(
-    specs: dict[str, ModelSpec], tasks: Sequence[str], cache_dir: Path, device: str
+    specs: dict[str, ModelSpec], tasks: Sequence[str], cache_dir: Path, device: str, dtype: str = "auto"
 ) -> dict[str, Built]:
-    """task -> the transformers model serving it (loaded one after the other, ours freed after parity)."""
-    return {task: BUILDERS[task](specs[task], cache_dir, device) for task in tasks}
+    """task -> the transformers model serving it (loaded one after the other, ours freed after
+    parity, which is checked in float32 on the CPU), then moved to `device` in `dtype`."""
+    return {task: BUILDERS[task](specs[task], cache_dir, device, dtype) for task in tasks}
 
 
-def _to(model: Any, device: str) -> Any:
-    dev, dtype = resolve_device(device)
+def _to(model: Any, device: str, dtype_name: str) -> Any:
+    dev, dtype = resolve_device(device, dtype_name)
     for name in ("encoder", "head", "model"):
         if hasattr(model, name):
             setattr(model, name, getattr(model, name).to(device=dev, dtype=dtype))
-    model.device = dev
+    model.device, model.dtype = dev, dtype
     return model

@@ -27,6 +27,7 @@ class LaunchConfig:
     request_timeout_s: float = 120.0  # ours' per-request deadline during the benchmark
     max_batch_size: int = 32  # serve_batch's @serve.batch
     batch_wait_ms: float = 5.0
+    dtype: str = "auto"  # auto: each system's default; else every model of every system in this dtype
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ def _baseline_argv(module: str, cfg: LaunchConfig) -> list[str]:
         str(cfg.threads),
         "--device",
         cfg.device,
+        "--dtype",
+        cfg.dtype,
     ]
     return argv + (["--cache-dir", cfg.cache_dir] if cfg.cache_dir else [])
 
@@ -79,6 +82,7 @@ def our_service(cfg: LaunchConfig) -> Launch:
         cfg.device,
         cfg.request_timeout_s,
         cfg.workdir / "ours_serve_config.yaml",
+        dtype=cfg.dtype,
     )
     env = {"TRANSFORMER_SERVE_CACHE": cfg.cache_dir} if cfg.cache_dir else {}
     argv = [

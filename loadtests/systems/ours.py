@@ -42,6 +42,7 @@ def serve_config(
     request_timeout_s: float,
     shipped: dict[str, Any],
     gpus: int = 0,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """The shipped config with only the deployments for `tasks` (see the module docstring). With
     `gpus` visible and a device that may be CUDA, the deployments share them (Serve would otherwise
@@ -60,6 +61,8 @@ def serve_config(
         dep["torch_threads"] = threads
         dep.pop("autoscaling_config", None)  # one replica per model, like the alternatives' one process
         dep["num_replicas"] = 1
+        if dtype != "auto":  # every model in this dtype, whatever the shipped config says
+            dep.pop("dtype", None)
         if gpus and device != "cpu" and dep.get("num_gpus") is None:
             dep["num_gpus"] = round(gpus / len(tasks), 3)
         deployments[name] = dep
@@ -67,6 +70,8 @@ def serve_config(
     args["request_timeout_s"] = max(float(args.get("request_timeout_s", 0)), request_timeout_s)
     if device != "auto":
         args["device"] = device
+    if dtype != "auto":
+        args["dtype"] = dtype
     app["args"] = args
     config["applications"] = [app]
     config["http_options"] = {**(config.get("http_options") or {}), "host": "127.0.0.1", "port": port}
@@ -81,12 +86,13 @@ def write_config(
     device: str,
     request_timeout_s: float,
     path: Path,
+    dtype: str = "auto",
 ) -> Path:
     import torch
 
     shipped = yaml.safe_load(SHIPPED_CONFIG.read_text())
     config = serve_config(
-        tasks, models, port, threads, device, request_timeout_s, shipped, torch.cuda.device_count()
+        tasks, models, port, threads, device, request_timeout_s, shipped, torch.cuda.device_count(), dtype
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -115,6 +115,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default="default", help="model set (loadtests/systems/modelsets.py)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16")
     p.add_argument("--cache-dir", type=Path, help="pinned weights (default: models.zoo.default_cache_dir())")
     return p.parse_args(argv)
 
@@ -130,7 +131,7 @@ def load(args: argparse.Namespace) -> dict[str, Built]:
     torch.set_num_threads(args.threads)
     specs = model_set(args.models)
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    built = build_all(specs, [t for t in args.tasks.split(",") if t], cache_dir, args.device)
+    built = build_all(specs, [t for t in args.tasks.split(",") if t], cache_dir, args.device, args.dtype)
     for task, b in built.items():
         b.info["defaults"] = dict(specs[task].defaults)
     return built

@@ -187,6 +187,12 @@ def test_ours_config_keeps_shipped_settings_and_narrows() -> None:
         "host": "127.0.0.1",
         "port": 9999,
     }
+    assert "dtype" not in args  # auto: the shipped config's own dtypes
+    shipped["applications"][0]["args"]["deployments"]["encoder"]["dtype"] = "auto-bf16"
+    kept = serve_config(["classify"], "default", 1, 1, "cpu", 1.0, shipped)["applications"][0]["args"]
+    assert kept["deployments"]["encoder"]["dtype"] == "auto-bf16" and "dtype" not in kept
+    forced = serve_config(["classify"], "default", 1, 1, "cpu", 1.0, shipped, dtype="float32")["applications"][0]
+    assert forced["args"]["dtype"] == "float32" and "dtype" not in forced["args"]["deployments"]["encoder"]
     shared = serve_config(["classify", "translate"], "default", 1, 1, "auto", 1.0, shipped, gpus=1)
     assert [d["num_gpus"] for d in shared["applications"][0]["args"]["deployments"].values()] == [0.5, 0.5]
     assert (
