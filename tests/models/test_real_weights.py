@@ -78,12 +78,14 @@ def test_smollm2_logits_match_transformers_gguf_loader(weights_cache: Path) -> N
     assert rel_err(got, expected) <= 1e-4
 
 
-def test_smollm2_greedy_answer_names_paris(weights_cache: Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: the shipped generator on AMX CPUs
+def test_smollm2_greedy_answer_names_paris(weights_cache: Path, dtype: torch.dtype) -> None:
     from models.catalog import DEFAULT_SPECS, load_model
     from models.decoding import SamplingParams
     from models.generate import generate
 
-    lm = load_model(DEFAULT_SPECS["generator"], weights_cache)
+    lm = load_model(DEFAULT_SPECS["generator"], weights_cache, dtype=dtype)
+    assert {p.dtype for p in lm.model.parameters()} == {dtype}
     prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     ids = lm.tokenizer.encode(prompt, add_special_tokens=False)
     (out,) = generate(lm.model, [ids], SamplingParams(max_new_tokens=24))
