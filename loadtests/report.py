@@ -228,15 +228,15 @@ def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     lines += ["", "### Ratios", "", *ratios(runs, s["compare_at"]), ""]
     for task in s["tasks"]:
         closed = [r for r in runs if r["task"] == task and r["mode"] == "closed"]
-        if not closed:
+        poisson = [r for r in runs if r["task"] == task and r["mode"] == "poisson"]
+        if not closed and not (task == "generate" and poisson):
             continue
         lines += [f"### {task}", ""]
         if task == "generate":
-            lines += _generation_table(closed, "clients")
-            poisson = [r for r in runs if r["task"] == task and r["mode"] == "poisson"]
-            if poisson:
+            if closed:
+                lines += [*_generation_table(closed, "clients"), ""]
+            if poisson:  # a Poisson-only plan (--concurrency "") has just this table
                 lines += [
-                    "",
                     "Open loop, Poisson arrivals (latency from the scheduled send time):",
                     "",
                     *_generation_table(poisson, "rate req/s"),

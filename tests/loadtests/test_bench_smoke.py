@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.report import BEGIN, END
+from loadtests.report import BEGIN, END, markdown
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,6 +88,12 @@ def test_bench_ours_and_plain_on_tiny_models(tmp_path: Path) -> None:
         assert server["mean_batch_size"] >= 1.0 and 0 < server["padding_efficiency"] <= 1.0
     assert runs["plain"]["server"]["mean_batch_size"] == 1.0  # one text per request, no batching
     assert runs["plain"]["server"]["padding_efficiency"] == 1.0
+
+    # a Poisson-only plan (--concurrency "") still gets its generation table
+    poisson = {**runs["ours"], "task": "generate", "mode": "poisson", "concurrency": None, "rate": 1.0, "streamed": True}
+    settings = {**meta["settings"], "tasks": ["generate"], "concurrency": [], "poisson_rates": [1.0]}
+    only = markdown({**results, "runs": [poisson], "meta": {**meta, "settings": settings}})
+    assert "Open loop, Poisson arrivals" in only and "| ours | 1.00 |" in only
 
     section = (out / "results.md").read_text()
     assert section.startswith(BEGIN) and section.rstrip().endswith(END)
