@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from models.catalog import LoadedModel, ModelSpec, load_model, resolve_dir
 from models.text import TextTokenizer
 from service.batching import BatchStats
+from service.runners import resolve_device  # the service's "auto": the same device and dtype here
 
 log = logging.getLogger(__name__)
 PARITY_TEXTS = ("The service answered quickly.", "A second, slightly longer sentence to check padding.")
@@ -47,16 +48,6 @@ class Counters(BatchStats):
 
     def add(self, items: int, cost: BatchCost) -> None:
         self.record(items, cost.real_tokens, cost.computed_tokens)
-
-
-def resolve_device(device: str, dtype: str = "auto") -> tuple[str, torch.dtype]:
-    """As the service's "auto": cuda + bfloat16 when a GPU is visible, else cpu + float32; or the
-    dtype given (float32 | bfloat16 | float16)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype != "auto":
-        return device, getattr(torch, dtype)
-    return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
 def encode(tokenizer: TextTokenizer, text: str, limit: int) -> list[int]:
