@@ -3,7 +3,7 @@ cluster start for overload, faults and cancellation; the fault tests leave it wh
 
 Deployments, each sized for what it is used for:
 - `encoder`: tiny:encoder, small batches; faults under classify load.
-- `slow`: tiny:encoder whose batcher waits 3 s for company, so requests sit in its queue and a
+- `slow`: tiny:encoder whose batcher waits 8 s for company, so requests sit in its queue and a
   client can disconnect mid-request.
 - `generator`: tiny:decoder with 16 rows and a deep queue; cancellation and engine faults
   (`ignore_eos` makes a request run for all its max_new_tokens).
@@ -46,7 +46,7 @@ def app_args() -> dict[str, Any]:
         "max_inputs": 8,
         "deployments": {
             "encoder": _encoder("tiny-encoder", {"max_batch_size": 16, "max_wait_ms": 2, "max_queued": 256}),
-            "slow": _encoder("tiny-encoder-slow", {"max_batch_size": 256, "max_wait_ms": 3000, "max_queued": 256}),
+            "slow": _encoder("tiny-encoder-slow", {"max_batch_size": 256, "max_wait_ms": 8000, "max_queued": 256}),
             "generator": _decoder("tiny-decoder", {"max_running": 16, "max_queued": 256}),
             "burst": _decoder("tiny-decoder-burst", {"max_running": 2, "max_queued": 4}, max_ongoing_requests=8,
                               max_queued_requests=8),

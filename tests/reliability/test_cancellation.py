@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import httpx
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 LONG = {"prompt": "go on", "max_new_tokens": 400, "ignore_eos": True}
 STREAMS, WHOLE, QUEUED = 40, 30, 30
 SLOW = "tiny-encoder-slow"
+QUEUE_WAIT_S = 5.0  # at most, for the classify inputs to reach the slow batcher (it waits 8 s for company)
 
 
 async def hang_up_mid_stream(client: httpx.AsyncClient) -> str:
@@ -37,12 +39,36 @@ async def give_up(client: httpx.AsyncClient, path: str, body: dict[str, Any], af
         await client.post(path, json=body, timeout=after_s)
 
 
+async def hang_up_once_queued(live: Live, client: httpx.AsyncClient) -> int:
+    """Send QUEUED two-input classify requests to the slow batcher; once all their inputs wait in its
+    queue (or QUEUE_WAIT_S passed), close their connections. The number of inputs seen queued.
+
+    Waiting for the queue rather than a fixed client timeout keeps the test about dropping queued
+    inputs: on a loaded machine a request may not reach the replica within any short timeout."""
+    body = {"model": SLOW}
+    requests = [asyncio.create_task(client.post("/v1/classify", json={**body, "inputs": [f"text {i}", "more"]}))
+                for i in range(QUEUED)]
+    deadline = time.monotonic() + QUEUE_WAIT_S
+    queued = 0
+    while queued < 2 * QUEUED and time.monotonic() < deadline and not any(r.done() for r in requests):
+        await asyncio.sleep(0.05)
+        queued = (await asyncio.to_thread(live.stats, "slow"))["queued"]
+    done = [r for r in requests if r.done()]
+    for r in requests:
+        r.cancel()
+    await asyncio.gather(*requests, return_exceptions=True)
+    assert not done, f"{len(done)} slow classify requests finished before the hang-up: {done[0].result()}"
+    return queued
+
+
 async def storm(live: Live) -> list[Any]:
     async with live.async_client(connections=128) as client:
         jobs = ([hang_up_mid_stream(client) for _ in range(STREAMS)]
-                + [give_up(client, "/v1/generate", LONG, 1.0) for _ in range(WHOLE)]
-                + [give_up(client, "/v1/classify", {"inputs": [f"text {i}", "more"], "model": SLOW}, 0.5) for i in range(QUEUED)])
-        return await asyncio.gather(*jobs)
+                + [give_up(client, "/v1/generate", LONG, 1.0) for _ in range(WHOLE)])
+        *results, queued = await asyncio.gather(*jobs, hang_up_once_queued(live, client))
+        log.info("slow classify: %d inputs queued at the hang-up", queued)
+        assert queued > 0, f"none of {QUEUED} classify requests reached the slow batcher in {QUEUE_WAIT_S} s"
+        return [*results, *[None] * QUEUED]
 
 
 def test_a_hundred_clients_that_disconnect_leave_nothing_behind(live: Live) -> None:
@@ -69,7 +95,7 @@ def test_a_hundred_clients_that_disconnect_leave_nothing_behind(live: Live) -> N
     assert after_gen["generated_tokens"] - before_gen["generated_tokens"] < (STREAMS + WHOLE) * LONG["max_new_tokens"]
     # the batcher: the inputs still queued were dropped when their batch came up, never computed
     after_slow = live.wait_stats("slow", lambda s: s["queued"] == 0 and s["cancelled"] > before_slow["cancelled"],
-                                 timeout_s=10)
+                                 timeout_s=15)  # the batch comes up 8 s after its first input
     assert after_slow["cancelled"] - before_slow["cancelled"] <= 2 * QUEUED, after_slow
     assert after_slow["items"] == before_slow["items"] and after_slow["failed"] == before_slow["failed"]
 
