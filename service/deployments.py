@@ -23,6 +23,7 @@ from models.catalog import LoadedModel, load_model
 
 from .batching import BatchLimits
 from .generation import GeneratorRunner, engine_config
+from .heap import HeapTrimmer
 from .logs import configure_logging, serve_logging_config
 from .messages import (
     Classification,
@@ -70,7 +71,8 @@ class ModelDeployment:
         assert dep.model is not None
         metrics = process_metrics()
         self.runner: Runner = RUNNERS[dep.model.kind](loaded, name, _limits(dep),
-                                                      metrics.batch_observer(loaded.spec.name))
+                                                      metrics.batch_observer(loaded.spec.name),
+                                                      HeapTrimmer(dep.heap_trim_interval_s))
         started = time.perf_counter()
         self.runner.warm_up()
         _log_loaded(name, loaded, started)
@@ -114,7 +116,7 @@ class GeneratorDeployment:
         dep, loaded = _load(name, settings)
         metrics = process_metrics()
         self.runner = GeneratorRunner(loaded, name, engine_config(dep.engine, loaded),
-                                      metrics.engine_observer(loaded.spec.name))
+                                      metrics.engine_observer(loaded.spec.name), HeapTrimmer(dep.heap_trim_interval_s))
         started = time.perf_counter()
         self.runner.warm_up()
         self.runner.start()

@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -55,7 +55,8 @@ class GenerationEngine:
     cancel(), stats(), shutdown(); start() runs the scheduler loop in a dedicated thread."""
 
     def __init__(self, model: DecoderLM, tokenizer: TextTokenizer, config: EngineConfig | None = None,
-                 observer: EngineObserver | None = None, name: str = "generation-engine") -> None:
+                 observer: EngineObserver | None = None, name: str = "generation-engine",
+                 after_step: Callable[[], object] | None = None) -> None:
         weight = next(model.parameters())
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.device = weight.device
@@ -65,6 +66,7 @@ class GenerationEngine:
                                        self.device)
         self._eos = frozenset(model.cfg.eos_token_ids)
         self._observer = observer or EngineObserver()
+        self._after_step = after_step  # the loop calls it after each step (the replica trims its heap there)
         # engine thread only: the live rows, and a group taken from the queue while it is prefilled
         self._batch = RunningBatch(model, self.cache, model.cfg.vocab_size)
         self._admitting: list[SeqState] = []
@@ -183,6 +185,11 @@ class GenerationEngine:
                     if self._closed:
                         return
                 self.step()
+                if self._after_step is not None:
+                    try:
+                        self._after_step()
+                    except Exception:
+                        log.exception("%s: after_step failed", self.name)
         finally:
             self._abort_all("the generation engine shut down")
 

@@ -26,6 +26,7 @@ from .engine_errors import RequestTooLarge
 from .engine_events import Delta, Finished, RequestHandle
 from .engine_metrics import EngineObserver
 from .errors import InternalError, InvalidRequest
+from .heap import HeapTrimmer
 from .messages import (
     GenerationDone,
     GenerationEvent,
@@ -58,9 +59,11 @@ class GeneratorRunner:
     """One decoder-only model and its engine. Build, `warm_up()`, then `start()`."""
 
     def __init__(self, loaded: LoadedModel, deployment: str, config: EngineConfig,
-                 observer: EngineObserver | None = None) -> None:
+                 observer: EngineObserver | None = None, heap: HeapTrimmer | None = None) -> None:
         self.loaded, self.deployment = loaded, deployment
-        self.engine = GenerationEngine(loaded.model, loaded.tokenizer, config, observer, name=f"{deployment}-engine")
+        self.heap = heap or HeapTrimmer(0)
+        self.engine = GenerationEngine(loaded.model, loaded.tokenizer, config, observer, name=f"{deployment}-engine",
+                                       after_step=self.heap.maybe_trim)
         self.defaults = {k: v for k, v in loaded.spec.defaults.items() if k in SAMPLING_FIELDS}
         SamplingParams(**self.defaults)  # bad model defaults fail the replica at start, not each request
         self.loaded_at = time.time()

@@ -23,6 +23,7 @@ from models.text import TextTokenizer
 from .batch_metrics import BatchObserver
 from .batching import BatchLimits, DynamicBatcher, PaddedBatch
 from .errors import InvalidItem, InvalidRequest
+from .heap import HeapTrimmer
 from .messages import Classification, Embeddings, ModelInfo, TranslateOptions
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,13 +89,21 @@ class Runner:
     """Shared by every model kind: the loaded model, one inference thread, the batcher, info()."""
 
     def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits,
-                 observer: BatchObserver | None = None) -> None:
+                 observer: BatchObserver | None = None, heap: HeapTrimmer | None = None) -> None:
         self.loaded = loaded
         self.deployment = deployment
+        self.heap = heap or HeapTrimmer(0)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{deployment}-inference")
-        self.batcher: DynamicBatcher[Any, Any] = DynamicBatcher(self.run_batch, limits, self.executor,
+        self.batcher: DynamicBatcher[Any, Any] = DynamicBatcher(self._compute, limits, self.executor,
                                                                 name=deployment, observer=observer)
         self.loaded_at = time.time()
+
+    def _compute(self, payloads: list[Any]) -> list[Any]:
+        """One batch on the inference thread, then the C heap trimmed if its interval passed."""
+        try:
+            return self.run_batch(payloads)
+        finally:
+            self.heap.maybe_trim()
 
     def run_batch(self, payloads: list[Any]) -> list[Any]:
         raise NotImplementedError
@@ -127,8 +136,8 @@ class EncoderRunner(Runner):
     """Classification and embeddings on one encoder; both tasks share batches (one forward pass)."""
 
     def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits,
-                 observer: BatchObserver | None = None) -> None:
-        super().__init__(loaded, deployment, limits, observer)
+                 observer: BatchObserver | None = None, heap: HeapTrimmer | None = None) -> None:
+        super().__init__(loaded, deployment, limits, observer, heap)
         if "classify" in loaded.spec.tasks and not loaded.labels:
             raise ValueError(f"model {loaded.spec.name!r} serves classify but has no classification head "
                              "(set `head` in its model settings)")
@@ -179,8 +188,8 @@ class TranslatorRunner(Runner):
     a shared batch (translate_ids takes one BeamParams per source)."""
 
     def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits,
-                 observer: BatchObserver | None = None) -> None:
-        super().__init__(loaded, deployment, limits, observer)
+                 observer: BatchObserver | None = None, heap: HeapTrimmer | None = None) -> None:
+        super().__init__(loaded, deployment, limits, observer, heap)
         cfg = loaded.model.cfg
         self.banned = sorted({t for t in (cfg.pad_token_id, cfg.decoder_start_token_id) if t is not None}
                              - {cfg.eos_token_id})

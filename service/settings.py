@@ -134,6 +134,8 @@ class DeploymentSettings(_Frozen):
     device: str | None = None  # None: Settings.device
     dtype: str | None = None  # None: Settings.dtype
     torch_threads: int | None = Field(None, ge=1)  # None: max(1, num_cpus)
+    # glibc malloc_trim after a batch or engine step at most this often (service/heap.py); 0: never
+    heap_trim_interval_s: float = Field(1.0, ge=0)
     max_ongoing_requests: int = Field(256, ge=1)  # requests in one replica at once (they batch there)
     max_queued_requests: int = Field(1024, ge=1)  # requests each caller queues for this deployment
     startup_gate: str | None = None  # tests only: the replica waits for this file before loading

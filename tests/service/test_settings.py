@@ -69,6 +69,7 @@ def test_args_deployments_are_the_whole_set() -> None:
      "max_replicas .2. must be greater than or equal to min_replicas .3."),
     ({}, {"TS_DEPLOYMENTS__ENCODER__AUTOSCALING_CONFIG": '{"target_ongoing_requests": 0}'},
      "target_ongoing_requests: Input should be greater than 0"),
+    ({"deployments": {"a": {"model": TINY, "heap_trim_interval_s": -1}}}, {}, "heap_trim_interval_s"),
 ])
 def test_invalid_settings_name_the_problem(args: dict[str, Any], env: dict[str, str], match: str) -> None:
     with pytest.raises(ValidationError, match=match):
