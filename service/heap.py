@@ -18,10 +18,20 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
+
+
+def resident_bytes(statm: str = "/proc/self/statm") -> int:
+    """This process's resident set size in bytes (0 where /proc is missing)."""
+    try:
+        with open(statm) as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def glibc_malloc_trim() -> Callable[[], object] | None:

@@ -39,6 +39,7 @@ from prometheus_client import (
 from .batch_metrics import BatchObserver
 from .engine_events import Finished
 from .engine_metrics import EngineObserver, EngineStats
+from .heap import resident_bytes
 
 PREFIX = "transformer_serve_"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -79,6 +80,9 @@ SPECS: dict[str, Spec] = {
                        "Live model replicas (the value) and what they run"),
     "model_load_seconds": Spec("gauge", ("model",), "Seconds the slowest live replica took to load its model",
                                mode="livemax"),
+    "replica_resident_memory_bytes": Spec(
+        "gauge", ("model",), "Resident memory of the model's largest live replica (after its last batch or step)",
+        mode="livemax"),
     "queue_depth": Spec("gauge", ("model",), "Inputs (encoder, translator) or requests (generator) waiting "
                                              "in the replicas' queues"),
     "queue_capacity": Spec("gauge", ("model",), "Queue bound summed over the replicas; past it: 503"),
@@ -155,6 +159,7 @@ class ServiceMetrics:
         self["model_load_seconds"].labels(model).set(load_seconds)
         self["queue_capacity"].labels(model).set(queue_capacity)
         self["queue_depth"].labels(model).set(0)
+        self["replica_resident_memory_bytes"].labels(model).set(resident_bytes())
 
     def batch_observer(self, model: str) -> PrometheusBatchObserver:
         return PrometheusBatchObserver(self, model)
@@ -176,6 +181,7 @@ class PrometheusBatchObserver(BatchObserver):
         self.computed = metrics["batch_computed_tokens_total"].labels(model)
         self.efficiency = metrics["batch_padding_efficiency_ratio"].labels(model)
         self.inference = metrics["batch_inference_seconds"].labels(model)
+        self.rss = metrics["replica_resident_memory_bytes"].labels(model)
 
     def on_queue(self, queued: int) -> None:
         self.depth.set(queued)
@@ -188,6 +194,7 @@ class PrometheusBatchObserver(BatchObserver):
         self.computed.inc(computed_tokens)
         self.efficiency.observe(real_tokens / computed_tokens if computed_tokens else 1.0)
         self.inference.observe(inference_s)
+        self.rss.set(resident_bytes())
         for wait in queue_waits_s:
             self.wait.observe(wait)
 
@@ -212,6 +219,7 @@ class PrometheusEngineObserver(EngineObserver):
         self.running = metrics["generation_running_requests"].labels(model)
         self.waiting = metrics["generation_waiting_requests"].labels(model)
         self.cache = metrics["generation_kv_cache_usage_ratio"].labels(model)
+        self.rss = metrics["replica_resident_memory_bytes"].labels(model)
 
     def on_admitted(self, queued_s: float, prompt_tokens: int) -> None:
         self.wait.observe(queued_s)
@@ -228,6 +236,7 @@ class PrometheusEngineObserver(EngineObserver):
         self.waiting.set(stats.waiting)
         self.depth.set(stats.waiting)
         self.cache.set(stats.cache_usage)
+        self.rss.set(resident_bytes())
         if generated:
             self.generated.inc(generated)
             self.size.observe(generated)

@@ -18,7 +18,7 @@ from models.tiny import tiny_model
 from service.batching import BatchLimits
 from service.engine import GenerationEngine
 from service.engine_config import EngineConfig
-from service.heap import HeapTrimmer, glibc_malloc_trim
+from service.heap import HeapTrimmer, glibc_malloc_trim, resident_bytes
 from service.runners import EncoderRunner
 
 
@@ -122,3 +122,8 @@ def test_the_engine_loop_calls_after_step_on_its_thread() -> None:
         engine.shutdown()
     assert done.usage.completion_tokens == 4
     assert len(threads) == engine.stats().steps >= 3 and set(threads) == {"eng"}  # the prefill samples one
+
+
+def test_resident_bytes_reads_this_process_and_is_zero_without_proc(tmp_path: Path) -> None:
+    assert 2**20 < resident_bytes() < 2**40
+    assert resident_bytes(str(tmp_path / "missing")) == 0

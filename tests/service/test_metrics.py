@@ -33,6 +33,7 @@ from service.batching import BatchLimits, DynamicBatcher
 from service.engine import GenerationEngine
 from service.engine_config import EngineConfig
 from service.errors import NotReady, Overloaded
+from service.heap import resident_bytes
 from service.logs import REQUEST_ID, JsonFormatter, valid_request_id
 from service.messages import Classification, ModelInfo
 from service.metrics import PREFIX, SPECS, ServiceMetrics, clean_dead_processes, render
@@ -117,6 +118,7 @@ def test_batch_metrics_observe_the_batches_the_batcher_ran(metrics: ServiceMetri
     assert value(metrics, "queue_wait_seconds_sum", **m) > 0
     assert value(metrics, "queue_depth", **m) == 0  # all taken
     assert value(metrics, "batch_dropped_items_total", model="m", reason="rejected") == 7
+    assert 2**20 < value(metrics, "replica_resident_memory_bytes", **m) == pytest.approx(resident_bytes(), rel=0.5)
 
 
 # -- the generation engine ----------------------------------------------------------------------------
@@ -149,6 +151,7 @@ def test_engine_metrics_observe_what_the_engine_did(metrics: ServiceMetrics) -> 
     for gauge in ("generation_running_requests", "generation_waiting_requests", "queue_depth",
                   "generation_kv_cache_usage_ratio"):
         assert value(metrics, gauge, **m) == 0, gauge
+    assert 2**20 < value(metrics, "replica_resident_memory_bytes", **m) == pytest.approx(resident_bytes(), rel=0.5)
 
 
 # -- the ingress --------------------------------------------------------------------------------------
