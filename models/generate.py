@@ -24,9 +24,14 @@ class Generated:
     finish_reason: str  # "stop" (stop token or string) or "length"
 
 
-def right_pad(seqs: Sequence[Sequence[int]], pad: int = 0, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-    """Token lists -> ids (B, T) and keep mask (B, T), right-padded to the longest."""
-    t = max(len(s) for s in seqs)
+def right_pad(seqs: Sequence[Sequence[int]], pad: int = 0, device: torch.device | str = "cpu",
+              multiple: int = 1, limit: int | None = None) -> tuple[Tensor, Tensor]:
+    """Token lists -> ids (B, T) and keep mask (B, T), right-padded to the longest, T rounded up to
+    a multiple of `multiple` but not past `limit` (nor below the longest)."""
+    longest = max(len(s) for s in seqs)
+    t = -(-longest // multiple) * multiple
+    if limit is not None:
+        t = max(longest, min(t, limit))
     ids = torch.full((len(seqs), t), pad, dtype=torch.long)  # (B, T)
     keep = torch.zeros((len(seqs), t), dtype=torch.bool)  # (B, T)
     for i, s in enumerate(seqs):

@@ -9,6 +9,8 @@ succeeded, so a failed prefill or decode can be retried on the same rows.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -18,6 +20,13 @@ from models.generate import right_pad
 from models.kv_cache import KVCache
 
 from .engine_state import SeqState
+
+# A prefill pads its prompts (T) so that B x T, the rows its Linears see, is a multiple of this
+# (within the cache row). In bfloat16 on CPU, oneDNN keeps kernels for every distinct number of
+# rows a Linear sees (about 1.7 MiB each for SmolLM2's MLP): any B x T would make the replica's
+# memory grow with the variety of prompt lengths (docs/reliability.md, Heap trimming). With it, a
+# prefill budget of 2048 tokens allows 64 distinct row counts; decode steps add one per batch size.
+PREFILL_MULTIPLE = 32
 
 
 class RunningBatch:
@@ -48,7 +57,9 @@ class RunningBatch:
         if stop > self.cache.rows:
             raise ValueError(f"{len(group)} requests do not fit the {self.free} free cache rows")
         self.cache.reset(start, stop)
-        ids, keep = right_pad([s.prompt for s in group], device=self.device)  # (B, T) each
+        multiple = PREFILL_MULTIPLE // math.gcd(len(group), PREFILL_MULTIPLE)  # of T, for B x T
+        ids, keep = right_pad([s.prompt for s in group], device=self.device, multiple=multiple,
+                              limit=self.cache.max_len)  # (B, T) each
         lengths = keep.sum(-1)  # (B,)
         logits = self.model(ids, cache=self.cache.view(start, stop), last=lengths - 1)[:, 0]  # (B, V)
         seen = self.seen[start:stop]  # (B, V) view

@@ -23,6 +23,7 @@ from models.kv_cache import CacheView
 from models.text import TextTokenizer
 from models.tiny import EOS, tiny_model
 from service.engine import GenerationEngine
+from service.engine_batch import PREFILL_MULTIPLE
 from service.engine_config import EngineConfig
 from service.engine_errors import EngineClosed, EngineOverloaded, RequestTooLarge
 from service.engine_events import Delta, Finished, RequestHandle
@@ -169,9 +170,29 @@ def test_prompts_of_very_different_lengths_are_prefilled_in_separate_forwards(
     handles = [engine.submit(p, params) for p in prompts]
     engine.step()  # all five admitted in one step
     prefills = sorted(tuple(ids.shape) for ids in spy.calls[:-1])  # the last call is the decode step
-    assert prefills == [(2, 90), (3, 3)], prefills  # not one (5, 90) forward, 85 % padding
+    # not one (5, 90) forward, 85 % padding; each B x T padded to a multiple of 32 (PREFILL_MULTIPLE)
+    assert prefills == [(2, 96), (3, 32)], prefills
     assert tuple(spy.calls[-1].shape) == (5, 1)
     run_until_idle(engine)
+    for prompt, handle in zip(prompts, handles, strict=True):
+        assert list(read(handle)[1].token_ids) == reference(model, tok, prompt, params)[0]
+
+
+def test_prefill_row_counts_are_multiples_of_32_within_the_cache_row(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """B x T of every prefill is a multiple of PREFILL_MULTIPLE (a bounded set of Linear shapes),
+    except where the cache row ends first; the answers are those of unpadded offline decoding."""
+    model, tok = tiny
+    spy = FaultyLM(model, lambda ids, cache: False)
+    engine = make(spy, tok, max_running=8, max_total_tokens=40, prefill_tokens=64)
+    prompts = [list(range(3, 3 + n)) for n in (5, 7, 6, 30, 1, 2, 3, 38)]
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    handles = [engine.submit(p, params) for p in prompts]
+    run_until_idle(engine)
+    prefills = [tuple(ids.shape) for ids in spy.calls if ids.shape[1] > 1]
+    assert prefills, spy.calls
+    for b, t in prefills:
+        assert (b * t) % PREFILL_MULTIPLE == 0 or t == 40, prefills  # 40: max_total_tokens, the cache row
+    assert any(t == 40 for _, t in prefills)  # the 38-token prompt: padded to the row's end, not 64
     for prompt, handle in zip(prompts, handles, strict=True):
         assert list(read(handle)[1].token_ids) == reference(model, tok, prompt, params)[0]
 
