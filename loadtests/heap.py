@@ -33,8 +33,9 @@ DTYPE_ENV = "HEAP_BENCH_GENERATOR_DTYPE"  # --generator-dtype, for the child pro
 
 
 def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    from service.heap import resident_bytes
+
+    return resident_bytes() / 2**20
 
 
 def _encoder(batches: int, interval: float, seed: int, marks: list[int]) -> dict[str, Any]:

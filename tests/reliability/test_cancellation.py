@@ -39,14 +39,14 @@ async def give_up(client: httpx.AsyncClient, path: str, body: dict[str, Any], af
         await client.post(path, json=body, timeout=after_s)
 
 
-async def hang_up_once_queued(live: Live, client: httpx.AsyncClient) -> int:
+async def hang_up_once_queued(live: Live, client: httpx.AsyncClient) -> tuple[list[Any], int]:
     """Send QUEUED two-input classify requests to the slow batcher; once all their inputs wait in its
-    queue (or QUEUE_WAIT_S passed), close their connections. The number of inputs seen queued.
+    queue (or QUEUE_WAIT_S passed), close their connections. Each request's outcome (cancelled)
+    and the number of inputs seen queued.
 
     Waiting for the queue rather than a fixed client timeout keeps the test about dropping queued
     inputs: on a loaded machine a request may not reach the replica within any short timeout."""
-    body = {"model": SLOW}
-    requests = [asyncio.create_task(client.post("/v1/classify", json={**body, "inputs": [f"text {i}", "more"]}))
+    requests = [asyncio.create_task(client.post("/v1/classify", json={"model": SLOW, "inputs": [f"text {i}", "more"]}))
                 for i in range(QUEUED)]
     deadline = time.monotonic() + QUEUE_WAIT_S
     queued = 0
@@ -56,19 +56,19 @@ async def hang_up_once_queued(live: Live, client: httpx.AsyncClient) -> int:
     done = [r for r in requests if r.done()]
     for r in requests:
         r.cancel()
-    await asyncio.gather(*requests, return_exceptions=True)
+    outcomes = await asyncio.gather(*requests, return_exceptions=True)
     assert not done, f"{len(done)} slow classify requests finished before the hang-up: {done[0].result()}"
-    return queued
+    return outcomes, queued
 
 
 async def storm(live: Live) -> list[Any]:
     async with live.async_client(connections=128) as client:
         jobs = ([hang_up_mid_stream(client) for _ in range(STREAMS)]
                 + [give_up(client, "/v1/generate", LONG, 1.0) for _ in range(WHOLE)])
-        *results, queued = await asyncio.gather(*jobs, hang_up_once_queued(live, client))
+        *results, (hung_up, queued) = await asyncio.gather(*jobs, hang_up_once_queued(live, client))
         log.info("slow classify: %d inputs queued at the hang-up", queued)
         assert queued > 0, f"none of {QUEUED} classify requests reached the slow batcher in {QUEUE_WAIT_S} s"
-        return [*results, *[None] * QUEUED]
+        return [*results, *hung_up]
 
 
 def test_a_hundred_clients_that_disconnect_leave_nothing_behind(live: Live) -> None:
