@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from .cluster import local_cluster
+from service.testing.cluster import local_cluster
 
 log = logging.getLogger("loadtests.autoscale")
 ROOT = Path(__file__).resolve().parents[1]

@@ -137,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     if args.url is None:
-        from loadtests.fake_backend import fake_app
+        from service.testing.fake_backend import fake_app
 
-        logging.getLogger("service.errors").setLevel(logging.CRITICAL)  # 500s are counted, not logged twice
+        logging.getLogger("service.http.errors").setLevel(logging.CRITICAL)  # 500s are counted, not logged twice
         app = fake_app({"api_keys": [args.api_key]} if args.api_key else None)
         report = fuzz(load_schema(app=app), args.max_examples, args.seed, headers)
     else:

@@ -33,7 +33,7 @@ DTYPE_ENV = "HEAP_BENCH_GENERATOR_DTYPE"  # --generator-dtype, for the child pro
 
 
 def rss_mib() -> float:
-    from service.heap import resident_bytes
+    from service.telemetry.memory import resident_bytes
 
     return resident_bytes() / 2**20
 
@@ -41,9 +41,9 @@ def rss_mib() -> float:
 def _encoder(batches: int, interval: float, seed: int, marks: list[int]) -> dict[str, Any]:
     from models.catalog import DEFAULT_SPECS, load_model
     from models.zoo import default_cache_dir
-    from service.batching import BatchLimits
-    from service.heap import HeapTrimmer
-    from service.runners import EncodeItem, EncoderRunner
+    from service.replica.config import BatchLimits
+    from service.replica.encoder import EncodeItem, EncoderRunner
+    from service.replica.heap import HeapTrimmer
 
     runner = EncoderRunner(load_model(DEFAULT_SPECS["encoder"], default_cache_dir()), "encoder", BatchLimits(),
                            heap=HeapTrimmer(interval))
@@ -65,14 +65,14 @@ def _generator(requests: int, interval: float, seed: int, marks: list[int]) -> d
     from models.catalog import DEFAULT_SPECS, load_model
     from models.decoding import SamplingParams
     from models.zoo import default_cache_dir
-    from service.generation import GeneratorRunner, engine_config
-    from service.heap import HeapTrimmer
-    from service.runners import resolve_device
-    from service.settings import EngineSettings
+    from service.engine.config import EngineConfig
+    from service.replica.device import resolve_device
+    from service.replica.generator import GeneratorRunner
+    from service.replica.heap import HeapTrimmer
 
     device, dtype = resolve_device("auto", os.environ.get(DTYPE_ENV, "auto-bf16"))
     loaded = load_model(DEFAULT_SPECS["generator"], default_cache_dir(), device=device, dtype=dtype)
-    runner = GeneratorRunner(loaded, "generator", engine_config(EngineSettings(), loaded), heap=HeapTrimmer(interval))
+    runner = GeneratorRunner(loaded, "generator", EngineConfig(), heap=HeapTrimmer(interval))
     runner.warm_up()
     runner.start()
     rng, samples = random.Random(seed), {"loaded": rss_mib()}

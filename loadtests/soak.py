@@ -34,9 +34,9 @@ from typing import Any
 
 import httpx
 
-from loadtests.cluster import deploy, local_cluster, wait_for
-from loadtests.replicas import replica_rss_mib
 from loadtests.workload import load_sentences
+from service.testing.cluster import deploy, local_cluster, wait_for
+from service.testing.replicas import replica_rss_mib
 
 log = logging.getLogger("loadtests.soak")
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .inputs import PaddedBatch
 from .kv_cache import KVCache
 from .seq2seq import Seq2Seq
 
@@ -102,14 +103,8 @@ def translate_ids(
     dtype = next(model.parameters()).dtype
     eos, start = cfg.eos_token_id, cfg.decoder_start_token_id
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else eos
-    width = max(len(s) for s in sources)
-    src = torch.full((len(sources), width), pad, dtype=torch.long)  # (B, S)
-    keep = torch.zeros((len(sources), width), dtype=torch.bool)  # (B, S)
-    for i, s in enumerate(sources):
-        src[i, : len(s)] = torch.as_tensor(list(s))
-        keep[i, : len(s)] = True
-    src, keep = src.to(device), keep.to(device)
-    cross = model.cross_cache(model.encode(src, keep), keep)  # (B, K, S, D) per layer
+    src = PaddedBatch.from_token_lists(sources, pad, device)  # (B, S)
+    cross = model.cross_cache(model.encode(src.ids, src.keep), src.keep)  # (B, K, S, D) per layer
     requests = [_Request(p, 1, [[]], torch.zeros(1), []) for p in params]
     cross = cross.select(torch.arange(len(sources), device=device))
     max_new = max(p.max_new_tokens for p in params)

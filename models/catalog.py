@@ -1,7 +1,8 @@
-"""The model catalog: which model serves each task, where its weights come from, and how to load it.
+"""The model catalog: where a model's weights come from and how to load them.
 
-A `ModelSpec` names a model, its task and its sources as URIs, so an operator can point a task
-at another checkpoint from the Serve config without code changes:
+A `ModelSpec` (models/spec.py, torch-free; `DEFAULT_SPECS` says which model serves each task by
+default) names a model, its task and its sources as URIs, so an operator can point a task at
+another checkpoint from the Serve config without code changes:
 
     zoo:NAME        pinned default weights fetched by `python -m models.zoo fetch` (see zoo.py)
     builtin:NAME    weights committed in this repository under models/weights/NAME
@@ -16,42 +17,21 @@ Loaders are looked up in a registry dict by scheme.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from . import zoo
 from .checkpoints.format import load_checkpoint, load_state_strict
+from .spec import DEFAULT_SPECS, ModelSpec
 from .text import TextTokenizer
 
-Task = Literal["classify", "embed", "translate", "generate"]
+__all__ = ["DEFAULT_SPECS", "LOADERS", "LoadedModel", "ModelSpec", "load_model", "resolve_dir"]
+
 BUILTIN_DIR = Path(__file__).parent / "weights"
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What to serve. `tasks` lists the endpoints the model answers (an encoder can do two)."""
-
-    name: str
-    tasks: tuple[str, ...]
-    source: str
-    head: str | None = None  # classify: a head checkpoint (builtin:NAME or dir:PATH)
-    tokenizer: str | None = None  # default: the tokenizer beside the weights
-    languages: tuple[str, str] | None = None  # translate: (source, target)
-    max_input_tokens: int | None = None  # default: the model's max_positions
-    defaults: Mapping[str, Any] = field(default_factory=dict)  # decoding defaults for this model
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
-        data = dict(data)
-        for key in ("tasks", "languages"):
-            if data.get(key) is not None:
-                data[key] = tuple(data[key])
-        return cls(**data)
 
 
 @dataclass
@@ -72,24 +52,6 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
-
-
-# The defaults `make serve` uses: one encoder for classification and embeddings, our translator,
-# and SmolLM2 for generation.
-DEFAULT_SPECS: dict[str, ModelSpec] = {
-    "encoder": ModelSpec(
-        name="minilm-sentiment", tasks=("classify", "embed"), source="zoo:minilm",
-        head="builtin:sentiment-head", max_input_tokens=256,
-    ),
-    "translator": ModelSpec(
-        name="transformer-en-es", tasks=("translate",), source="builtin:translator-en-es",
-        languages=("en", "es"), max_input_tokens=128, defaults={"beam_size": 4, "max_new_tokens": 128},
-    ),
-    "generator": ModelSpec(
-        name="smollm2-135m-instruct", tasks=("generate",), source="gguf:zoo:smollm2",
-        max_input_tokens=2048, defaults={"max_new_tokens": 128, "temperature": 0.0},
-    ),
-}
 
 
 def _split(uri: str) -> tuple[str, str]:

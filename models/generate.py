@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from .decoder import DecoderLM
 from .decoding import BatchParams, RowSampler, SamplingParams, find_stop, next_tokens
+from .inputs import PaddedBatch
 from .kv_cache import KVCache
 
 
@@ -22,22 +22,6 @@ from .kv_cache import KVCache
 class Generated:
     tokens: list[int]  # new tokens, without the prompt (and without a final stop token)
     finish_reason: str  # "stop" (stop token or string) or "length"
-
-
-def right_pad(seqs: Sequence[Sequence[int]], pad: int = 0, device: torch.device | str = "cpu",
-              multiple: int = 1, limit: int | None = None) -> tuple[Tensor, Tensor]:
-    """Token lists -> ids (B, T) and keep mask (B, T), right-padded to the longest, T rounded up to
-    a multiple of `multiple` but not past `limit` (nor below the longest)."""
-    longest = max(len(s) for s in seqs)
-    t = -(-longest // multiple) * multiple
-    if limit is not None:
-        t = max(longest, min(t, limit))
-    ids = torch.full((len(seqs), t), pad, dtype=torch.long)  # (B, T)
-    keep = torch.zeros((len(seqs), t), dtype=torch.bool)  # (B, T)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-        keep[i, : len(s)] = True
-    return ids.to(device), keep.to(device)
 
 
 @torch.inference_mode()
@@ -64,15 +48,13 @@ def generate(
     cache = KVCache.for_model(model.cfg, b, max_len, dtype=dtype, device=device)
     samplers = [RowSampler(p) for p in params]
     batch = BatchParams.build(list(params), device)
-    ids, keep = right_pad(prompts, device=device)  # (B, T) each
-    lengths = keep.sum(-1)  # (B,)
+    padded = PaddedBatch.from_token_lists(prompts, device=device)  # (B, T)
     seen = None
     if batch.any_penalty:
-        seen = torch.zeros(b, model.cfg.vocab_size, dtype=torch.bool, device=device)  # (B, V)
-        rows = torch.arange(b, device=device)[:, None].expand_as(ids)  # (B, T)
-        seen[rows[keep], ids[keep]] = True  # real prompt tokens only (pad ids may be real tokens)
-    logits = model(ids, cache=cache.view(), last=lengths - 1)[:, 0]  # (B, V)
-    cache.advance(lengths)
+        seen = padded.mark_seen(torch.zeros(b, model.cfg.vocab_size, dtype=torch.bool, device=device))  # (B, V)
+    last = padded.last_index()  # (B,)
+    logits = model(padded.ids, cache=cache.view(), last=last)[:, 0]  # (B, V)
+    cache.advance(last + 1)
     out: list[list[int]] = [[] for _ in range(b)]
     reasons: list[str | None] = [None] * b
     while True:

@@ -24,10 +24,10 @@ import yaml
 from models import zoo
 from models.catalog import resolve_dir
 
-from .logs import configure_logging, serve_logging_config
-from .metrics import default_metrics_dir
 from .ray_env import use_fast_path
 from .settings import Settings
+from .telemetry.logs import configure_logging, serve_logging_config
+from .telemetry.metrics import default_metrics_dir
 
 log = logging.getLogger("service")
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,13 +1,36 @@
-"""The plain dataclasses that cross between the ingress and the model replicas (pickled by Ray).
+"""The plain dataclasses that cross between the ingress and the model replicas (pickled by Ray),
+and the types a generation shares from the engine to the HTTP edge (`Usage`, `FinishReason`).
 
-No torch here, so the ingress replica never imports it. The HTTP layer converts these to and from
-the pydantic models in service/schemas.py.
+No torch and no FastAPI here, so the ingress replica never imports torch and the replicas never
+import FastAPI. The HTTP layer converts these to and from its pydantic models (service/http/).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+AnswerFinish = Literal["stop", "length"]  # how an answer a client receives ended
+# ... and how a request can end inside the engine: its client went away, or it failed
+FinishReason = Literal[AnswerFinish, "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens of one generation."""
+
+    prompt_tokens: int
+    completion_tokens: int  # tokens sampled, a final stop token included
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        """OpenAI's usage object."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens}
 
 
 @dataclass(frozen=True)
@@ -75,11 +98,21 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool | None = None
+    # field of this request -> the name the client used (OpenAI's max_tokens for max_new_tokens)
+    names: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def prompt_field(self) -> str:
-        """The HTTP field the prompt came from (errors about it name this)."""
+        """The field the prompt came from: `prompt`, or `messages` for a chat."""
         return "prompt" if self.messages is None else "messages"
+
+    def param(self, name: str | None) -> str | None:
+        """The client's name for a field an error is about; the replica names every error's
+        `param` with it, so the edge passes errors through unchanged. The engine calls the prompt
+        `prompt` whichever field it came from."""
+        if name == "prompt":
+            name = self.prompt_field
+        return None if name is None else self.names.get(name, name)
 
 
 @dataclass(frozen=True)
@@ -107,14 +140,9 @@ class GenerationDone:
 
     request_id: str
     text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
+    finish_reason: AnswerFinish | Literal["error"]
+    usage: Usage
     error: str | None = None
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
 
 
 GenerationEvent = GenerationStarted | TextDelta | GenerationDone

@@ -1,7 +1,7 @@
 """One settings object for the service, built once at start-up and passed in (never read at import).
 
 Sources, later ones winning:
-1. the defaults below (models from `models.catalog.DEFAULT_SPECS`);
+1. the defaults below (models from `models.spec.DEFAULT_SPECS`);
 2. the application `args` of the Serve config (deploy/serve_config.yaml) or of `build_app(args)`;
 3. environment variables `TS_<FIELD>`; `__` separates nesting levels and a value is read as JSON
    when it parses as JSON, else as a string:
@@ -13,7 +13,11 @@ Sources, later ones winning:
 
 `deployments` maps a deployment name to what it serves. When `args` gives `deployments`, that is
 the whole set; a deployment without `model` serves `DEFAULT_SPECS[<its name>]`. The kind of
-deployment (encoder, translator, generator) follows from the model's tasks (`TASK_KIND`).
+deployment (encoder, translator, generator) follows from the model's tasks (`ModelSpec.kind`).
+
+Each concern has one type, validated once: a model is a `models.spec.ModelSpec`, a deployment's
+batching a `BatchLimits` (service/replica/config.py) and its engine an `EngineConfig`
+(service/engine/config.py), all torch-free dataclasses that pydantic validates here as they are.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 from pydantic import (
     BaseModel,
@@ -34,99 +38,28 @@ from pydantic import (
     model_validator,
 )
 
-if TYPE_CHECKING:
-    from models.catalog import ModelSpec
+from models.spec import DEFAULT_SPECS, ModelSpec
+
+from .engine.config import EngineConfig
+from .replica.config import BatchLimits
 
 ENV_PREFIX = "TS_"
-Task = Literal["classify", "embed", "translate", "generate"]
-TASK_KIND: dict[str, str] = {"classify": "encoder", "embed": "encoder", "translate": "translator",
-                             "generate": "generator"}
 DTYPES = ("auto", "auto-bf16", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 # What `make serve` runs when the config names no deployments.
 DEFAULT_DEPLOYMENTS = ("encoder", "translator", "generator")
 
 
-def _default_specs() -> dict[str, ModelSpec]:
-    """models.catalog imports torch; the ingress replica, which unpickles Settings, does not need it."""
-    from models.catalog import DEFAULT_SPECS
-
-    return DEFAULT_SPECS
-
-
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class ModelSettings(_Frozen):
-    """A `models.catalog.ModelSpec` as it appears in a config file (see catalog.py for the URIs)."""
-
-    name: str = Field(min_length=1)
-    tasks: tuple[Task, ...] = Field(min_length=1)
-    source: str
-    head: str | None = None
-    tokenizer: str | None = None
-    languages: tuple[str, str] | None = None
-    max_input_tokens: int | None = Field(None, ge=1)
-    defaults: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _check(self) -> ModelSettings:
-        kinds = {TASK_KIND[t] for t in self.tasks}
-        if len(kinds) != 1:
-            raise ValueError(f"model {self.name!r}: tasks {list(self.tasks)} need different kinds of "
-                             f"deployment ({sorted(kinds)}); split them into two deployments")
-        if "translate" in self.tasks and self.languages is None:
-            raise ValueError(f"model {self.name!r} translates but names no languages: [source, target]")
-        return self
-
-    @property
-    def kind(self) -> str:
-        return TASK_KIND[self.tasks[0]]
-
-    @classmethod
-    def from_spec(cls, spec: ModelSpec) -> ModelSettings:
-        return cls(name=spec.name, tasks=spec.tasks, source=spec.source, head=spec.head,
-                   tokenizer=spec.tokenizer, languages=spec.languages,
-                   max_input_tokens=spec.max_input_tokens, defaults=dict(spec.defaults))
-
-    def to_spec(self) -> ModelSpec:
-        from models.catalog import ModelSpec
-
-        return ModelSpec(name=self.name, tasks=self.tasks, source=self.source, head=self.head,
-                         tokenizer=self.tokenizer, languages=self.languages,
-                         max_input_tokens=self.max_input_tokens, defaults=dict(self.defaults))
-
-
-class BatchingSettings(_Frozen):
-    """Dynamic batching in each replica (service/batching.py)."""
-
-    max_batch_size: int = Field(32, ge=1)  # inputs per batch
-    max_wait_ms: float = Field(5.0, ge=0)  # the oldest input waits at most this long for company
-    max_batch_tokens: int = Field(16384, ge=1)  # rows * longest row (padded tokens) per batch
-    max_queued: int = Field(1024, ge=1)  # inputs waiting per replica; past it: 503 + Retry-After
-    overhead_tokens: int = Field(32, ge=0)  # a batch's fixed cost in padded tokens (length grouping; MiniLM: ~30)
-
-
-class EngineSettings(_Frozen):
-    """The continuous-batching engine of a generator deployment (service/engine.py). The defaults suit
-    SmolLM2-135M on CPU: 8 sequences of up to 1024 tokens fit the 384 MiB KV cache in float32."""
-
-    max_running: int = Field(8, ge=1)  # sequences decoding at once (cache rows, if the budget holds them)
-    kv_cache_mib: float = Field(384.0, gt=0)  # KV-cache budget; rows = min(max_running, budget // row size)
-    max_total_tokens: int | None = Field(1024, ge=2)  # prompt + output per request (cut to max_positions)
-    max_prompt_tokens: int | None = Field(None, ge=1)  # None: the model's max_input_tokens, < max_total_tokens
-    max_new_tokens: int | None = Field(512, ge=1)  # output tokens per request; None: max_total_tokens - 1
-    max_queued: int = Field(64, ge=1)  # requests waiting for a row; past it 503 + Retry-After
-    prefill_tokens: int = Field(2048, ge=1)  # padded prompt tokens per admission step (one always fits)
 
 
 class DeploymentSettings(_Frozen):
     """One model deployment: what it serves and how it scales."""
 
-    model: ModelSettings | None = None  # None: DEFAULT_SPECS[<deployment name>]
-    batching: BatchingSettings = BatchingSettings()  # encoder and translator deployments
-    engine: EngineSettings = EngineSettings()  # generator deployments
+    model: ModelSpec | None = None  # None: DEFAULT_SPECS[<deployment name>]
+    batching: BatchLimits = BatchLimits()  # encoder and translator deployments (service/replica/batcher.py)
+    engine: EngineConfig = EngineConfig()  # generator deployments (service/engine/)
     num_replicas: int = Field(1, ge=1)
     autoscaling_config: dict[str, Any] | None = None  # Ray Serve's; replaces num_replicas when set
     num_cpus: float = Field(1.0, ge=0)
@@ -146,11 +79,6 @@ class DeploymentSettings(_Frozen):
         if self.autoscaling_config is not None:
             _check_autoscaling(self.autoscaling_config)
         return self
-
-    @property
-    def spec(self) -> ModelSpec:
-        assert self.model is not None, "Settings fills every deployment's model"
-        return self.model.to_spec()
 
     def threads(self) -> int:
         return self.torch_threads or max(1, int(self.num_cpus))
@@ -188,8 +116,7 @@ class Settings(_Frozen):
     metrics_dir: str | None = None  # per-node directory of the replicas' metric files; None: fresh per app
     ingress: IngressSettings = IngressSettings()
     deployments: dict[str, DeploymentSettings] = Field(
-        default_factory=lambda: {name: DeploymentSettings(model=ModelSettings.from_spec(_default_specs()[name]))
-                                 for name in DEFAULT_DEPLOYMENTS})
+        default_factory=lambda: {name: DeploymentSettings(model=DEFAULT_SPECS[name]) for name in DEFAULT_DEPLOYMENTS})
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
@@ -207,12 +134,11 @@ class Settings(_Frozen):
         if not isinstance(data, dict) or not isinstance(data.get("deployments"), dict):
             return data
         filled: dict[str, Any] = {}
-        defaults = _default_specs()
         for name, dep in data["deployments"].items():
-            if isinstance(dep, DeploymentSettings) and dep.model is None and name in defaults:
-                dep = dep.model_copy(update={"model": ModelSettings.from_spec(defaults[name])})
-            elif isinstance(dep, dict) and dep.get("model") is None and name in defaults:
-                dep = {**dep, "model": ModelSettings.from_spec(defaults[name])}
+            if isinstance(dep, DeploymentSettings) and dep.model is None and name in DEFAULT_SPECS:
+                dep = dep.model_copy(update={"model": DEFAULT_SPECS[name]})
+            elif isinstance(dep, dict) and dep.get("model") is None and name in DEFAULT_SPECS:
+                dep = {**dep, "model": DEFAULT_SPECS[name]}
             filled[name] = dep
         return {**data, "deployments": filled}
 
@@ -227,7 +153,7 @@ class Settings(_Frozen):
                 raise ValueError(f"deployment name {name!r} may use only letters, digits, '_' and '-'")
             if dep.model is None:
                 raise ValueError(f"deployment {name!r} needs a model (no default model has that name; "
-                                 f"defaults: {sorted(_default_specs())})")
+                                 f"defaults: {sorted(DEFAULT_SPECS)})")
             for task in dep.model.tasks:
                 other = seen.setdefault((task, dep.model.name), name)
                 if other != name:

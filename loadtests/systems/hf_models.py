@@ -30,8 +30,8 @@ from torch import Tensor, nn
 
 from models.catalog import LoadedModel, ModelSpec, load_model, resolve_dir
 from models.text import TextTokenizer
-from service.batching import BatchStats
-from service.runners import resolve_device  # the service's "auto": the same device and dtype here
+from service.replica.batcher import BatchStats
+from service.replica.device import resolve_device  # the service's "auto": the same device and dtype here
 
 log = logging.getLogger(__name__)
 PARITY_TEXTS = ("The service answered quickly.", "A second, slightly longer sentence to check padding.")

@@ -60,7 +60,7 @@ def model_set(name: str) -> dict[str, ModelSpec]:
 
 
 def spec_dict(spec: ModelSpec) -> dict[str, object]:
-    """A ModelSpec as the service's settings spell it (ModelSettings fields)."""
+    """A ModelSpec as the service's settings spell it (its fields)."""
     return {
         "name": spec.name,
         "tasks": list(spec.tasks),

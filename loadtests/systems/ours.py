@@ -23,8 +23,8 @@ SHIPPED_CONFIG = ROOT / "deploy" / "serve_config.yaml"
 
 def unsupported(tasks: Sequence[str]) -> dict[str, str]:
     """task -> why this checkout of the service cannot serve it (a deployment kind it lacks)."""
+    from models.spec import TASK_KIND
     from service.deployments import DEPLOYMENTS
-    from service.settings import TASK_KIND
 
     return {
         t: f"service/deployments.py has no {TASK_KIND[t]!r} deployment kind yet"

@@ -11,7 +11,7 @@ import pytest
 
 from loadtests import autoscale
 from loadtests.autoscale import Scenario, Timeline
-from tests.live import deploy, local_cluster, wait_for
+from service.testing.cluster import deploy, local_cluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 SCENARIO = Scenario()

@@ -28,8 +28,8 @@ import httpx
 import pytest
 import yaml
 
-from service.metrics import PREFIX, SPECS
-from tests.live import deploy, free_port, local_cluster, wait_for
+from service.telemetry.metrics import PREFIX, SPECS
+from service.testing.cluster import deploy, free_port, local_cluster, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM_DIR = ROOT / "deploy" / "prometheus"

@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtests.replicas import serve_replicas
-from tests.live import deploy, local_cluster, wait_for
+from service.testing.cluster import deploy, local_cluster, wait_for
+from service.testing.replicas import serve_replicas
 
 APP = "reliability"
 DEADLINE_S = 30.0  # request_timeout_s (the default): no request may take longer (+ slack for the HTTP hops)

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtests.replicas import rss_mib, serve_replicas
+from service.testing.replicas import rss_mib, serve_replicas
 from tests.reliability.conftest import APP, Live, engine_idle, run
 
 pytestmark = pytest.mark.e2e

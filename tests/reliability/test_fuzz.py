@@ -8,9 +8,9 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtests.fake_backend import EchoBackend, fake_app
 from loadtests.fuzz import fuzz, load_schema
 from service.messages import Classification
+from service.testing.fake_backend import EchoBackend, fake_app
 
 OPERATIONS = {"POST /v1/classify", "POST /v1/embeddings", "POST /v1/translate", "GET /v1/models",
               "POST /v1/generate", "POST /v1/completions", "POST /v1/chat/completions", "GET /healthz",

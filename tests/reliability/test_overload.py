@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from loadtests.replicas import rss_mib, serve_replicas
+from service.testing.replicas import rss_mib, serve_replicas
 from tests.reliability.conftest import APP, RETRY_AFTER, Live, engine_idle, run
 
 pytestmark = pytest.mark.e2e

@@ -13,16 +13,16 @@ from typing import Any
 import pytest
 import torch
 
-from loadtests.fake_backend import EchoBackend, fake_app
 from models.catalog import LoadedModel, ModelSpec, load_model
 from models.checkpoints.hf import read_hf_dir
-from service.batching import BatchLimits
-from service.engine_errors import RequestTooLarge
-from service.errors import InvalidItem, InvalidRequest
-from service.generation import GeneratorRunner, engine_config
+from service.engine.config import EngineConfig
+from service.errors import InvalidItem, InvalidRequest, RequestTooLarge
 from service.messages import GenerationRequest, TranslateOptions
-from service.runners import EncoderRunner, TranslatorRunner
-from service.settings import EngineSettings
+from service.replica.config import BatchLimits
+from service.replica.encoder import EncoderRunner
+from service.replica.generator import GeneratorRunner
+from service.replica.translator import TranslatorRunner
+from service.testing.fake_backend import EchoBackend, fake_app
 from tests.service.http_checks import send
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,9 +68,9 @@ def _load(family: str, tasks: tuple[str, ...], **extra: Any) -> LoadedModel:
 
 
 def test_encoder_and_translator_refuse_before_batching() -> None:
-    encoder = EncoderRunner(_load("encoder", ("classify", "embed")), "encoder", BatchLimits(max_wait_s=0.01))
+    encoder = EncoderRunner(_load("encoder", ("classify", "embed")), "encoder", BatchLimits(max_wait_ms=10))
     translator = TranslatorRunner(_load("seq2seq", ("translate",), languages=("en", "es")), "translator",
-                                  BatchLimits(max_wait_s=0.01))
+                                  BatchLimits(max_wait_ms=10))
 
     async def main() -> None:
         with pytest.raises(InvalidItem) as too_long:
@@ -89,8 +89,8 @@ def test_encoder_and_translator_refuse_before_batching() -> None:
 
 def test_the_generator_refuses_before_the_engine() -> None:
     loaded = _load("decoder", ("generate",))
-    runner = GeneratorRunner(loaded, "generator", engine_config(
-        EngineSettings(max_running=2, max_total_tokens=40, max_new_tokens=16, kv_cache_mib=4), loaded))
+    runner = GeneratorRunner(loaded, "generator",
+                             EngineConfig(max_running=2, max_total_tokens=40, max_new_tokens=16, kv_cache_mib=4))
     for request, limit in [(GenerationRequest("a", prompt="x" * 100), "max_prompt_tokens"),
                            (GenerationRequest("b", prompt="hi", max_new_tokens=17), "max_new_tokens"),
                            (GenerationRequest("c", prompt="x" * 30, max_new_tokens=16), "max_total_tokens")]:
@@ -191,7 +191,7 @@ def test_a_pickled_checkpoint_cannot_run_code(tmp_path: Path) -> None:
 # -- metrics ----------------------------------------------------------------------------------------
 
 def test_metrics_never_carry_request_content() -> None:
-    from service.metrics import ServiceMetrics
+    from service.telemetry.metrics import ServiceMetrics
 
     app = fake_app()
     marker = "zq-distinctive-payload-4242"

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from service.api import create_api
 from service.errors import Overloaded
+from service.http.api import create_api
 from service.messages import Classification, ModelInfo
 from service.settings import Settings
 

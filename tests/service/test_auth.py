@@ -11,10 +11,10 @@ import httpx
 import openai
 import pytest
 
-from loadtests.fake_backend import EchoBackend, fake_app, fake_settings
-from service.api import create_api
-from service.auth import UNAUTHORIZED, KeyChecker, route_path
+from service.http.api import create_api
+from service.http.auth import UNAUTHORIZED, KeyChecker, route_path
 from service.settings import Settings
+from service.testing.fake_backend import EchoBackend, fake_app, fake_settings
 from tests.service.http_checks import send
 
 KEYS = ("key-one-0123456789", "key-two-abcdefghij")
@@ -123,7 +123,7 @@ def test_the_key_check_compares_every_key_whichever_matches(monkeypatch: pytest.
         compared.append(len(a))
         return real(a, b)
 
-    monkeypatch.setattr("service.auth.hmac.compare_digest", counting)
+    monkeypatch.setattr("service.http.auth.hmac.compare_digest", counting)
     check = KeyChecker(["a", "bb", "ccc"])
     results = [check(token) for token in (b"a", b"ccc", b"nope", b"x" * 1000)]
     assert results == [True, True, False, False]

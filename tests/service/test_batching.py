@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from service.batching import BatchLimits, DynamicBatcher, PaddedBatch, select_batch
+from models.inputs import PaddedBatch, select_batch
 from service.errors import DeadlineExceeded, Overloaded
+from service.replica.batcher import DynamicBatcher
+from service.replica.config import BatchLimits
 
 
 def run(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -104,7 +106,7 @@ def test_select_batch_invariants_on_random_queues(seed: int) -> None:
 
 def test_results_go_back_to_their_own_requests_and_batches_form() -> None:
     rec = Recorder()
-    batcher = make(rec, max_batch_size=4, max_wait_s=0.05)
+    batcher = make(rec, max_batch_size=4, max_wait_ms=50)
 
     async def main() -> list[int]:
         return await asyncio.gather(*(batcher.submit(i, length=3) for i in range(10)))
@@ -118,7 +120,7 @@ def test_results_go_back_to_their_own_requests_and_batches_form() -> None:
 
 def test_token_budget_limits_rows_times_longest() -> None:
     rec = Recorder(fn=lambda p: p[0])
-    batcher = make(rec, max_batch_size=16, max_wait_s=0.05, max_batch_tokens=40)
+    batcher = make(rec, max_batch_size=16, max_wait_ms=50, max_batch_tokens=40)
     lengths = [10, 10, 10, 10, 10, 20, 20, 5, 5, 5, 5, 5, 5, 5, 5]
 
     async def main() -> list[int]:
@@ -133,7 +135,7 @@ def test_length_grouping_keeps_padding_low_under_skewed_lengths() -> None:
     rng = random.Random(0)
     lengths = [rng.randint(4, 12) if rng.random() < 0.8 else rng.randint(90, 120) for _ in range(96)]
     rec = Recorder(fn=lambda p: p)
-    batcher = make(rec, max_batch_size=8, max_wait_s=0.2, max_batch_tokens=100_000)
+    batcher = make(rec, max_batch_size=8, max_wait_ms=200, max_batch_tokens=100_000)
 
     async def main() -> None:
         await asyncio.gather(*(batcher.submit(n, length=n) for n in lengths))
@@ -150,7 +152,7 @@ def test_length_grouping_keeps_padding_low_under_skewed_lengths() -> None:
 
 def test_the_oldest_item_is_never_starved_by_closer_lengths() -> None:
     rec = Recorder(fn=lambda p: p[0], delay_s=0.01)
-    batcher = make(rec, max_batch_size=2, max_wait_s=0.0)
+    batcher = make(rec, max_batch_size=2, max_wait_ms=0)
 
     async def main() -> None:
         first = asyncio.ensure_future(batcher.submit(("outlier", 100), length=100))
@@ -167,8 +169,8 @@ def test_a_full_batch_does_not_wait_and_a_lone_item_waits_max_wait() -> None:
         await asyncio.gather(*(batcher.submit(i, length=1) for i in range(n)))
         return time.monotonic() - started
 
-    assert run(timed(make(Recorder(), max_batch_size=4, max_wait_s=5.0), 4)) < 1.0
-    waited = run(timed(make(Recorder(), max_batch_size=4, max_wait_s=0.2), 1))
+    assert run(timed(make(Recorder(), max_batch_size=4, max_wait_ms=5000), 4)) < 1.0
+    waited = run(timed(make(Recorder(), max_batch_size=4, max_wait_ms=200), 1))
     assert 0.18 <= waited < 2.0
 
 
@@ -179,7 +181,7 @@ def test_a_failing_item_fails_alone_and_its_batch_mates_succeed() -> None:
         return p * 10
 
     rec = Recorder(fn=fn)
-    batcher = make(rec, max_batch_size=8, max_wait_s=0.05)
+    batcher = make(rec, max_batch_size=8, max_wait_ms=50)
 
     async def main() -> list[Any]:
         return await asyncio.gather(*(batcher.submit(i, length=2) for i in range(8)), return_exceptions=True)
@@ -192,7 +194,7 @@ def test_a_failing_item_fails_alone_and_its_batch_mates_succeed() -> None:
 
 
 def test_an_exception_returned_as_a_result_fails_only_that_item() -> None:
-    batcher = make(Recorder(fn=lambda p: KeyError(p) if p == 1 else p), max_batch_size=4, max_wait_s=0.05)
+    batcher = make(Recorder(fn=lambda p: KeyError(p) if p == 1 else p), max_batch_size=4, max_wait_ms=50)
 
     async def main() -> list[Any]:
         return await asyncio.gather(*(batcher.submit(i, length=1) for i in range(4)), return_exceptions=True)
@@ -202,7 +204,7 @@ def test_an_exception_returned_as_a_result_fails_only_that_item() -> None:
 
 
 def test_run_batch_breaking_its_contract_fails_items_with_a_clear_error() -> None:
-    batcher = make(lambda payloads: payloads[:-1], max_batch_size=4, max_wait_s=0.01)
+    batcher = make(lambda payloads: payloads[:-1], max_batch_size=4, max_wait_ms=10)
 
     async def main() -> list[Any]:
         return await asyncio.gather(*(batcher.submit(i, length=1) for i in range(3)), return_exceptions=True)
@@ -213,7 +215,7 @@ def test_run_batch_breaking_its_contract_fails_items_with_a_clear_error() -> Non
 
 def test_cancelled_items_are_dropped_before_compute_and_never_wedge_the_loop() -> None:
     rec = Recorder()
-    batcher = make(rec, max_batch_size=8, max_wait_s=0.2)
+    batcher = make(rec, max_batch_size=8, max_wait_ms=200)
 
     async def main() -> int:
         gone = asyncio.ensure_future(batcher.submit(1, length=1))
@@ -230,7 +232,7 @@ def test_cancelled_items_are_dropped_before_compute_and_never_wedge_the_loop() -
 
 def test_cancelling_during_compute_leaves_the_batcher_serving() -> None:
     rec = Recorder(delay_s=0.2)
-    batcher = make(rec, max_batch_size=8, max_wait_s=0.0)
+    batcher = make(rec, max_batch_size=8, max_wait_ms=0)
 
     async def main() -> int:
         running = asyncio.ensure_future(batcher.submit(1, length=1))
@@ -247,7 +249,7 @@ def test_cancelling_during_compute_leaves_the_batcher_serving() -> None:
 
 def test_expired_items_fail_with_deadline_exceeded_without_compute() -> None:
     rec = Recorder()
-    batcher = make(rec, max_batch_size=8, max_wait_s=0.1)
+    batcher = make(rec, max_batch_size=8, max_wait_ms=100)
 
     async def main() -> list[Any]:
         late = batcher.submit(1, length=1, deadline=time.monotonic() + 0.01)
@@ -262,7 +264,7 @@ def test_expired_items_fail_with_deadline_exceeded_without_compute() -> None:
 
 def test_a_full_queue_refuses_at_once_and_recovers() -> None:
     rec = Recorder(delay_s=0.05)
-    batcher = make(rec, max_batch_size=2, max_wait_s=0.2, max_queued=4)
+    batcher = make(rec, max_batch_size=2, max_wait_ms=200, max_queued=4)
 
     async def main() -> tuple[list[int], float, list[int]]:
         queued = asyncio.ensure_future(batcher.submit_many([1, 2, 3], [1, 1, 1]))
@@ -282,7 +284,7 @@ def test_a_full_queue_refuses_at_once_and_recovers() -> None:
 
 def test_a_multi_input_request_is_split_across_batches_and_reassembled_in_order() -> None:
     rec = Recorder()
-    batcher = make(rec, max_batch_size=3, max_wait_s=0.05)
+    batcher = make(rec, max_batch_size=3, max_wait_ms=50)
     lengths = [1, 9, 2, 8, 3, 7, 4, 6, 5, 5]
 
     async def main() -> tuple[list[int], list[int]]:
@@ -301,7 +303,7 @@ def test_a_failing_item_fails_its_whole_request_with_the_first_failing_index() -
             raise ValueError(f"bad {p}")
         return p
 
-    batcher = make(Recorder(fn=fn), max_batch_size=8, max_wait_s=0.05)
+    batcher = make(Recorder(fn=fn), max_batch_size=8, max_wait_ms=50)
 
     async def main() -> tuple[Any, list[int]]:
         bad = batcher.submit_many([1, 2, 3, 4], [1, 1, 1, 1])
@@ -316,7 +318,7 @@ def test_a_failing_item_fails_its_whole_request_with_the_first_failing_index() -
 def test_limits_are_validated() -> None:
     with pytest.raises(ValueError, match="max_batch_size"):
         BatchLimits(max_batch_size=0)
-    with pytest.raises(ValueError, match="max_wait_s"):
-        BatchLimits(max_wait_s=-1)
+    with pytest.raises(ValueError, match="max_wait_ms"):
+        BatchLimits(max_wait_ms=-1)
     with pytest.raises(ValueError, match="overhead_tokens"):
         BatchLimits(overhead_tokens=-1)

@@ -24,7 +24,7 @@ import pytest
 
 from models.beam_search import BeamParams, translate_ids
 from models.tiny import tiny_model
-from tests.live import local_cluster, wait_for
+from service.testing.cluster import local_cluster, wait_for
 from tests.service.http_checks import assert_error
 
 pytestmark = pytest.mark.e2e

@@ -22,13 +22,12 @@ from models.generate import generate
 from models.kv_cache import CacheView
 from models.text import TextTokenizer
 from models.tiny import EOS, tiny_model
-from service.engine import GenerationEngine
-from service.engine_batch import PREFILL_MULTIPLE
-from service.engine_config import EngineConfig
-from service.engine_errors import EngineClosed, EngineOverloaded, RequestTooLarge
-from service.engine_events import Delta, Finished, RequestHandle
-from service.engine_metrics import EngineObserver, EngineStats
-from service.errors import InvalidRequest, Overloaded
+from service.engine.batch import PREFILL_MULTIPLE
+from service.engine.config import EngineConfig
+from service.engine.core import GenerationEngine
+from service.engine.events import Delta, Finished, RequestHandle
+from service.errors import EngineClosed, EngineOverloaded, InvalidRequest, Overloaded, RequestTooLarge
+from service.telemetry.hooks import EngineObserver, EngineStats
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
 
@@ -42,7 +41,9 @@ def tiny() -> tuple[nn.Module, TextTokenizer]:
 
 def make(model: nn.Module, tok: TextTokenizer, observer: EngineObserver | None = None,
          **config: Any) -> GenerationEngine:
-    config.setdefault("max_total_tokens", 128)
+    # roomy limits unless a test sets its own (the operator defaults suit SmolLM2, not these tests)
+    config = {"max_total_tokens": 128, "max_running": 32, "kv_cache_mib": 256, "max_new_tokens": None,
+              "max_queued": 256, "prefill_tokens": 4096, **config}
     return GenerationEngine(model, tok, EngineConfig(**config), observer)
 
 
@@ -295,10 +296,10 @@ def test_invalid_prompts_and_cache_budget(tiny: tuple[nn.Module, TextTokenizer])
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.submit([5], request_id="a")
     row = 2 * model.cfg.n_layers * model.cfg.kv_heads * 128 * model.cfg.head_dim * 4  # float32 K and V
-    assert make(model, tok, max_running=64, kv_cache_bytes=5 * row + 1).limits.rows == 5
-    assert make(model, tok, max_running=64, kv_cache_bytes=5 * row).cache.nbytes() == 5 * row
-    with pytest.raises(ValueError, match="kv_cache_bytes"):
-        make(model, tok, kv_cache_bytes=row - 1)
+    assert make(model, tok, max_running=64, kv_cache_mib=(5 * row + 1) / 2**20).limits.rows == 5
+    assert make(model, tok, max_running=64, kv_cache_mib=5 * row / 2**20).cache.nbytes() == 5 * row
+    with pytest.raises(ValueError, match="kv_cache_mib"):
+        make(model, tok, kv_cache_mib=(row - 1) / 2**20)
 
 
 # -- finish reasons and streamed text --------------------------------------------------------------

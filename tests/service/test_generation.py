@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 from models.catalog import LoadedModel, ModelSpec, load_model
-from service.engine_errors import EngineOverloaded, RequestTooLarge
-from service.errors import InvalidRequest
-from service.generation import GeneratorRunner, engine_config
+from service.engine.config import EngineConfig
+from service.errors import EngineOverloaded, InvalidRequest, RequestTooLarge
 from service.messages import ChatMessage, GenerationDone, GenerationRequest, GenerationStarted, TextDelta
-from service.settings import EngineSettings
+from service.replica.generator import GeneratorRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
 
@@ -27,19 +26,18 @@ def loaded(defaults: dict[str, object] | None = None, max_input_tokens: int | No
     return load_model(spec, Path("unused"))
 
 
-def runner(settings: EngineSettings | None = None, **defaults: object) -> GeneratorRunner:
-    model = loaded(defaults)
-    return GeneratorRunner(model, "gen", engine_config(settings or EngineSettings(max_total_tokens=None), model))
+def runner(config: EngineConfig | None = None, **defaults: object) -> GeneratorRunner:
+    return GeneratorRunner(loaded(defaults), "gen", config or EngineConfig(max_total_tokens=None))
 
 
 def test_engine_limits_follow_the_settings_within_the_model() -> None:
     model = loaded(max_input_tokens=100)
-    cfg = engine_config(EngineSettings(max_total_tokens=4096, kv_cache_mib=2, max_running=3), model)
-    assert cfg.max_total_tokens == POSITIONS and cfg.max_prompt_tokens == 100  # cut to the model's limits
-    assert cfg.kv_cache_bytes == 2 * 2**20 and cfg.max_running == 3 and cfg.max_new_tokens == 512
-    cfg = engine_config(EngineSettings(max_total_tokens=64, max_prompt_tokens=1000), model)
-    assert cfg.max_total_tokens == 64 and cfg.max_prompt_tokens == 63
-    limits = GeneratorRunner(model, "gen", cfg).engine.limits
+    engine = GeneratorRunner(model, "gen", EngineConfig(max_total_tokens=4096, kv_cache_mib=2, max_running=3)).engine
+    limits = engine.limits
+    assert limits.max_total_tokens == POSITIONS and limits.max_prompt_tokens == 100  # cut to the model's limits
+    assert engine.config.kv_cache_bytes == 2 * 2**20 and engine.config.max_running == 3 and engine.config.max_new_tokens == 512
+    assert limits.rows == min(3, 2 * 2**20 // limits.row_bytes) and limits.max_new_tokens == POSITIONS - 1
+    limits = GeneratorRunner(model, "gen", EngineConfig(max_total_tokens=64, max_prompt_tokens=1000)).engine.limits
     assert (limits.max_total_tokens, limits.max_prompt_tokens, limits.max_new_tokens) == (64, 63, 63)
 
 
@@ -78,6 +76,17 @@ def test_chat_uses_the_template_and_its_errors_name_messages() -> None:
         r.prompt_ids(GenerationRequest("a", messages=messages))
 
 
+def test_errors_name_the_fields_as_the_client_called_them() -> None:
+    r = runner(EngineConfig(max_total_tokens=64))
+    names = {"max_new_tokens": "max_completion_tokens"}
+    with pytest.raises(RequestTooLarge) as e:
+        r.submit(GenerationRequest("a", messages=(ChatMessage("user", "hi"),), max_new_tokens=100, names=names))
+    assert e.value.param == "max_completion_tokens" and e.value.limit == "max_new_tokens"
+    with pytest.raises(RequestTooLarge) as e:
+        r.submit(GenerationRequest("b", messages=(ChatMessage("user", "y" * 80),), names=names))
+    assert e.value.param == "messages" and e.value.limit == "max_prompt_tokens"
+
+
 def _wait_finished(r: GeneratorRunner, n: int, timeout_s: float = 5.0) -> None:
     """Until n requests finished (Finished events go out just after the rows are freed)."""
     deadline = time.monotonic() + timeout_s
@@ -87,7 +96,7 @@ def _wait_finished(r: GeneratorRunner, n: int, timeout_s: float = 5.0) -> None:
 
 
 def test_whole_answers_streams_and_cancellation() -> None:
-    r = runner(EngineSettings(max_total_tokens=None, max_running=1, max_queued=1))
+    r = runner(EngineConfig(max_total_tokens=None, max_running=1, max_queued=1))
     r.warm_up()
     r.start()
     try:
@@ -99,7 +108,7 @@ def test_whole_answers_streams_and_cancellation() -> None:
             assert isinstance(events[0], GenerationStarted) and isinstance(events[-1], GenerationDone)
             assert all(isinstance(e, TextDelta) for e in events[1:-1])
             assert "".join(e.text for e in events[1:-1]) == whole.text == events[-1].text  # type: ignore[union-attr]
-            assert events[0].prompt_tokens == whole.prompt_tokens == len("héllo ¿qué?".encode())  # type: ignore[union-attr]
+            assert events[0].prompt_tokens == whole.usage.prompt_tokens == len("héllo ¿qué?".encode())  # type: ignore[union-attr]
 
             long = GenerationRequest("long", prompt="go", max_new_tokens=500)
             task = asyncio.create_task(r.generate(long))

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from service.api import create_api
-from service.engine_errors import RequestTooLarge
-from service.errors import NotReady, Overloaded, ServiceError
+from service.errors import NotReady, Overloaded, RequestTooLarge, ServiceError
+from service.http.api import create_api
 from service.messages import (
     ChatMessage,
     GenerationDone,
@@ -22,6 +21,7 @@ from service.messages import (
     GenerationStarted,
     ModelInfo,
     TextDelta,
+    Usage,
 )
 from service.settings import Settings
 
@@ -29,10 +29,11 @@ GEN = {"name": "gen", "tasks": ["generate"], "source": "tiny:decoder"}
 
 
 class FakeBackend:
-    """Streams `events` (then raises `fail`, if set); a whole answer is the last event. Records requests."""
+    """Streams `events` (then raises `fail`, if set); a whole answer is the last event. Records requests.
+    `refuse`: an error, or a function of the request giving one (as a replica names the request's fields)."""
 
     def __init__(self, events: list[GenerationEvent], fail: ServiceError | None = None,
-                 refuse: ServiceError | None = None) -> None:
+                 refuse: ServiceError | Callable[[GenerationRequest], ServiceError] | None = None) -> None:
         self.events, self.fail, self.refuse = events, fail, refuse
         self.requests: list[GenerationRequest] = []
         self.closed = 0
@@ -41,14 +42,14 @@ class FakeBackend:
         assert (deployment, method) == ("generator", "generate")
         self.requests.append(request)
         if self.refuse is not None:
-            raise self.refuse
+            raise self.refuse if isinstance(self.refuse, ServiceError) else self.refuse(request)
         return self.events[-1]
 
     async def stream(self, deployment: str, method: str, request: GenerationRequest) -> AsyncIterator[Any]:
         assert (deployment, method) == ("generator", "generate_stream")
         self.requests.append(request)
         if self.refuse is not None:
-            raise self.refuse
+            raise self.refuse if isinstance(self.refuse, ServiceError) else self.refuse(request)
         try:
             for event in self.events:
                 yield event
@@ -81,7 +82,7 @@ def payloads(r: httpx.Response) -> list[Any]:
 
 
 EVENTS: list[GenerationEvent] = [GenerationStarted("r1", 5), TextDelta("Hé"), TextDelta("llo"),
-                                 GenerationDone("r1", "Héllo", "length", 5, 3)]
+                                 GenerationDone("r1", "Héllo", "length", Usage(5, 3))]
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 
 
@@ -140,15 +141,17 @@ def test_a_failure_after_the_stream_started_is_a_last_error_event(path: str) -> 
     died = FakeBackend(EVENTS[:2], fail=NotReady("generator: the model replica died; retry later"))
     *_, last = payloads(post(died, path, {**body, "stream": True}))
     assert last == {"error": {"type": "model_not_ready", "message": "generator: the model replica died; retry later"}}
-    failed = FakeBackend([*EVENTS[:2], GenerationDone("r1", "Hé", "error", 5, 1, error="RuntimeError: boom")])
+    failed = FakeBackend([*EVENTS[:2], GenerationDone("r1", "Hé", "error", Usage(5, 1), error="RuntimeError: boom")])
     *_, last = payloads(post(failed, path, {**body, "stream": True}))
     assert last["error"]["type"] == "internal_error" and "boom" not in json.dumps(last)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_refusals_are_json_errors_with_the_route_field_names(stream: bool) -> None:
-    too_long = RequestTooLarge("max_new_tokens=900 is over the limit max_new_tokens (512)", "max_new_tokens",
-                               "max_new_tokens")
+    def too_long(request: GenerationRequest) -> RequestTooLarge:
+        return RequestTooLarge("max_new_tokens=900 is over the limit max_new_tokens (512)",
+                               request.param("max_new_tokens"), "max_new_tokens")
+
     r = post(FakeBackend([], refuse=too_long), "/v1/completions", {"prompt": "hi", "max_tokens": 900, "stream": stream})
     assert r.status_code == 422 and r.json()["error"]["param"] == "max_tokens"
     assert "limit max_new_tokens" in r.json()["error"]["message"]

@@ -30,7 +30,7 @@ from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.generate import generate
 from models.tiny import VOCAB, byte_tokenizer, tiny_model
-from tests.live import deploy, local_cluster, wait_for
+from service.testing.cluster import deploy, local_cluster, wait_for
 from tests.service.http_checks import assert_error
 
 pytestmark = pytest.mark.e2e

@@ -15,11 +15,12 @@ import pytest
 from models.catalog import ModelSpec, load_model
 from models.decoding import SamplingParams
 from models.tiny import tiny_model
-from service.batching import BatchLimits
-from service.engine import GenerationEngine
-from service.engine_config import EngineConfig
-from service.heap import HeapTrimmer, glibc_malloc_trim, resident_bytes
-from service.runners import EncoderRunner
+from service.engine.config import EngineConfig
+from service.engine.core import GenerationEngine
+from service.replica.config import BatchLimits
+from service.replica.encoder import EncoderRunner
+from service.replica.heap import HeapTrimmer, glibc_malloc_trim
+from service.telemetry.memory import resident_bytes
 
 
 class Clock:
@@ -72,7 +73,7 @@ def test_glibc_malloc_trim_returns_freed_heap_pages_to_the_os() -> None:
     script = textwrap.dedent("""
         import ctypes, sys
         sys.path.insert(0, sys.argv[1])
-        from service.heap import glibc_malloc_trim
+        from service.replica.heap import glibc_malloc_trim
         libc = ctypes.CDLL("libc.so.6")
         libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
         libc.free.argtypes = [ctypes.c_void_p]
@@ -100,12 +101,12 @@ def test_the_encoder_runner_trims_on_its_inference_thread() -> None:
     threads: list[str] = []
     heap = HeapTrimmer(1e-9, lambda: threads.append(threading.current_thread().name))
     spec = ModelSpec(name="tiny-encoder", tasks=("embed",), source="tiny:encoder", max_input_tokens=64)
-    runner = EncoderRunner(load_model(spec, Path("/nonexistent")), "enc", BatchLimits(max_wait_s=0), heap=heap)
+    runner = EncoderRunner(load_model(spec, Path("/nonexistent")), "enc", BatchLimits(max_wait_ms=0), heap=heap)
 
     async def main() -> None:
         for text in ("one", "two", "three"):
             await runner.embed([text], False, 5.0)
-        await runner.close()
+        runner.close()
 
     asyncio.run(main())
     assert len(threads) == 3 and all(name.startswith("enc-inference") for name in threads)

@@ -28,16 +28,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from models.decoding import SamplingParams
 from models.tiny import tiny_model
-from service.api import create_api
-from service.batching import BatchLimits, DynamicBatcher
-from service.engine import GenerationEngine
-from service.engine_config import EngineConfig
+from service.engine.config import EngineConfig
+from service.engine.core import GenerationEngine
 from service.errors import NotReady, Overloaded
-from service.heap import resident_bytes
-from service.logs import REQUEST_ID, JsonFormatter, valid_request_id
+from service.http.api import create_api
 from service.messages import Classification, ModelInfo
-from service.metrics import PREFIX, SPECS, ServiceMetrics, clean_dead_processes, render
+from service.replica.batcher import DynamicBatcher
+from service.replica.config import BatchLimits
 from service.settings import Settings
+from service.telemetry.logs import REQUEST_ID, JsonFormatter, valid_request_id
+from service.telemetry.memory import resident_bytes
+from service.telemetry.metrics import PREFIX, SPECS, ServiceMetrics, clean_dead_processes, render
+from service.telemetry.observers import PrometheusBatchObserver, PrometheusEngineObserver
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "observability.md"
@@ -94,8 +96,8 @@ def test_batch_metrics_observe_the_batches_the_batcher_ran(metrics: ServiceMetri
         return payloads
 
     async def main() -> None:
-        batcher = DynamicBatcher(run_batch, BatchLimits(max_batch_size=2, max_wait_s=0.01, max_queued=6),
-                                 name="b", observer=metrics.batch_observer("m"))
+        batcher = DynamicBatcher(run_batch, BatchLimits(max_batch_size=2, max_wait_ms=10, max_queued=6),
+                                 name="b", observer=PrometheusBatchObserver(metrics, "m"))
         assert await batcher.submit_many(lengths, lengths) == lengths
         with pytest.raises(Overloaded):
             await batcher.submit_many([1] * 7, [1] * 7)
@@ -127,7 +129,7 @@ def test_engine_metrics_observe_what_the_engine_did(metrics: ServiceMetrics) -> 
     torch.set_num_threads(1)
     model, tok = tiny_model("decoder")
     engine = GenerationEngine(model, tok, EngineConfig(max_running=2, max_total_tokens=64),
-                              metrics.engine_observer("gen"))
+                              PrometheusEngineObserver(metrics, "gen"))
     handles = [engine.submit(tok.encode(p), SamplingParams(max_new_tokens=n, ignore_eos=True))
                for p, n in (("hello", 5), ("a longer prompt", 3), ("x", 4))]
     peak_waiting = 0.0
@@ -252,7 +254,7 @@ def test_metrics_route_serves_the_text_format(metrics: ServiceMetrics) -> None:
 
 CHILD = textwrap.dedent("""
     import sys
-    from service.metrics import process_metrics
+    from service.telemetry.metrics import process_metrics
     m = process_metrics()
     m["requests_total"].labels("/v1/classify", "200").inc(int(sys.argv[1]))
     m["generation_running_requests"].labels("gen").set(int(sys.argv[1]))

@@ -11,18 +11,14 @@ import torch
 from models.beam_search import BeamParams, translate_ids
 from models.catalog import LoadedModel, ModelSpec, load_model
 from models.tiny import EOS
-from service import runners
-from service.batching import BatchLimits
 from service.errors import InvalidItem, InvalidRequest
-from service.runners import (
-    EncodeItem,
-    EncoderRunner,
-    TranslateItem,
-    TranslateOptions,
-    TranslatorRunner,
-    resolve_device,
-    tokenize,
-)
+from service.messages import TranslateOptions
+from service.replica import device
+from service.replica.config import BatchLimits
+from service.replica.device import resolve_device
+from service.replica.encoder import EncodeItem, EncoderRunner
+from service.replica.tokenize import tokenize
+from service.replica.translator import TranslateItem, TranslatorRunner
 
 TEXTS = ["a", "hello world", "a considerably longer sentence with many more bytes in it", "mid length"]
 
@@ -34,13 +30,13 @@ def _load(family: str, tasks: tuple[str, ...], **extra: object) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def encoder() -> EncoderRunner:
-    return EncoderRunner(_load("encoder", ("classify", "embed")), "encoder", BatchLimits(max_wait_s=0.01))
+    return EncoderRunner(_load("encoder", ("classify", "embed")), "encoder", BatchLimits(max_wait_ms=10))
 
 
 @pytest.fixture(scope="module")
 def translator() -> TranslatorRunner:
     loaded = _load("seq2seq", ("translate",), languages=("en", "es"), defaults={"beam_size": 3, "max_new_tokens": 6})
-    return TranslatorRunner(loaded, "translator", BatchLimits(max_wait_s=0.01))
+    return TranslatorRunner(loaded, "translator", BatchLimits(max_wait_ms=10))
 
 
 def test_tokenize_names_the_bad_text_and_truncates_keeping_special_tokens(translator: TranslatorRunner) -> None:
@@ -119,11 +115,11 @@ def test_auto_bf16_is_bfloat16_on_cuda_and_on_cpus_with_amx(monkeypatch: pytest.
     amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n\nprocessor\t: 1\n")
     avx = tmp_path / "avx"
     avx.write_text("flags\t\t: fpu avx2 avx512_bf16\n")  # avx512_bf16 without amx_bf16: not enough
-    assert runners.cpu_has_amx_bf16(str(amx)) and not runners.cpu_has_amx_bf16(str(avx))
-    assert not runners.cpu_has_amx_bf16(str(tmp_path / "missing"))
+    assert device.cpu_has_amx_bf16(str(amx)) and not device.cpu_has_amx_bf16(str(avx))
+    assert not device.cpu_has_amx_bf16(str(tmp_path / "missing"))
     assert resolve_device("cuda", "auto-bf16") == ("cuda", torch.bfloat16)
     for has_amx, dtype in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(runners, "cpu_has_amx_bf16", lambda has=has_amx: has)
+        monkeypatch.setattr(device, "cpu_has_amx_bf16", lambda has=has_amx: has)
         assert resolve_device("cpu", "auto-bf16") == ("cpu", dtype)
         assert resolve_device("cpu", "auto") == ("cpu", torch.float32)  # plain auto never picks bfloat16 on cpu
 

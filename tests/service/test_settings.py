@@ -20,9 +20,9 @@ TINY = {"name": "tiny", "tasks": ["classify", "embed"], "source": "tiny:encoder"
 def test_defaults_serve_the_catalog_models() -> None:
     s = Settings.build(None, env={})
     assert set(s.deployments) == {"encoder", "translator", "generator"}
-    assert s.deployments["encoder"].spec == DEFAULT_SPECS["encoder"]
-    assert s.deployments["translator"].spec == DEFAULT_SPECS["translator"]
-    assert s.deployments["generator"].spec == DEFAULT_SPECS["generator"]
+    assert s.deployments["encoder"].model == DEFAULT_SPECS["encoder"]
+    assert s.deployments["translator"].model == DEFAULT_SPECS["translator"]
+    assert s.deployments["generator"].model == DEFAULT_SPECS["generator"]
 
 
 def test_the_shipped_serve_config_is_valid() -> None:

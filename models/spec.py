@@ -1,0 +1,77 @@
+"""What to serve, without torch: a model's name, its tasks, its sources as URIs, its defaults.
+
+`ModelSpec` is the one description of a served model: the catalog loads it (models/catalog.py),
+the service's settings embed it as it appears in a config file (service/settings.py), and the
+ingress, which never imports torch, routes by it. Source URIs are listed in catalog.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Task = Literal["classify", "embed", "translate", "generate"]
+Kind = Literal["encoder", "translator", "generator"]
+# the kind of model (and of deployment) each task needs
+TASK_KIND: dict[str, Kind] = {"classify": "encoder", "embed": "encoder", "translate": "translator",
+                              "generate": "generator"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to serve. `tasks` lists the endpoints the model answers (an encoder can do two)."""
+
+    __pydantic_config__ = {"extra": "forbid"}  # in a config file (pydantic reads it), a misspelt field is an error
+
+    name: str
+    tasks: tuple[Task, ...]
+    source: str
+    head: str | None = None  # classify: a head checkpoint (builtin:NAME or dir:PATH)
+    tokenizer: str | None = None  # default: the tokenizer beside the weights
+    languages: tuple[str, str] | None = None  # translate: (source, target)
+    max_input_tokens: int | None = None  # default: the model's max_positions
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # decoding defaults for this model
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.name:
+            problems.append("name must not be empty")
+        if not self.tasks:
+            problems.append("tasks must name at least one task")
+        unknown = [t for t in self.tasks if t not in TASK_KIND]
+        if unknown:
+            problems.append(f"unknown tasks {unknown}; known: {sorted(TASK_KIND)}")
+        elif len({TASK_KIND[t] for t in self.tasks}) > 1:
+            kinds = sorted({TASK_KIND[t] for t in self.tasks})
+            problems.append(f"tasks {list(self.tasks)} need different kinds of deployment ({kinds}); "
+                            "split them into two deployments")
+        if "translate" in self.tasks and self.languages is None:
+            problems.append("it translates but names no languages: [source, target]")
+        if self.max_input_tokens is not None and self.max_input_tokens < 1:
+            problems.append(f"max_input_tokens must be >= 1, got {self.max_input_tokens}")
+        if problems:
+            raise ValueError(f"model {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def kind(self) -> Kind:
+        return TASK_KIND[self.tasks[0]]
+
+
+
+# The defaults `make serve` uses: one encoder for classification and embeddings, our translator,
+# and SmolLM2 for generation.
+DEFAULT_SPECS: dict[str, ModelSpec] = {
+    "encoder": ModelSpec(
+        name="minilm-sentiment", tasks=("classify", "embed"), source="zoo:minilm",
+        head="builtin:sentiment-head", max_input_tokens=256,
+    ),
+    "translator": ModelSpec(
+        name="transformer-en-es", tasks=("translate",), source="builtin:translator-en-es",
+        languages=("en", "es"), max_input_tokens=128, defaults={"beam_size": 4, "max_new_tokens": 128},
+    ),
+    "generator": ModelSpec(
+        name="smollm2-135m-instruct", tasks=("generate",), source="gguf:zoo:smollm2",
+        max_input_tokens=2048, defaults={"max_new_tokens": 128, "temperature": 0.0},
+    ),
+}

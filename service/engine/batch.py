@@ -1,0 +1,118 @@
+"""The running batch of the engine: live requests packed at the front of the KV cache.
+
+Row r of the cache belongs to `rows[r]`, with its seen-token mask (repetition penalty) at
+`seen[r]`. `prefill` admits requests on fresh rows at the end, `decode` runs one step for a block
+of rows, `remove` frees rows and moves the last live rows into the holes. A forward writes each
+row's next cache slots before its length advances, and lengths advance only after sampling
+succeeded, so a failed prefill or decode can be retried on the same rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from models.decoder import DecoderLM
+from models.decoding import BatchParams, RowSampler, next_tokens
+from models.inputs import PaddedBatch
+from models.kv_cache import KVCache
+
+from .sequence import SeqState
+
+# A prefill pads its prompts (T) so that B x T, the rows its Linears see, is a multiple of this
+# (within the cache row). In bfloat16 on CPU, oneDNN keeps kernels for every distinct number of
+# rows a Linear sees (about 1.7 MiB each for SmolLM2's MLP): any B x T would make the replica's
+# memory grow with the variety of prompt lengths (docs/reliability.md, Heap trimming). With it, a
+# prefill budget of 2048 tokens allows 64 distinct row counts; decode steps add one per batch size.
+PREFILL_MULTIPLE = 32
+
+
+class RunningBatch:
+    """Owned by the engine thread."""
+
+    def __init__(self, model: DecoderLM, cache: KVCache, vocab_size: int) -> None:
+        self.model, self.cache = model, cache
+        self.device = cache.lengths.device
+        self.rows: list[SeqState] = []
+        self.seen = torch.zeros(cache.rows, vocab_size, dtype=torch.bool, device=self.device)  # (R, V)
+        self._params: tuple[BatchParams, list[RowSampler]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def free(self) -> int:
+        return self.cache.rows - len(self.rows)
+
+    def usage(self) -> float:
+        """Tokens held in the cache / its capacity."""
+        return int(self.cache.lengths.sum()) / (self.cache.rows * self.cache.max_len)
+
+    def prefill(self, group: list[SeqState]) -> list[int]:
+        """One forward over the right-padded prompts on rows [n, n + B), sampling each first token at
+        its last prompt index; the group joins the batch only if all of this succeeds."""
+        start, stop = len(self.rows), len(self.rows) + len(group)
+        if stop > self.cache.rows:
+            raise ValueError(f"{len(group)} requests do not fit the {self.free} free cache rows")
+        self.cache.reset(start, stop)
+        multiple = PREFILL_MULTIPLE // math.gcd(len(group), PREFILL_MULTIPLE)  # of T, for B x T
+        padded = PaddedBatch.from_token_lists([s.prompt for s in group], device=self.device, multiple=multiple,
+                                              limit=self.cache.max_len)  # (B, T)
+        last = padded.last_index()  # (B,)
+        logits = self.model(padded.ids, cache=self.cache.view(start, stop), last=last)[:, 0]  # (B, V)
+        seen = padded.mark_seen(self.seen[start:stop].zero_())  # (B, V) view: the rows' prompt tokens
+        params = BatchParams.build([s.params for s in group], self.device)
+        tokens = next_tokens(logits.float(), params, [s.sampler for s in group], seen)  # (B,)
+        self.cache.advance(last + 1, start, stop)
+        self.rows.extend(group)
+        self._params = None
+        return self._took(tokens, start)
+
+    def decode(self, start: int = 0, stop: int | None = None) -> list[int]:
+        """One step for rows [start, stop): each row's pending token in, one sampled token out."""
+        stop = len(self.rows) if stop is None else stop
+        seqs = self.rows[start:stop]
+        ids = torch.tensor([[s.pending] for s in seqs], dtype=torch.long, device=self.device)  # (B, 1)
+        logits = self.model(ids, cache=self.cache.view(start, stop))[:, 0]  # (B, V)
+        if (start, stop) == (0, len(self.rows)):
+            params, samplers = self._batch_params()
+        else:
+            params, samplers = BatchParams.build([s.params for s in seqs], self.device), [s.sampler for s in seqs]
+        tokens = next_tokens(logits.float(), params, samplers, self.seen[start:stop])  # (B,)
+        self.cache.advance(1, start, stop)
+        return self._took(tokens, start)
+
+    def remove(self, dead: list[int]) -> list[SeqState]:
+        """Free rows `dead` (ascending): the last live rows move into the holes, the tail is reset."""
+        gone, n = set(dead), len(self.rows)
+        removed = [self.rows[i] for i in dead]
+        keep_n = n - len(gone)
+        movers = [i for i in range(keep_n, n) if i not in gone]
+        holes = [i for i in dead if i < keep_n]
+        for src, dst in zip(movers, holes, strict=True):
+            self.cache.move_row(src, dst)
+            self.seen[dst] = self.seen[src]
+            self.rows[dst] = self.rows[src]
+        del self.rows[keep_n:]
+        self.cache.reset(keep_n, n)
+        self._params = None
+        return removed
+
+    def clear(self) -> list[SeqState]:
+        removed, self.rows, self._params = self.rows, [], None
+        self.cache.reset()
+        return removed
+
+    def _took(self, tokens: Tensor, start: int) -> list[int]:
+        """Mark the sampled tokens (B,) as seen by their rows."""
+        self.seen[torch.arange(start, start + tokens.numel(), device=self.device), tokens] = True
+        return tokens.tolist()
+
+    def _batch_params(self) -> tuple[BatchParams, list[RowSampler]]:
+        """The live rows' parameters, rebuilt only when the set (or order) of rows changed."""
+        if self._params is None:
+            self._params = (BatchParams.build([s.params for s in self.rows], self.device),
+                            [s.sampler for s in self.rows])
+        return self._params

@@ -1,0 +1,40 @@
+"""What an operator sets for the continuous-batching engine, free of torch: the settings embed it
+as a generator deployment's `engine` (service/settings.py), and EngineLimits (service/engine/limits.py)
+resolves it against one model, once, when the engine is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler limits. The defaults suit SmolLM2-135M on CPU: 8 sequences of up to 1024 tokens fit
+    the 384 MiB KV cache in float32. Token limits are cut to the model's own (max_positions, its
+    max_input_tokens)."""
+
+    __pydantic_config__ = {"extra": "forbid"}  # in a config file (pydantic reads it), a misspelt field is an error
+
+    max_running: int = 8  # sequences decoding at once (cache rows, if the budget holds them)
+    kv_cache_mib: float = 384.0  # KV-cache budget; rows = min(max_running, budget // bytes of one row)
+    max_total_tokens: int | None = 1024  # prompt + output per request = tokens per cache row; None: max_positions
+    max_prompt_tokens: int | None = None  # None: the model's max_input_tokens; always < max_total_tokens
+    max_new_tokens: int | None = 512  # output tokens per request; None: max_total_tokens - 1
+    max_queued: int = 64  # requests waiting for a row; one more is refused (503 + Retry-After)
+    prefill_tokens: int = 2048  # padded prompt tokens per admission step (one request is always admitted)
+
+    def __post_init__(self) -> None:
+        problems = [f"{name} must be a positive integer, got {getattr(self, name)!r}"
+                    for name in ("max_running", "max_queued", "prefill_tokens", "max_prompt_tokens",
+                                 "max_new_tokens")
+                    if getattr(self, name) is not None and getattr(self, name) < 1]
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            problems.append(f"max_total_tokens must leave room for a prompt and one token, got {self.max_total_tokens}")
+        if not self.kv_cache_mib > 0:
+            problems.append(f"kv_cache_mib must be > 0, got {self.kv_cache_mib!r}")
+        if problems:
+            raise ValueError("EngineConfig: " + "; ".join(problems))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return int(self.kv_cache_mib * 2**20)

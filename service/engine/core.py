@@ -1,0 +1,349 @@
+"""Continuous batching for a decoder-only LM: scheduling at the level of decode steps (as vLLM and
+TGI do), on our own model and KV cache. No Ray and no FastAPI here: a generator replica owns one engine
+(service/replica/generator.py).
+
+Every step, on the engine's one thread:
+1. free the rows of cancelled requests;
+2. admit waiting requests (FIFO, while rows are free and their padded prompts fit the prefill
+   budget), prefilled on fresh rows at the end of the live block in groups of similar prompt
+   length (one right-padded forward per group, so little compute goes to padding), sampling each
+   request's first token at its last prompt index;
+3. one decode step over all live rows [0, n) (each at its own cache position), one token per row;
+4. free the rows of requests that finished; the last live rows move into the holes, so the live
+   rows stay packed at the front of the cache.
+Each request's tokens depend only on its own rows and its own seeded generator, so a request
+decodes the same tokens alone or among others, and as models.generate.generate does.
+
+A failing forward or sampling step is retried row by row (a step writes each row's next cache
+slots before its length advances, so a retry is harmless): only the requests that fail again get
+an error event. Anything else that escapes a step fails the running requests; the engine goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from models.decoder import DecoderLM
+from models.decoding import SamplingParams
+from models.inputs import select_batch
+from models.kv_cache import KVCache
+from models.text import TextTokenizer
+
+from ..errors import EngineClosed, EngineOverloaded, InvalidRequest
+from ..telemetry.hooks import EngineObserver, EngineStats
+from .batch import RunningBatch
+from .config import EngineConfig
+from .events import Finished, RequestHandle
+from .limits import EngineLimits
+from .sequence import SeqState
+
+log = logging.getLogger(__name__)
+# select_batch's fixed cost of one prefill forward pass, in padded prompt tokens: prompts of very
+# different lengths are prefilled in separate passes when the padding would cost more than this.
+PREFILL_OVERHEAD_TOKENS = 64
+
+
+class GenerationEngine:
+    """Owns the model's KV cache and schedules every request on it. Thread-safe front: submit(),
+    cancel(), stats(), shutdown(); start() runs the scheduler loop in a dedicated thread."""
+
+    def __init__(self, model: DecoderLM, tokenizer: TextTokenizer, config: EngineConfig | None = None,
+                 observer: EngineObserver | None = None, name: str = "generation-engine",
+                 after_step: Callable[[], object] | None = None, max_input_tokens: int | None = None) -> None:
+        """`max_input_tokens`: the model's input limit (the prompt limit when the config sets none)."""
+        weight = next(model.parameters())
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.device = weight.device
+        self.config = config or EngineConfig()
+        self.limits = EngineLimits.resolve(self.config, model.cfg, weight.dtype, max_input_tokens)
+        self.cache = KVCache.for_model(model.cfg, self.limits.rows, self.limits.max_total_tokens, weight.dtype,
+                                       self.device)
+        self._eos = frozenset(model.cfg.eos_token_ids)
+        self._observer = observer or EngineObserver()
+        self._after_step = after_step  # the loop calls it after each step (the replica trims its heap there)
+        # engine thread only: the live rows, and a group taken from the queue while it is prefilled
+        self._batch = RunningBatch(model, self.cache, model.cfg.vocab_size)
+        self._admitting: list[SeqState] = []
+        # guarded by _cond
+        self._cond = threading.Condition()
+        self._waiting: deque[SeqState] = deque()
+        self._live: dict[str, SeqState] = {}  # waiting and running, by request id
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._counts = Counter({"prompt_tokens": 0, "generated_tokens": 0, "steps": 0})
+        self._finished: Counter[str] = Counter()
+        self._snapshot = (0, 0.0)  # running, cache usage after the last step
+
+    # -- front (any thread) --------------------------------------------------------------------
+
+    def start(self) -> GenerationEngine:
+        """Run the scheduler loop in its own thread (idempotent)."""
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("the generation engine is shut down")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+        return self
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> RequestHandle:
+        """Queue a request and return at once (it runs once start() was called, or on step()).
+        Called on an event loop, the handle is an async iterator on that loop; otherwise read it
+        with handle.events() / result_sync().
+
+        Raises InvalidRequest / RequestTooLarge (naming the limit) for a request over the limits,
+        EngineOverloaded when max_queued requests wait, EngineClosed after shutdown().
+        """
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        self.limits.check(prompt, params)
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        request_id = request_id or uuid.uuid4().hex
+        handle = RequestHandle(request_id, self.cancel, loop)
+        seq = SeqState(request_id, prompt, params, handle, self.tokenizer, self._eos, time.perf_counter())
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("the generation engine is shut down")
+            if request_id in self._live:
+                raise InvalidRequest(f"request_id {request_id!r} is already in use", "request_id")
+            if len(self._waiting) >= self.limits.max_queued:
+                raise EngineOverloaded(f"{len(self._waiting)} generation requests are waiting (max_queued="
+                                       f"{self.limits.max_queued}); retry later")
+            self._waiting.append(seq)
+            self._live[request_id] = seq
+            self._cond.notify()
+        return handle
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request (its client went away). A waiting one is finished here and never
+        prefilled; a running one frees its row at the start of the next step. False if unknown."""
+        with self._cond:
+            seq = self._live.get(request_id)
+            if seq is None:
+                return False
+            if seq.admitted is not None:
+                seq.cancelled = True
+                self._cond.notify()
+                return True
+            self._waiting.remove(seq)
+            event = seq.finish("cancelled", time.perf_counter())
+        self._record(event)
+        return True
+
+    @property
+    def alive(self) -> bool:
+        """The scheduler thread runs: False before start(), after shutdown(), or if the loop died."""
+        with self._cond:
+            return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            running, usage = self._snapshot
+            return EngineStats(running=running, waiting=len(self._waiting), rows=self.limits.rows,
+                               cache_usage=usage, cache_bytes=self.cache.nbytes(),
+                               prompt_tokens=self._counts["prompt_tokens"],
+                               generated_tokens=self._counts["generated_tokens"],
+                               steps=self._counts["steps"], finished=dict(self._finished))
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop after its current step; requests still open end with an error event."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is None:
+            self._abort_all("the generation engine shut down")
+        elif thread is not threading.current_thread():
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("%s: the loop did not stop within %.1f s", self.name, timeout_s)
+
+    def __enter__(self) -> GenerationEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- the loop (engine thread) ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and not self._waiting and not self._batch:
+                        self._cond.wait()  # idle: sleep until submit(), cancel() or shutdown()
+                    if self._closed:
+                        return
+                self.step()
+                if self._after_step is not None:
+                    try:
+                        self._after_step()
+                    except Exception:
+                        log.exception("%s: after_step failed", self.name)
+        finally:
+            self._abort_all("the generation engine shut down")
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One scheduler step. The engine thread calls it; call it yourself only on an engine that was
+        never started (tests drive the scheduler step by step this way)."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            raise RuntimeError("step() belongs to the engine thread once start() was called")
+        started, before = time.perf_counter(), self._counts["generated_tokens"]
+        try:
+            self._evict()
+            self._admit()
+            self._evict()
+            if self._batch:
+                self._decode()
+            self._evict()
+        except Exception as exc:  # a bug outside the model calls: fail what the step held, go on
+            log.exception("%s: step failed; failing its %d requests", self.name, len(self._batch))
+            for seq in self._admitting + self._batch.clear():
+                if not seq.closed:
+                    self._fail(seq, exc, traceback=False)
+            self._admitting = []
+        usage = self._batch.usage()
+        with self._cond:
+            self._counts["steps"] += 1
+            self._snapshot = (len(self._batch), usage)
+        self._observe("on_step", self.stats(), self._counts["generated_tokens"] - before,
+                      time.perf_counter() - started)
+
+    def _admit(self) -> None:
+        """Prefill the waiting requests that fit on fresh rows, in groups of similar prompt lengths
+        (select_batch's cost model: padding against the fixed cost of a forward pass)."""
+        group = self._take_waiting()
+        while group:
+            lengths = [len(seq.prompt) for seq in group]
+            picked = set(select_batch(lengths, len(group), self.limits.prefill_tokens, PREFILL_OVERHEAD_TOKENS))
+            self._prefill([seq for i, seq in enumerate(group) if i in picked],
+                          rest=[seq for i, seq in enumerate(group) if i not in picked])
+            group = [seq for i, seq in enumerate(group) if i not in picked]
+
+    def _prefill(self, group: list[SeqState], rest: list[SeqState]) -> None:
+        """Prefill `group` on fresh rows; if that fails, retry request by request and fail only those
+        that fail again. `rest` (taken, not yet prefilled) is failed too if anything escapes."""
+        self._admitting, start = group + rest, len(self._batch)
+        tokens: list[int] = []
+        try:
+            tokens = self._batch.prefill(group)
+        except Exception as exc:
+            if len(group) == 1:
+                self._fail(group[0], exc)
+            for seq in group if len(group) > 1 else []:
+                try:
+                    tokens += self._batch.prefill([seq])
+                except Exception as row_exc:
+                    self._fail(seq, row_exc)
+        self._admitting = []
+        now = time.perf_counter()
+        for seq in self._batch.rows[start:]:
+            self._counts["prompt_tokens"] += len(seq.prompt)
+            self._observe("on_admitted", (seq.admitted or now) - seq.submitted, len(seq.prompt))
+        self._accept(list(enumerate(tokens, start)), now)
+
+    def _take_waiting(self) -> list[SeqState]:
+        """FIFO while rows are free and (longest prompt) x (requests) fits the prefill budget."""
+        free, group, longest = self._batch.free, [], 0
+        with self._cond:
+            now = time.perf_counter()
+            while self._waiting and len(group) < free:
+                longest_next = max(longest, len(self._waiting[0].prompt))
+                if group and longest_next * (len(group) + 1) > self.limits.prefill_tokens:
+                    break
+                seq = self._waiting.popleft()
+                seq.admitted, longest = now, longest_next
+                group.append(seq)
+        return group
+
+    def _decode(self) -> None:
+        """One token for every live row; if the step fails, each row is retried alone and only the
+        rows that fail again are failed."""
+        n = len(self._batch)
+        results: list[tuple[int, int]] = []
+        try:
+            results = list(enumerate(self._batch.decode()))
+        except Exception as exc:
+            if n == 1:
+                self._fail(self._batch.rows[0], exc)
+            for row in range(n if n > 1 else 0):
+                try:
+                    results.append((row, self._batch.decode(row, row + 1)[0]))
+                except Exception as row_exc:
+                    self._fail(self._batch.rows[row], row_exc)
+        self._accept(results, time.perf_counter())
+
+    def _accept(self, results: list[tuple[int, int]], now: float) -> None:
+        """Hand each row its new token; a request whose text handling fails is failed alone."""
+        for row, token in results:
+            seq = self._batch.rows[row]
+            try:
+                seq.accept(token, now)
+            except Exception as exc:
+                self._fail(seq, exc)
+                continue
+            times = seq.token_times
+            if len(times) == 1:
+                self._observe("on_first_token", times[0])
+            else:
+                self._observe("on_inter_token", times[-1] - times[-2])
+        self._counts["generated_tokens"] += len(results)
+
+    def _evict(self) -> None:
+        """Free the rows of finished, cancelled and failed requests, then send their Finished events."""
+        dead = [i for i, s in enumerate(self._batch.rows) if s.done]
+        if not dead:
+            return
+        removed = self._batch.remove(dead)
+        with self._cond:  # running drops before the Finished events go out (usage follows at step end)
+            self._snapshot = (len(self._batch), self._snapshot[1])
+        now = time.perf_counter()
+        for seq in removed:
+            if seq.closed:
+                continue
+            try:
+                self._record(seq.finish("cancelled" if seq.cancelled else "stop", now))
+            except Exception as exc:
+                self._fail(seq, exc)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def _fail(self, seq: SeqState, exc: BaseException, traceback: bool = True) -> None:
+        log.error("%s: request %s failed: %r", self.name, seq.request_id, exc, exc_info=exc if traceback else None)
+        self._record(seq.finish("error", time.perf_counter(), error=f"{type(exc).__name__}: {exc}"))
+
+    def _record(self, event: Finished) -> None:
+        with self._cond:
+            self._live.pop(event.request_id, None)
+            self._finished[event.finish_reason] += 1
+        self._observe("on_finished", event)
+
+    def _abort_all(self, message: str) -> None:
+        """Shutdown: end every open request with an error event."""
+        with self._cond:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        now = time.perf_counter()
+        for seq in waiting + self._admitting + self._batch.clear():
+            if not seq.closed:
+                self._record(seq.finish("error", now, error=message))
+        self._admitting = []
+
+    def _observe(self, hook: str, *args: object) -> None:
+        try:
+            getattr(self._observer, hook)(*args)
+        except Exception:
+            log.exception("%s: observer hook %s failed", self.name, hook)

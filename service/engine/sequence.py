@@ -1,0 +1,99 @@
+"""One request inside the engine: its sampling state, its output, and the text it may stream.
+
+`SeqState.accept` takes each sampled token, decides whether the request is finished (stop
+token, stop string, max_new_tokens) and streams the text that is safe to show: complete
+characters (IncrementalDetokenizer), never a tail that may begin a stop string (stop_holdback).
+`finish` releases what was held back, sends the last Delta and the Finished event, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from models.decoding import RowSampler, SamplingParams, find_stop, stop_holdback
+from models.text import IncrementalDetokenizer, TextTokenizer
+
+from ..messages import FinishReason, Usage
+from .events import Delta, Event, Finished, RequestHandle, Timing
+
+
+class SeqState:
+    """Mutated by the engine thread only, except `cancelled` (set by cancel() from any thread)
+    and the finish of a request cancelled while waiting (under the engine's lock)."""
+
+    def __init__(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                 handle: RequestHandle, tokenizer: TextTokenizer, eos_ids: frozenset[int],
+                 submitted: float) -> None:
+        self.request_id = request_id
+        self.prompt = list(prompt)
+        self.params = params
+        self.handle = handle
+        self.sampler = RowSampler(params)
+        self.stop_ids = frozenset() if params.ignore_eos else eos_ids | frozenset(params.stop_token_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt=self.prompt)
+        self.tokens: list[int] = []  # output without a final stop token
+        self.n_sampled = 0  # tokens sampled, a final stop token included
+        self.pending = -1  # the last sampled token: the next decode step's input (not yet in the cache)
+        self.text = ""  # detokenized output so far (cut at a stop string once one is found)
+        self.sent = 0  # characters of `text` already streamed
+        self.submitted = submitted
+        self.admitted: float | None = None  # set (under the engine lock) when taken for prefill
+        self.token_times: list[float] = []
+        self.reason: FinishReason | None = None  # decided by accept(); sent by finish()
+        self.cancelled = False
+        self.closed = False  # Finished was sent
+        self._cut = False  # text was cut at a stop string: nothing after it is ever shown
+
+    @property
+    def done(self) -> bool:
+        """The row can be freed: finished, cancelled, or already closed by an error."""
+        return self.reason is not None or self.cancelled or self.closed
+
+    def accept(self, token: int, now: float) -> None:
+        """Take one sampled token (same stopping rules, in the same order, as models.generate)."""
+        self.n_sampled += 1
+        self.token_times.append(now - self.submitted)
+        self.pending = token
+        if token in self.stop_ids:
+            self.reason = "stop"
+            return
+        self.tokens.append(token)
+        self.text += self.detok.push(token)
+        stops = self.params.stop
+        if stops:
+            at = find_stop(self.text, stops, self.sent)  # nothing before `sent` can begin a stop
+            if at >= 0:
+                self.text, self._cut, self.reason = self.text[:at], True, "stop"
+                return
+        if len(self.tokens) >= self.params.max_new_tokens:
+            self.reason = "length"
+            return
+        safe = len(self.text) - (stop_holdback(self.text, stops) if stops else 0)
+        if safe > self.sent:
+            self._emit(Delta(self.text[self.sent:safe], self.n_sampled))
+            self.sent = safe
+
+    def finish(self, reason: FinishReason, now: float, error: str | None = None) -> Finished:
+        """Send the rest of the text and the Finished event. `reason` applies unless accept()
+        already decided one (an error always wins). Call once."""
+        if self.closed:
+            raise RuntimeError(f"request {self.request_id} is already finished")
+        final: FinishReason = reason if error is not None or self.reason is None else self.reason
+        if not self._cut and error is None:
+            self.text += self.detok.flush()  # an incomplete last character, as decode() shows it
+        self.closed, self.reason = True, final  # after flush: if it raises, finish("error") still can
+        if len(self.text) > self.sent:
+            self._emit(Delta(self.text[self.sent:], self.n_sampled))
+            self.sent = len(self.text)
+        times = tuple(self.token_times)
+        timing = Timing(queued_s=None if self.admitted is None else self.admitted - self.submitted,
+                        first_token_s=times[0] if times else None, total_s=now - self.submitted,
+                        token_times_s=times)
+        event = Finished(self.request_id, self.text[:self.sent], tuple(self.tokens), final,
+                         Usage(len(self.prompt), self.n_sampled), timing, error)
+        self._emit(event)
+        return event
+
+    def _emit(self, event: Event) -> None:
+        if not self.handle.deliver(event):
+            self.cancelled = True  # the caller's event loop is gone: stop generating for it

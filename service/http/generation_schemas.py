@@ -1,0 +1,197 @@
+"""Request and response models of the generation routes: our /v1/generate and OpenAI's
+/v1/completions and /v1/chat/completions (the fields OpenAI's clients send).
+
+Sampling fields left out take the model's defaults (`defaults` in /v1/models; greedy for the
+default SmolLM2), not OpenAI's. OpenAI parameters that have no meaning here are accepted only at
+their neutral value and otherwise answered with a 422 naming them (`check_supported`), never
+silently ignored. Streamed answers are server-sent events; their chunks are built in
+service/http/sse.py and described in docs/serving.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictStr
+
+from ..errors import InvalidRequest
+from ..messages import AnswerFinish
+from .schemas import Texts, _Request
+
+MAX_TOKENS = 1_000_000  # a static bound; the engine's max_new_tokens / max_total_tokens decide (422 naming them)
+MAX_STOPS = 8
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+StopString = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+Stops = Annotated[list[StopString], BeforeValidator(_as_list, json_schema_input_type=str | list[str]),
+                  Field(max_length=MAX_STOPS, description="A stop string or a list of them; the text ends "
+                                                          "before the first one found.")]
+
+
+class Sampling(_Request):
+    """Sampling fields shared by every generation route (None: the model's default)."""
+
+    temperature: float | None = Field(None, ge=0, le=2, strict=True, allow_inf_nan=False,
+                                      description="0 = greedy. Default: the model's.")
+    top_p: float | None = Field(None, gt=0, le=1, strict=True, allow_inf_nan=False,
+                                description="Nucleus sampling mass in (0, 1]; 1 = off.")
+    top_k: int | None = Field(None, ge=0, strict=True, description="Sample among the k best tokens; 0 = off.")
+    repetition_penalty: float | None = Field(None, gt=0, le=10, strict=True, allow_inf_nan=False,
+                                             description="> 1 discourages tokens already in the text; 1 = off.")
+    seed: int | None = Field(None, ge=0, lt=2**63, strict=True,
+                             description="Seeds this request's sampler: same seed and inputs, same text.")
+    stop: Stops | None = None
+    ignore_eos: StrictBool | None = Field(None, description="Keep generating past the end-of-sequence token "
+                                                             "until max tokens (benchmarks; as vLLM's extra).")
+    stream: StrictBool = Field(False, description="Answer with server-sent events as the text is generated.")
+
+
+class GenerateRequest(Sampling):
+    prompt: StrictStr = Field(min_length=1, description="Text to continue (the model's special tokens added).")
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, strict=True,
+                                       description="Default: the model's; at most the engine's limit.")
+    model: StrictStr | None = Field(None, description="Model name (see /v1/models); default: the first.")
+
+
+class CompletionUsage(BaseModel):
+    """The usage object of every generation route (OpenAI's)."""
+
+    prompt_tokens: int
+    completion_tokens: int  # tokens sampled, a final end-of-sequence token included
+    total_tokens: int
+
+
+class GenerateResponse(BaseModel):
+    model: str
+    text: str
+    finish_reason: AnswerFinish
+    usage: CompletionUsage
+
+
+# -- OpenAI ------------------------------------------------------------------------------------------
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = Field(False, description="Add a last chunk with `usage` and no choices.")
+
+
+class OpenAISampling(Sampling):
+    """OpenAI's fields on top of ours (top_k and repetition_penalty are our extras)."""
+
+    model: StrictStr | None = Field(None, description="Model name (see /v1/models); default: the first.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, strict=True,
+                                   description="Default: the model's max_new_tokens.")
+    n: int | None = Field(None, ge=1, strict=True, description="Only 1.")
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, strict=True, description="Only 0.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, strict=True, description="Only 0.")
+    logit_bias: dict[str, float] | None = Field(None, description="Only empty.")
+    user: StrictStr | None = Field(None, description="Accepted for OpenAI compatibility; ignored.")
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: Texts = Field(description="A text, or a list with exactly one text.")
+    logprobs: int | None = Field(None, ge=0, strict=True, description="Not returned: only null or 0.")
+    echo: StrictBool | None = Field(None, description="Only false.")
+    best_of: int | None = Field(None, ge=1, strict=True, description="Only 1.")
+    suffix: StrictStr | None = Field(None, description="Only null.")
+
+    def prompt_text(self) -> str:
+        if len(self.prompt) != 1:
+            raise InvalidRequest(f"prompt has {len(self.prompt)} texts; send exactly one per request", "prompt")
+        if not self.prompt[0]:
+            raise InvalidRequest("prompt is an empty string", "prompt")
+        return self.prompt[0]
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: StrictStr
+
+
+def _as_parts(value: Any) -> Any:
+    return [{"type": "text", "text": value}] if isinstance(value, str) else value
+
+
+# A text or a list of text parts; always parts inside.
+Content = Annotated[list[TextPart], BeforeValidator(_as_parts, json_schema_input_type=str | list[TextPart])]
+
+
+class ChatMessageIn(_Request):
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="`developer` is passed to the template as `system`.")
+    content: Content
+    name: StrictStr | None = Field(None, description="Accepted; ignored.")
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessageIn] = Field(min_length=1, description="Rendered with the model's chat template.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, strict=True,
+                                              description="OpenAI's newer name for max_tokens; wins over it.")
+    logprobs: StrictBool | None = Field(None, description="Only false.")
+    top_logprobs: int | None = Field(None, ge=0, strict=True, description="Only null or 0.")
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: AnswerFinish
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: AnswerFinish
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+# field -> (is its value supported, what is supported); a registry, so a new field is one line
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v in (None, 1), "only n=1 (send several requests)"),
+    "best_of": (lambda v: v in (None, 1), "only best_of=1"),
+    "frequency_penalty": (lambda v: not v, "only 0 (repetition_penalty is supported)"),
+    "presence_penalty": (lambda v: not v, "only 0 (repetition_penalty is supported)"),
+    "logprobs": (lambda v: not v, "log-probabilities are not returned"),
+    "top_logprobs": (lambda v: not v, "log-probabilities are not returned"),
+    "echo": (lambda v: not v, "the prompt is not echoed"),
+    "logit_bias": (lambda v: not v, "only an empty logit_bias"),
+    "suffix": (lambda v: v is None, "suffixes are not supported"),
+}
+
+
+def check_supported(body: BaseModel) -> None:
+    """A 422 naming the first OpenAI parameter set to a value this server does not implement."""
+    for name, (supported, hint) in UNSUPPORTED.items():
+        if name in type(body).model_fields and not supported(value := getattr(body, name)):
+            raise InvalidRequest(f"{name}={value!r} is not supported: {hint}", name)

@@ -1,0 +1,101 @@
+"""The ingress's view of each HTTP request: its id, its metrics, its access-log line.
+
+`Observability` is the outermost ASGI middleware of the API (service/http/api.py):
+- request id: a valid `X-Request-ID` header (service/telemetry/logs.py: up to 128 characters of
+  `[A-Za-z0-9._:;=+/@-]`) is kept, anything else is replaced by a fresh id; the id is set for the
+  request's logs and returned in `X-Request-ID` on every response, errors included. Behind Ray
+  Serve's proxy, which already copies the incoming header (or an id it generated) onto every
+  response, the middleware adds the header only when it replaced an invalid id;
+- metrics: requests by endpoint and status, latency to the last byte (a whole SSE stream),
+  requests in progress, 503 refusals by error type (service/telemetry/metrics.py);
+- an access-log line per request only when `access_log` is on;
+- an unexpected exception becomes the generic JSON 500 here, so it carries the id too.
+`endpoint` is the route's path, or "other" for paths the API does not have (bounded cardinality).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Collection
+
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..errors import InternalError
+from ..telemetry.logs import REQUEST_ID, new_request_id, valid_request_id
+from ..telemetry.metrics import ServiceMetrics
+from .errors import error_response
+
+REQUEST_ID_HEADER = "X-Request-ID"
+OTHER = "other"
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("service.access")
+
+
+def _error_type(body: bytes) -> str:
+    """The `error.type` of a JSON error body, or "unknown"."""
+    try:
+        kind = json.loads(body)["error"]["type"]
+    except (ValueError, KeyError, TypeError):
+        return "unknown"
+    return kind if isinstance(kind, str) and kind.isidentifier() else "unknown"
+
+
+class Observability:
+    """ASGI middleware; see the module docstring. `endpoints()` lists the API's paths (read at the
+    first request, once every route exists)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServiceMetrics, endpoints: Callable[[], Collection[str]],
+                 retry_after_s: float, access_log: bool = False, proxy_echoes_id: bool = False) -> None:
+        self.app, self.metrics, self.retry_after_s = app, metrics, retry_after_s
+        self.access_log, self.proxy_echoes_id = access_log, proxy_echoes_id
+        self._endpoints_fn = endpoints
+        self._endpoints: frozenset[str] | None = None
+
+    def endpoint(self, path: str) -> str:
+        if self._endpoints is None:
+            self._endpoints = frozenset(self._endpoints_fn())
+        return path if path in self._endpoints else OTHER
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw = dict(scope["headers"]).get(REQUEST_ID_HEADER.lower().encode())
+        incoming = raw.decode("latin-1") if raw is not None else None
+        rid = valid_request_id(incoming) or new_request_id()
+        echo = not self.proxy_echoes_id or rid != incoming
+        endpoint = self.endpoint(scope["path"])
+        status, started, response_started, reject_reason = 500, time.perf_counter(), False, None
+
+        async def observed_send(message: Message) -> None:
+            nonlocal status, response_started, reject_reason
+            if message["type"] == "http.response.start":
+                status, response_started = message["status"], True
+                if echo:
+                    MutableHeaders(scope=message)[REQUEST_ID_HEADER] = rid
+            elif message["type"] == "http.response.body" and status == 503 and reject_reason is None:
+                reject_reason = _error_type(message.get("body", b""))
+            await send(message)
+
+        token = REQUEST_ID.set(rid)
+        self.metrics.request_started(endpoint)
+        try:
+            await self.app(scope, receive, observed_send)
+        except Exception:
+            log.exception("unexpected error on %s %s", scope["method"], scope["path"])
+            if response_started:
+                raise
+            await error_response(InternalError("internal error; see the server log"), self.retry_after_s)(
+                scope, receive, observed_send)
+        finally:
+            seconds = time.perf_counter() - started
+            refused = reject_reason if status == 503 and endpoint.startswith("/v1/") else None
+            self.metrics.request_finished(endpoint, status, seconds, refused)
+            if self.access_log:
+                access_log.info("%s %s %d %.1f ms", scope["method"], scope["path"], status, seconds * 1000,
+                                extra={"request_id": rid, "method": scope["method"], "path": scope["path"],
+                                       "status": status, "duration_ms": round(seconds * 1000, 3)})
+            REQUEST_ID.reset(token)

@@ -1,0 +1,80 @@
+"""Which model deployment answers a request, and the interface the HTTP layer calls it through.
+
+Built from the settings, so a deployment added to the config (e.g. a generator) gets its routes'
+targets without code changes here; a task no configured model serves answers 404.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import InvalidRequest, NotFound
+from ..messages import ModelInfo
+from ..settings import Settings
+
+
+@dataclass(frozen=True)
+class Route:
+    deployment: str
+    model: str
+    languages: tuple[str, str] | None = None
+
+
+class Backend(Protocol):
+    """How the ingress reaches model deployments (Ray handles in service/app.py; fakes in tests)."""
+
+    async def call(self, deployment: str, method: str, *args: Any) -> Any:
+        """Call a deployment method; raises ServiceError subclasses (Overloaded, NotReady, ...).
+        Cancelling the awaiting task cancels the remote call."""
+        ...
+
+    def stream(self, deployment: str, method: str, *args: Any) -> AsyncIterator[Any]:
+        """Call a streaming (generator) deployment method; an async generator of its items. Errors
+        as for call(), from the first item on. Closing the generator early, or cancelling the task
+        reading it, cancels the remote call."""
+        ...
+
+    async def info(self, deployment: str, timeout_s: float) -> ModelInfo:
+        """One replica's ModelInfo; NotReady when no loaded replica answers within timeout_s."""
+        ...
+
+
+class ModelRoutes:
+    """task -> routes, in config order (the first is a task's default model)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.by_task: dict[str, list[Route]] = {}
+        for name, dep in settings.deployments.items():
+            assert dep.model is not None
+            for task in dep.model.tasks:
+                self.by_task.setdefault(task, []).append(Route(name, dep.model.name, dep.model.languages))
+
+    def _routes(self, task: str) -> list[Route]:
+        routes = self.by_task.get(task)
+        if not routes:
+            served = ", ".join(sorted(self.by_task)) or "none"
+            raise NotFound(f"no model on this server serves {task!r} (served tasks: {served})")
+        return routes
+
+    def resolve(self, task: str, model: str | None) -> Route:
+        routes = self._routes(task)
+        if model is None:
+            return routes[0]
+        for route in routes:
+            if route.model == model:
+                return route
+        raise InvalidRequest(f"unknown model {model!r} for {task}; available: "
+                             f"{', '.join(r.model for r in routes)}", "model")
+
+    def resolve_translation(self, source: str, target: str, model: str | None) -> Route:
+        routes = self._routes("translate")
+        if model is not None:
+            routes = [self.resolve("translate", model)]
+        for route in routes:
+            if route.languages == (source, target):
+                return route
+        pairs = ", ".join(f"{r.languages[0]}->{r.languages[1]}" for r in routes if r.languages)
+        param = "target_lang" if any(r.languages and r.languages[0] == source for r in routes) else "source_lang"
+        raise InvalidRequest(f"no model translates {source!r} -> {target!r}; supported: {pairs}", param)

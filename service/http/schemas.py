@@ -1,0 +1,149 @@
+"""Request and response models of the HTTP API (pydantic at the edge; dataclasses inside).
+
+Static limits live on the fields; limits from the settings (how many inputs a request may carry)
+are checked by `check_texts` in the route. Unknown fields are rejected (a typo such as `beam`
+for `beam_size` is a 422, not a silently ignored option), except where OpenAI's API has fields
+we accept and ignore (`user`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr
+
+from ..errors import InvalidRequest
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+# One text or a list of texts; always a list inside.
+Texts = Annotated[list[StrictStr], BeforeValidator(_as_list, json_schema_input_type=str | list[str])]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ClassifyRequest(_Request):
+    inputs: Texts = Field(description="A text or a list of texts; one result per text, in order.")
+    model: StrictStr | None = Field(None, description="Model name (see /v1/models); default: the first.")
+    truncate: StrictBool = Field(False, description="Cut texts longer than the model's limit instead of a 422.")
+
+
+class Classification(BaseModel):
+    label: str
+    score: float
+    scores: dict[str, float]
+
+
+class ClassifyResponse(BaseModel):
+    model: str
+    results: list[Classification]
+
+
+class EmbeddingsRequest(_Request):
+    """OpenAI's embeddings request (texts only)."""
+
+    input: Texts = Field(description="A text or a list of texts.")
+    model: StrictStr | None = None
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: little-endian float32 bytes, as OpenAI's clients expect.")
+    user: StrictStr | None = Field(None, description="Accepted for OpenAI compatibility; ignored.")
+    truncate: StrictBool = False
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    """OpenAI's usage of an embeddings request (no completion)."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class TranslateRequest(_Request):
+    inputs: Texts = Field(description="A text or a list of texts; one translation per text, in order.")
+    source_lang: StrictStr = Field(examples=["en"])
+    target_lang: StrictStr = Field(examples=["es"])
+    beam_size: int | None = Field(None, ge=1, le=8, strict=True, description="1 = greedy; default: the model's.")
+    max_new_tokens: int | None = Field(None, ge=1, le=4096, strict=True,
+                                       description="Default: the model's; at most its max_positions - 1.")
+    model: StrictStr | None = None
+    truncate: StrictBool = False
+
+
+class TranslateResponse(BaseModel):
+    model: str
+    translations: list[str]
+
+
+class ModelCard(BaseModel):
+    """OpenAI's model object plus what this server knows about the model."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "transformer-serve"
+    deployment: str
+    tasks: list[str]
+    ready: bool
+    device: str | None = None
+    dtype: str | None = None
+    max_input_tokens: int | None = None
+    labels: list[str] | None = None
+    languages: list[str] | None = None
+    defaults: dict[str, Any] = Field(default_factory=dict)
+    stats: dict[str, Any] | None = Field(None, description="Batching (or, for a generator, engine) counters of "
+                                                              "the replica that answered.")
+    limits: dict[str, Any] | None = Field(None, description="Generators: the engine's limits (rows, tokens, queue).")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+    tasks: dict[str, list[str]] = Field(description="task -> model names; the first is the default.")
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "not_ready"]
+    deployments: dict[str, str] = Field(description="deployment -> 'ready' or why it is not.")
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def check_texts(texts: list[str], field: str, max_inputs: int) -> list[str]:
+    """The limits that depend on the settings: 1..max_inputs texts, none empty."""
+    if not texts:
+        raise InvalidRequest(f"{field} is empty; send at least one text", field)
+    if len(texts) > max_inputs:
+        raise InvalidRequest(f"{field} has {len(texts)} texts; at most {max_inputs} per request", field)
+    for i, text in enumerate(texts):
+        if not text:
+            raise InvalidRequest(f"{field}[{i}] is an empty string", f"{field}[{i}]")
+    return texts

@@ -1,0 +1,120 @@
+"""Server-sent events of the generation routes: the three stream formats (ours, OpenAI's completion
+and chat chunks) and the body that writes them. Described in docs/serving.md."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from ..errors import InternalError, ServiceError
+from ..messages import GenerationDone, GenerationEvent, GenerationStarted, TextDelta
+
+log = logging.getLogger(__name__)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+# -- stream formats: events -> SSE payloads -------------------------------------------------------
+
+class StreamFormat(Protocol):
+    end: bytes  # written after the last event (b"" for none)
+
+    def render(self, event: GenerationEvent) -> list[dict[str, Any]]:
+        ...
+
+
+@dataclass
+class GenerateFormat:
+    """/v1/generate: `{"text"}` per piece, then `{"model", "text": "", "finish_reason", "usage"}`."""
+
+    model: str
+    end: bytes = b""
+
+    def render(self, event: GenerationEvent) -> list[dict[str, Any]]:
+        if isinstance(event, TextDelta):
+            return [{"text": event.text}]
+        if isinstance(event, GenerationDone):
+            return [{"model": self.model, "text": "", "finish_reason": event.finish_reason, "usage": event.usage.as_dict()}]
+        return []
+
+
+@dataclass
+class _OpenAIFormat:
+    """OpenAI's streamed chunk envelope: id, object, created, model, choices (+ usage when asked)."""
+
+    id: str
+    created: int
+    model: str
+    include_usage: bool
+    end: bytes = DONE
+    object_name: ClassVar[str] = ""
+
+    def chunk(self, choices: list[dict[str, Any]], used: dict[str, int] | None = None) -> dict[str, Any]:
+        out = {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+               "choices": choices}
+        return out | {"usage": used} if self.include_usage else out
+
+
+@dataclass
+class CompletionFormat(_OpenAIFormat):
+    """OpenAI's text_completion chunks; a usage chunk (no choices) last when include_usage."""
+
+    object_name: ClassVar[str] = "text_completion"
+
+    def render(self, event: GenerationEvent) -> list[dict[str, Any]]:
+        if isinstance(event, TextDelta):
+            return [self.chunk([{"index": 0, "text": event.text, "logprobs": None, "finish_reason": None}])]
+        if isinstance(event, GenerationDone):
+            last = [self.chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": event.finish_reason}])]
+            return last + ([self.chunk([], event.usage.as_dict())] if self.include_usage else [])
+        return []
+
+
+@dataclass
+class ChatFormat(_OpenAIFormat):
+    """OpenAI's chat.completion.chunk: the role first, then content deltas, then finish_reason."""
+
+    object_name: ClassVar[str] = "chat.completion.chunk"
+
+    def render(self, event: GenerationEvent) -> list[dict[str, Any]]:
+        def choice(delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+        if isinstance(event, GenerationStarted):
+            return [self.chunk([choice({"role": "assistant", "content": ""})])]
+        if isinstance(event, TextDelta):
+            return [self.chunk([choice({"content": event.text})])]
+        last = [self.chunk([choice({}, event.finish_reason)])]
+        return last + ([self.chunk([], event.usage.as_dict())] if self.include_usage else [])
+
+
+async def sse_body(first: GenerationEvent, events: AsyncIterator[GenerationEvent],
+                   fmt: StreamFormat) -> AsyncIterator[bytes]:
+    """The event stream of a response. An error after the stream started (the replica died, the
+    engine failed the request) is a last `{"error": {...}}` event: the status is already sent."""
+    try:
+        event: GenerationEvent | None = first
+        while event is not None:
+            if isinstance(event, GenerationDone) and event.error is not None:
+                yield sse(InternalError("the generation failed; see the server log").body())
+                return
+            for payload in fmt.render(event):
+                yield sse(payload)
+            event = await anext(events, None)
+        if fmt.end:
+            yield fmt.end
+    except ServiceError as e:
+        yield sse(e.body())
+    except Exception:
+        log.exception("generation stream failed")
+        yield sse(InternalError("internal error; see the server log").body())
+    finally:  # also when the client went away: closing the stream cancels the model call
+        await events.aclose()

@@ -1,0 +1,126 @@
+"""The ingress deployment: the FastAPI app (service/http/) in a Ray Serve replica, calling the model
+deployments through Serve handles. No torch here: this module is all the ingress replica imports.
+
+The ingress builds its FastAPI app in the replica (`__serve_build_asgi_app__`), from the settings
+it was bound with; nothing is built at import time. Ray's exceptions from a model call become the
+API's errors (service/errors.py) here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+from ray.serve.handle import DeploymentHandle
+
+from .errors import InternalError, NotReady, Overloaded, ServiceError
+from .http.api import create_api
+from .messages import ModelInfo
+from .settings import Settings
+from .telemetry.logs import configure_logging
+
+log = logging.getLogger("ray.serve")
+
+
+def _as_service_error(deployment: str, exc: BaseException) -> ServiceError:
+    """Ray's exceptions from a model call -> the API's errors (a replica's ServiceError passes through)."""
+    cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
+    if isinstance(cause, ServiceError):
+        return cause
+    if isinstance(cause, BackPressureError):
+        return Overloaded(f"{deployment}: too many queued requests; retry later")
+    if isinstance(cause, DeploymentUnavailableError):
+        return NotReady(f"{deployment}: the deployment failed to start; see the server log")
+    if isinstance(cause, RayActorError):
+        return NotReady(f"{deployment}: the model replica died; retry later")
+    log.error("%s: unexpected error from the model replica: %r", deployment, cause)
+    return InternalError(f"{deployment}: internal error; see the server log")
+
+
+class ServeBackend:
+    """Model calls through Serve handles (see service/http/routing.py Backend). The first call to a deployment checks
+    that it has a loaded replica (503 model_not_ready otherwise) instead of queueing behind a load;
+    so does the first call after one found no replica (it died): while a new one loads, requests get
+    a 503 within readiness_timeout_s rather than wait in Serve's queue until their deadline."""
+
+    def __init__(self, handles: dict[str, DeploymentHandle], readiness_timeout_s: float) -> None:
+        self.handles = handles
+        self.streaming = {name: handle.options(stream=True) for name, handle in handles.items()}
+        self.readiness_timeout_s = readiness_timeout_s
+        self._seen_ready: set[str] = set()
+
+    async def call(self, deployment: str, method: str, *args: Any) -> Any:
+        if deployment not in self._seen_ready:
+            await self.info(deployment, self.readiness_timeout_s)
+        response = getattr(self.handles[deployment], method).remote(*args)
+        try:
+            return await response
+        except asyncio.CancelledError:  # deadline or client gone: cancel the model call too
+            response.cancel()
+            raise
+        except RequestCancelledError:
+            raise asyncio.CancelledError() from None
+        except Exception as e:
+            raise self._failed(deployment, e) from None
+
+    async def stream(self, deployment: str, method: str, *args: Any) -> AsyncIterator[Any]:
+        """Items of a generator method, through Serve's streaming responses."""
+        if deployment not in self._seen_ready:
+            await self.info(deployment, self.readiness_timeout_s)
+        response = getattr(self.streaming[deployment], method).remote(*args)
+        ended = False
+        try:
+            async for item in response:
+                yield item
+            ended = True
+        except RequestCancelledError:
+            raise asyncio.CancelledError() from None
+        except Exception as e:
+            ended = True
+            raise self._failed(deployment, e) from None
+        finally:
+            if not ended:  # closed early, or the reading task was cancelled: cancel the model call too
+                response.cancel()
+
+    async def info(self, deployment: str, timeout_s: float) -> ModelInfo:
+        response = self.handles[deployment].info.remote()
+        try:
+            info = await asyncio.wait_for(_wait(response), timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            self._seen_ready.discard(deployment)
+            raise NotReady(f"{deployment}: no loaded replica answered within {timeout_s:g} s") from None
+        except Exception as e:
+            raise self._failed(deployment, e) from None
+        self._seen_ready.add(deployment)
+        return info
+
+    def _failed(self, deployment: str, exc: BaseException) -> ServiceError:
+        err = _as_service_error(deployment, exc)
+        if isinstance(err, NotReady):  # no replica: probe before the next call
+            self._seen_ready.discard(deployment)
+        return err
+
+
+async def _wait(response: Any) -> Any:
+    return await response
+
+
+@serve.deployment
+@serve.ingress()
+class Ingress:
+    """Validates, routes and converts; the model deployments batch and compute."""
+
+    def __init__(self, settings: Settings, handles: dict[str, DeploymentHandle]) -> None:
+        configure_logging(settings.log_json)
+        self.settings = settings
+        self.backend = ServeBackend(handles, settings.readiness_timeout_s)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_api(self.settings, self.backend, proxy_echoes_id=True)

@@ -1,0 +1,293 @@
+"""Dynamic batching inside a model replica: token budgets, length grouping, one inference thread.
+No Ray here (padding and the batch cost model are models/inputs.py's).
+
+A request is split into items, one per input text. Items wait in one bounded queue per replica;
+a loop forms batches and runs them, one at a time, in the replica's single inference thread:
+
+- a batch is dispatched when the queue could fill one (max_batch_size items, or more padded
+  tokens than the budget) or when its oldest item has waited max_wait;
+- a batch always takes the oldest waiting item (nobody starves) and the run of items next to it in
+  length order that wastes the least compute on padding and empty slots, within
+  `n_rows * longest <= max_batch_tokens` (see `select_batch`);
+- each result goes to its own item's future; items of one request may land in different batches
+  and are reassembled in order by `submit_many`;
+- an item whose computation fails fails alone (a failing batch is split and re-run in halves);
+- cancelled items (the client went away) and expired items are dropped before compute and never
+  block the loop (cf. ray-project/ray#50046);
+- past `max_queued` waiting items a request is refused at once with `Overloaded`.
+
+Contract of `run_batch(payloads) -> results`: exactly one result per payload, in order; a result
+may be an Exception instance, which fails only that item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Generic, TypeVar
+
+from models.inputs import select_batch
+
+from ..errors import DeadlineExceeded, Overloaded
+from ..telemetry.hooks import BatchObserver
+from .config import BatchLimits
+
+log = logging.getLogger(__name__)
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+
+@dataclass
+class BatchStats:
+    """Counters since start-up (for metrics). Efficiency = real tokens / computed (padded) tokens."""
+
+    batches: int = 0
+    items: int = 0
+    largest_batch: int = 0
+    real_tokens: int = 0
+    computed_tokens: int = 0
+    failed: int = 0  # items whose computation raised
+    cancelled: int = 0  # dropped before compute: the caller went away
+    expired: int = 0  # dropped before compute: past their deadline
+    rejected: int = 0  # refused at submit: queue full
+
+    @property
+    def padding_efficiency(self) -> float:
+        return self.real_tokens / self.computed_tokens if self.computed_tokens else 1.0
+
+    def record(self, items: int, real_tokens: int, computed_tokens: int) -> None:
+        """Count one computed batch of `items` rows."""
+        self.batches += 1
+        self.items += items
+        self.largest_batch = max(self.largest_batch, items)
+        self.real_tokens += real_tokens
+        self.computed_tokens += computed_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "padding_efficiency": self.padding_efficiency}
+
+
+@dataclass(eq=False)
+class _Item(Generic[P]):
+    payload: P
+    length: int
+    future: asyncio.Future
+    deadline: float | None  # time.monotonic() seconds
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class DynamicBatcher(Generic[P, R]):
+    """Gathers items from concurrent requests into batches for `run_batch` (see the module docstring).
+
+    Owned by one model replica; all methods must be called from that replica's event loop.
+    `run_batch` runs in `executor` (one worker thread: one inference at a time per replica).
+    """
+
+    def __init__(self, run_batch: Callable[[list[P]], Sequence[R | BaseException]], limits: BatchLimits,
+                 executor: Executor | None = None, name: str = "batcher",
+                 observer: BatchObserver | None = None) -> None:
+        self.run_batch = run_batch
+        self.limits = limits
+        self.executor = executor
+        self.name = name
+        self.stats = BatchStats()
+        self.observer = observer or BatchObserver()
+        self._queue: list[_Item[P]] = []
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._running: list[_Item[P]] = []  # the batch being computed
+
+    # -- submitting ----------------------------------------------------------------------------
+    async def submit(self, payload: P, length: int, deadline: float | None = None) -> R:
+        return (await self.submit_many([payload], [length], deadline))[0]
+
+    async def submit_many(self, payloads: Sequence[P], lengths: Sequence[int],
+                          deadline: float | None = None) -> list[R]:
+        """Queue one item per payload; return their results in order, or raise the first failure
+        (by input index). On failure or cancellation the request's other items are cancelled."""
+        if len(payloads) != len(lengths):
+            raise ValueError(f"{len(payloads)} payloads but {len(lengths)} lengths")
+        if not payloads:
+            return []
+        self._ensure_started()
+        self._make_room(len(payloads))
+        loop = asyncio.get_running_loop()
+        items = [_Item(p, n, loop.create_future(), deadline) for p, n in zip(payloads, lengths, strict=True)]
+        self._queue.extend(items)
+        self._observe("on_queue", len(self._queue))
+        assert self._wakeup is not None
+        self._wakeup.set()
+        futures = [it.future for it in items]
+        try:
+            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+            failures = [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()]
+            if failures:
+                raise failures[0]
+            return [f.result() for f in futures]
+        finally:
+            for f in futures:
+                if not f.done():
+                    f.cancel()  # dropped by the loop before compute
+
+    def _make_room(self, n: int) -> None:
+        if len(self._queue) + n > self.limits.max_queued:
+            self._drop_finished()
+        if len(self._queue) + n > self.limits.max_queued:
+            self.stats.rejected += n
+            self._observe("on_dropped", "rejected", n)
+            raise Overloaded(f"{self.name}: {len(self._queue)} inputs are queued (limit "
+                             f"{self.limits.max_queued}); retry later")
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for it in self._queue if not it.future.done())
+
+    @property
+    def alive(self) -> bool:
+        """False once the loop has died (it should never; a health check reports it)."""
+        return self._task is None or not self._task.done()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"{self.name}-loop")
+
+    def cancel(self) -> None:
+        """Stop the loop and cancel every waiting and running item. From another thread (a replica
+        being deleted) it is scheduled on the batcher's loop, if that loop still runs."""
+        if self._task is not None:
+            loop = self._task.get_loop()
+            if not _running_on(loop):
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nothing left to cancel
+                    loop.call_soon_threadsafe(self.cancel)
+                return
+            self._task.cancel()
+        for it in [*self._queue, *self._running]:
+            if not it.future.done():
+                it.future.cancel()
+        self._queue.clear()
+
+    async def close(self) -> None:
+        """cancel(), then wait until the loop has ended."""
+        task, self._task = self._task, None
+        self.cancel()
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                batch = await self._next_batch()
+                await self._run(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad batch stop the loop
+                log.exception("%s: batch loop error", self.name)
+
+    def _drop_finished(self) -> None:
+        """Remove cancelled items and fail expired ones (both before compute)."""
+        now = time.monotonic()
+        kept: list[_Item[P]] = []
+        dropped = {"cancelled": 0, "expired": 0}
+        for it in self._queue:
+            if it.future.done():
+                dropped["cancelled"] += 1
+            elif it.deadline is not None and now >= it.deadline:
+                it.future.set_exception(DeadlineExceeded(f"{self.name}: deadline passed while queued"))
+                dropped["expired"] += 1
+            else:
+                kept.append(it)
+        self._queue = kept
+        self.stats.cancelled += dropped["cancelled"]
+        self.stats.expired += dropped["expired"]
+        for reason, n in dropped.items():
+            if n:
+                self._observe("on_dropped", reason, n)
+        if any(dropped.values()):
+            self._observe("on_queue", len(kept))
+
+    async def _next_batch(self) -> list[_Item[P]]:
+        assert self._wakeup is not None
+        lim = self.limits
+        while True:
+            self._drop_finished()
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            queued = len(self._queue)
+            full = queued >= lim.max_batch_size or queued * max(it.length for it in self._queue) > lim.max_batch_tokens
+            wait = self._queue[0].enqueued + lim.max_wait_s - time.monotonic()
+            if full or wait <= 0:
+                chosen = select_batch([it.length for it in self._queue], lim.max_batch_size,
+                                      lim.max_batch_tokens, lim.overhead_tokens)
+                picked = set(chosen)
+                batch = [self._queue[i] for i in chosen]
+                self._queue = [it for i, it in enumerate(self._queue) if i not in picked]
+                self._observe("on_queue", len(self._queue))
+                return batch
+            self._wakeup.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), wait)
+
+    async def _run(self, batch: list[_Item[P]]) -> None:
+        self._running = batch
+        started = time.monotonic()
+        waits = [started - it.enqueued for it in batch]
+        try:
+            results: list[R | BaseException] = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self._run_isolated, [it.payload for it in batch])
+        except Exception as e:  # the executor itself failed (e.g. shut down): fail the batch, keep going
+            results = [e] * len(batch)
+        finally:
+            self._running = []
+        s = self.stats
+        real, computed = sum(it.length for it in batch), len(batch) * max(it.length for it in batch)
+        s.record(len(batch), real, computed)
+        self._observe("on_batch", len(batch), real, computed, time.monotonic() - started, waits)
+        for it, result in zip(batch, results, strict=True):
+            if isinstance(result, BaseException):
+                s.failed += 1
+            if it.future.done():  # cancelled while computing
+                continue
+            if isinstance(result, BaseException):
+                it.future.set_exception(result)
+            else:
+                it.future.set_result(result)
+
+    def _observe(self, hook: str, *args: Any) -> None:
+        try:
+            getattr(self.observer, hook)(*args)
+        except Exception:
+            log.exception("%s: batch observer hook %s failed", self.name, hook)
+
+    def _run_isolated(self, payloads: list[P]) -> list[R | BaseException]:
+        """run_batch, checked against its contract; a raising batch is split in halves and re-run,
+        so only the items that fail on their own get an exception. Runs in the inference thread."""
+        try:
+            results = list(self.run_batch(payloads))
+            if len(results) != len(payloads):
+                raise RuntimeError(f"{self.name}: run_batch returned {len(results)} results "
+                                   f"for {len(payloads)} inputs")
+            return results
+        except Exception as e:
+            if len(payloads) == 1:
+                log.warning("%s: an item failed: %r", self.name, e)
+                return [e]
+            half = len(payloads) // 2
+            return self._run_isolated(payloads[:half]) + self._run_isolated(payloads[half:])
+
+
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

@@ -1,0 +1,201 @@
+"""What a generator replica does, without Ray: prompts to token ids, requests to the engine
+(service/engine/), engine events to the messages the ingress converts (service/messages.py).
+
+A GeneratorRunner owns one GenerationEngine (one KV cache, one scheduler thread) for its model.
+`generate` and `stream` run on the replica's event loop. When the task reading a request is
+cancelled (the client went away, the deadline passed) or a stream is closed early, the request is
+cancelled in the engine, which frees its row at the start of its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from models.catalog import LoadedModel
+from models.decoding import SamplingParams
+
+from ..engine.config import EngineConfig
+from ..engine.core import GenerationEngine
+from ..engine.events import Delta, Finished, RequestHandle
+from ..errors import InternalError, InvalidRequest, RequestTooLarge
+from ..messages import GenerationDone, GenerationEvent, GenerationRequest, GenerationStarted, TextDelta
+from ..telemetry.hooks import EngineObserver
+from ..telemetry.metrics import ServiceMetrics
+from ..telemetry.observers import PrometheusEngineObserver
+from .heap import HeapTrimmer
+from .runner import ModelRunner
+
+if TYPE_CHECKING:
+    from ..settings import DeploymentSettings
+
+log = logging.getLogger(__name__)
+# request fields that fall back to the model's defaults (ModelSpec.defaults), then SamplingParams'
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "ignore_eos")
+CHAT_ROLES = {"developer": "system"}  # roles the templates know under another name
+WARM_UP_STEPS = 8
+DEFAULT_MAX_NEW = SamplingParams().max_new_tokens  # when neither the request nor the model sets one
+
+
+class GeneratorRunner(ModelRunner):
+    """One decoder-only model and its engine. Build, `warm_up()`, then `start()`."""
+
+    loop_name = "generation engine"
+
+    def __init__(self, loaded: LoadedModel, deployment: str, config: EngineConfig,
+                 observer: EngineObserver | None = None, heap: HeapTrimmer | None = None) -> None:
+        super().__init__(loaded, deployment, heap)
+        self.engine = GenerationEngine(loaded.model, loaded.tokenizer, config, observer, name=f"{deployment}-engine",
+                                       after_step=self.heap.maybe_trim, max_input_tokens=loaded.max_input_tokens)
+        self.defaults = {k: v for k, v in loaded.spec.defaults.items() if k in SAMPLING_FIELDS}
+        SamplingParams(**self.defaults)  # bad model defaults fail the replica at start, not each request
+
+    @classmethod
+    def for_deployment(cls, loaded: LoadedModel, deployment: str, settings: DeploymentSettings,
+                       metrics: ServiceMetrics) -> GeneratorRunner:
+        return cls(loaded, deployment, settings.engine, PrometheusEngineObserver(metrics, loaded.spec.name),
+                   HeapTrimmer(settings.heap_trim_interval_s))
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """Token ids of the prompt or of the chat rendered with the model's template; a 422 naming
+        the field when the template or the tokenizer refuses it."""
+        tok, field = self.loaded.tokenizer, request.prompt_field
+        if request.messages is None:
+            assert request.prompt is not None, "a GenerationRequest has a prompt or messages"
+            text, special = request.prompt, True
+        else:
+            if not tok.chat_template:
+                raise InvalidRequest(f"model {self.loaded.spec.name!r} has no chat template; send a prompt to "
+                                     "/v1/completions or /v1/generate instead", request.param("messages"))
+            messages = [{"role": CHAT_ROLES.get(m.role, m.role), "content": m.content} for m in request.messages]
+            try:
+                text = tok.apply_chat_template(messages)
+            except Exception as e:  # the template's own checks (raise_exception) or a Jinja error
+                raise InvalidRequest(f"the chat template refused these messages: {e}",
+                                     request.param("messages")) from None
+            special = False  # the template writes the special tokens itself
+        try:
+            return tok.encode(text, add_special_tokens=special)
+        except Exception as e:  # e.g. lone surrogates that are not UTF-8
+            raise InvalidRequest(f"the {field} could not be tokenized ({type(e).__name__}: {e})",
+                                 request.param(field)) from None
+
+    def params(self, request: GenerationRequest, prompt_tokens: int) -> SamplingParams:
+        """The request's fields over the model's defaults. A default max_new_tokens (the request sent
+        none) shrinks to what the engine's limits leave after this prompt; one the request sent does
+        not (over a limit, it is a 422 naming the limit)."""
+        given = {k: v for k in SAMPLING_FIELDS if (v := getattr(request, k)) is not None}
+        values = {**self.defaults, **given}
+        if request.max_new_tokens is None:
+            limits = self.engine.limits
+            room = min(limits.max_new_tokens, limits.max_total_tokens - prompt_tokens)
+            values["max_new_tokens"] = max(1, min(values.get("max_new_tokens", DEFAULT_MAX_NEW), room))
+        try:
+            return SamplingParams(**values, stop=request.stop)
+        except ValueError as e:  # the edge checks each field; this is a safety net
+            raise InvalidRequest(str(e)) from None
+
+    def submit(self, request: GenerationRequest) -> tuple[RequestHandle, int]:
+        """Queue the request in the engine; its handle and its prompt length. Raises InvalidRequest /
+        RequestTooLarge naming the field (as the client called it) and the limit, EngineOverloaded when
+        the queue is full."""
+        ids = self.prompt_ids(request)
+        params = self.params(request, len(ids))
+        try:
+            return self.engine.submit(ids, params, request.request_id), len(ids)
+        except RequestTooLarge as e:
+            raise RequestTooLarge(e.message, request.param(e.param), e.limit) from None
+        except InvalidRequest as e:
+            raise InvalidRequest(e.message, request.param(e.param)) from None
+
+    async def generate(self, request: GenerationRequest) -> GenerationDone:
+        """The whole answer. Cancelling the awaiting task cancels the request in the engine."""
+        handle, _ = self.submit(request)
+        try:
+            finished = await handle.result()
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+        done = _done(finished)
+        if done.error is not None:
+            raise InternalError(f"{self.deployment}: the generation failed; see the server log")
+        return done
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """GenerationStarted once the engine accepted the request, a TextDelta per piece of text, then
+        GenerationDone (finish_reason "error" if the engine failed it). Closing the generator early,
+        or cancelling the task reading it, cancels the request in the engine."""
+        handle, prompt_tokens = self.submit(request)
+        finished = False
+        try:
+            yield GenerationStarted(handle.request_id, prompt_tokens)
+            async for event in handle:
+                if isinstance(event, Delta):
+                    yield TextDelta(event.text)
+                else:
+                    finished = True
+                    yield _done(event)
+        finally:
+            if not finished:
+                handle.cancel()
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Prefill and decode once on the engine (before start(); the engine thread is not running)
+        and render the chat template, so the first request pays for neither."""
+        if self.loaded.tokenizer.chat_template:
+            try:
+                self.loaded.tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}])
+            except Exception:
+                log.warning("%s: the chat template fails on a plain user message", self.deployment, exc_info=True)
+        ids = self.prompt_ids(GenerationRequest("warm-up", prompt="warm up"))
+        self.engine.submit(ids, SamplingParams(max_new_tokens=2), f"warm-up-{uuid.uuid4().hex}")
+        for _ in range(WARM_UP_STEPS):
+            self.engine.step()
+            stats = self.engine.stats()
+            if stats.running == 0 and stats.waiting == 0:
+                return
+        raise RuntimeError(f"{self.deployment}: the warm-up request did not finish in {WARM_UP_STEPS} steps")
+
+    def start(self) -> None:
+        self.engine.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.engine.alive
+
+    @property
+    def queue_capacity(self) -> int:
+        return self.engine.limits.max_queued
+
+    @property
+    def max_input_tokens(self) -> int:
+        return self.engine.limits.max_prompt_tokens
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = dataclasses.asdict(self.engine.stats())
+        stats["finished"] = dict(stats["finished"])
+        return stats
+
+    def limits(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.engine.limits)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.engine.shutdown(timeout_s)
+
+
+def _done(event: Finished) -> GenerationDone:
+    error = event.error
+    if error is None and event.finish_reason not in ("stop", "length"):
+        error = f"the request ended with finish_reason {event.finish_reason!r}"
+    if error is not None:
+        log.warning("generation %s ended with an error: %s", event.request_id, error)
+    return GenerationDone(event.request_id, event.text, "error" if error else event.finish_reason,  # type: ignore[arg-type]
+                          event.usage, error)

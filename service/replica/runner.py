@@ -1,0 +1,139 @@
+"""The life cycle every model replica shares, without Ray: a loaded model, warmed up, started,
+reporting its info and health, closed; and the base of the replicas that batch dynamically.
+
+    runner = RunnerClass.for_deployment(loaded, name, deployment_settings, metrics)
+    runner.warm_up(); runner.start()     # before the replica joins its deployment
+    runner.info(); runner.check_health()
+    runner.close()
+
+service/deployments.py wraps one runner per Ray Serve replica; the tests drive runners directly.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from models.catalog import LoadedModel
+
+from ..messages import ModelInfo
+from ..telemetry.hooks import BatchObserver
+from ..telemetry.metrics import ServiceMetrics
+from ..telemetry.observers import PrometheusBatchObserver
+from .batcher import DynamicBatcher
+from .config import BatchLimits
+from .heap import HeapTrimmer
+
+if TYPE_CHECKING:
+    from ..settings import DeploymentSettings
+
+
+def deadline(timeout_s: float | None) -> float | None:
+    """A request's timeout as a time.monotonic() deadline (the batcher drops it when passed)."""
+    return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+class ModelRunner:
+    """One loaded model on one replica. Subclasses implement warm_up, and where they differ from
+    a batcher's: start, alive, queue_capacity, stats, limits, close."""
+
+    def __init__(self, loaded: LoadedModel, deployment: str, heap: HeapTrimmer | None = None) -> None:
+        self.loaded, self.deployment = loaded, deployment
+        self.heap = heap or HeapTrimmer(0)
+        self.loaded_at = time.time()
+
+    @classmethod
+    def for_deployment(cls, loaded: LoadedModel, deployment: str, settings: DeploymentSettings,
+                       metrics: ServiceMetrics) -> ModelRunner:
+        """The runner a deployment's replica builds from its settings, reporting to `metrics`."""
+        raise NotImplementedError
+
+    def warm_up(self) -> None:
+        """Run the model once (allocations, kernels) before the replica is ready."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Begin serving (a runner with its own thread starts it here)."""
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise when the runner can no longer serve (Serve then replaces the replica)."""
+        if not self.alive:
+            raise RuntimeError(f"{self.deployment}: the {self.loop_name} has stopped")
+
+    loop_name = "model loop"
+
+    @property
+    def queue_capacity(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def max_input_tokens(self) -> int:
+        return self.loaded.max_input_tokens
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def limits(self) -> dict[str, Any]:
+        return {}
+
+    def info(self) -> ModelInfo:
+        """What /v1/models and /readyz report about this replica's model."""
+        spec, loaded = self.loaded.spec, self.loaded
+        return ModelInfo(
+            name=spec.name, deployment=self.deployment, tasks=tuple(spec.tasks), device=str(loaded.device),
+            dtype=str(loaded.dtype).removeprefix("torch."), max_input_tokens=self.max_input_tokens,
+            labels=tuple(loaded.labels), languages=spec.languages, defaults=dict(spec.defaults),
+            loaded_at=self.loaded_at, load_seconds=loaded.load_seconds, stats=self.stats(), limits=self.limits())
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop serving: requests still open fail or are cancelled."""
+
+
+class BatchedRunner(ModelRunner):
+    """A runner whose inputs are batched dynamically (encoder, translator): one inference thread, the
+    batcher; `run_batch` computes one batch there."""
+
+    loop_name = "batching loop"
+
+    def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits,
+                 observer: BatchObserver | None = None, heap: HeapTrimmer | None = None) -> None:
+        super().__init__(loaded, deployment, heap)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{deployment}-inference")
+        self.batcher: DynamicBatcher[Any, Any] = DynamicBatcher(self._compute, limits, self.executor,
+                                                                name=deployment, observer=observer)
+
+    @classmethod
+    def for_deployment(cls, loaded: LoadedModel, deployment: str, settings: DeploymentSettings,
+                       metrics: ServiceMetrics) -> BatchedRunner:
+        return cls(loaded, deployment, settings.batching, PrometheusBatchObserver(metrics, loaded.spec.name),
+                   HeapTrimmer(settings.heap_trim_interval_s))
+
+    def _compute(self, payloads: list[Any]) -> list[Any]:
+        """One batch on the inference thread, then the C heap trimmed if its interval passed."""
+        try:
+            return self.run_batch(payloads)
+        finally:
+            self.heap.maybe_trim()
+
+    def run_batch(self, payloads: list[Any]) -> list[Any]:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        return self.batcher.alive
+
+    @property
+    def queue_capacity(self) -> int:
+        return self.batcher.limits.max_queued
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.batcher.stats.as_dict(), "queued": self.batcher.queued}  # queued: inputs waiting now
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.batcher.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,64 @@
+"""What the batcher and the generation engine report: observer hooks and a stats snapshot, free of
+any metrics library and of torch. The Prometheus wiring (service/telemetry/observers.py) subclasses
+the observers; the replicas and the engine call them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..engine.events import Finished
+
+
+class BatchObserver:
+    """Metrics hooks of a DynamicBatcher; the defaults do nothing. Called on the replica's event loop;
+    keep them cheap. An exception in a hook is logged and ignored."""
+
+    def on_queue(self, queued: int) -> None:
+        """The number of items waiting changed (after a submit, a batch was taken, items were dropped)."""
+
+    def on_batch(self, items: int, real_tokens: int, computed_tokens: int, inference_s: float,
+                 queue_waits_s: Sequence[float]) -> None:
+        """A batch was computed: its rows, real and padded tokens, the seconds run_batch took, and how
+        long each of its items waited in the queue."""
+
+    def on_dropped(self, reason: str, items: int) -> None:
+        """Items that never reached the model: reason is "rejected" (queue full), "cancelled" or "expired"."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot taken after the last step (counters are totals since the engine was built)."""
+
+    running: int  # rows decoding
+    waiting: int  # queued, not yet prefilled
+    rows: int  # cache rows (the most sequences that can run at once)
+    cache_usage: float  # tokens held in the KV cache / its capacity (rows * max_total_tokens)
+    cache_bytes: int
+    prompt_tokens: int  # prefilled
+    generated_tokens: int  # sampled
+    steps: int
+    finished: Mapping[str, int] = field(default_factory=dict)  # finish_reason -> requests
+
+
+class EngineObserver:
+    """Metrics hooks; the defaults do nothing. Called on the engine thread (a request cancelled while
+    waiting is reported on the thread that cancelled it). Keep them cheap; an exception in a hook
+    is logged and ignored."""
+
+    def on_admitted(self, queued_s: float, prompt_tokens: int) -> None:
+        """A request was prefilled after waiting `queued_s` seconds."""
+
+    def on_first_token(self, ttft_s: float) -> None:
+        """Time from submit to a request's first token."""
+
+    def on_inter_token(self, seconds: float) -> None:
+        """Time between two consecutive tokens of one request."""
+
+    def on_step(self, stats: EngineStats, generated: int, step_s: float) -> None:
+        """After every scheduler step: gauges (running, waiting, cache usage), tokens it sampled."""
+
+    def on_finished(self, event: Finished) -> None:
+        """A request ended (any finish_reason); its usage and timing are in the event."""

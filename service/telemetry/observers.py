@@ -1,0 +1,92 @@
+"""The hooks of the batcher and the engine (service/telemetry/hooks.py) -> the Prometheus metrics of
+one model (service/telemetry/metrics.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .hooks import BatchObserver, EngineObserver, EngineStats
+from .memory import resident_bytes
+from .metrics import ServiceMetrics
+
+if TYPE_CHECKING:
+    from ..engine.events import Finished
+
+
+class PrometheusBatchObserver(BatchObserver):
+    """A DynamicBatcher's hooks -> the batch and queue metrics of one model."""
+
+    def __init__(self, metrics: ServiceMetrics, model: str) -> None:
+        self.metrics, self.model = metrics, model
+        self.depth = metrics["queue_depth"].labels(model)
+        self.wait = metrics["queue_wait_seconds"].labels(model)
+        self.size = metrics["batch_size"].labels(model)
+        self.tokens = metrics["batch_tokens"].labels(model)
+        self.real = metrics["batch_real_tokens_total"].labels(model)
+        self.computed = metrics["batch_computed_tokens_total"].labels(model)
+        self.efficiency = metrics["batch_padding_efficiency_ratio"].labels(model)
+        self.inference = metrics["batch_inference_seconds"].labels(model)
+        self.rss = metrics["replica_resident_memory_bytes"].labels(model)
+
+    def on_queue(self, queued: int) -> None:
+        self.depth.set(queued)
+
+    def on_batch(self, items: int, real_tokens: int, computed_tokens: int, inference_s: float,
+                 queue_waits_s: Sequence[float]) -> None:
+        self.size.observe(items)
+        self.tokens.observe(computed_tokens)
+        self.real.inc(real_tokens)
+        self.computed.inc(computed_tokens)
+        self.efficiency.observe(real_tokens / computed_tokens if computed_tokens else 1.0)
+        self.inference.observe(inference_s)
+        self.rss.set(resident_bytes())
+        for wait in queue_waits_s:
+            self.wait.observe(wait)
+
+    def on_dropped(self, reason: str, items: int) -> None:
+        self.metrics["batch_dropped_items_total"].labels(self.model, reason).inc(items)
+
+
+class PrometheusEngineObserver(EngineObserver):
+    """A GenerationEngine's hooks -> the generation metrics of one model (and its queue and steps
+    in the shared queue/batch metrics)."""
+
+    def __init__(self, metrics: ServiceMetrics, model: str) -> None:
+        self.metrics, self.model = metrics, model
+        self.wait = metrics["queue_wait_seconds"].labels(model)
+        self.depth = metrics["queue_depth"].labels(model)
+        self.size = metrics["batch_size"].labels(model)
+        self.inference = metrics["batch_inference_seconds"].labels(model)
+        self.ttft = metrics["generation_time_to_first_token_seconds"].labels(model)
+        self.itl = metrics["generation_inter_token_latency_seconds"].labels(model)
+        self.prompt = metrics["generation_prompt_tokens_total"].labels(model)
+        self.generated = metrics["generation_generated_tokens_total"].labels(model)
+        self.running = metrics["generation_running_requests"].labels(model)
+        self.waiting = metrics["generation_waiting_requests"].labels(model)
+        self.cache = metrics["generation_kv_cache_usage_ratio"].labels(model)
+        self.rss = metrics["replica_resident_memory_bytes"].labels(model)
+
+    def on_admitted(self, queued_s: float, prompt_tokens: int) -> None:
+        self.wait.observe(queued_s)
+        self.prompt.inc(prompt_tokens)
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def on_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def on_step(self, stats: EngineStats, generated: int, step_s: float) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.depth.set(stats.waiting)
+        self.cache.set(stats.cache_usage)
+        self.rss.set(resident_bytes())
+        if generated:
+            self.generated.inc(generated)
+            self.size.observe(generated)
+            self.inference.observe(step_s)
+
+    def on_finished(self, event: Finished) -> None:
+        self.metrics["generation_requests_finished_total"].labels(self.model, event.finish_reason).inc()

@@ -1,0 +1,74 @@
+"""A local Ray with Serve's HTTP entry on a free 127.0.0.1 port, for the end-to-end tests and the
+load-test commands that start the service themselves (autoscale, soak, hops).
+
+    with local_cluster() as url:        # Ray Serve's request path as `python -m service` runs it
+        deploy(app_args)                 # the Serve config's `args`, no TS_* environment
+        wait_for(url, "/readyz", 200, timeout_s=120)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+from ray import serve
+
+from ..app import build_app_from_settings
+from ..ray_env import use_fast_path
+from ..settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(url: str, path: str, status: int, timeout_s: float) -> httpx.Response:
+    """Poll GET url+path until it answers `status`; TimeoutError naming the path otherwise."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=url, timeout=5) as client:
+        while True:
+            try:
+                r = client.get(path)
+                if r.status_code == status:
+                    return r
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"GET {path} did not answer {status} within {timeout_s} s")
+            time.sleep(0.2)
+
+
+@contextmanager
+def local_cluster(num_cpus: int = 4, env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """A fresh local Ray (workers get `env`, one OpenMP thread unless `env` says otherwise) with
+    Serve on a free 127.0.0.1 port; yields the base URL, shuts both down after."""
+    use_fast_path(os.environ)  # read by every Ray process at start-up (service/ray_env.py)
+    port = free_port()
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env_vars = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", **(env or {})}
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env_vars})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy(app_args: dict[str, Any], name: str = "e2e", prefix: str = "/",
+           env: Mapping[str, str] | None = None) -> None:
+    """Deploy the service app built from `app_args` (and `env`'s TS_* variables, none by default);
+    returns when Serve reports it running (readiness is `wait_for(url, "/readyz", 200)`)."""
+    serve.run(build_app_from_settings(Settings.build(app_args, env=env or {})), name=name, route_prefix=prefix)
