@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: venv weights serve test test-fast lint bench bench-serve fuzz soak clean
+.PHONY: venv weights serve test test-fast lint bench bench-quant bench-serve fuzz soak clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,10 @@ lint: venv
 
 bench: weights
 	$(PY) -m models.bench
+
+# fp32 vs int8 (models/quant.py) on the default models: speed and measured loss (docs/benchmarks.md).
+bench-quant: weights
+	$(PY) -m models.bench_quant --threads 2 $(BENCH_ARGS)
 
 # Serving side by side: ours vs plain transformers vs Ray Serve @serve.batch (loadtests/README.md).
 # About 12-15 min on 2 cores; results in .bench/, tables in docs/benchmarks.md. E.g. BENCH_ARGS="--duration 6".

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Task = Literal["classify", "embed", "translate", "generate"]
 Kind = Literal["encoder", "translator", "generator"]
+Quantization = Literal["int8"]
 # the kind of model (and of deployment) each task needs
 TASK_KIND: dict[str, Kind] = {"classify": "encoder", "embed": "encoder", "translate": "translator",
                               "generate": "generator"}
@@ -32,6 +33,7 @@ class ModelSpec:
     languages: tuple[str, str] | None = None  # translate: (source, target)
     max_input_tokens: int | None = None  # default: the model's max_positions
     defaults: Mapping[str, Any] = field(default_factory=dict)  # decoding defaults for this model
+    quantize: Quantization | None = None  # "int8": 8-bit weights and per-token activations (models/quant.py)
 
     def __post_init__(self) -> None:
         problems = []
@@ -48,6 +50,8 @@ class ModelSpec:
                             "split them into two deployments")
         if "translate" in self.tasks and self.languages is None:
             problems.append("it translates but names no languages: [source, target]")
+        if self.quantize is not None and self.quantize not in get_args(Quantization):
+            problems.append(f"quantize must be one of {list(get_args(Quantization))} or null, got {self.quantize!r}")
         if self.max_input_tokens is not None and self.max_input_tokens < 1:
             problems.append(f"max_input_tokens must be >= 1, got {self.max_input_tokens}")
         if problems:

@@ -63,6 +63,7 @@ class ModelInfo:
     load_seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)  # generators: the engine's resolved limits
+    quantize: str | None = None  # "int8": 8-bit weights and activations (models/quant.py)
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,11 @@ def ops_router(settings: Settings, routes: ModelRoutes, backend: Backend, metric
                     ready=True, device=result.device, dtype=result.dtype, max_input_tokens=result.max_input_tokens,
                     labels=list(result.labels) or None,
                     languages=list(result.languages) if result.languages else None,
-                    defaults=result.defaults, stats=result.stats, limits=result.limits or None))
+                    defaults=result.defaults, stats=result.stats, limits=result.limits or None,
+                    quantize=result.quantize))
             else:
                 cards.append(ModelCard(id=dep.model.name, created=0, deployment=name, tasks=list(dep.model.tasks),
-                                       ready=False, defaults=dict(dep.model.defaults)))
+                                       ready=False, defaults=dict(dep.model.defaults), quantize=dep.model.quantize))
         tasks = {task: [r.model for r in rs] for task, rs in routes.by_task.items()}
         return ModelList(data=cards, tasks=tasks)
 

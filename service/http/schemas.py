@@ -110,6 +110,7 @@ class ModelCard(BaseModel):
     stats: dict[str, Any] | None = Field(None, description="Batching (or, for a generator, engine) counters of "
                                                               "the replica that answered.")
     limits: dict[str, Any] | None = Field(None, description="Generators: the engine's limits (rows, tokens, queue).")
+    quantize: str | None = Field(None, description="Quantization of the weights (int8), or null for the float dtype.")
 
 
 class ModelList(BaseModel):

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from models.beam_search import BeamParams, translate_ids
 from models.tiny import tiny_model
@@ -48,7 +49,8 @@ def app_args(gate: Path) -> dict[str, Any]:
                           "languages": ["en", "es"], "max_input_tokens": LIMIT,
                           "defaults": {"beam_size": 2, "max_new_tokens": 10}},
                 "num_cpus": 0, "batching": SMALL_BATCHES},
-            "gated": {"model": _encoder("tiny-encoder-gated"), "num_cpus": 0, "startup_gate": str(gate),
+            "gated": {"model": {**_encoder("tiny-encoder-gated"), "quantize": "int8"}, "num_cpus": 0,
+                      "startup_gate": str(gate),
                       "batching": {"max_batch_size": 64, "max_wait_ms": 1000, "max_queued": MAX_INPUTS}},
         },
     }
@@ -105,6 +107,30 @@ def test_readyz_is_503_before_the_models_load_and_200_after(server: Server) -> N
         assert r.json() == {"status": "ready", "deployments": {"encoder": "ready", "translator": "ready",
                                                                "gated": "ready"}}
         assert c.get("/healthz").json() == {"status": "ok"}
+
+
+def test_a_quantized_deployment_serves_its_int8_model(server: Server) -> None:
+    from models.catalog import ModelSpec, load_model
+    from models.inputs import PaddedBatch
+
+    texts = ["héllo ¿qué?", "a longer text for the quantized encoder", "x"]
+    with server.client() as c:
+        cards = {m["deployment"]: m for m in c.get("/v1/models").json()["data"]}
+        assert cards["gated"]["quantize"] == "int8" and cards["encoder"]["quantize"] is None
+        int8 = [d["embedding"] for d in c.post("/v1/embeddings", json={
+            "input": texts, "model": "tiny-encoder-gated"}).json()["data"]]
+        fp32 = [d["embedding"] for d in c.post("/v1/embeddings", json={"input": texts}).json()["data"]]
+        alone = [c.post("/v1/embeddings", json={"input": t, "model": "tiny-encoder-gated"}).json()["data"][0][
+            "embedding"] for t in texts]
+    spec = ModelSpec(**{**_encoder("tiny-encoder-gated"), "tasks": ("classify", "embed"), "quantize": "int8"})
+    loaded = load_model(spec, Path("/nonexistent"))
+    with torch.inference_mode():
+        for text, got, got_alone, got_fp32 in zip(texts, int8, alone, fp32, strict=True):
+            batch = PaddedBatch.from_token_lists([loaded.tokenizer.encode(text)])
+            want = loaded.model.embed(batch.ids, batch.keep)[0]
+            assert torch.allclose(torch.tensor(got), want, atol=1e-5)  # the replica runs the int8 model
+            assert torch.allclose(torch.tensor(got_alone), torch.tensor(got), atol=1e-5)  # batched = alone
+            assert not torch.allclose(torch.tensor(got_fp32), want, atol=1e-5)  # and it is not the fp32 one
 
 
 def test_openapi_and_docs(server: Server) -> None:

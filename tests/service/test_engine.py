@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from models.decoding import SamplingParams
 from models.generate import generate
 from models.kv_cache import CacheView
+from models.quant import quantize_int8
 from models.text import TextTokenizer
 from models.tiny import EOS, tiny_model
 from service.engine.batch import PREFILL_MULTIPLE
@@ -198,8 +199,11 @@ def test_prefill_row_counts_are_multiples_of_32_within_the_cache_row(tiny: tuple
         assert list(read(handle)[1].token_ids) == reference(model, tok, prompt, params)[0]
 
 
-def test_same_tokens_alone_and_among_16_concurrent(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
+def test_same_tokens_alone_and_among_16_concurrent(tiny: tuple[nn.Module, TextTokenizer], quantized: bool) -> None:
     model, tok = tiny
+    if quantized:  # per-token activation scales: a row's tokens never depend on its company
+        model = quantize_int8(tiny_model("decoder")[0])
     targets = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=1.0, seed=42,
                                                                  top_p=0.9)]
     prompt = tok.encode("the same request", add_special_tokens=False)

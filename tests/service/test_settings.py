@@ -76,6 +76,14 @@ def test_invalid_settings_name_the_problem(args: dict[str, Any], env: dict[str, 
         Settings.build(args, env)
 
 
+def test_a_model_is_quantized_from_its_settings() -> None:
+    s = Settings.build({"deployments": {"enc": {"model": {**TINY, "quantize": "int8"}}}}, env={})
+    assert s.deployments["enc"].model.quantize == "int8"  # type: ignore[union-attr]
+    assert Settings.build({"deployments": {"enc": {"model": TINY}}}, env={}).deployments["enc"].model.quantize is None  # type: ignore[union-attr]
+    with pytest.raises(ValidationError, match=r"model.quantize\n  Input should be .int8."):
+        Settings.build({"deployments": {"enc": {"model": {**TINY, "quantize": "int4"}}}}, env={})
+
+
 def test_deployment_options_follow_the_settings() -> None:
     s = Settings.build({"deployments": {"a": {"model": TINY, "num_replicas": 3, "num_cpus": 2}}}, env={})
     dep = s.deployments["a"]

@@ -1,0 +1,214 @@
+"""fp32 vs 8-bit (models/quant.py) on the default models, side by side in one run: speed and loss.
+
+    python -m models.bench_quant [--quick] [--threads 2] [--json out.json]     (make bench-quant)
+
+Each model is loaded twice (fp32, and with `quantize: int8`); timed runs alternate between the two.
+- SmolLM2-135M: greedy decoding tokens/s at batch 1 / 8 / 32 (models.generate, 32 new tokens);
+  perplexity on held-out English text (the translator's test sentences, which no model here was
+  trained on); the greedy answer to "What is the capital of France?".
+- MiniLM + sentiment head: texts/s at batch 1 / 8 / 32 (mixed lengths); on the test sentences, the
+  share with the same label as fp32 and the lowest cosine between fp32 and int8 embeddings.
+- Translator: beam-4 sentences/s at batch 1 / 8 / 32; chrF of beam 4 on the committed test set
+  (models/weights/translator-en-es/test.tsv) for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import platform
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import zoo
+from .beam_search import BeamParams, translate_ids
+from .bench import mixed_texts
+from .catalog import BUILTIN_DIR, DEFAULT_SPECS, LoadedModel, load_model
+from .decoding import SamplingParams
+from .generate import generate
+from .inputs import PaddedBatch
+from .train.eval_translator import read_test, translate_all
+
+log = logging.getLogger("bench.quant")
+TEST_SET = BUILTIN_DIR / "translator-en-es" / "test.tsv"
+MODES = (None, "int8")
+
+
+def _name(mode: str | None) -> str:
+    return mode or "fp32"
+
+
+def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each fn, the fns taking turns (one warm-up call each first)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def load_pair(name: str, cache_dir: Path) -> dict[str, LoadedModel]:
+    return {_name(m): load_model(dataclasses.replace(DEFAULT_SPECS[name], quantize=m), cache_dir) for m in MODES}
+
+
+def bench_generator(cache_dir: Path, sentences: list[str], quick: bool, rng: random.Random) -> dict[str, Any]:
+    lms = load_pair("generator", cache_dir)
+    tok = lms["fp32"].tokenizer
+    rows = []
+    new = 8 if quick else 32
+    for b in (1, 8, 32):
+        prompts = [tok.encode(" ".join(rng.sample(sentences, 1)), add_special_tokens=False)[:24] for _ in range(b)]
+        params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        with torch.inference_mode():
+            t = alternate({k: (lambda lm=lm, p=prompts, sp=params: generate(lm.model, p, sp)) for k, lm in lms.items()},
+                          1 if quick else 3)
+        rows.append({"batch": b, **{k: b * new / v for k, v in t.items()}})
+        log.info("generator batch %d: %s tok/s", b, {k: round(b * new / v, 1) for k, v in t.items()})
+    text = " ".join(sentences[: 40 if quick else 200])
+    ids = tok.encode(text, add_special_tokens=False)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+                        add_special_tokens=False)
+    quality = {}
+    for k, lm in lms.items():
+        (out,) = generate(lm.model, [prompt], SamplingParams(max_new_tokens=24))
+        quality[k] = {"perplexity": perplexity(lm, ids, window=512), "capital_answer": tok.decode(out.tokens)}
+        log.info("generator %s: perplexity %.3f, answer %r", k, quality[k]["perplexity"],
+                 quality[k]["capital_answer"])
+    return {"speed_tokens_per_s": rows, "quality": quality, "tokens_scored": len(ids)}
+
+
+@torch.inference_mode()
+def perplexity(lm: LoadedModel, ids: list[int], window: int) -> float:
+    """exp(mean next-token NLL) over `ids`, in non-overlapping windows of `window` tokens."""
+    nll, n = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = torch.tensor([ids[start: start + window + 1]])
+        logits = lm.model(chunk[:, :-1]).float()  # (1, T, V)
+        nll += torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
+        n += chunk.size(1) - 1
+    return math.exp(nll / n)
+
+
+def bench_encoder(cache_dir: Path, sentences: list[str], quick: bool, rng: random.Random) -> dict[str, Any]:
+    lms = load_pair("encoder", cache_dir)
+    tok, pad = lms["fp32"].tokenizer, lms["fp32"].model.cfg.pad_token_id or 0
+    rows = []
+    for b in (1, 8, 32):
+        batch = PaddedBatch.from_token_lists(tok.encode_batch(mixed_texts(b, rng)), pad)
+        with torch.inference_mode():
+            t = alternate({k: (lambda lm=lm, x=batch: lm.model.embed(x.ids, x.keep)) for k, lm in lms.items()},
+                          3 if quick else 9)
+        rows.append({"batch": b, **{k: b / v for k, v in t.items()}})
+        log.info("encoder batch %d: %s texts/s", b, {k: round(b / v, 1) for k, v in t.items()})
+    texts = sentences[: 128 if quick else len(sentences)]
+    pooled, labels = {}, {}
+    with torch.inference_mode():
+        for k, lm in lms.items():
+            vecs, labs = [], []
+            for start in range(0, len(texts), 32):
+                batch = PaddedBatch.from_token_lists(tok.encode_batch(texts[start: start + 32]), pad)
+                v = lm.model.embed(batch.ids, batch.keep).float()
+                vecs.append(v)
+                labs += lm.model.head(v).argmax(-1).tolist()
+            pooled[k], labels[k] = torch.cat(vecs), labs
+    cos = torch.nn.functional.cosine_similarity(pooled["fp32"], pooled["int8"], dim=-1)
+    same = sum(a == b for a, b in zip(labels["fp32"], labels["int8"], strict=True)) / len(texts)
+    log.info("encoder: same label %.4f, min cosine %.4f", same, cos.min().item())
+    return {"speed_texts_per_s": rows, "texts": len(texts), "same_label": same, "min_cosine": cos.min().item(),
+            "mean_cosine": cos.mean().item()}
+
+
+def bench_translator(cache_dir: Path, quick: bool, rng: random.Random) -> dict[str, Any]:
+    import sacrebleu
+
+    lms = load_pair("translator", cache_dir)
+    tok, cfg = lms["fp32"].tokenizer, lms["fp32"].model.cfg
+    banned = sorted({t for t in (cfg.pad_token_id, cfg.decoder_start_token_id) if t is not None} - {cfg.eos_token_id})
+    sources, refs = read_test(TEST_SET)
+    rows = []
+    for b in (1, 8, 32):
+        ids = tok.encode_batch(rng.sample(sources, b))
+        with torch.inference_mode():
+            t = alternate({k: (lambda lm=lm, src=ids: translate_ids(lm.model, src, BeamParams(4, 128), banned_ids=banned))
+                           for k, lm in lms.items()}, 1 if quick else 3)
+        rows.append({"batch": b, **{k: b / v for k, v in t.items()}})
+        log.info("translator batch %d: %s sentences/s", b, {k: round(b / v, 1) for k, v in t.items()})
+    if quick:
+        sources, refs = sources[:64], refs[:64]
+    chrf = {}
+    with torch.inference_mode():
+        for k, lm in lms.items():
+            hyps = translate_all(lm.model, tok, sources, beam=4)
+            chrf[k] = sacrebleu.corpus_chrf(hyps, [refs]).score
+    log.info("translator chrF (beam 4, %d sentences): %s", len(sources), chrf)
+    return {"speed_sentences_per_s": rows, "chrf_beam4": chrf, "sentences": len(sources)}
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [f"CPU: {result['cpu']}; torch {result['torch']}, {result['threads']} threads", "",
+             "| model | work | batch | fp32 | int8 | int8 / fp32 |", "|---|---|---:|---:|---:|---:|"]
+    for model, key, unit in (("SmolLM2-135M", "generator", "greedy decode, tokens/s"),
+                             ("MiniLM + head", "encoder", "forward, texts/s"),
+                             ("translator", "translator", "beam 4, sentences/s")):
+        speed = next(v for k, v in result[key].items() if k.startswith("speed"))
+        for r in speed:
+            lines.append(f"| {model} | {unit} | {r['batch']} | {r['fp32']:.1f} | {r['int8']:.1f} | "
+                         f"{r['int8'] / r['fp32']:.2f}x |")
+    g, e, t = result["generator"], result["encoder"], result["translator"]
+    lines += ["", "| model | quality measure | fp32 | int8 |", "|---|---|---:|---:|",
+              f"| SmolLM2-135M | perplexity, {g['tokens_scored']} held-out tokens | "
+              f"{g['quality']['fp32']['perplexity']:.3f} | {g['quality']['int8']['perplexity']:.3f} |",
+              f"| SmolLM2-135M | capital of France (greedy) | {g['quality']['fp32']['capital_answer']!r} | "
+              f"{g['quality']['int8']['capital_answer']!r} |",
+              f"| MiniLM + head | same label as fp32, {e['texts']} texts | 1.000 | {e['same_label']:.3f} |",
+              f"| MiniLM + head | embedding cosine to fp32 (min / mean) | 1 | {e['min_cosine']:.4f} / "
+              f"{e['mean_cosine']:.4f} |",
+              f"| translator | chrF, beam 4, {t['sentences']} test sentences | {t['chrf_beam4']['fp32']:.2f} | "
+              f"{t['chrf_beam4']['int8']:.2f} |"]
+    return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer repeats, tokens and texts (a smoke run)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cache_dir, rng = zoo.default_cache_dir(), random.Random(0)
+    sentences = read_test(TEST_SET)[0]
+    result = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "generator": bench_generator(cache_dir, sentences, args.quick, rng),
+              "encoder": bench_encoder(cache_dir, sentences, args.quick, rng),
+              "translator": bench_translator(cache_dir, args.quick, rng)}
+    print(render(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

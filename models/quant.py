@@ -1,0 +1,141 @@
+"""8-bit weights for every family: `quantize_int8(model)` swaps each `nn.Linear` for an `Int8Linear`.
+
+Weights: int8, symmetric, one scale per output channel. Activations: int8, symmetric, one scale
+per row (per token), computed from that row alone, so a row's result never depends on what it is
+batched with. The product is an exact int8 x int8 -> int32 matmul (`torch._int_mm`), rescaled by
+the row's and the channel's scales:
+
+    y[b, n] = (sum_k xq[b, k] * wq[n, k]) * sx[b] * sw[n] + bias[n],   xq = quant(x * m), wq = quant(W / m)
+
+`m` (per input channel, 1 without calibration) is SmoothQuant's migration of activation outliers
+into the weights: with `calibrate` (a function that runs the float model on sample inputs), each
+Linear's input channels get m_k = max|W_k|^(1-a) / max|x_k|^a (a = 0.5), which leaves the float
+product unchanged and makes a few large activation channels cost the other channels no precision.
+Exact integer accumulation makes the invariance tests hold bitwise (batched = alone, padded =
+unpadded rows), not just within a tolerance. Speed and measured loss against fp32 on the default
+models: docs/benchmarks.md (`python -m models.bench_quant`). Quantization changes results, so it is
+a mode an operator turns on (`quantize: int8` in a model's settings), never a silent default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+QMAX = 127.0
+CUDA_MIN_ROWS = 16
+SMOOTHING_ALPHA = 0.5
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(M, K) float -> int8 (M, K) and float32 scales (M, 1): symmetric, one scale per row."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / QMAX  # (M, 1)
+    return torch.round(x / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale  # (M, K), (M, 1)
+
+
+class Int8Linear(nn.Module):
+    """A Linear with int8 weights and per-row int8 activations (see the module docstring).
+    `smooth` (K,): the input channels' migration factors m (None: 1)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, smooth: Tensor | None = None) -> None:
+        super().__init__()
+        w = weight.detach().float()  # (N, K)
+        self.in_features, self.out_features = w.size(1), w.size(0)
+        if smooth is not None:
+            w = w / smooth[None, :]  # (N, K): x * m @ (W / m)^T = x @ W^T
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / QMAX  # (N,)
+        wq = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)  # (N, K)
+        self.register_buffer("weight_t", wq.t().contiguous())  # (K, N): _int_mm's layout
+        self.register_buffer("weight_scale", scale)  # (N,)
+        self.register_buffer("smooth", None if smooth is None else smooth.float())  # (K,)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())  # (N,)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (..., K) -> (..., N) in x's dtype."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).float()  # (M, K)
+        if self.smooth is not None:
+            flat = flat * self.smooth
+        xq, sx = quantize_rows(flat)  # (M, K) int8, (M, 1)
+        m = xq.size(0)
+        if xq.is_cuda and m <= CUDA_MIN_ROWS:  # cuBLASLt's int8 kernel wants more than 16 rows: pad with zeros
+            xq = torch.cat([xq, xq.new_zeros(CUDA_MIN_ROWS + 1 - m, xq.size(1))])  # (17, K)
+        acc = torch._int_mm(xq, self.weight_t)[:m]  # (M, N) int32, exact
+        y = acc.float().mul_(sx).mul_(self.weight_scale)  # (M, N)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)  # (..., N)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"smoothed={self.smooth is not None}")
+
+
+def smoothing(weight: Tensor, act_max: Tensor, alpha: float = SMOOTHING_ALPHA) -> Tensor:
+    """SmoothQuant's per-input-channel factors m (K,) from max|W| per input channel and the
+    calibrated max|x| per input channel: m = max|W|^(1-a) / max|x|^a."""
+    w_max = weight.detach().float().abs().amax(dim=0).clamp_min(1e-5)  # (K,)
+    return (w_max ** (1 - alpha) / act_max.float().clamp_min(1e-5) ** alpha).clamp(1e-3, 1e3)  # (K,)
+
+
+@torch.inference_mode()
+def activation_maxima(model: nn.Module, calibrate: Callable[[nn.Module], object]) -> dict[str, Tensor]:
+    """max |input| per input channel of every nn.Linear (by qualified name) while `calibrate(model)` runs."""
+    maxima: dict[str, Tensor] = {}
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+            x = inputs[0].detach().float()
+            seen = x.abs().reshape(-1, x.size(-1)).amax(dim=0)  # (K,)
+            maxima[name] = torch.maximum(maxima[name], seen) if name in maxima else seen
+        return hook
+
+    hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    try:
+        calibrate(model)
+    finally:
+        for h in hooks:
+            h.remove()
+    return maxima
+
+
+def quantize_int8(model: nn.Module, calibrate: Callable[[nn.Module], object] | None = None) -> nn.Module:
+    """Swap every nn.Linear of `model` (in place) for an Int8Linear, smoothed when `calibrate` is given;
+    a decoder with tied embeddings gets an int8 copy of its embedding matrix as its head (the lookup
+    stays in float). Returns `model`."""
+    maxima = activation_maxima(model, calibrate) if calibrate is not None else {}
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                full = f"{name}.{child_name}" if name else child_name
+                smooth = smoothing(child.weight, maxima[full]) if full in maxima else None
+                setattr(module, child_name, Int8Linear(child.weight, child.bias, smooth))
+    tied = _tied_embedding(model)
+    if tied is not None:
+        model.lm_head = Int8Linear(tied, None)  # type: ignore[assignment]
+    return model
+
+
+def _tied_embedding(model: nn.Module) -> Tensor | None:
+    """The embedding matrix a DecoderLM or Seq2Seq uses as its head (lm_head None), else None."""
+    if getattr(model, "lm_head", False) is not None:
+        return None
+    stack = getattr(model, "stack", None) or getattr(model, "decoder", None)  # DecoderLM, Seq2Seq
+    return stack.embed.tokens.weight if stack is not None else None
+
+
+QUANTIZERS: dict[str, Callable[[nn.Module, Callable[[nn.Module], object] | None], nn.Module]] = {
+    "int8": quantize_int8,
+}
+
+
+def quantize(model: nn.Module, mode: str | None, calibrate: Callable[[nn.Module], object] | None = None) -> nn.Module:
+    """`model` in quantization mode `mode` (None: unchanged)."""
+    if mode is None:
+        return model
+    if mode not in QUANTIZERS:
+        raise ValueError(f"unknown quantization {mode!r}; known: {sorted(QUANTIZERS)}")
+    return QUANTIZERS[mode](model, calibrate)

@@ -1,0 +1,107 @@
+"""8-bit weights and per-token activations (models/quant.py): close to fp32, rows independent of
+their batch (bitwise: the integer matmul is exact), every Linear of every family swapped, and the
+invariants of the serving paths kept on quantized tiny models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from models.catalog import ModelSpec, load_model
+from models.decoding import SamplingParams
+from models.generate import generate
+from models.kv_cache import KVCache
+from models.quant import Int8Linear, quantize, quantize_int8, quantize_rows
+from models.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_rows_are_quantized_on_their_own_scale() -> None:
+    x = torch.tensor([[1.0, -2.0, 0.5], [100.0, 0.0, -50.0], [0.0, 0.0, 0.0]])
+    q, s = quantize_rows(x)
+    assert q.dtype == torch.int8 and s.shape == (3, 1)
+    assert q[0].tolist() == [64, -127, 32] and q[1].tolist() == [127, 0, -64] and q[2].tolist() == [0, 0, 0]
+    assert torch.allclose(q.float() * s, x, atol=float(s.max()) / 2)
+
+
+def test_int8_linear_is_close_to_fp32_and_each_row_is_independent_of_its_batch() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40)
+    q = Int8Linear(linear.weight, linear.bias)
+    x = torch.randn(5, 7, 96)
+    with torch.inference_mode():
+        ref, out = linear(x), q(x)
+        assert out.shape == ref.shape == (5, 7, 40) and out.dtype == x.dtype
+        assert (out - ref).abs().max() / ref.abs().max() < 0.02
+        alone = torch.cat([q(x[i:i + 1]) for i in range(5)])  # each row with no company
+        assert torch.equal(alone, out)  # bitwise: per-row scales, exact int32 accumulation
+        mixed = q(torch.cat([x[:2], 1000 * torch.randn(3, 7, 96)]))  # batched with huge rows
+        assert torch.equal(mixed[:2], out[:2])
+        assert q(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", ["encoder", "decoder", "seq2seq"])
+def test_every_linear_of_every_family_is_swapped(family: str) -> None:
+    model, _ = tiny_model(family)
+    quantize_int8(model)
+    assert not [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert any(isinstance(m, Int8Linear) for m in model.modules())
+    if family != "encoder":
+        assert isinstance(model.lm_head, Int8Linear)  # the tied head gets an int8 copy of the embeddings
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize(model, "int3")
+
+
+def test_quantized_decoder_keeps_cached_equal_uncached_and_batched_equal_alone() -> None:
+    torch.manual_seed(0)
+    fp32, _ = tiny_model("decoder")
+    model, _ = tiny_model("decoder")
+    quantize_int8(model)
+    ids = torch.randint(3, 200, (1, 9))
+    with torch.inference_mode():
+        full = model(ids)  # (1, 9, V)
+        cache = KVCache.for_model(model.cfg, 1, 16)
+        steps = []
+        for t in range(9):
+            steps.append(model(ids[:, t:t + 1], cache=cache.view())[:, 0])
+            cache.advance(1)
+        assert torch.allclose(torch.stack(steps, 1), full, atol=1e-5)
+        ref = fp32(ids)
+        assert ((full - ref).abs().max() / ref.abs().max()) < 0.05
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    together = generate(model, prompts, params)
+    alone = [generate(model, [p], params)[0] for p in prompts]
+    assert [g.tokens for g in together] == [g.tokens for g in alone]
+
+
+def test_smoothing_moves_an_outlier_channel_into_the_weights() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32, bias=False)
+    x = torch.randn(16, 64)
+    x[:, 3] *= 80  # one channel far larger than the rest, as in real activations
+    plain = Int8Linear(linear.weight, None)
+    smoothed = quantize_int8(nn.Sequential(linear), calibrate=lambda m: m(x))[0]
+    assert isinstance(smoothed, Int8Linear) and smoothed.smooth is not None
+    with torch.inference_mode():
+        ref = linear(x)
+        err_plain, err_smooth = ((q(x) - ref).abs().mean().item() for q in (plain, smoothed))
+    assert err_smooth < 0.5 * err_plain
+
+
+@pytest.mark.parametrize(("family", "tasks", "extra"), [
+    ("decoder", ("generate",), {}), ("encoder", ("embed",), {}),
+    ("seq2seq", ("translate",), {"languages": ("en", "es")})])
+def test_a_model_spec_selects_int8_at_load_calibrated_on_sample_text(family: str, tasks: tuple[str, ...],
+                                                                     extra: dict[str, object]) -> None:
+    spec = ModelSpec(name="q", tasks=tasks, source=f"tiny:{family}", quantize="int8", **extra)  # type: ignore[arg-type]
+    loaded = load_model(spec, Path("/nonexistent"))
+    linears = [m for m in loaded.model.modules() if isinstance(m, Int8Linear)]
+    assert linears and all(m.smooth is not None for m in linears if m is not getattr(loaded.model, "lm_head", None))
+    assert loaded.dtype == torch.float32
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        ModelSpec(name="q", tasks=("generate",), source="tiny:decoder", quantize="int3")  # type: ignore[arg-type]
