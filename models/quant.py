@@ -27,6 +27,11 @@ from torch import Tensor, nn
 QMAX = 127.0
 CUDA_MIN_ROWS = 16
 SMOOTHING_ALPHA = 0.5
+# Linears kept in float, by model class and name suffix. The encoder's FFN output projection reads
+# GELU outputs with the widest channel ranges: quantized, MiniLM's sentiment label matched fp32 on
+# 98.0 % of the 1,000 test texts, in float on 99.4 % (the rest of the model still int8); its 3-way
+# head is too small to gain anything from int8.
+FLOAT_LAYERS: dict[str, tuple[str, ...]] = {"EncoderModel": ("ff.down", "head")}
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -103,14 +108,15 @@ def activation_maxima(model: nn.Module, calibrate: Callable[[nn.Module], object]
 
 
 def quantize_int8(model: nn.Module, calibrate: Callable[[nn.Module], object] | None = None) -> nn.Module:
-    """Swap every nn.Linear of `model` (in place) for an Int8Linear, smoothed when `calibrate` is given;
-    a decoder with tied embeddings gets an int8 copy of its embedding matrix as its head (the lookup
-    stays in float). Returns `model`."""
+    """Swap every nn.Linear of `model` (in place) for an Int8Linear, smoothed when `calibrate` is given,
+    except those FLOAT_LAYERS keeps; a decoder with tied embeddings gets an int8 copy of its embedding
+    matrix as its head (the lookup stays in float). Returns `model`."""
     maxima = activation_maxima(model, calibrate) if calibrate is not None else {}
+    keep = FLOAT_LAYERS.get(type(model).__name__, ())
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                full = f"{name}.{child_name}" if name else child_name
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, nn.Linear) and not full.endswith(keep):
                 smooth = smoothing(child.weight, maxima[full]) if full in maxima else None
                 setattr(module, child_name, Int8Linear(child.weight, child.bias, smooth))
     tied = _tied_embedding(model)

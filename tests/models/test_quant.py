@@ -14,7 +14,7 @@ from models.catalog import ModelSpec, load_model
 from models.decoding import SamplingParams
 from models.generate import generate
 from models.kv_cache import KVCache
-from models.quant import Int8Linear, quantize, quantize_int8, quantize_rows
+from models.quant import FLOAT_LAYERS, Int8Linear, quantize, quantize_int8, quantize_rows
 from models.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -48,7 +48,9 @@ def test_int8_linear_is_close_to_fp32_and_each_row_is_independent_of_its_batch()
 def test_every_linear_of_every_family_is_swapped(family: str) -> None:
     model, _ = tiny_model(family)
     quantize_int8(model)
-    assert not [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    floats = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert all(n.endswith(FLOAT_LAYERS.get(type(model).__name__, ("-",))) for n in floats), floats
+    assert bool(floats) == (family == "encoder")  # only the encoder keeps layers in float
     assert any(isinstance(m, Int8Linear) for m in model.modules())
     if family != "encoder":
         assert isinstance(model.lm_head, Int8Linear)  # the tied head gets an int8 copy of the embeddings

@@ -1,0 +1,28 @@
+"""`python -m models.bench_quant --quick` on the real default models: the benchmark runs end to end
+and its quality measures are sane (speed is never asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from models import bench_quant
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_quick_quantization_benchmark_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "quant.json"
+    bench_quant.main(["--quick", "--threads", "2", "--json", str(out)])
+    result = json.loads(out.read_text())
+    gen, enc, tr = result["generator"], result["encoder"], result["translator"]
+    assert [r["batch"] for r in gen["speed_tokens_per_s"]] == [1, 8, 32]
+    assert all(r["fp32"] > 0 and r["int8"] > 0 for r in gen["speed_tokens_per_s"])
+    fp32, int8 = gen["quality"]["fp32"]["perplexity"], gen["quality"]["int8"]["perplexity"]
+    assert 1 < fp32 < int8 * 1.2 and int8 < fp32 * 1.2  # int8 is close to, not equal to, fp32
+    assert "Paris" in gen["quality"]["int8"]["capital_answer"]
+    assert enc["same_label"] > 0.9 and enc["min_cosine"] > 0.9
+    assert abs(tr["chrf_beam4"]["fp32"] - tr["chrf_beam4"]["int8"]) < 5
+    assert "| SmolLM2-135M | greedy decode, tokens/s | 32 |" in capsys.readouterr().out
