@@ -177,6 +177,7 @@ def test_build_context_holds_what_the_dockerfile_copies_and_nothing_heavy() -> N
         assert (ROOT / src).exists(), src
         assert not _ignored(src, patterns), f"{src} is copied but .dockerignore leaves it out"
     assert not _ignored("models/weights/sentiment-head/head.json", patterns)
-    for heavy in (".venv/bin/python", ".git/HEAD", "data/sentiment", "runs/translator", "tests/live.py",
+    for heavy in (".venv/bin/python", ".git/HEAD", "data/sentiment", "runs/translator", "tests/conftest.py",
+                  "service/testing/cluster.py",
                   "models/__pycache__/zoo.cpython-311.pyc", ".bench/results.json"):
         assert _ignored(heavy, patterns), heavy
