@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from .config import BlockConfig
 from .positions import apply_rotary
+from .projections import stack_linears
 
 
 def padding_mask(keep: Tensor) -> Tensor:
@@ -94,11 +95,28 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.attn_bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.attn_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.attn_bias)
+        self.qkv: nn.Module | None = None  # fuse_qkv(): one projection for q, k and v (self-attention)
         self.dropout = cfg.dropout
+
+    def fuse_qkv(self) -> None:
+        """Serve q, k and v from one Linear with the three weight matrices stacked (C -> (H + 2K) * D):
+        one matrix product instead of three. For self-attention only (cross-attention projects q and
+        k/v from different inputs); the separate projections are dropped."""
+        fused = stack_linears(self.q_proj, self.k_proj, self.v_proj)  # C -> (H + 2K) * D
+        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv = fused
 
     def _split(self, x: Tensor, heads: int) -> Tensor:
         b, t, _ = x.shape
-        return x.view(b, t, heads, self.head_dim).transpose(1, 2)  # (B, heads, T, D)
+        return x.reshape(b, t, heads, self.head_dim).transpose(1, 2)  # (B, heads, T, D)
+
+    def _project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, C) -> q (B, H, T, D), k and v (B, K, T, D), by one fused product when fuse_qkv() ran."""
+        if self.qkv is None:
+            return (self._split(self.q_proj(x), self.n_heads), *self.project_kv(x))
+        qd, kd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([qd, kd, kd], dim=-1)  # (B, T, H*D), (B, T, K*D) x2
+        return self._split(q, self.n_heads), self._split(k, self.n_kv_heads), self._split(v, self.n_kv_heads)
 
     def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(B, S, C) -> keys, values (B, K, S, D) each."""
@@ -121,15 +139,15 @@ class MultiHeadAttention(nn.Module):
         kv: precomputed (B, K, S, D) keys/values (cross-attention). Returns (B, T, C).
         """
         b, t, _ = x.shape
-        q = self._split(self.q_proj(x), self.n_heads)  # (B, H, T, D)
         if kv is None:
-            k, v = self.project_kv(x)  # (B, K, T, D) each
+            q, k, v = self._project_qkv(x)  # (B, H, T, D), (B, K, T, D) x2
             if rope is not None:
                 q = apply_rotary(q, *rope)  # (B, H, T, D)
                 k = apply_rotary(k, *rope)  # (B, K, T, D)
             if cache is not None:
                 k, v = cache.write(layer, k, v)  # (B, K, S, D) each: past + this step
         else:
+            q = self._split(self.q_proj(x), self.n_heads)  # (B, H, T, D)
             k, v = kv  # (B, K, S, D) each
         drop = self.dropout if self.training else 0.0
         out = attention(q, k, v, mask, drop)  # (B, H, T, D)

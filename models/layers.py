@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from .attention import AttentionMask, MultiHeadAttention
 from .config import BlockConfig
 from .positions import LearnedPositions, SinusoidalPositions
+from .projections import stack_linears
 
 
 class RMSNorm(nn.Module):
@@ -50,10 +51,23 @@ class FeedForward(nn.Module):
         self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
         self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias) if self.gated else None
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+        self.gate_up: nn.Module | None = None  # fuse_gate_up(): one projection for gate and up
         self.dropout = nn.Dropout(cfg.dropout)
 
+    def fuse_gate_up(self) -> None:
+        """A gated MLP's gate and up projections as one Linear (C -> 2F): one matrix product instead
+        of two; the separate projections are dropped. No-op for a plain MLP."""
+        if self.gate is None:
+            return
+        fused = stack_linears(self.gate, self.up)  # C -> 2F
+        del self.gate, self.up
+        self.gate, self.gate_up = None, fused
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate is not None:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, F) each
+            h = self.act(gate) * up  # (B, T, F)
+        elif self.gate is not None:
             h = self.act(self.gate(x)).mul_(self.up(x))  # (B, T, F), in place: one buffer less
         else:
             h = self.act(self.up(x))  # (B, T, F)

@@ -34,6 +34,7 @@ class ModelSpec:
     max_input_tokens: int | None = None  # default: the model's max_positions
     defaults: Mapping[str, Any] = field(default_factory=dict)  # decoding defaults for this model
     quantize: Quantization | None = None  # "int8": 8-bit weights and per-token activations (models/quant.py)
+    fuse: bool = True  # q/k/v and gate/up as one projection each (models/fuse.py): the same results, faster
 
     def __post_init__(self) -> None:
         problems = []

@@ -15,6 +15,7 @@ from models.checkpoints.hf import HF_ACTIVATIONS
 from models.checkpoints.llama import _mapping as llama_mapping
 from models.decoder import DecoderLM
 from models.encoder import EncoderModel
+from models.fuse import unfused_state_dict
 
 # ours -> transformers' ACT2FN name (the first HF name that imports as ours)
 TO_HF_ACTIVATION: dict[str, str] = {}
@@ -67,7 +68,7 @@ def to_hf_bert(model: EncoderModel) -> nn.Module:
         ),
         add_pooling_layer=False,
     )
-    state = _renamed(model.state_dict(), bert_mapping(cfg))
+    state = _renamed(unfused_state_dict(model), bert_mapping(cfg))
     if not cfg.type_vocab_size:
         state["embeddings.token_type_embeddings.weight"] = torch.zeros(1, cfg.d_model)  # (1, C)
     missing, unexpected = hf.load_state_dict(state, strict=False)
@@ -115,7 +116,7 @@ def to_hf_llama(model: DecoderLM) -> nn.Module:
             pad_token_id=cfg.pad_token_id,
         )
     )
-    state = _renamed(model.state_dict(), llama_mapping(cfg), prefix="model.")
+    state = _renamed(unfused_state_dict(model), llama_mapping(cfg), prefix="model.")
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     else:

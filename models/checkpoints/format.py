@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from ..config import BlockConfig, ConfigError
 from ..decoder import DecoderLM
 from ..encoder import EncoderModel
+from ..fuse import is_fused
 from ..seq2seq import Seq2Seq
 
 FORMAT_VERSION = 1
@@ -125,6 +126,9 @@ def save_checkpoint(model: nn.Module, directory: str | Path) -> Path:
     cfg = getattr(model, "cfg", None)
     if not isinstance(cfg, BlockConfig) or cfg.family not in MODEL_CLASSES:
         raise CheckpointError(f"{type(model).__name__} has no config of a known family {sorted(MODEL_CLASSES)}")
+    if is_fused(model):
+        raise CheckpointError("save the model before fuse_projections (models/fuse.py): checkpoints keep "
+                              "q/k/v and gate/up separate")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()

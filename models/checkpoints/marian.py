@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..config import Seq2SeqConfig
+from ..fuse import unfused_state_dict
 from ..positions import sinusoidal_table
 from ..seq2seq import Seq2Seq
 from .format import CheckpointError, build_model, load_state_strict
@@ -218,7 +219,7 @@ def to_hf_marian(model: Seq2Seq) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """
     cfg = model.cfg
     config = hf_marian_config(cfg)
-    ours = model.state_dict()
+    ours = unfused_state_dict(model)
     state: dict[str, Tensor] = {}
     for theirs, name in _mapping(cfg).items():
         state[theirs] = ours[name]

@@ -1,0 +1,74 @@
+"""Fused projections (models/fuse.py): the same outputs as the separate ones, for every family, with
+and without the KV cache; load_model fuses unless the spec says not to."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from models.catalog import ModelSpec, load_model
+from models.fuse import fuse_projections
+from models.kv_cache import KVCache
+from models.quant import Int8Linear
+from models.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _linears(model: nn.Module) -> set[str]:
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear | Int8Linear)}
+
+
+@pytest.mark.parametrize("family", ["encoder", "decoder", "seq2seq"])
+def test_fused_projections_give_the_same_outputs(family: str) -> None:
+    torch.manual_seed(0)
+    plain, _ = tiny_model(family)
+    fused, _ = tiny_model(family)
+    fuse_projections(fused)
+    assert "qkv" in _linears(fused) and not {"q_proj", "k_proj"} & {
+        n.rsplit(".", 1)[-1] for n, m in fused.named_modules() if ".self_attn." in n + "."}
+    ids = torch.randint(3, 200, (3, 9))
+    keep = torch.arange(9)[None, :] < torch.tensor([[9], [4], [1]])  # (3, 9) padded rows
+    with torch.inference_mode():
+        if family == "encoder":
+            assert torch.allclose(fused.embed(ids, keep), plain.embed(ids, keep), atol=1e-6)
+        elif family == "decoder":
+            assert torch.allclose(fused(ids, keep), plain(ids, keep), atol=1e-6)
+            cache = KVCache.for_model(fused.cfg, 1, 16)
+            steps = []
+            for t in range(9):
+                steps.append(fused(ids[:1, t:t + 1], cache=cache.view())[:, 0])
+                cache.advance(1)
+            assert torch.allclose(torch.stack(steps, 1), plain(ids[:1]), atol=1e-5)
+        else:
+            tgt = torch.randint(3, 200, (3, 5))
+            assert torch.allclose(fused(ids, keep, tgt), plain(ids, keep, tgt), atol=1e-6)
+            assert "q_proj" in _linears(fused)  # cross-attention keeps its own q (k/v come from the source)
+
+
+def test_load_model_fuses_unless_told_not_to_and_quantizes_the_fused_projections() -> None:
+    spec = ModelSpec(name="g", tasks=("generate",), source="tiny:decoder")
+    assert {"qkv", "gate_up"} <= _linears(load_model(spec, Path("/nonexistent")).model)
+    unfused = ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", fuse=False)
+    assert not {"qkv", "gate_up"} & _linears(load_model(unfused, Path("/nonexistent")).model)
+    quantized = load_model(ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", quantize="int8"),
+                           Path("/nonexistent")).model
+    block = quantized.stack.blocks[0]
+    assert isinstance(block.self_attn.qkv, Int8Linear) and isinstance(block.ff.gate_up, Int8Linear)
+
+
+def test_exports_and_checkpoints_see_the_unfused_layout(tmp_path: Path) -> None:
+    from models.checkpoints.format import CheckpointError, save_checkpoint
+    from models.fuse import unfused_state_dict
+
+    plain, _ = tiny_model("decoder")
+    fused, _ = tiny_model("decoder")
+    fuse_projections(fused)
+    state = unfused_state_dict(fused)
+    assert set(state) == set(plain.state_dict())
+    assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
+    with pytest.raises(CheckpointError, match="before fuse_projections"):
+        save_checkpoint(fused, tmp_path / "fused")
