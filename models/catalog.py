@@ -28,7 +28,7 @@ from . import zoo
 from .calibration import calibration_run
 from .checkpoints.format import load_checkpoint, load_state_strict
 from .fuse import fuse_projections
-from .quant import quantize
+from .quant import UNFUSED_WHEN_QUANTIZED, quantize
 from .spec import DEFAULT_SPECS, ModelSpec
 from .text import TextTokenizer
 
@@ -148,7 +148,7 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
     if spec.tokenizer is not None:
         tokenizer = TextTokenizer.from_file(resolve_dir(spec.tokenizer, cache_dir))
     model = model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
-    if spec.fuse:
+    if spec.fuse and (spec.quantize is None or type(model).__name__ not in UNFUSED_WHEN_QUANTIZED):
         model = fuse_projections(model)
     if spec.quantize is not None:  # after the cast (the scales stay float32), calibrated on sample text
         model = quantize(model, spec.quantize, calibration_run(model, tokenizer))

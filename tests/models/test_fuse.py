@@ -72,3 +72,11 @@ def test_exports_and_checkpoints_see_the_unfused_layout(tmp_path: Path) -> None:
     assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
     with pytest.raises(CheckpointError, match="before fuse_projections"):
         save_checkpoint(fused, tmp_path / "fused")
+
+
+def test_a_quantized_encoder_keeps_its_projections_unfused() -> None:
+    spec = ModelSpec(name="e", tasks=("embed",), source="tiny:encoder", quantize="int8")
+    names = _linears(load_model(spec, Path("/nonexistent")).model)
+    assert "qkv" not in names and "q_proj" in names
+    assert "qkv" in _linears(load_model(ModelSpec(name="e", tasks=("embed",), source="tiny:encoder"),
+                                        Path("/nonexistent")).model)
