@@ -38,6 +38,8 @@ class ModelRunner:
     """One loaded model on one replica. Subclasses implement warm_up, and where they differ from
     a batcher's: start, alive, queue_capacity, stats, limits, close."""
 
+    loop_name = "model loop"  # what stopped, in a failed health check
+
     def __init__(self, loaded: LoadedModel, deployment: str, heap: HeapTrimmer | None = None) -> None:
         self.loaded, self.deployment = loaded, deployment
         self.heap = heap or HeapTrimmer(0)
@@ -64,8 +66,6 @@ class ModelRunner:
         """Raise when the runner can no longer serve (Serve then replaces the replica)."""
         if not self.alive:
             raise RuntimeError(f"{self.deployment}: the {self.loop_name} has stopped")
-
-    loop_name = "model loop"
 
     @property
     def queue_capacity(self) -> int:
