@@ -175,7 +175,9 @@ def _display(path: Path) -> Path:
 
 
 def _meta(plan: Plan, argv: Sequence[str], cache_dir: Path, notes: dict[str, str]) -> dict[str, Any]:
-    from .report import machine_info, versions
+    from models.machine import machine_info
+
+    from .report import versions
     from .systems.modelsets import model_set
 
     specs = model_set(plan.models)

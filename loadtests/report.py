@@ -5,7 +5,6 @@ written between markers in docs/benchmarks.md so a rerun replaces only this part
 from __future__ import annotations
 
 import math
-import os
 import platform
 import re
 from collections.abc import Sequence
@@ -30,27 +29,6 @@ SYSTEM_NOTES = {
     "(max_batch_size 32, 5 ms wait), transformers models on the batch padded to the longest; "
     "generation is static batching (one padded generate() per batch), no streaming",
 }
-
-
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"nproc": os.cpu_count(), "platform": platform.platform()}
-    if hasattr(os, "sched_getaffinity"):
-        info["usable_cpus"] = len(os.sched_getaffinity(0))
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        models = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M)
-        info["cpu_model"] = models[0].strip() if models else platform.processor()
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        kb = re.search(r"^MemTotal:\s*(\d+)", meminfo.read_text(), re.M)
-        info["ram_gib"] = round(int(kb.group(1)) / 2**20, 1) if kb else None
-    try:
-        import torch
-
-        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except ImportError:
-        info["gpu"] = None
-    return info
 
 
 def versions() -> dict[str, str]:

@@ -35,6 +35,7 @@ from .catalog import BUILTIN_DIR, DEFAULT_SPECS, LoadedModel, load_model
 from .decoding import SamplingParams
 from .generate import generate
 from .inputs import PaddedBatch
+from .machine import machine_info
 from .train.eval_translator import read_test, translate_all
 
 log = logging.getLogger("bench.quant")
@@ -180,16 +181,6 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer repeats, tokens and texts (a smoke run)")
@@ -201,7 +192,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     cache_dir, rng = zoo.default_cache_dir(), random.Random(0)
     sentences = read_test(TEST_SET)[0]
-    result = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    machine = machine_info()
+    cpu = f"{machine.get('cpu_model', platform.processor())} ({', '.join(machine.get('cpu_flags', [])) or 'no listed flags'})"
+    result = {"cpu": cpu, "machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "generator": bench_generator(cache_dir, sentences, args.quick, rng),
               "encoder": bench_encoder(cache_dir, sentences, args.quick, rng),
               "translator": bench_translator(cache_dir, args.quick, rng)}

@@ -56,8 +56,8 @@ class ModelDeployment:
                  dtype, loaded.load_seconds, time.perf_counter() - started)
         metrics.model_loaded(loaded.spec.name, name, loaded.spec.kind, str(loaded.device), dtype,
                              loaded.load_seconds, self.runner.queue_capacity)
-        if self.runner.limits():
-            log.info("%s: limits %s", name, self.runner.limits())
+        if limits := self.runner.limits():
+            log.info("%s: limits %s", name, limits)
 
     async def info(self) -> ModelInfo:
         return self.runner.info()

@@ -159,28 +159,15 @@ class DynamicBatcher(Generic[P, R]):
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"{self.name}-loop")
 
-    def cancel(self) -> None:
-        """Stop the loop and cancel every waiting and running item. From another thread (a replica
-        being deleted) it is scheduled on the batcher's loop, if that loop still runs."""
+    async def close(self) -> None:
         if self._task is not None:
-            loop = self._task.get_loop()
-            if not _running_on(loop):
-                with contextlib.suppress(RuntimeError):  # the loop is closed: nothing left to cancel
-                    loop.call_soon_threadsafe(self.cancel)
-                return
             self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
         for it in [*self._queue, *self._running]:
             if not it.future.done():
                 it.future.cancel()
         self._queue.clear()
-
-    async def close(self) -> None:
-        """cancel(), then wait until the loop has ended."""
-        task, self._task = self._task, None
-        self.cancel()
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
 
     async def _loop(self) -> None:
         while True:
@@ -284,10 +271,3 @@ class DynamicBatcher(Generic[P, R]):
                 return [e]
             half = len(payloads) // 2
             return self._run_isolated(payloads[:half]) + self._run_isolated(payloads[half:])
-
-
-def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False

@@ -136,5 +136,5 @@ class BatchedRunner(ModelRunner):
         return {**self.batcher.stats.as_dict(), "queued": self.batcher.queued}  # queued: inputs waiting now
 
     def close(self, timeout_s: float = 5.0) -> None:
-        self.batcher.cancel()
+        """The inference thread stops; a batch still queued for it fails (its items' requests with it)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
