@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: venv weights serve test test-fast lint bench bench-quant bench-serve fuzz soak clean
+.PHONY: venv weights serve test test-fast lint bench bench-quant bench-peers bench-serve fuzz soak clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,11 @@ bench: weights
 # fp32 vs int8 (models/quant.py) on the default models: speed and measured loss (docs/benchmarks.md).
 bench-quant: weights
 	$(PY) -m models.bench_quant --threads 2 $(BENCH_ARGS)
+
+# Ours vs llama.cpp / CTranslate2 / ONNX Runtime on the same weights (loadtests/peers; docs/benchmarks.md).
+# The peers go into their own environment under .peers/ (llama.cpp is built once, ~10 min).
+bench-peers: weights
+	$(PY) -m loadtests.peers --docs docs/benchmarks.md $(BENCH_ARGS)
 
 # Serving side by side: ours vs plain transformers vs Ray Serve @serve.batch (loadtests/README.md).
 # About 12-15 min on 2 cores; results in .bench/, tables in docs/benchmarks.md. E.g. BENCH_ARGS="--duration 6".

@@ -17,7 +17,6 @@ BEGIN = (
     "a rerun replaces everything up to the end marker) -->"
 )
 END = "<!-- bench-serve:end -->"
-_BLOCK = re.compile(r"<!-- bench-serve:begin.*?-->.*?<!-- bench-serve:end -->", re.S)
 PACKAGES = ("torch", "ray", "transformers", "tokenizers", "fastapi", "uvicorn", "httpx")
 SYSTEM_NOTES = {
     "ours": "`python -m service`: the shipped deploy/serve_config.yaml narrowed to the benchmark's "
@@ -253,12 +252,14 @@ def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_docs(path: Path, section: str, title: str = "# Benchmarks") -> None:
-    """Replace the marked block in `path` (or append it; or create the file with `title`)."""
+def update_docs(path: Path, section: str, title: str = "# Benchmarks", marker: str = "bench-serve") -> None:
+    """Replace the block between `marker`'s begin and end comments in `path` (or append it; or create
+    the file with `title`)."""
+    block = re.compile(rf"<!-- {re.escape(marker)}:begin.*?-->.*?<!-- {re.escape(marker)}:end -->", re.S)
     if path.is_file():
         text = path.read_text()
-        if _BLOCK.search(text):
-            text = _BLOCK.sub(lambda _: section.rstrip("\n"), text, count=1)
+        if block.search(text):
+            text = block.sub(lambda _: section.rstrip("\n"), text, count=1)
         else:
             text = text.rstrip("\n") + "\n\n" + section
     else:

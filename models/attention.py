@@ -71,7 +71,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | AttentionMask | No
     (B, 1, T, S), True = attend (or an AttentionMask built from one). Returns (B, H, T, D).
     Fully masked query rows give zeros.
     """
-    gqa = k.size(1) != q.size(1)
+    gqa = bool(k.size(1) != q.size(1))  # a Python bool also under tracing (ONNX export)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)  # (B, H, T, D)
     if not isinstance(mask, AttentionMask):

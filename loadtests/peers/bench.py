@@ -1,0 +1,345 @@
+"""Ours next to llama.cpp, CTranslate2 and ONNX Runtime on the same weights, in one run.
+
+    python -m loadtests.peers [--rounds 3] [--smoke] [--skip-llama] [--docs docs/benchmarks.md]
+                                                                      (make bench-peers)
+
+Sets up the peers' environment (.peers/, env.py; llama.cpp builds once, ~10 min), converts our
+models (convert.py) and checks each conversion against our outputs, then times every engine in its own
+process (worker.py) with the same thread count, the engines taking turns within each round; figures
+are medians over rounds. `--smoke` is the seconds-long run `make test` does: one round, small batches,
+a few check sentences, no llama.cpp build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models import zoo
+from models.bench import mixed_texts
+from models.catalog import BUILTIN_DIR
+from models.machine import machine_info
+from models.text import TextTokenizer
+
+from ..report import update_docs
+from .env import ROOT, PeerEnv
+
+log = logging.getLogger("bench.peers")
+TEST_SET = BUILTIN_DIR / "translator-en-es" / "test.tsv"
+# Between two engines' turns: ONNX Runtime's and OpenMP's worker threads spin for a while after a
+# call, which would steal the cores from the next engine; a pause lets them go to sleep.
+SETTLE_S = 0.3
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass
+class Worker:
+    """An engine in its own process, driven over stdin/stdout (worker.py)."""
+
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen = field(init=False)
+
+    def __post_init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([*self.argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     cwd=ROOT, env=env)
+        self._read()
+
+    def _read(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} exited ({self.proc.wait()}); its stderr is above")
+        return json.loads(line)
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def run(self, work: dict[str, Any]) -> Any:
+        return self.call(op="run", work=work)["out"]
+
+    def seconds(self, work: dict[str, Any], repeats: int) -> float:
+        return self.call(op="time", work=work, repeats=repeats)["s"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def alternate(workers: dict[str, Worker], works: dict[str, dict[str, Any]], rounds: int,
+              repeats: dict[str, int], label: str) -> dict[str, dict[str, float]]:
+    """Median seconds per (engine, work): a warm-up call each, then rounds in which the engines take turns."""
+    for w in workers.values():
+        for work in works.values():
+            w.run(work)
+    samples: dict[str, dict[str, list[float]]] = {e: {k: [] for k in works} for e in workers}
+    for r in range(rounds):
+        start = time.monotonic()
+        for k, work in works.items():
+            for e, w in workers.items():
+                time.sleep(SETTLE_S)
+                samples[e][k].append(w.seconds(work, repeats[k]))
+        log.info("%s: round %d/%d done in %.0f s", label, r + 1, rounds, time.monotonic() - start)
+    return {e: {k: statistics.median(v) for k, v in per.items()} for e, per in samples.items()}
+
+
+def _close(workers: dict[str, Worker]) -> None:
+    for w in workers.values():
+        w.close()
+
+
+def read_sources() -> list[str]:
+    return [line.split("\t")[0] for line in TEST_SET.read_text().splitlines() if line.strip()]
+
+
+def ours(kind: str, mode: str) -> list[str]:
+    return [sys.executable, "-m", "loadtests.peers.worker", f"ours-{kind}", mode]
+
+
+def peer(env: PeerEnv, engine: str, mode: str, path: Path) -> list[str]:
+    return [str(env.python), "-m", "loadtests.peers.worker", engine, mode, str(path)]
+
+
+def convert(env: PeerEnv, kind: str, out: Path) -> None:
+    log.info("converting our %s for its peer into %s", kind, out)
+    subprocess.run([str(env.python), "-m", "loadtests.peers.convert", kind, str(out)], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def bench_encoder(env: PeerEnv, work_dir: Path, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    tok = TextTokenizer.from_file(zoo.resolve("minilm", zoo.default_cache_dir()))
+    convert(env, "encoder", work_dir / "onnx")
+    workers = {"ours fp32": Worker("ours fp32", ours("encoder", "fp32")),
+               "ours int8": Worker("ours int8", ours("encoder", "int8")),
+               "onnxruntime fp32": Worker("ort fp32", peer(env, "onnxruntime", "fp32", work_dir / "onnx" / "encoder.onnx")),
+               "onnxruntime int8": Worker("ort int8", peer(env, "onnxruntime", "int8",
+                                                               work_dir / "onnx" / "encoder.int8.onnx"))}
+    try:
+        texts = read_sources()[: args.check]
+        check = {"kind": "encode", "ids": tok.encode_batch(texts)}
+        outs = {}
+        for e, w in workers.items():
+            outs[e] = [w.run({"kind": "encode", "ids": check["ids"][i: i + 32]}) for i in range(0, len(texts), 32)]
+            outs[e] = {k: [x for part in outs[e] for x in part[k]] for k in ("embedding", "label")}
+        ref = outs["ours fp32"]
+        quality = {}
+        for e, o in outs.items():
+            diff = max(abs(a - b) for u, v in zip(ref["embedding"], o["embedding"], strict=True)
+                       for a, b in zip(u, v, strict=True))
+            same = sum(a == b for a, b in zip(ref["label"], o["label"], strict=True)) / len(texts)
+            quality[e] = {"max_abs_diff": diff, "same_label": same}
+        if quality["onnxruntime fp32"]["max_abs_diff"] > 1e-5:
+            raise RuntimeError(f"ONNX export differs from our encoder: {quality['onnxruntime fp32']}")
+        works = {f"batch {b}": {"kind": "encode", "ids": tok.encode_batch(mixed_texts(b, rng))} for b in args.batches}
+        seconds = alternate(workers, works, args.rounds, dict.fromkeys(works, args.repeats), "encoder")
+    finally:
+        _close(workers)
+    speed = {e: {k: int(k.split()[1]) / s for k, s in per.items()} for e, per in seconds.items()}
+    return {"texts_per_s": speed, "quality": quality, "check_texts": len(texts)}
+
+
+def bench_translator(env: PeerEnv, work_dir: Path, args: argparse.Namespace,
+                     rng: random.Random) -> dict[str, Any]:
+    tok = TextTokenizer.from_file(BUILTIN_DIR / "translator-en-es")
+    convert(env, "translator", work_dir / "ct2")
+    ct2 = work_dir / "ct2"
+    workers = {"ours fp32": Worker("ours fp32", ours("translator", "fp32")),
+               "ours int8": Worker("ours int8", ours("translator", "int8")),
+               "ctranslate2 fp32": Worker("ct2 fp32", peer(env, "ctranslate2", "float32", ct2)),
+               "ctranslate2 int8": Worker("ct2 int8", peer(env, "ctranslate2", "int8", ct2))}
+    sources = read_sources()
+    try:
+        ids = tok.encode_batch(sources[: args.check])
+        quality = {}
+        for beam in (4, 1):
+            outs = {e: [x for i in range(0, len(ids), 32) for x in w.run({"kind": "translate", "beam": beam,
+                                                                            "ids": ids[i: i + 32]})]
+                    for e, w in workers.items()}
+            quality[f"beam {beam}"] = {e: sum(a == b for a, b in zip(outs["ours fp32"], o, strict=True))
+                                       for e, o in outs.items()}
+        if quality["beam 4"]["ctranslate2 fp32"] != len(ids) or quality["beam 1"]["ctranslate2 fp32"] != len(ids):
+            log.warning("CTranslate2 fp32 differs from ours on some sentences: %s", quality)
+        works = {f"{'greedy' if beam == 1 else 'beam 4'}, batch {b}":
+                 {"kind": "translate", "beam": beam, "ids": tok.encode_batch(rng.sample(sources, b))}
+                 for beam in (4, 1) for b in args.batches}
+        seconds = alternate(workers, works, args.rounds, dict.fromkeys(works, 1), "translator")
+    finally:
+        _close(workers)
+    speed = {e: {k: int(k.rsplit(" ", 1)[1]) / s for k, s in per.items()} for e, per in seconds.items()}
+    return {"sentences_per_s": speed, "identical": quality, "check_sentences": len(ids)}
+
+
+def llama_bench(env: PeerEnv, gguf: Path, threads: int, prompt: int, new: int) -> dict[str, float]:
+    out = subprocess.run([str(env.tool("llama-bench")), "-m", str(gguf), "-t", str(threads), "-p", str(prompt),
+                          "-n", str(new), "-r", "1", "-o", "json"], check=True, capture_output=True, text=True)
+    rows = json.loads(out.stdout)
+    return {("prefill" if r["n_gen"] == 0 else "decode"): r["avg_ts"] for r in rows}
+
+
+def llama_greedy(env: PeerEnv, gguf: Path, prompt: str, new: int) -> str:
+    out = subprocess.run([str(env.tool("llama-simple")), "-m", str(gguf), "-n", str(new), prompt], check=True,
+                         capture_output=True, text=True)
+    return out.stdout.removeprefix(prompt) if out.stdout.startswith(prompt) else out.stdout
+
+
+def bench_generator(env: PeerEnv, work_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from .convert import f32_gguf
+
+    cache = zoo.default_cache_dir()
+    (gguf_name,) = zoo.ZOO["smollm2"].files
+    q4 = zoo.resolve("smollm2", cache) / gguf_name
+    f32 = f32_gguf(env.tool("llama-quantize"), q4, work_dir / "smollm2.f32.gguf")
+    from models.catalog import DEFAULT_SPECS, load_model
+    tok = load_model(DEFAULT_SPECS["generator"], cache).tokenizer
+    prompt_text = tok.apply_chat_template(CAPITAL)
+    workers = {"ours fp32": Worker("ours fp32", ours("generator", "fp32")),
+               "ours int8": Worker("ours int8", ours("generator", "int8"))}
+    prefill_ids = tok.encode(" ".join(read_sources()), add_special_tokens=False)[: args.prompt]
+    works = {"prefill": {"kind": "prefill", "ids": prefill_ids},
+             "decode": {"kind": "decode", "ids": prefill_ids[:1], "new": args.new}}
+    try:
+        ids = tok.encode(prompt_text, add_special_tokens=False)
+        answers = {e: tok.decode(w.run({"kind": "greedy", "ids": ids, "new": 24})) for e, w in workers.items()}
+        answers["llama.cpp F32"] = llama_greedy(env, f32, prompt_text, 24)
+        answers["llama.cpp Q4_1"] = llama_greedy(env, q4, prompt_text, 24)
+        seconds = {e: {k: [] for k in works} for e in workers}
+        peers = {"llama.cpp F32": f32, "llama.cpp Q4_1": q4}
+        rates: dict[str, dict[str, list[float]]] = {e: {"prefill": [], "decode": []} for e in peers}
+        for w in workers.values():
+            for work in works.values():
+                w.run(work)
+        for r in range(args.rounds):
+            for e, w in workers.items():
+                for k, work in works.items():
+                    time.sleep(SETTLE_S)
+                    seconds[e][k].append(w.seconds(work, 1))
+            for e, path in peers.items():
+                time.sleep(SETTLE_S)
+                for k, v in llama_bench(env, path, args.threads, args.prompt, args.new).items():
+                    rates[e][k].append(v)
+            log.info("generator: round %d/%d done", r + 1, args.rounds)
+    finally:
+        _close(workers)
+    speed = {e: {"prefill": args.prompt / statistics.median(v["prefill"]),
+                 "decode": args.new / statistics.median(v["decode"])} for e, v in seconds.items()}
+    speed.update({e: {k: statistics.median(v) for k, v in per.items()} for e, per in rates.items()})
+    return {"tokens_per_s": speed, "answers": answers, "prompt_tokens": args.prompt, "new_tokens": args.new}
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
+def markdown(result: dict[str, Any], command: str) -> str:
+    m = result["machine"]
+    lines = ["<!-- bench-peers:begin (generated by `python -m loadtests.peers`; a rerun replaces everything up "
+             "to the end marker) -->",
+             f"## Ours vs the engines users pick (`{command}`, {result['date']})", "",
+             f"- **Machine:** {m.get('nproc')} CPUs ({m.get('cpu_model', '?')}; flags "
+             f"{', '.join(m.get('cpu_flags', []))}), {m.get('ram_gib', '?')} GiB RAM; {result['threads']} threads "
+             "for every engine, each in its own process; engines take turns within each round, medians of "
+             f"{result['rounds']} rounds.",
+             "- **Versions:** " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()), ""]
+    if "encoder" in result:
+        e = result["encoder"]
+        s = e["texts_per_s"]
+        lines += ["### MiniLM + sentiment head (texts/s, mixed lengths)", "",
+                  "| batch | ours fp32 | ONNX Runtime fp32 | ours / ORT | ours int8 | ORT int8 | ours / ORT |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for k in s["ours fp32"]:
+            lines.append(f"| {k.split()[1]} | {s['ours fp32'][k]:.1f} | {s['onnxruntime fp32'][k]:.1f} | "
+                         f"{_ratio(s['ours fp32'][k], s['onnxruntime fp32'][k])} | {s['ours int8'][k]:.1f} | "
+                         f"{s['onnxruntime int8'][k]:.1f} | {_ratio(s['ours int8'][k], s['onnxruntime int8'][k])} |")
+        q = e["quality"]
+        lines += ["", f"Against ours fp32 on {e['check_texts']} test sentences: " + "; ".join(
+            f"{k}: max |Δ embedding| {v['max_abs_diff']:.1e}, same label {v['same_label']:.1%}"
+            for k, v in q.items() if k != "ours fp32"), ""]
+    if "translator" in result:
+        t = result["translator"]
+        s = t["sentences_per_s"]
+        lines += ["### Translator en→es (sentences/s)", "",
+                  "| work | ours fp32 | CTranslate2 fp32 | ours / CT2 | ours int8 | CT2 int8 | ours / CT2 |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for k in s["ours fp32"]:
+            lines.append(f"| {k} | {s['ours fp32'][k]:.1f} | {s['ctranslate2 fp32'][k]:.1f} | "
+                         f"{_ratio(s['ours fp32'][k], s['ctranslate2 fp32'][k])} | {s['ours int8'][k]:.1f} | "
+                         f"{s['ctranslate2 int8'][k]:.1f} | {_ratio(s['ours int8'][k], s['ctranslate2 int8'][k])} |")
+        n = t["check_sentences"]
+        lines += ["", f"Same tokens as ours fp32 on {n} test sentences: " + "; ".join(
+            f"{beam}: " + ", ".join(f"{e} {c}/{n}" for e, c in per.items() if e != "ours fp32")
+            for beam, per in t["identical"].items()), ""]
+    if "generator" in result:
+        g = result["generator"]
+        s = g["tokens_per_s"]
+        lines += [f"### SmolLM2-135M, batch 1 (tokens/s; prefill {g['prompt_tokens']} tokens, decode "
+                  f"{g['new_tokens']} tokens)", "",
+                  "| engine | prefill | decode | decode vs llama.cpp F32 | decode vs llama.cpp Q4_1 |",
+                  "|---|---:|---:|---:|---:|"]
+        for e, v in s.items():
+            lines.append(f"| {e} | {v['prefill']:.1f} | {v['decode']:.1f} | "
+                         f"{_ratio(v['decode'], s['llama.cpp F32']['decode'])} | "
+                         f"{_ratio(v['decode'], s['llama.cpp Q4_1']['decode'])} |")
+        lines += ["", "Greedy answer to \"What is the capital of France?\" (24 tokens): " + "; ".join(
+            f"{e}: {a.strip()!r}" for e, a in g["answers"].items()), ""]
+    lines.append("<!-- bench-peers:end -->")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2, help="threads for every engine")
+    p.add_argument("--models", default="encoder,translator,generator")
+    p.add_argument("--smoke", action="store_true", help="seconds: 1 round, batches 1 and 2, no llama.cpp build")
+    p.add_argument("--out", type=Path, default=ROOT / ".bench" / "peers")
+    p.add_argument("--docs", type=Path, default=None, help="write the tables into this markdown file")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args.batches = (1, 2) if args.smoke else (1, 8, 32)
+    args.rounds = 1 if args.smoke else args.rounds
+    args.check, args.repeats = (8, 1) if args.smoke else (96, 5)
+    args.prompt, args.new = (16, 8) if args.smoke else (64, 128)
+    os.environ["PEERS_THREADS"] = str(args.threads)
+    env = PeerEnv()
+    env.ensure_python()
+    models = args.models.split(",")
+    if "generator" in models and not args.smoke:
+        env.ensure_llama()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine_info(),
+                              "threads": args.threads, "rounds": args.rounds, "versions": env.versions()}
+    import torch
+
+    result["versions"] = {"torch": torch.__version__, **result["versions"]}
+    if "encoder" in models:
+        result["encoder"] = bench_encoder(env, args.out, args, rng)
+    if "translator" in models:
+        result["translator"] = bench_translator(env, args.out, args, rng)
+    if "generator" in models and env.has_llama:
+        result["generator"] = bench_generator(env, args.out, args)
+    elif "generator" in models:
+        log.info("generator: llama.cpp is not built (make bench-peers builds it), so no generator table")
+    (args.out / "results.json").write_text(json.dumps(result, indent=1))
+    command = "make bench-peers" + (" (smoke)" if args.smoke else "")
+    text = markdown(result, command)
+    (args.out / "peers.md").write_text(text)
+    print(text)
+    if args.docs:
+        update_docs(args.docs, text, marker="bench-peers")
+
+
+if __name__ == "__main__":
+    main()
