@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from torch import nn
 from . import zoo
 from .calibration import calibration_run
 from .checkpoints.format import load_checkpoint, load_state_strict
+from .dense import pack_dense
 from .fuse import fuse_projections
 from .quant import UNFUSED_WHEN_QUANTIZED, quantize
 from .spec import DEFAULT_SPECS, ModelSpec
@@ -47,6 +48,7 @@ class LoadedModel:
     labels: tuple[str, ...] = ()
     max_input_tokens: int = 512
     load_seconds: float = 0.0
+    kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/dense.py)
 
     @property
     def device(self) -> torch.device:
@@ -152,5 +154,6 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
         model = fuse_projections(model)
     if spec.quantize is not None:  # after the cast (the scales stay float32), calibrated on sample text
         model = quantize(model, spec.quantize, calibration_run(model, tokenizer))
+    kernels = pack_dense(model, spec.dense_kernel) if torch.device(device).type == "cpu" else {}
     limit = min(spec.max_input_tokens or model.cfg.max_positions, model.cfg.max_positions)
-    return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started)
+    return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started, kernels)

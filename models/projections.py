@@ -1,9 +1,10 @@
-"""Stacking Linears that read the same input into one (models/fuse.py fuses q/k/v and gate/up)."""
+"""Stacking Linears that read the same input into one (models/fuse.py fuses q/k/v and gate/up), and
+finding the embedding matrix a tied output head reuses (models/quant.py, models/dense.py)."""
 
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 
 def stack_linears(*linears: nn.Linear) -> nn.Linear:
@@ -17,3 +18,11 @@ def stack_linears(*linears: nn.Linear) -> nn.Linear:
         if has_bias:
             out.bias.copy_(torch.cat([lin.bias for lin in linears]))  # (sum N_i,)
     return out
+
+
+def tied_embedding(model: nn.Module) -> Tensor | None:
+    """The embedding matrix a DecoderLM or Seq2Seq uses as its head (lm_head None), else None."""
+    if getattr(model, "lm_head", False) is not None:
+        return None
+    stack = getattr(model, "stack", None) or getattr(model, "decoder", None)  # DecoderLM, Seq2Seq
+    return stack.embed.tokens.weight if stack is not None else None

@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from .projections import tied_embedding
+
 QMAX = 127.0
 CUDA_MIN_ROWS = 16
 SMOOTHING_ALPHA = 0.5
@@ -123,18 +125,10 @@ def quantize_int8(model: nn.Module, calibrate: Callable[[nn.Module], object] | N
             if isinstance(child, nn.Linear) and not full.endswith(keep):
                 smooth = smoothing(child.weight, maxima[full]) if full in maxima else None
                 setattr(module, child_name, Int8Linear(child.weight, child.bias, smooth))
-    tied = _tied_embedding(model)
+    tied = tied_embedding(model)
     if tied is not None:
         model.lm_head = Int8Linear(tied, None)  # type: ignore[assignment]
     return model
-
-
-def _tied_embedding(model: nn.Module) -> Tensor | None:
-    """The embedding matrix a DecoderLM or Seq2Seq uses as its head (lm_head None), else None."""
-    if getattr(model, "lm_head", False) is not None:
-        return None
-    stack = getattr(model, "stack", None) or getattr(model, "decoder", None)  # DecoderLM, Seq2Seq
-    return stack.embed.tokens.weight if stack is not None else None
 
 
 QUANTIZERS: dict[str, Callable[[nn.Module, Callable[[nn.Module], object] | None], nn.Module]] = {

@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 Task = Literal["classify", "embed", "translate", "generate"]
 Kind = Literal["encoder", "translator", "generator"]
 Quantization = Literal["int8"]
+DenseKernel = Literal["auto", "onednn", "aten"]  # float projections on CPU: models/dense.py
 # the kind of model (and of deployment) each task needs
 TASK_KIND: dict[str, Kind] = {"classify": "encoder", "embed": "encoder", "translate": "translator",
                               "generate": "generator"}
@@ -35,6 +36,9 @@ class ModelSpec:
     defaults: Mapping[str, Any] = field(default_factory=dict)  # decoding defaults for this model
     quantize: Quantization | None = None  # "int8": 8-bit weights and per-token activations (models/quant.py)
     fuse: bool = True  # q/k/v and gate/up as one projection each (models/fuse.py): the same results, faster
+    # float projections on CPU: "auto" measures MKL vs oneDNN per weight shape at load and packs the
+    # faster; "onednn" packs all, "aten" none (models/dense.py)
+    dense_kernel: DenseKernel = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -53,6 +57,8 @@ class ModelSpec:
             problems.append("it translates but names no languages: [source, target]")
         if self.quantize is not None and self.quantize not in get_args(Quantization):
             problems.append(f"quantize must be one of {list(get_args(Quantization))} or null, got {self.quantize!r}")
+        if self.dense_kernel not in get_args(DenseKernel):
+            problems.append(f"dense_kernel must be one of {list(get_args(DenseKernel))}, got {self.dense_kernel!r}")
         if self.max_input_tokens is not None and self.max_input_tokens < 1:
             problems.append(f"max_input_tokens must be >= 1, got {self.max_input_tokens}")
         if problems:

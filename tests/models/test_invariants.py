@@ -2,6 +2,9 @@
 
 Dimension legend: B batch rows, T padded length, C model dim, V vocabulary.
 
+Every test runs twice: with torch's own float projections and with oneDNN-packed ones
+(models/dense.py), the two kernels `dense_kernel: auto` chooses between at load.
+
 A sequence's outputs do not depend on what it is batched with (padding on either side), on
 cached vs full computation, on where other rows of a cached step stand, or on the embeddings of
 pad tokens; eval mode is deterministic. Configs cover learned / sinusoidal / rotary positions,
@@ -17,6 +20,7 @@ from torch import Tensor, nn
 
 from models.config import PRESETS, BlockConfig, DecoderConfig, EncoderConfig, Seq2SeqConfig
 from models.decoder import DecoderLM
+from models.dense import onednn_available, pack_dense
 from models.encoder import EncoderModel
 from models.kv_cache import KVCache
 from models.seq2seq import Seq2Seq
@@ -50,6 +54,14 @@ SEQ2SEQS: dict[str, Seq2SeqConfig] = {
         tie_embeddings=False, activation="swiglu", pad_token_id=0, decoder_start_token_id=1, eos_token_id=2),
 }
 MODELS: dict[str, type[nn.Module]] = {"encoder": EncoderModel, "decoder": DecoderLM, "seq2seq": Seq2Seq}
+KERNELS = ["aten", "onednn"] if onednn_available() else ["aten"]
+KERNEL = "aten"  # set per test by the dense_kernel fixture
+
+
+@pytest.fixture(autouse=True, params=KERNELS)
+def dense_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(__import__(__name__, fromlist=["KERNEL"]), "KERNEL", request.param)
+    return request.param
 
 
 def pad_id(cfg: BlockConfig) -> int:
@@ -63,6 +75,7 @@ def build(cfg: BlockConfig, seed: int = 0) -> nn.Module:
     model = MODELS[cfg.family](cfg)
     for p in model.parameters():
         p.add_(torch.randn_like(p) * 0.1)
+    pack_dense(model, KERNEL)
     return model.eval()
 
 

@@ -1,0 +1,109 @@
+"""oneDNN-packed float projections (models/dense.py): the same results as F.linear to fp32 rounding,
+an ordinary state_dict, and a kernel chosen per weight shape by what the timer measures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.catalog import ModelSpec, load_model
+from models.dense import PackedLinear, onednn_available, pack_dense
+from models.fuse import unfused_state_dict
+from models.kv_cache import KVCache
+from models.tiny import tiny_model
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_matches_linear_and_gives_its_weight_back(bias: bool) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(lin.weight, lin.bias)
+    for shape in ((1, 48), (7, 48), (2, 5, 48)):
+        x = torch.randn(shape)
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), lin(x), atol=1e-5, rtol=1e-5)
+    assert torch.equal(packed.weight, lin.weight.detach())
+    fresh = nn.Linear(48, 80, bias=bias)
+    fresh.load_state_dict(packed.state_dict(), strict=True)
+    assert torch.equal(fresh.weight, lin.weight)
+
+
+@pytest.mark.parametrize("family", ["encoder", "decoder", "seq2seq"])
+def test_packed_models_match_and_keep_their_checkpoint_layout(family: str) -> None:
+    plain, _ = tiny_model(family)
+    packed, _ = tiny_model(family)
+    before = unfused_state_dict(packed)
+    report = pack_dense(packed, "onednn")
+    assert report and not any(type(m) is nn.Linear for m in packed.modules())
+    state = unfused_state_dict(packed)
+    assert all(torch.equal(state[k], v) for k, v in before.items())
+    ids = torch.randint(3, 200, (3, 9))
+    keep = torch.arange(9)[None, :] < torch.tensor([[9], [4], [1]])  # (3, 9) padded rows
+    close = dict(atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        if family == "encoder":
+            torch.testing.assert_close(packed.embed(ids, keep), plain.embed(ids, keep), **close)
+        elif family == "decoder":
+            assert isinstance(packed.lm_head, PackedLinear)  # the tied head got a packed copy
+            torch.testing.assert_close(packed(ids, keep), plain(ids, keep), **close)
+            cache = KVCache.for_model(packed.cfg, 1, 16)
+            steps = []
+            for t in range(9):
+                steps.append(packed(ids[:1, t:t + 1], cache=cache.view())[:, 0])
+                cache.advance(1)
+            torch.testing.assert_close(torch.stack(steps, 1), plain(ids[:1]), **close)
+        else:
+            tgt = torch.randint(3, 200, (3, 5))
+            torch.testing.assert_close(packed(ids, keep, tgt), plain(ids, keep, tgt), **close)
+
+
+def test_auto_packs_only_the_shapes_the_timer_measures_faster() -> None:
+    model, _ = tiny_model("decoder")
+    shapes = {tuple(m.weight.shape) for m in model.modules() if type(m) is nn.Linear}
+    slow_shape = max(shapes)  # oneDNN "slower" on this one shape only
+    calls: list[tuple[int, ...]] = []
+
+    def timer(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[float, float]:
+        calls.append(tuple(weight.shape))
+        return (1.0, 2.0) if tuple(weight.shape) == slow_shape else (2.0, 1.0)
+
+    report = pack_dense(model, "auto", timer=timer)
+    assert len(calls) == len(set(calls))  # each shape measured once, however many layers share it
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            assert tuple(m.weight.shape) == slow_shape
+        elif isinstance(m, PackedLinear):
+            assert (m.out_features, m.in_features) != slow_shape
+    assert report[f"{slow_shape[0]}x{slow_shape[1]}"] == "aten 2.00x"
+
+
+def test_aten_leaves_the_model_alone_and_load_model_reports_its_choice() -> None:
+    model, _ = tiny_model("encoder")
+    assert pack_dense(model, "aten") == {} and not any(isinstance(m, PackedLinear) for m in model.modules())
+    spec = ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", dense_kernel="onednn")
+    loaded = load_model(spec, Path("/nonexistent"))
+    assert loaded.kernels and set(loaded.kernels.values()) == {"onednn"}
+    assert isinstance(loaded.model.stack.blocks[0].self_attn.qkv, PackedLinear)
+    with pytest.raises(ValueError, match="dense_kernel must be one of"):
+        ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", dense_kernel="mkl")  # type: ignore[arg-type]
+
+
+def test_quantized_models_pack_only_the_layers_left_in_float() -> None:
+    from models.quant import Int8Linear
+
+    spec = ModelSpec(name="e", tasks=("embed",), source="tiny:encoder", quantize="int8", dense_kernel="onednn")
+    model = load_model(spec, Path("/nonexistent")).model
+    block = model.stack.blocks[0]
+    assert isinstance(block.self_attn.q_proj, Int8Linear)
+    assert isinstance(block.ff.down, PackedLinear)  # kept in float by quant.FLOAT_LAYERS, then packed
+    x = torch.randn(2, 5, block.ff.down.in_features)
+    with torch.inference_mode():
+        torch.testing.assert_close(block.ff.down(x), F.linear(x, block.ff.down.weight, block.ff.down.bias),
+                                   atol=1e-5, rtol=1e-5)
