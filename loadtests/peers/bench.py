@@ -114,8 +114,10 @@ def peer(env: PeerEnv, engine: str, mode: str, path: Path) -> list[str]:
 
 def convert(env: PeerEnv, kind: str, out: Path) -> None:
     log.info("converting our %s for its peer into %s", kind, out)
-    subprocess.run([str(env.python), "-m", "loadtests.peers.convert", kind, str(out)], check=True, cwd=ROOT,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run([str(env.python), "-m", "loadtests.peers.convert", kind, str(out)], cwd=ROOT,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"converting the {kind} failed:\n{done.stderr[-4000:]}")
 
 
 def bench_encoder(env: PeerEnv, work_dir: Path, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:

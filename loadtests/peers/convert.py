@@ -126,8 +126,10 @@ def load_fp32(kind: str):
     from models import zoo
     from models.catalog import DEFAULT_SPECS, load_model
 
-    # unfused: the export reads the separate q/k/v projections (fused ones are bitwise the same)
-    return load_model(dataclasses.replace(DEFAULT_SPECS[kind], fuse=False, quantize=None), zoo.default_cache_dir())
+    # unfused (the export reads the separate q/k/v projections; fused ones are bitwise the same) and with
+    # torch's own Linear layers (ONNX cannot trace oneDNN's packed weights)
+    spec = dataclasses.replace(DEFAULT_SPECS[kind], fuse=False, quantize=None, dense_kernel="aten")
+    return load_model(spec, zoo.default_cache_dir())
 
 
 def main(argv: list[str] | None = None) -> None:
