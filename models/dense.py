@@ -32,7 +32,9 @@ log = logging.getLogger("models.dense")
 
 PACK_ROWS = 32  # oneDNN's batch-size hint when reordering; the result does not depend on it
 PROBE_ROWS = (1, 8, 32)  # rows the choice is measured at: a decode step alone, a few rows, a batch
-PROBE_CALLS = 5
+PROBE_CALLS = 15
+STREAM_BYTES = 96 << 20  # more than a server CPU's last-level cache share
+MAX_COPIES = 64
 
 
 def onednn_available() -> bool:
@@ -71,25 +73,30 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _seconds(fn: Callable[[], object]) -> float:
-    fn()
+def _seconds(fn: Callable[[int], object], copies: int) -> float:
+    """Median seconds of one call, the calls cycling through `copies` weight copies."""
+    fn(0)
     times = []
-    for _ in range(PROBE_CALLS):
+    for i in range(max(PROBE_CALLS, copies)):
         start = time.perf_counter()
-        fn()
+        fn(i % copies)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
-def measure(weight: Tensor, bias: Tensor | None) -> tuple[float, float]:
-    """(aten seconds, oneDNN seconds): medians summed over PROBE_ROWS rows."""
-    packed = PackedLinear(weight, bias)
+def measure(weight: Tensor, bias: Tensor | None, stream: bool = False) -> tuple[float, float]:
+    """(aten seconds, oneDNN seconds): medians summed over PROBE_ROWS rows. `stream`: the model's
+    weights do not fit in cache, so each call reads another copy of the weight (STREAM_BYTES in all),
+    as a decode step reads every layer's weights from memory; else the weight stays cache-hot."""
+    copies = max(1, min(MAX_COPIES, -(-STREAM_BYTES // (weight.numel() * 4)))) if stream else 1
+    dense = [weight.detach().clone() for _ in range(copies)]
+    packed = [PackedLinear(w, bias) for w in dense]
     aten = onednn = 0.0
     with torch.inference_mode():
         for rows in PROBE_ROWS:
             x = torch.randn(rows, weight.size(1))
-            aten += _seconds(lambda x=x: F.linear(x, weight, bias))
-            onednn += _seconds(lambda x=x: packed(x))
+            aten += _seconds(lambda i, x=x: F.linear(x, dense[i], bias), copies)
+            onednn += _seconds(lambda i, x=x: packed[i](x), copies)
     return aten, onednn
 
 
@@ -99,16 +106,18 @@ def _float_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def pack_dense(model: nn.Module, kernel: DenseKernel = "auto",
-               timer: Callable[[Tensor, Tensor | None], tuple[float, float]] = measure) -> dict[str, str]:
+               timer: Callable[[Tensor, Tensor | None, bool], tuple[float, float]] = measure) -> dict[str, str]:
     """Swap float32 CPU nn.Linear layers of `model` (in place) for PackedLinear where `kernel` says:
     "onednn" all, "auto" those whose shape `timer` measures faster packed, "aten" none. A tied head is
-    packed as a copy. Returns the choice per weight shape ("NxK" -> "onednn 1.9x" | "aten 1.1x")."""
+    packed as a copy. The timer streams the weights from memory when the model's float weights exceed
+    STREAM_BYTES (a decoder's step), else keeps them cache-hot. Returns the choice per weight shape ("NxK" -> "onednn 1.9x" | "aten 1.1x")."""
     if kernel == "aten" or not onednn_available():
         return {}
     layers = _float_linears(model)
     tied = tied_embedding(model)
     if tied is not None and tied.dtype == torch.float32 and tied.device.type == "cpu":
         layers.append((model, "lm_head", None))  # type: ignore[arg-type]
+    stream = sum((c.weight if c is not None else tied).numel() * 4 for _, _, c in layers) > STREAM_BYTES
     chosen: dict[tuple[int, int, bool], bool] = {}
     report: dict[str, str] = {}
     for parent, name, child in layers:
@@ -119,7 +128,7 @@ def pack_dense(model: nn.Module, kernel: DenseKernel = "auto",
                 chosen[key] = True
                 report[f"{key[0]}x{key[1]}"] = "onednn"
             else:
-                aten, onednn = timer(weight, bias)
+                aten, onednn = timer(weight, bias, stream)
                 chosen[key] = onednn < aten
                 faster = aten / onednn if onednn < aten else onednn / aten
                 report[f"{key[0]}x{key[1]}"] = f"{'onednn' if chosen[key] else 'aten'} {faster:.2f}x"
