@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,7 @@ log = logging.getLogger("models.dense")
 
 PACK_ROWS = 32  # oneDNN's batch-size hint when reordering; the result does not depend on it
 PROBE_ROWS = (1, 8, 32)  # rows the choice is measured at: a decode step alone, a few rows, a batch
-PROBE_CALLS = 15
-STREAM_BYTES = 96 << 20  # more than a server CPU's last-level cache share
-MAX_COPIES = 64
+PROBE_SWEEPS = 3
 
 
 def onednn_available() -> bool:
@@ -73,66 +72,78 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _seconds(fn: Callable[[int], object], copies: int) -> float:
-    """Median seconds of one call, the calls cycling through `copies` weight copies."""
-    fn(0)
-    times = []
-    for i in range(max(PROBE_CALLS, copies)):
-        start = time.perf_counter()
-        fn(i % copies)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+Shape = tuple[int, int]  # (N, K)
 
 
-def measure(weight: Tensor, bias: Tensor | None, stream: bool = False) -> tuple[float, float]:
-    """(aten seconds, oneDNN seconds): medians summed over PROBE_ROWS rows. `stream`: the model's
-    weights do not fit in cache, so each call reads another copy of the weight (STREAM_BYTES in all),
-    as a decode step reads every layer's weights from memory; else the weight stays cache-hot."""
-    copies = max(1, min(MAX_COPIES, -(-STREAM_BYTES // (weight.numel() * 4)))) if stream else 1
-    dense = [weight.detach().clone() for _ in range(copies)]
-    packed = [PackedLinear(w, bias) for w in dense]
-    aten = onednn = 0.0
+@dataclass(frozen=True)
+class Slot:
+    """A float projection of the model: where it lives, its weights, and whether it is a tied copy."""
+
+    parent: nn.Module
+    name: str
+    weight: Tensor  # (N, K)
+    bias: Tensor | None
+    copy: bool = False
+
+    @property
+    def shape(self) -> Shape:
+        return tuple(self.weight.shape)  # type: ignore[return-value]
+
+
+def measure(slots: list[Slot], packed: list[PackedLinear]) -> dict[Shape, tuple[float, float]]:
+    """(aten seconds, oneDNN seconds) per weight shape, from sweeps over all the model's projections in
+    model order at PROBE_ROWS rows: each layer is timed where the model would run it, after the
+    others, so the caches hold what they would hold in a forward pass (a decoder's weights stream
+    from memory; a small translator's stay in cache, except what its output head evicts)."""
+    totals: dict[Shape, list[float]] = {slot.shape: [0.0, 0.0] for slot in slots}
     with torch.inference_mode():
         for rows in PROBE_ROWS:
-            x = torch.randn(rows, weight.size(1))
-            aten += _seconds(lambda i, x=x: F.linear(x, dense[i], bias), copies)
-            onednn += _seconds(lambda i, x=x: packed[i](x), copies)
-    return aten, onednn
+            xs = {k: torch.randn(rows, k) for k in {slot.shape[1] for slot in slots}}
+            for sweep in range(PROBE_SWEEPS + 1):  # the first sweep warms up
+                for slot in slots:
+                    start = time.perf_counter()
+                    F.linear(xs[slot.shape[1]], slot.weight, slot.bias)
+                    if sweep:
+                        totals[slot.shape][0] += time.perf_counter() - start
+                for slot, lin in zip(slots, packed, strict=True):
+                    start = time.perf_counter()
+                    lin(xs[slot.shape[1]])
+                    if sweep:
+                        totals[slot.shape][1] += time.perf_counter() - start
+    return {k: (a, o) for k, (a, o) in totals.items()}
 
 
-def _float_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"]
+def _slots(model: nn.Module) -> list[Slot]:
+    slots = [Slot(parent, name, child.weight, child.bias) for parent in model.modules()
+             for name, child in parent.named_children()
+             if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"]
+    tied = tied_embedding(model)
+    if tied is not None and tied.dtype == torch.float32 and tied.device.type == "cpu":
+        slots.append(Slot(model, "lm_head", tied, None, copy=True))
+    return slots
 
 
 def pack_dense(model: nn.Module, kernel: DenseKernel = "auto",
-               timer: Callable[[Tensor, Tensor | None, bool], tuple[float, float]] = measure) -> dict[str, str]:
+               timer: Callable[[list[Slot], list[PackedLinear]], dict[Shape, tuple[float, float]]] = measure,
+               ) -> dict[str, str]:
     """Swap float32 CPU nn.Linear layers of `model` (in place) for PackedLinear where `kernel` says:
-    "onednn" all, "auto" those whose shape `timer` measures faster packed, "aten" none. A tied head is
-    packed as a copy. The timer streams the weights from memory when the model's float weights exceed
-    STREAM_BYTES (a decoder's step), else keeps them cache-hot. Returns the choice per weight shape ("NxK" -> "onednn 1.9x" | "aten 1.1x")."""
+    "onednn" all, "auto" the weight shapes `timer` measures faster packed, "aten" none. A tied head
+    is packed as a copy. For inference only (a packed copy does not follow training updates).
+    Returns the choice per weight shape ("NxK" -> "onednn 1.9x" | "aten 1.1x" | "onednn")."""
     if kernel == "aten" or not onednn_available():
         return {}
-    layers = _float_linears(model)
-    tied = tied_embedding(model)
-    if tied is not None and tied.dtype == torch.float32 and tied.device.type == "cpu":
-        layers.append((model, "lm_head", None))  # type: ignore[arg-type]
-    stream = sum((c.weight if c is not None else tied).numel() * 4 for _, _, c in layers) > STREAM_BYTES
-    chosen: dict[tuple[int, int, bool], bool] = {}
-    report: dict[str, str] = {}
-    for parent, name, child in layers:
-        weight, bias = (tied, None) if child is None else (child.weight, child.bias)
-        key = (*weight.shape, bias is not None)
-        if key not in chosen:
-            if kernel == "onednn":
-                chosen[key] = True
-                report[f"{key[0]}x{key[1]}"] = "onednn"
-            else:
-                aten, onednn = timer(weight, bias, stream)
-                chosen[key] = onednn < aten
-                faster = aten / onednn if onednn < aten else onednn / aten
-                report[f"{key[0]}x{key[1]}"] = f"{'onednn' if chosen[key] else 'aten'} {faster:.2f}x"
-        if chosen[key]:
-            setattr(parent, name, PackedLinear(weight, bias, copy=child is None))
+    slots = _slots(model)
+    packed = [PackedLinear(slot.weight, slot.bias, copy=slot.copy) for slot in slots]
+    if kernel == "onednn":
+        use = dict.fromkeys((slot.shape for slot in slots), True)
+        report = {f"{n}x{k}": "onednn" for n, k in use}
+    else:
+        times = timer(slots, packed)
+        use = {shape: onednn < aten for shape, (aten, onednn) in times.items()}
+        report = {f"{n}x{k}": f"onednn {aten / onednn:.2f}x" if use[(n, k)] else f"aten {onednn / aten:.2f}x"
+                  for (n, k), (aten, onednn) in times.items()}
+    for slot, lin in zip(slots, packed, strict=True):
+        if use[slot.shape]:
+            setattr(slot.parent, slot.name, lin)
     log.info("dense kernels (%s): %s", kernel, report)
     return report

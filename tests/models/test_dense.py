@@ -68,21 +68,30 @@ def test_auto_packs_only_the_shapes_the_timer_measures_faster() -> None:
     model, _ = tiny_model("decoder")
     shapes = {tuple(m.weight.shape) for m in model.modules() if type(m) is nn.Linear}
     slow_shape = max(shapes)  # oneDNN "slower" on this one shape only
-    calls: list[tuple[int, ...]] = []
+    seen: list[int] = []
 
-    def timer(weight: torch.Tensor, bias: torch.Tensor | None, stream: bool) -> tuple[float, float]:
-        assert not stream  # a tiny model's weights stay in cache
-        calls.append(tuple(weight.shape))
-        return (1.0, 2.0) if tuple(weight.shape) == slow_shape else (2.0, 1.0)
+    def timer(slots, packed):  # noqa: ANN001, ANN202
+        seen.append(len(slots))
+        assert len(slots) == len(packed) and slots[-1].copy  # the tied head comes last, as a copy
+        return {s.shape: (1.0, 2.0) if s.shape == slow_shape else (2.0, 1.0) for s in slots}
 
     report = pack_dense(model, "auto", timer=timer)
-    assert len(calls) == len(set(calls))  # each shape measured once, however many layers share it
+    assert seen == [sum(type(m) is nn.Linear for m in tiny_model("decoder")[0].modules()) + 1]
     for m in model.modules():
         if type(m) is nn.Linear:
             assert tuple(m.weight.shape) == slow_shape
         elif isinstance(m, PackedLinear):
             assert (m.out_features, m.in_features) != slow_shape
     assert report[f"{slow_shape[0]}x{slow_shape[1]}"] == "aten 2.00x"
+
+
+def test_the_real_timer_measures_every_shape() -> None:
+    from models.dense import _slots, measure
+
+    model, _ = tiny_model("seq2seq")
+    slots = _slots(model)
+    times = measure(slots, [PackedLinear(s.weight, s.bias) for s in slots])
+    assert set(times) == {s.shape for s in slots} and all(a > 0 and o > 0 for a, o in times.values())
 
 
 def test_aten_leaves_the_model_alone_and_load_model_reports_its_choice() -> None:
