@@ -64,6 +64,7 @@ class ModelInfo:
     stats: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)  # generators: the engine's resolved limits
     quantize: str | None = None  # "int8": 8-bit weights and activations (models/quant.py)
+    kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/dense.py)
 
 
 @dataclass(frozen=True)

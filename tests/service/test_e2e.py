@@ -47,7 +47,7 @@ def app_args(gate: Path) -> dict[str, Any]:
             "translator": {
                 "model": {"name": "tiny-en-es", "tasks": ["translate"], "source": "tiny:seq2seq",
                           "languages": ["en", "es"], "max_input_tokens": LIMIT,
-                          "defaults": {"beam_size": 2, "max_new_tokens": 10}},
+                          "defaults": {"beam_size": 2, "max_new_tokens": 10}, "dense_kernel": "onednn"},
                 "num_cpus": 0, "batching": SMALL_BATCHES},
             "gated": {"model": {**_encoder("tiny-encoder-gated"), "quantize": "int8"}, "num_cpus": 0,
                       "startup_gate": str(gate),
@@ -107,6 +107,17 @@ def test_readyz_is_503_before_the_models_load_and_200_after(server: Server) -> N
         assert r.json() == {"status": "ready", "deployments": {"encoder": "ready", "translator": "ready",
                                                                "gated": "ready"}}
         assert c.get("/healthz").json() == {"status": "ok"}
+
+
+def test_models_report_the_dense_kernels_their_config_chose(server: Server) -> None:
+    from models.dense import onednn_available
+
+    with server.client() as c:
+        cards = {m["deployment"]: m for m in c.get("/v1/models").json()["data"]}
+    if onednn_available():  # the translator's config says onednn: every float shape packed
+        assert cards["translator"]["kernels"] and set(cards["translator"]["kernels"].values()) == {"onednn"}
+    auto = cards["encoder"]["kernels"] or {}  # auto: whatever this CPU measured, with the measured ratio
+    assert all(v.split()[0] in ("onednn", "aten") and v.endswith("x") for v in auto.values())
 
 
 def test_a_quantized_deployment_serves_its_int8_model(server: Server) -> None:
