@@ -22,6 +22,7 @@ batching a `BatchLimits` (service/replica/config.py) and its engine an `EngineCo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -130,7 +131,9 @@ class Settings(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _fill_default_models(cls, data: Any) -> Any:
-        """A deployment without `model` serves the default model of the same name."""
+        """A deployment without `model` serves the default model of the same name; a `model` without a
+        `source` (serving options only, e.g. TS_DEPLOYMENTS__GENERATOR__MODEL__QUANTIZE=int8) changes
+        those fields of that default model."""
         if not isinstance(data, dict) or not isinstance(data.get("deployments"), dict):
             return data
         filled: dict[str, Any] = {}
@@ -139,6 +142,9 @@ class Settings(_Frozen):
                 dep = dep.model_copy(update={"model": DEFAULT_SPECS[name]})
             elif isinstance(dep, dict) and dep.get("model") is None and name in DEFAULT_SPECS:
                 dep = {**dep, "model": DEFAULT_SPECS[name]}
+            elif (isinstance(dep, dict) and isinstance(dep.get("model"), dict) and "source" not in dep["model"]
+                  and name in DEFAULT_SPECS):
+                dep = {**dep, "model": {**dataclasses.asdict(DEFAULT_SPECS[name]), **dep["model"]}}
             filled[name] = dep
         return {**data, "deployments": filled}
 

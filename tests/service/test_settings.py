@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,18 @@ def test_a_model_is_quantized_from_its_settings() -> None:
     assert Settings.build({"deployments": {"enc": {"model": TINY}}}, env={}).deployments["enc"].model.quantize is None  # type: ignore[union-attr]
     with pytest.raises(ValidationError, match=r"model.quantize\n  Input should be .int8."):
         Settings.build({"deployments": {"enc": {"model": {**TINY, "quantize": "int4"}}}}, env={})
+
+
+def test_serving_options_of_a_default_model_are_set_alone() -> None:
+    env = {"TS_DEPLOYMENTS__GENERATOR__MODEL__DENSE_KERNEL": "aten", "TS_DEPLOYMENTS__ENCODER__MODEL__QUANTIZE": "int8"}
+    s = Settings.build(None, env=env)
+    gen, enc = s.deployments["generator"].model, s.deployments["encoder"].model
+    assert gen == dataclasses.replace(DEFAULT_SPECS["generator"], dense_kernel="aten")
+    assert enc == dataclasses.replace(DEFAULT_SPECS["encoder"], quantize="int8")
+    assert s.deployments["translator"].model == DEFAULT_SPECS["translator"]
+    # a deployment with no default model of its name still needs a whole spec
+    with pytest.raises(ValidationError, match="source"):
+        Settings.build({"deployments": {"other": {"model": {"dense_kernel": "aten"}}}}, env={})
 
 
 def test_deployment_options_follow_the_settings() -> None:
