@@ -3,7 +3,7 @@
 Reads one JSON command per line on stdin and answers one JSON line on stdout:
   {"op": "run", "work": {...}}              -> {"out": ...}   outputs, for the conversion checks
   {"op": "time", "work": {...}, "repeats": n} -> {"s": median seconds of n calls}
-Work is {"kind": "encode", "ids": [[...]]} | {"kind": "translate", "ids": [[...]], "beam": k}
+Work is {"kind": "encode", "ids": [[...]]}  (or "batches": [ids, ids, ...]: one call per batch) | {"kind": "translate", "ids": [[...]], "beam": k}
 | {"kind": "prefill", "ids": [...]} | {"kind": "decode", "ids": [...], "new": n}; token ids come from our
 tokenizer, so every engine gets the same input.
 
@@ -113,6 +113,13 @@ def main() -> None:
         run = ctranslate2_engine(rest[0], mode)
     else:
         raise SystemExit(f"unknown engine {engine!r}")
+    one = run
+
+    def run(work: dict[str, Any]) -> Any:  # {"batches": [...]}: one call per batch, in turn
+        if "batches" in work:
+            return [one({**work, "ids": batch}) for batch in work["batches"]]
+        return one(work)
+
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
