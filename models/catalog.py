@@ -154,6 +154,6 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
         model = fuse_projections(model)
     if spec.quantize is not None:  # after the cast (the scales stay float32), calibrated on sample text
         model = quantize(model, spec.quantize, calibration_run(model, tokenizer))
-    kernels = pack_dense(model, spec.dense_kernel) if torch.device(device).type == "cpu" else {}
+    kernels = pack_dense(model, spec.dense_kernel)  # float32 CPU layers only
     limit = min(spec.max_input_tokens or model.cfg.max_positions, model.cfg.max_positions)
     return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started, kernels)

@@ -5,9 +5,10 @@
 and 6-9 GB/s at 2-32 rows, while oneDNN with the weight reordered once into its blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`, the path inductor's freezing uses) reaches 17-21 GB/s: a
 1.8-2.8x faster decode step at the same fp32 precision. Which library wins depends on the CPU (MKL
-is at its best on Intel), so `pack_dense(model, "auto")` times both on every distinct weight shape at
-load and packs a layer only where oneDNN is faster; "onednn" packs every float layer, "aten" leaves
-the model as it is.
+is at its best on Intel), so `pack_dense(model, "auto")` times both at load on every projection, in
+sweeps over the model's layers in order (so the caches hold what a forward pass leaves in them), and
+packs the weight shapes oneDNN runs faster; "onednn" packs every float layer, "aten" leaves the
+model as it is. Only float32 weights on the CPU are packed (bf16 and CUDA keep F.linear).
 
 Results: the same fp32 arithmetic in another summation order, so logits differ from F.linear's in the
 last bits (~1e-6 relative); neither library gives a row bitwise the same result at every batch size.
@@ -110,7 +111,7 @@ def measure(slots: list[Slot], packed: list[PackedLinear]) -> dict[Shape, tuple[
                     lin(xs[slot.shape[1]])
                     if sweep:
                         totals[slot.shape][1] += time.perf_counter() - start
-    return {k: (a, o) for k, (a, o) in totals.items()}
+    return {k: (aten, onednn) for k, (aten, onednn) in totals.items()}
 
 
 def _slots(model: nn.Module) -> list[Slot]:

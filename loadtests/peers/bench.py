@@ -34,6 +34,7 @@ from models.machine import machine_info
 from models.text import TextTokenizer
 
 from ..report import update_docs
+from .convert import f32_gguf
 from .env import ROOT, PeerEnv
 
 log = logging.getLogger("bench.peers")
@@ -54,7 +55,7 @@ class Worker:
 
     def __post_init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([*self.argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      cwd=ROOT, env=env)
         self._read()
 
@@ -107,6 +108,10 @@ def _calls(batch: int, args: argparse.Namespace) -> int:
     return max(1, args.min_items // batch)
 
 
+def _in_batches(rows: list[list[int]], size: int = 32) -> list[list[list[int]]]:
+    return [rows[i: i + size] for i in range(0, len(rows), size)]
+
+
 def _items(work: dict[str, Any]) -> int:
     return sum(len(batch) for batch in work["batches"])
 
@@ -141,11 +146,11 @@ def bench_encoder(env: PeerEnv, work_dir: Path, args: argparse.Namespace, rng: r
                                                                work_dir / "onnx" / "encoder.int8.onnx"))}
     try:
         texts = read_sources()[: args.check]
-        check = {"kind": "encode", "ids": tok.encode_batch(texts)}
+        check = {"kind": "encode", "batches": _in_batches(tok.encode_batch(texts))}
         outs = {}
         for e, w in workers.items():
-            outs[e] = [w.run({"kind": "encode", "ids": check["ids"][i: i + 32]}) for i in range(0, len(texts), 32)]
-            outs[e] = {k: [x for part in outs[e] for x in part[k]] for k in ("embedding", "label")}
+            parts = w.run(check)
+            outs[e] = {k: [x for part in parts for x in part[k]] for k in ("embedding", "label")}
         ref = outs["ours fp32"]
         quality = {}
         for e, o in outs.items():
@@ -178,9 +183,8 @@ def bench_translator(env: PeerEnv, work_dir: Path, args: argparse.Namespace,
         ids = tok.encode_batch(sources[: args.check])
         quality = {}
         for beam in (4, 1):
-            outs = {e: [x for i in range(0, len(ids), 32) for x in w.run({"kind": "translate", "beam": beam,
-                                                                            "ids": ids[i: i + 32]})]
-                    for e, w in workers.items()}
+            check = {"kind": "translate", "beam": beam, "batches": _in_batches(ids)}
+            outs = {e: [x for part in w.run(check) for x in part] for e, w in workers.items()}
             quality[f"beam {beam}"] = {e: sum(a == b for a, b in zip(outs["ours fp32"], o, strict=True))
                                        for e, o in outs.items()}
         if quality["beam 4"]["ctranslate2 fp32"] != len(ids) or quality["beam 1"]["ctranslate2 fp32"] != len(ids):
@@ -210,23 +214,20 @@ def llama_greedy(env: PeerEnv, gguf: Path, prompt: str, new: int) -> str:
 
 
 def bench_generator(env: PeerEnv, work_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from .convert import f32_gguf
-
-    cache = zoo.default_cache_dir()
     (gguf_name,) = zoo.ZOO["smollm2"].files
-    q4 = zoo.resolve("smollm2", cache) / gguf_name
+    q4 = zoo.resolve("smollm2", zoo.default_cache_dir()) / gguf_name
     f32 = f32_gguf(env.tool("llama-quantize"), q4, work_dir / "smollm2.f32.gguf")
-    from models.catalog import DEFAULT_SPECS, load_model
-    tok = load_model(DEFAULT_SPECS["generator"], cache).tokenizer
-    prompt_text = tok.apply_chat_template(CAPITAL)
     workers = {"ours fp32": Worker("ours fp32", ours("generator", "fp32")),
                "ours int8": Worker("ours int8", ours("generator", "int8"))}
-    prefill_ids = tok.encode(" ".join(read_sources()), add_special_tokens=False)[: args.prompt]
-    works = {"prefill": {"kind": "prefill", "ids": prefill_ids},
-             "decode": {"kind": "decode", "ids": prefill_ids[:1], "new": args.new}}
     try:
-        ids = tok.encode(prompt_text, add_special_tokens=False)
-        answers = {e: tok.decode(w.run({"kind": "greedy", "ids": ids, "new": 24})) for e, w in workers.items()}
+        fp32 = workers["ours fp32"]
+        prefill_ids = fp32.run({"kind": "tokenize", "text": " ".join(read_sources())})["ids"][: args.prompt]
+        works = {"prefill": {"kind": "prefill", "ids": prefill_ids},
+                 "decode": {"kind": "decode", "ids": prefill_ids[:1], "new": args.new}}
+        chat = fp32.run({"kind": "tokenize", "messages": CAPITAL})
+        prompt_text = chat["text"]
+        answers = {e: fp32.run({"kind": "detokenize", "ids": w.run({"kind": "greedy", "ids": chat["ids"], "new": 24})})
+                   for e, w in workers.items()}
         answers["llama.cpp F32"] = llama_greedy(env, f32, prompt_text, 24)
         answers["llama.cpp Q4_1"] = llama_greedy(env, q4, prompt_text, 24)
         seconds = {e: {k: [] for k in works} for e in workers}

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import site as sitelib
 import subprocess
 import sys
 import tarfile
@@ -71,9 +72,7 @@ class PeerEnv:
             self._run([_base_python(), "-m", "venv", str(self.root / "venv")])
         site = subprocess.run([str(self.python), "-c", "import site; print(site.getsitepackages()[0])"],
                               check=True, capture_output=True, text=True).stdout.strip()
-        ours = subprocess.run([sys.executable, "-c", "import site; print(site.getsitepackages()[0])"],
-                              check=True, capture_output=True, text=True).stdout.strip()
-        Path(site, "transformer-serve.pth").write_text(f"{ours}\n{ROOT}\n")
+        Path(site, "transformer-serve.pth").write_text(f"{sitelib.getsitepackages()[0]}\n{ROOT}\n")
         self._run([str(self.python), "-m", "pip", "install", "-q", *PIP_PEERS])
         stamp.write_text("\n".join(PIP_PEERS))
 

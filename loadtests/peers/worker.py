@@ -4,8 +4,9 @@ Reads one JSON command per line on stdin and answers one JSON line on stdout:
   {"op": "run", "work": {...}}              -> {"out": ...}   outputs, for the conversion checks
   {"op": "time", "work": {...}, "repeats": n} -> {"s": median seconds of n calls}
 Work is {"kind": "encode", "ids": [[...]]}  (or "batches": [ids, ids, ...]: one call per batch) | {"kind": "translate", "ids": [[...]], "beam": k}
-| {"kind": "prefill", "ids": [...]} | {"kind": "decode", "ids": [...], "new": n}; token ids come from our
-tokenizer, so every engine gets the same input.
+| {"kind": "prefill", "ids": [...]} | {"kind": "decode" | "greedy", "ids": [...], "new": n}; token ids
+come from our tokenizer, so every engine gets the same input ({"kind": "tokenize" | "detokenize"} asks
+our worker for them).
 
 Engines: ours (MODE fp32 | int8) for encoder / translator / generator, onnxruntime (MODE fp32 | int8,
 PATH = the .onnx file), ctranslate2 (MODE = its compute type, PATH = the converted model folder).
@@ -53,6 +54,11 @@ def ours(model_kind: str, mode: str) -> Callable[[dict[str, Any]], Any]:
             batch = PaddedBatch.from_token_lists(work["ids"], cfg.pad_token_id or 0)
             emb = model.embed(batch.ids, batch.keep)  # (B, C)
             return {"embedding": emb.float().tolist(), "label": model.head(emb).argmax(-1).tolist()}
+        if work["kind"] == "tokenize":  # {"text": ...} or {"messages": [...]} (through the chat template)
+            text = lm.tokenizer.apply_chat_template(work["messages"]) if "messages" in work else work["text"]
+            return {"text": text, "ids": lm.tokenizer.encode(text, add_special_tokens=False)}
+        if work["kind"] == "detokenize":
+            return lm.tokenizer.decode(work["ids"])
         if work["kind"] == "translate":
             return translate_ids(model, work["ids"], BeamParams(work["beam"], MAX_NEW), banned_ids=banned)
         new = 1 if work["kind"] == "prefill" else work["new"]

@@ -14,6 +14,8 @@ perturbed away from its init so identity norms and zero biases cannot hide a bug
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -60,7 +62,7 @@ KERNEL = "aten"  # set per test by the dense_kernel fixture
 
 @pytest.fixture(autouse=True, params=KERNELS)
 def dense_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(__import__(__name__, fromlist=["KERNEL"]), "KERNEL", request.param)
+    monkeypatch.setattr(sys.modules[__name__], "KERNEL", request.param)
     return request.param
 
 
