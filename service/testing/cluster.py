@@ -9,6 +9,7 @@ load-test commands that start the service themselves (autoscale, soak, hops).
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from collections.abc import Iterator, Mapping
@@ -28,7 +29,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free 127.0.0.1 port below the kernel's ephemeral range: Ray's own connections take their
+    ports from that range, so a port picked there (bind to 0) can be taken again before Serve binds it
+    (seen as "Failed to bind to address" in one full test run in four)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below the range taken: fall back to the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
