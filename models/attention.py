@@ -9,7 +9,8 @@ Masks are boolean with True = attend, built only by the helpers below:
     causal mask    (B, 1, T, S)  from per-row query positions and key positions, so it is
                                  right-aligned for cached decoding (query t of row b sits at
                                  position lengths[b] + t and sees keys at positions <= that)
-A query row with no key to attend gives zeros, never NaN.
+A query row with no key to attend gives zeros, never NaN. An additive float bias (T5's relative
+positions, (B|1, H, T, S)) may come next to the boolean mask; the mask still decides who attends.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import BlockConfig
+from .norms import RMSNorm
 from .positions import apply_rotary
 from .projections import stack_linears
 
@@ -29,15 +31,18 @@ def padding_mask(keep: Tensor) -> Tensor:
     return keep.bool()[:, None, None, :]  # (B, 1, 1, S)
 
 
-def causal_mask(q_pos: Tensor, k_pos: Tensor) -> Tensor:
-    """Query at position p attends keys at positions <= p.
+def causal_mask(q_pos: Tensor, k_pos: Tensor, window: int | None = None) -> Tensor:
+    """Query at position p attends keys at positions <= p (and > p - window with a sliding window).
 
     q_pos: (B, T) absolute positions of the queries; k_pos: (S,) or (B, S) positions of the keys.
     Returns (B, 1, T, S) bool.
     """
     if k_pos.dim() == 1:
         k_pos = k_pos[None, :]  # (1, S)
-    return k_pos[:, None, None, :] <= q_pos[:, None, :, None]  # (B, 1, T, S)
+    k, q = k_pos[:, None, None, :], q_pos[:, None, :, None]  # (B|1, 1, 1, S), (B, 1, T, 1)
+    if window is None:
+        return k <= q  # (B, 1, T, S)
+    return (k <= q) & (k > q - window)  # (B, 1, T, S)
 
 
 def positions_from_mask(keep: Tensor) -> Tensor:
@@ -64,21 +69,22 @@ class AttentionMask:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | AttentionMask | None,
-              dropout_p: float = 0.0) -> Tensor:
-    """Scaled dot-product attention, softmax(q k^T / sqrt(D)) v.
+              dropout_p: float = 0.0, bias: Tensor | None = None, scale: float | None = None) -> Tensor:
+    """Scaled dot-product attention, softmax(q k^T * scale + bias) v, scale = 1/sqrt(D) unless given.
 
     q: (B, H, T, D); k, v: (B, K, S, D) with H % K == 0; mask: bool, broadcastable to
-    (B, 1, T, S), True = attend (or an AttentionMask built from one). Returns (B, H, T, D).
-    Fully masked query rows give zeros.
+    (B, 1, T, S), True = attend (or an AttentionMask built from one); bias: float, broadcastable to
+    (B, H, T, S), in q's dtype. Returns (B, H, T, D). Fully masked query rows give zeros.
     """
     gqa = bool(k.size(1) != q.size(1))  # a Python bool also under tracing (ONNX export)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)  # (B, H, T, D)
-    if not isinstance(mask, AttentionMask):
+    if mask is not None and not isinstance(mask, AttentionMask):
         mask = AttentionMask.build(mask)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.safe, dropout_p=dropout_p,
+    attn_mask = mask.safe if mask is not None else None  # (B, 1, T, S) bool
+    if bias is not None:
+        attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))  # (B, H, T, S)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
                                          enable_gqa=gqa)  # (B, H, T, D)
-    return out if mask.dead is None else out.masked_fill(mask.dead, 0.0)  # (B, H, T, D)
+    return out if mask is None or mask.dead is None else out.masked_fill(mask.dead, 0.0)  # (B, H, T, D)
 
 
 class MultiHeadAttention(nn.Module):
@@ -94,8 +100,12 @@ class MultiHeadAttention(nn.Module):
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.attn_bias)
         self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.attn_bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.attn_bias)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.attn_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.out_bias)
         self.qkv: nn.Module | None = None  # fuse_qkv(): one projection for q, k and v (self-attention)
+        # Qwen3: RMSNorm over each head's D features of q and k, before rotary
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.scale = None if cfg.scale_attention else 1.0  # None: SDPA's 1/sqrt(D)
         self.dropout = cfg.dropout
 
     def fuse_qkv(self) -> None:
@@ -106,21 +116,25 @@ class MultiHeadAttention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
         self.qkv = fused
 
-    def _split(self, x: Tensor, heads: int) -> Tensor:
+    def _split(self, x: Tensor, heads: int, norm: nn.Module | None = None) -> Tensor:
         b, t, _ = x.shape
-        return x.reshape(b, t, heads, self.head_dim).transpose(1, 2)  # (B, heads, T, D)
+        x = x.reshape(b, t, heads, self.head_dim)  # (B, T, heads, D)
+        if norm is not None:
+            x = norm(x)  # (B, T, heads, D): per head
+        return x.transpose(1, 2)  # (B, heads, T, D)
 
     def _project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(B, T, C) -> q (B, H, T, D), k and v (B, K, T, D), by one fused product when fuse_qkv() ran."""
         if self.qkv is None:
-            return (self._split(self.q_proj(x), self.n_heads), *self.project_kv(x))
+            return (self._split(self.q_proj(x), self.n_heads, self.q_norm), *self.project_kv(x))
         qd, kd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split([qd, kd, kd], dim=-1)  # (B, T, H*D), (B, T, K*D) x2
-        return self._split(q, self.n_heads), self._split(k, self.n_kv_heads), self._split(v, self.n_kv_heads)
+        return (self._split(q, self.n_heads, self.q_norm), self._split(k, self.n_kv_heads, self.k_norm),
+                self._split(v, self.n_kv_heads))
 
     def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(B, S, C) -> keys, values (B, K, S, D) each."""
-        k = self._split(self.k_proj(x), self.n_kv_heads)  # (B, K, S, D)
+        k = self._split(self.k_proj(x), self.n_kv_heads, self.k_norm)  # (B, K, S, D)
         v = self._split(self.v_proj(x), self.n_kv_heads)  # (B, K, S, D)
         return k, v
 
@@ -132,11 +146,13 @@ class MultiHeadAttention(nn.Module):
         cache=None,
         layer: int = 0,
         kv: tuple[Tensor, Tensor] | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor:
         """x: (B, T, C); mask: (B|1, 1, T|1, S) bool; rope: cos, sin (B, 1, T, D).
 
         cache: a kv_cache.CacheView to write this step's keys into (self-attention);
-        kv: precomputed (B, K, S, D) keys/values (cross-attention). Returns (B, T, C).
+        kv: precomputed (B, K, S, D) keys/values (cross-attention); bias: (B|1, H, T, S) added to the
+        scores (T5's relative positions). Returns (B, T, C).
         """
         b, t, _ = x.shape
         if kv is None:
@@ -147,9 +163,9 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.write(layer, k, v)  # (B, K, S, D) each: past + this step
         else:
-            q = self._split(self.q_proj(x), self.n_heads)  # (B, H, T, D)
+            q = self._split(self.q_proj(x), self.n_heads, self.q_norm)  # (B, H, T, D)
             k, v = kv  # (B, K, S, D) each
         drop = self.dropout if self.training else 0.0
-        out = attention(q, k, v, mask, drop)  # (B, H, T, D)
+        out = attention(q, k, v, mask, drop, bias, self.scale)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, C)
         return self.o_proj(out)  # (B, T, C)

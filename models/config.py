@@ -11,17 +11,52 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-Position = Literal["sinusoidal", "learned", "rotary", "none"]
+Position = Literal["sinusoidal", "learned", "rotary", "relative", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
-Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_tanh"]
+RopeType = Literal["linear", "dynamic", "yarn", "llama3"]
 
-_POSITIONS = ("sinusoidal", "learned", "rotary", "none")
+_POSITIONS = ("sinusoidal", "learned", "rotary", "relative", "none")
 _NORMS = ("layernorm", "rmsnorm")
-_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
+_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_tanh")
+_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
 
 
 class ConfigError(ValueError):
     """A config that cannot describe a working model; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequencies stretched for longer contexts, as `transformers` defines each type
+    (modeling_rope_utils): linear (positions / factor), dynamic NTK (the base grows with the row's
+    length past original_max_positions), YaRN (per-frequency ramp between interpolation and
+    extrapolation, cos/sin scaled by an attention factor), llama3 (Llama 3.1's low/high-frequency
+    smoothing)."""
+
+    type: RopeType
+    factor: float
+    original_max_positions: int | None = None  # dynamic, yarn, llama3: the pre-training context
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: None = derived from factor (and mscale)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+
+    def __post_init__(self) -> None:
+        if self.type not in _ROPE_TYPES:
+            raise ConfigError(f"RopeScaling: type must be one of {_ROPE_TYPES}, got {self.type!r}")
+        if not self.factor > 0:
+            raise ConfigError(f"RopeScaling: factor must be positive, got {self.factor!r}")
+        if self.type != "linear" and not (isinstance(self.original_max_positions, int)
+                                          and self.original_max_positions > 0):
+            raise ConfigError(f"RopeScaling: type {self.type!r} needs original_max_positions, "
+                              f"got {self.original_max_positions!r}")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ConfigError("RopeScaling: llama3 needs high_freq_factor > low_freq_factor")
 
 
 @dataclass(frozen=True)
@@ -37,6 +72,13 @@ class BlockConfig:
     max_positions: int = 512  # longest sequence the position scheme (and the cache) supports
     position: Position = "learned"
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # rotary only; None = plain RoPE
+    relative_buckets: int = 32  # position "relative" (T5): buckets of the learned relative bias
+    relative_max_distance: int = 128  # position "relative": distances past this share the last bucket
+    d_head: int | None = None  # D when it is not d_model // n_heads (Qwen3, T5's d_kv)
+    qk_norm: bool = False  # an RMSNorm over each head's queries and keys before rotary (Qwen3)
+    scale_attention: bool = True  # False: scores are q.k without 1/sqrt(D) (T5)
+    sliding_window: int | None = None  # causal stacks: a query sees only its last W keys (Mistral)
     norm: Norm = "layernorm"
     norm_eps: float = 1e-5
     prenorm: bool = True  # False = post-norm (original Transformer, BERT, Marian)
@@ -44,6 +86,7 @@ class BlockConfig:
     embed_norm: bool = False  # a norm right after the embeddings (BERT)
     activation: Activation = "gelu"
     attn_bias: bool = True  # bias on q/k/v/o projections
+    attn_out_bias: bool | None = None  # bias on the output projection; None = attn_bias (Qwen2: False)
     mlp_bias: bool = True
     norm_bias: bool = True  # LayerNorm with a bias (ignored for RMSNorm)
     dropout: float = 0.0
@@ -62,7 +105,11 @@ class BlockConfig:
 
     @property
     def head_dim(self) -> int:  # D
-        return self.d_model // self.n_heads
+        return self.d_head if self.d_head is not None else self.d_model // self.n_heads
+
+    @property
+    def out_bias(self) -> bool:
+        return self.attn_bias if self.attn_out_bias is None else self.attn_out_bias
 
     def _validate(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -72,13 +119,21 @@ class BlockConfig:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_positions"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) > 0,
                  f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        need(self.d_model % self.n_heads == 0,
-             f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        need(self.d_head is None or (isinstance(self.d_head, int) and self.d_head > 0),
+             f"d_head must be a positive integer or None, got {self.d_head!r}")
+        need(self.d_head is not None or self.d_model % self.n_heads == 0,
+             f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}), or d_head given")
         need(self.kv_heads > 0 and self.n_heads % self.kv_heads == 0,
              f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.kv_heads})")
         need(self.position in _POSITIONS, f"position must be one of {_POSITIONS}, got {self.position!r}")
         need(self.position != "rotary" or self.head_dim % 2 == 0,
              f"rotary positions need an even head dim, got {self.head_dim}")
+        need(self.rope_scaling is None or self.position == "rotary",
+             f"rope_scaling needs rotary positions, got position {self.position!r}")
+        need(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window > 0),
+             f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        need(self.relative_buckets > 1 and self.relative_max_distance > 1,
+             "relative_buckets and relative_max_distance must be > 1")
         need(self.norm in _NORMS, f"norm must be one of {_NORMS}, got {self.norm!r}")
         need(self.activation in _ACTIVATIONS,
              f"activation must be one of {_ACTIVATIONS}, got {self.activation!r}")
@@ -100,6 +155,8 @@ class BlockConfig:
         names = {f.name for f in dataclasses.fields(target)}
         # JSON has no tuples: give tuple-typed fields (labels, eos ids) back their type
         data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        if isinstance(data.get("rope_scaling"), dict):
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(f"{target.__name__}: unknown fields {unknown}")
@@ -196,5 +253,5 @@ PRESETS: dict[str, BlockConfig] = {
 }
 
 __all__ = [
-    "BlockConfig", "ConfigError", "DecoderConfig", "EncoderConfig", "Seq2SeqConfig", "CONFIGS", "PRESETS",
+    "BlockConfig", "ConfigError", "RopeScaling", "DecoderConfig", "EncoderConfig", "Seq2SeqConfig", "CONFIGS", "PRESETS",
 ]

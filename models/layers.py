@@ -10,27 +10,9 @@ from torch import Tensor, nn
 
 from .attention import AttentionMask, MultiHeadAttention
 from .config import BlockConfig
+from .norms import make_norm
 from .positions import LearnedPositions, SinusoidalPositions
 from .projections import stack_linears
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 like the Llama reference."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        normed = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)  # (..., C) in float32
-        return self.weight * normed.to(x.dtype)  # (..., C)
-
-
-def make_norm(cfg: BlockConfig) -> nn.Module:
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.d_model, cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.norm_bias)
 
 
 _ACT = {
@@ -39,15 +21,17 @@ _ACT = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "silu": F.silu,
 }
+# gated feed-forwards: the activation applied to the gate
+_GATED = {"swiglu": F.silu, "geglu": F.gelu, "geglu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class FeedForward(nn.Module):
-    """Two-layer MLP, or a gated one (SwiGLU / GeGLU: down(act(gate(x)) * up(x)))."""
+    """Two-layer MLP, or a gated one (SwiGLU / GeGLU / T5 v1.1's tanh GeGLU: down(act(gate(x)) * up(x)))."""
 
     def __init__(self, cfg: BlockConfig) -> None:
         super().__init__()
-        self.gated = cfg.activation in ("swiglu", "geglu")
-        self.act = {"swiglu": F.silu, "geglu": F.gelu}.get(cfg.activation) or _ACT[cfg.activation]
+        self.gated = cfg.activation in _GATED
+        self.act = _GATED.get(cfg.activation) or _ACT[cfg.activation]
         self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
         self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias) if self.gated else None
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
@@ -134,9 +118,11 @@ class Block(nn.Module):
         layer: int = 0,
         cross_kv: tuple[Tensor, Tensor] | None = None,
         cross_mask: Tensor | AttentionMask | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor:
-        """x: (B, T, C) -> (B, T, C). cross_kv: (B, K, S_src, D) keys/values of the encoder output."""
-        x = self._residual(x, self.self_norm, lambda h: self.self_attn(h, mask, rope, cache, layer))
+        """x: (B, T, C) -> (B, T, C). cross_kv: (B, K, S_src, D) keys/values of the encoder output;
+        bias: (B|1, H, T, S) added to the self-attention scores (T5's relative positions)."""
+        x = self._residual(x, self.self_norm, lambda h: self.self_attn(h, mask, rope, cache, layer, bias=bias))
         if self.cross_attn is not None:
             if cross_kv is None:
                 raise ValueError("a cross-attention block needs the encoder's keys/values")
