@@ -14,7 +14,6 @@ from .norms import make_norm
 from .positions import LearnedPositions, SinusoidalPositions
 from .projections import stack_linears
 
-
 _ACT = {
     "relu": F.relu,
     "gelu": F.gelu,
