@@ -11,6 +11,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .config import RopeScaling
+
 
 def sinusoidal_table(n_positions: int, dim: int) -> Tensor:
     """(n_positions, dim) table: sines in the first half, cosines in the second (Marian's layout)."""
@@ -46,23 +48,90 @@ class LearnedPositions(nn.Module):
 
 
 class RotaryPositions(nn.Module):
-    """Rotary embeddings in the rotate-half layout used by Llama checkpoints in `transformers`.
+    """Rotary embeddings in the rotate-half layout used by Llama checkpoints in `transformers`, with
+    the RoPE scalings `transformers` defines (config.RopeScaling).
 
     The frequencies are recomputed in float32 on the positions' device rather than stored as a
-    buffer, so casting the model to bf16/fp16 cannot degrade them.
+    buffer, so casting the model to bf16/fp16 cannot degrade them. Dynamic NTK scaling grows the base
+    with each row's own length (its largest position + 1), so a row's rotation never depends on the
+    other rows of its batch; keys already cached keep the rotation they were written with, as in
+    `transformers`.
     """
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.attention_factor = _yarn_attention_factor(scaling) if scaling and scaling.type == "yarn" else 1.0
+
+    def _inv_freq(self, positions: Tensor) -> Tensor:
+        """(D/2,) or, for dynamic NTK, (B, 1, D/2) inverse frequencies in float32."""
+        d, s = self.head_dim, self.scaling
+        exponents = torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d  # (D/2,)
+        inv_freq = 1.0 / (self.theta ** exponents)  # (D/2,)
+        if s is None:
+            return inv_freq
+        if s.type == "linear":
+            return inv_freq / s.factor
+        if s.type == "llama3":
+            return _llama3(inv_freq, s)
+        if s.type == "yarn":
+            return _yarn(inv_freq, s, d, self.theta)
+        # dynamic NTK: base * ((factor * L / L0) - (factor - 1)) ** (D / (D - 2)), L = max(row length, L0)
+        original = s.original_max_positions
+        length = (positions.amax(dim=-1, keepdim=True) + 1).clamp(min=original).double()  # (B, 1)
+        base = self.theta * ((s.factor * length / original) - (s.factor - 1)) ** (d / (d - 2))  # (B, 1)
+        return (1.0 / base[..., None] ** exponents.double()).float()  # (B, 1, D/2)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions (B, T) -> cos, sin (B, 1, T, D) in `dtype`."""
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device)
-        inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))  # (D/2,)
-        angles = positions[..., None].float() * inv_freq  # (B, T, D/2)
+        angles = positions[..., None].float() * self._inv_freq(positions)  # (B, T, D/2)
         emb = torch.cat((angles, angles), dim=-1)  # (B, T, D)
-        return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)  # (B, 1, T, D) each
+        cos, sin = emb.cos(), emb.sin()  # (B, T, D) each
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos[:, None].to(dtype), sin[:, None].to(dtype)  # (B, 1, T, D) each
+
+
+def _llama3(inv_freq: Tensor, s: RopeScaling) -> Tensor:
+    """Llama 3.1: low frequencies divided by factor, high ones kept, a smooth ramp in between."""
+    old = s.original_max_positions
+    low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # (D/2,)
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)  # (D/2,)
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)  # (D/2,)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled  # (D/2,)
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)  # (D/2,)
+    return torch.where(medium, smoothed, scaled)  # (D/2,)
+
+
+def _yarn(inv_freq: Tensor, s: RopeScaling, dim: int, base: float) -> Tensor:
+    """YaRN: interpolated (/factor) below the ramp, extrapolated (as is) above it."""
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(s.original_max_positions / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # (D/2,)
+    return inv_freq / s.factor * (1 - extrapolation) + inv_freq * extrapolation  # (D/2,)
+
+
+def _yarn_attention_factor(s: RopeScaling) -> float:
+    """The cos/sin multiplier of YaRN: given, or 0.1 * ln(factor) + 1 (with mscale ratios when given)."""
+    if s.attention_factor is not None:
+        return float(s.attention_factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.mscale and s.mscale_all_dim:
+        return float(mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim))
+    return mscale(s.factor)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -48,7 +48,9 @@ class CausalStack(nn.Module):
                  embed: Embeddings | None = None) -> None:
         super().__init__()
         self.embed = embed if embed is not None else Embeddings(cfg)
-        self.rotary = RotaryPositions(cfg.head_dim, cfg.rope_theta) if cfg.position == "rotary" else None
+        self.rotary = (RotaryPositions(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+                       if cfg.position == "rotary" else None)
+        self.window = cfg.sliding_window
         self.blocks = nn.ModuleList(Block(cfg, cross=cross) for _ in range(n_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else None
 
@@ -63,13 +65,16 @@ class CausalStack(nn.Module):
         b, t = ids.shape
         if cache is not None:
             positions, s = cache.begin(t)  # (B, T), S = longest past + T
-            mask = causal_mask(positions, torch.arange(s, device=ids.device))  # (B, 1, T, S)
+            mask = causal_mask(positions, torch.arange(s, device=ids.device), self.window)  # (B, 1, T, S)
         else:
             if keep is None:
                 keep = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
             positions = positions_from_mask(keep)  # (B, T)
             slots = torch.arange(t, device=ids.device)  # (T,)
+            # the window counts real tokens: positions skip padding, slots do not
             mask = causal_mask(slots.expand(b, t), slots) & padding_mask(keep)  # (B, 1, T, T)
+            if self.window is not None:
+                mask = mask & causal_mask(positions, positions, self.window)  # (B, 1, T, T)
         mask = AttentionMask.build(mask)  # once for every layer
         x = self.embed(ids, positions)  # (B, T, C)
         rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2

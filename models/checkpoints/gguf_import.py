@@ -1,14 +1,17 @@
-"""Import Llama-architecture GGUF files (llama.cpp) as Hugging Face-style config + state, then our DecoderLM.
+"""Import Llama-family GGUF files (llama.cpp's `llama`, `qwen2`, `qwen3` architectures) as Hugging
+Face-style config + state, then our DecoderLM.
 
 What a GGUF holds and how it maps:
-- metadata `llama.*` / `tokenizer.ggml.*` -> a transformers LlamaConfig dict (hf_config_from_gguf);
+- metadata `<arch>.*` / `tokenizer.ggml.*` -> a transformers Llama/Qwen2/Qwen3 config dict
+  (hf_config_from_gguf);
   `tie_word_embeddings` is True when the file has no `output.weight` tensor;
 - tensors, possibly quantized (Q4_1, Q8_0, ...), are dequantized to float32 and reshaped to the
   reversed GGUF shape (GGUF lists the fastest-varying dimension first): `(out, in)` like nn.Linear;
 - GGUF names (`blk.N.attn_q.weight`, ...) -> transformers names (`model.layers.N.self_attn.q_proj.weight`);
-- llama.cpp's converter permutes the rows of the q and k projections (HF rotates the two halves of
-  each head, llama.cpp rotates adjacent pairs); `unpermute_rotary` undoes it, as transformers' own
-  GGUF loader does (modeling_gguf_pytorch_utils.LlamaTensorProcessor).
+- for `llama` only, llama.cpp's converter permutes the rows of the q and k projections (HF rotates the
+  two halves of each head, llama.cpp rotates adjacent pairs); `unpermute_rotary` undoes it, as
+  transformers' own GGUF loader does (modeling_gguf_pytorch_utils.LlamaTensorProcessor). Qwen models
+  use llama.cpp's NEOX rotation (rotate-half, as HF), so their rows are stored as they are.
 The state is then handed to `models.checkpoints.llama.from_hf`. The chat template is metadata
 `tokenizer.chat_template`; the tokenizer is rebuilt by transformers from the `tokenizer.ggml.*` fields
 (load_gguf_tokenizer; slow: cache it with models.checkpoints.cache).
@@ -17,7 +20,6 @@ The state is then handed to `models.checkpoints.llama.from_hf`. The chat templat
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,8 @@ BLOCK_TENSORS: dict[str, str] = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",  # qwen3
 }
 
 
@@ -80,7 +84,7 @@ def hf_name(name: str) -> str:
         return f"{GLOBAL_TENSORS[stem]}.{suffix}"
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in BLOCK_TENSORS:
         return f"model.layers.{parts[1]}.{BLOCK_TENSORS[parts[2]]}.{suffix}"
-    raise CheckpointError(f"GGUF tensor {name!r} has no Llama counterpart "
+    raise CheckpointError(f"GGUF tensor {name!r} has no Llama-family counterpart "
                           f"(supported: {sorted(GLOBAL_TENSORS)}, "
                           f"blk.N.{{{', '.join(sorted(BLOCK_TENSORS))}}})")
 
@@ -98,8 +102,42 @@ def field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
     return f.contents()
 
 
-def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
-    arch = "llama"
+@dataclass(frozen=True)
+class Architecture:
+    """A GGUF architecture of the Llama family: the transformers model it is, and its tensor layout."""
+
+    model_type: str
+    hf_class: str
+    permuted_qk: bool  # llama.cpp permuted q/k rows for its adjacent-pair rotation (llama only)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("llama", "LlamaForCausalLM", permuted_qk=True),
+    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", permuted_qk=False),
+    "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", permuted_qk=False),
+}
+# GGUF rope.scaling.type -> transformers rope_type
+_ROPE_SCALING = {"linear": "linear", "yarn": "yarn"}
+
+
+def _rope_parameters(reader: gguf.GGUFReader, arch: str, theta: float) -> dict[str, Any]:
+    scaling = field(reader, f"{arch}.rope.scaling.type", "none")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise CheckpointError("GGUF: a rope_freqs tensor (per-frequency RoPE factors, as llama.cpp stores "
+                              "Llama 3.1's scaling) is not supported; import the Hugging Face directory instead")
+    if scaling == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    if scaling not in _ROPE_SCALING:
+        raise CheckpointError(f"GGUF: rope scaling {scaling!r} is not supported; supported: "
+                              f"{['none', *sorted(_ROPE_SCALING)]}")
+    params = {"rope_type": _ROPE_SCALING[scaling], "rope_theta": theta,
+              "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
+    if scaling == "yarn":
+        params["original_max_position_embeddings"] = int(field(reader, f"{arch}.rope.scaling.original_context_length"))
+    return params
+
+
+def _family_config(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     n_embd = int(field(reader, f"{arch}.embedding_length"))
     n_heads = int(field(reader, f"{arch}.attention.head_count"))
     head_dim = int(field(reader, f"{arch}.attention.key_length", n_embd // n_heads))
@@ -107,17 +145,15 @@ def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     if rope_dims != head_dim:
         raise CheckpointError(f"GGUF: partial rotary (rope.dimension_count={rope_dims}, head dim {head_dim}) "
                               "is not supported")
-    scaling = field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise CheckpointError(f"GGUF: rope scaling {scaling!r} is not supported")
     tokens = reader.get_field("tokenizer.ggml.tokens")
     if tokens is None:
         raise CheckpointError("GGUF metadata 'tokenizer.ggml.tokens' is missing: cannot size the vocabulary")
     theta = float(field(reader, f"{arch}.rope.freq_base", 10000.0))
     eos = field(reader, "tokenizer.ggml.eos_token_id", None)
+    names = {t.name for t in reader.tensors}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[arch].hf_class],
+        "model_type": ARCHITECTURES[arch].model_type,
         "vocab_size": len(tokens.data),
         "hidden_size": n_embd,
         "intermediate_size": int(field(reader, f"{arch}.feed_forward_length")),
@@ -128,28 +164,25 @@ def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "max_position_embeddings": int(field(reader, f"{arch}.context_length")),
         "rms_norm_eps": float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_parameters": _rope_parameters(reader, arch, theta),
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": "blk.0.attn_output.bias" in names if arch != "qwen2" else None,
         "mlp_bias": False,
-        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "use_sliding_window": False,
+        "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id", None),
         "eos_token_id": eos,
         "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id", None),
     }
 
 
-# general.architecture -> builder of the transformers config dict
-ARCHITECTURES: dict[str, Callable[[gguf.GGUFReader], dict[str, Any]]] = {"llama": _llama_config}
-
-
 def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """A transformers LlamaConfig dict from the GGUF metadata."""
+    """A transformers config dict (Llama, Qwen2 or Qwen3) from the GGUF metadata."""
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"GGUF architecture {arch!r} is not supported; "
                               f"supported: {sorted(ARCHITECTURES)}")
-    return ARCHITECTURES[arch](reader)
+    return _family_config(reader, arch)
 
 
 def dequantized(tensor: gguf.ReaderTensor) -> Tensor:
@@ -162,16 +195,18 @@ def dequantized(tensor: gguf.ReaderTensor) -> Tensor:
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
-    """Config, float32 transformers-named state (q/k un-permuted) and chat template of a Llama GGUF."""
+    """Config, float32 transformers-named state (q/k un-permuted) and chat template of a Llama-family GGUF."""
     reader = gguf.GGUFReader(str(path))
     hf_config = hf_config_from_gguf(reader)
     heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
+    if not ARCHITECTURES[hf_config["model_type"]].permuted_qk:
+        heads = {}
     state: dict[str, Tensor] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         w = dequantized(tensor)  # (out, in) or (C,)
         kind = tensor.name.split(".")[-2]
-        if kind in heads:
+        if kind in heads and tensor.name.endswith(".weight"):
             w = unpermute_rotary(w, heads[kind])  # (H * D, C)
         state[name] = w
     template = field(reader, "tokenizer.chat_template", None)
@@ -181,7 +216,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
 
 
 def import_gguf(path: str | Path, dtype: torch.dtype | None = None) -> tuple[DecoderLM, GGUFModel]:
-    """Our DecoderLM (eval mode) from a Llama GGUF, and the decoded contents it was built from.
+    """Our DecoderLM (eval mode) from a Llama-family GGUF, and the decoded contents it was built from.
 
     dtype: cast the (dequantized, float32) weights to it; None keeps float32.
     """
@@ -198,7 +233,7 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
 
 
 __all__ = [
-    "ARCHITECTURES", "BLOCK_TENSORS", "GGUFModel", "GLOBAL_TENSORS", "dequantized", "field",
+    "ARCHITECTURES", "Architecture", "BLOCK_TENSORS", "GGUFModel", "GLOBAL_TENSORS", "dequantized", "field",
     "hf_config_from_gguf",
     "hf_name", "import_gguf", "load_gguf_tokenizer", "read_gguf", "unpermute_rotary",
 ]

@@ -21,6 +21,9 @@ IMPORTERS: dict[str, Importer] = {
     "gpt2": gpt2.from_hf,
     "llama": llama.from_hf,
     "marian": marian.from_hf,
+    "mistral": llama.from_hf,
+    "qwen2": llama.from_hf,
+    "qwen3": llama.from_hf,
 }
 
 

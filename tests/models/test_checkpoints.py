@@ -182,11 +182,16 @@ def _llama_config(**changes) -> dict:
 
 UNSUPPORTED = {
     "llama rope_scaling": (llama.config_from_hf, _llama_config(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
-                           "rope_scaling"),
+                           "original_max_position_embeddings"),
     "llama rope_type": (llama.config_from_hf,
-                        _llama_config(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
-                        "rope_parameters.rope_type"),
-    "llama head_dim": (llama.config_from_hf, _llama_config(head_dim=4), "head_dim"),
+                        _llama_config(rope_parameters={"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4}),
+                        "rope_type='longrope'"),
+    "llama partial rotary": (llama.config_from_hf,
+                             _llama_config(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+                             "partial_rotary_factor"),
+    "qwen2 mixed windows": (llama.config_from_hf,
+                            {**hf.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, max_window_layers=1,
+                                              sliding_window=8).to_dict()}, "layer_types"),
     "llama hidden_act": (llama.config_from_hf, _llama_config(hidden_act="gelu"), "hidden_act"),
     "bert positions": (bert.config_from_hf, {**hf.BertConfig().to_dict(), "position_embedding_type": "relative_key"},
                        "position_embedding_type"),
@@ -206,7 +211,7 @@ UNSUPPORTED = {
                               "layernorm_embedding"),
     "marian activation": (marian.config_from_hf, {**hf.MarianConfig().to_dict(), "activation_function": "tanh"},
                           "activation_function"),
-    "model type": (importer_for, {"model_type": "t5"}, "model_type='t5'"),
+    "model type": (importer_for, {"model_type": "bart"}, "model_type='bart'"),
 }
 
 
@@ -226,7 +231,7 @@ def test_llama_config_fields_are_read() -> None:
 
 
 def test_importers_are_keyed_by_model_type() -> None:
-    assert set(IMPORTERS) == {"bert", "gpt2", "llama", "marian"}
+    assert {"bert", "gpt2", "llama", "marian", "mistral", "qwen2", "qwen3"} <= set(IMPORTERS)
 
 
 # --- Hugging Face directories ---------------------------------------------------------------------
