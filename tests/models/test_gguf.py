@@ -14,7 +14,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from models.checkpoints import cache as converted
@@ -26,6 +33,7 @@ from models.checkpoints.gguf_import import (
     read_gguf,
     unpermute_rotary,
 )
+from models.checkpoints.registry import import_hf_dir
 
 Q = gguf.GGMLQuantizationType
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -34,15 +42,17 @@ MERGES = ["Ġ t", "h e", "Ġt he"]
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 N_LAYERS = 2
 
-# llama.cpp tensor names for transformers' Llama names (as convert_hf_to_gguf writes them)
+# llama.cpp tensor names for transformers' Llama / Qwen names (as convert_hf_to_gguf writes them)
 TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 for _i in range(N_LAYERS):
     for _theirs, _ours in [("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
                            ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
                            ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down"),
-                           ("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm")]:
-        TO_GGUF[f"model.layers.{_i}.{_theirs}.weight"] = f"blk.{_i}.{_ours}.weight"
+                           ("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
+                           ("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm")]:
+        for _p in ("weight", "bias"):
+            TO_GGUF[f"model.layers.{_i}.{_theirs}.{_p}"] = f"blk.{_i}.{_ours}.{_p}"
 
 
 def llamacpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
@@ -67,13 +77,15 @@ def tiny_llama(tie: bool, seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
-def write_gguf(path: Path, model: LlamaForCausalLM, qtype: gguf.GGMLQuantizationType) -> None:
+def write_gguf(path: Path, model: torch.nn.Module, qtype: gguf.GGMLQuantizationType, arch: str = "llama") -> None:
     """Write `model` as llama.cpp would, and load the quantization round-trip back into `model`.
 
-    Afterwards `model` holds exactly the weights the GGUF represents, so it is the reference.
+    Afterwards `model` holds exactly the weights the GGUF represents, so it is the reference. Only
+    `llama` has its q/k rows permuted (llama.cpp rotates Qwen's heads the NEOX way, as HF does).
     """
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -81,7 +93,9 @@ def write_gguf(path: Path, model: LlamaForCausalLM, qtype: gguf.GGMLQuantization
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
@@ -99,7 +113,9 @@ def write_gguf(path: Path, model: LlamaForCausalLM, qtype: gguf.GGMLQuantization
     for name, tensor in state.items():
         original = tensor.numpy()
         data = original
-        if name.endswith("q_proj.weight"):
+        if arch != "llama":
+            pass
+        elif name.endswith("q_proj.weight"):
             data = llamacpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             data = llamacpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
@@ -138,6 +154,38 @@ def test_import_matches_transformers(tmp_path: Path, ids: torch.Tensor, qtype: Q
         got = model(ids)  # (B, T, V)
     assert got.shape == expected.shape == (2, 11, len(TOKENS))
     assert rel_err(got, expected) <= 1e-4
+
+
+def tiny_qwen(arch: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+                  rope_theta=500.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))  # 4 heads of 32 on a width of 64
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # biases and q/k norms away from 0 / 1
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_gguf_matches_the_same_weights_from_safetensors(tmp_path: Path, ids: torch.Tensor, arch: str) -> None:
+    """A qwen2 / qwen3 GGUF (q/k/v biases, q/k norms, explicit head dim) loads to the same model as the
+    Hugging Face directory of the same weights."""
+    ref = tiny_qwen(arch)
+    write_gguf(tmp_path / "tiny.gguf", ref, Q.F32, arch=arch)
+    ref.save_pretrained(tmp_path / "hf")
+    from_gguf, contents = import_gguf(tmp_path / "tiny.gguf")
+    from_dir = import_hf_dir(tmp_path / "hf")
+    assert contents.hf_config["model_type"] == arch
+    assert from_gguf.cfg.replace(norm_eps=from_dir.cfg.norm_eps) == from_dir.cfg  # GGUF stores eps as float32
+    with torch.no_grad():
+        got, want, theirs = from_gguf(ids), from_dir(ids), ref(ids).logits  # (B, T, V) each
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert rel_err(got, theirs) <= 1e-4
 
 
 def test_config_and_template_come_from_metadata(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from models.config import PRESETS, BlockConfig, DecoderConfig, EncoderConfig, Seq2SeqConfig
+from models.config import PRESETS, BlockConfig, DecoderConfig, EncoderConfig, RopeScaling, Seq2SeqConfig
 from models.decoder import DecoderLM
 from models.dense import onednn_available, pack_dense
 from models.encoder import EncoderModel
@@ -47,6 +47,16 @@ DECODERS: dict[str, DecoderConfig] = {
     "sinusoidal-postnorm-untied": DecoderConfig(
         vocab_size=100, d_model=16, n_heads=2, d_ff=32, n_layers=2, max_positions=64, position="sinusoidal",
         prenorm=False, final_norm=False, tie_embeddings=False, activation="relu", pad_token_id=0),
+    # Qwen3-like: per-head q/k norm, a head dim that is not d_model / n_heads, biases on q/k/v only
+    "qwen-qknorm-headdim-qkvbias": DecoderConfig(
+        vocab_size=100, d_model=16, n_heads=4, n_kv_heads=2, d_head=8, d_ff=32, n_layers=2, max_positions=64,
+        position="rotary", norm="rmsnorm", activation="swiglu", attn_bias=True, attn_out_bias=False,
+        qk_norm=True, mlp_bias=False, tie_embeddings=False, pad_token_id=0),
+    # Mistral-like: a sliding window shorter than the rows; YaRN-scaled rotary
+    "mistral-window-yarn": DecoderConfig(
+        vocab_size=100, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, n_layers=2, max_positions=64,
+        position="rotary", rope_scaling=RopeScaling("yarn", 4.0, 16), sliding_window=3, norm="rmsnorm",
+        activation="swiglu", attn_bias=False, mlp_bias=False, pad_token_id=0),
 }
 SEQ2SEQS: dict[str, Seq2SeqConfig] = {
     "marian-sinusoidal-postnorm": PRESETS["tiny-seq2seq"],
