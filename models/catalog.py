@@ -7,8 +7,9 @@ another checkpoint from the Serve config without code changes:
     zoo:NAME        pinned default weights fetched by `python -m models.zoo fetch` (see zoo.py)
     builtin:NAME    weights committed in this repository under models/weights/NAME
     dir:PATH        a checkpoint in our format (config.json + model.safetensors)
-    hf:PATH         a Hugging Face directory (BERT, GPT-2, Llama, Marian) imported on load
-    gguf:PATH       a Llama-architecture GGUF file (converted once, then cached)
+    hf:PATH         a Hugging Face directory imported on load (the architectures of
+                    models/checkpoints/registry.py: BERT, GPT-2, Llama, Mistral, Qwen2/3, Marian, ...)
+    gguf:PATH       a llama / qwen2 / qwen3 GGUF file (converted once, then cached)
     tiny:FAMILY     a tiny random model with a character tokenizer (tests only)
 
 Loaders are looked up in a registry dict by scheme.
@@ -82,7 +83,7 @@ def resolve_dir(uri: str, cache_dir: Path) -> Path:
 def _load_hf_dir(path: Path) -> tuple[nn.Module, TextTokenizer]:
     from .checkpoints.registry import import_hf_dir
 
-    return import_hf_dir(path), TextTokenizer.from_file(path)
+    return import_hf_dir(path), TextTokenizer.from_hf_dir(path)
 
 
 def _load_ours(path: Path) -> tuple[nn.Module, TextTokenizer]:

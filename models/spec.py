@@ -22,13 +22,14 @@ TASK_KIND: dict[str, Kind] = {"classify": "encoder", "embed": "encoder", "transl
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to serve. `tasks` lists the endpoints the model answers (an encoder can do two)."""
+    """What to serve. `tasks` lists the endpoints the model answers (an encoder can do two); left
+    empty, they follow from the checkpoint's architecture (models/architectures.py)."""
 
     __pydantic_config__ = {"extra": "forbid"}  # in a config file (pydantic reads it), a misspelt field is an error
 
     name: str
-    tasks: tuple[Task, ...]
     source: str
+    tasks: tuple[Task, ...] = ()
     head: str | None = None  # classify: a head checkpoint (builtin:NAME or dir:PATH)
     tokenizer: str | None = None  # default: the tokenizer beside the weights
     languages: tuple[str, str] | None = None  # translate: (source, target)
@@ -45,7 +46,13 @@ class ModelSpec:
         if not self.name:
             problems.append("name must not be empty")
         if not self.tasks:
-            problems.append("tasks must name at least one task")
+            from .architectures import infer_tasks
+
+            inferred = infer_tasks(self.source)
+            if inferred:
+                object.__setattr__(self, "tasks", tuple(inferred))  # frozen: set once, while constructing
+        if not self.tasks:
+            problems.append(f"tasks must name at least one task (they cannot be read from {self.source!r})")
         unknown = [t for t in self.tasks if t not in TASK_KIND]
         if unknown:
             problems.append(f"unknown tasks {unknown}; known: {sorted(TASK_KIND)}")

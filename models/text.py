@@ -7,6 +7,7 @@ at serving time for text handling.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,26 @@ class TextTokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer at {path}")
         return cls(Tokenizer.from_file(str(path)), chat_template, special_tokens)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> TextTokenizer:
+        """The tokenizer of a Hugging Face model directory: tokenizer.json, with the chat template of
+        chat_template.jinja or tokenizer_config.json and its bos/eos tokens (the names templates use)."""
+        root = Path(path)
+        config_file = root / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if (root / "chat_template.jinja").is_file():
+            template = (root / "chat_template.jinja").read_text()
+        special = {}
+        for name in ("bos_token", "eos_token"):
+            value = config.get(name)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str) and value:
+                special[name] = value
+        return cls.from_file(root, template if isinstance(template, str) else None, special)
 
     @property
     def vocab_size(self) -> int:
