@@ -156,5 +156,6 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
     if spec.quantize is not None:  # after the cast (the scales stay float32), calibrated on sample text
         model = quantize(model, spec.quantize, calibration_run(model, tokenizer))
     kernels = pack_dense(model, spec.dense_kernel)  # float32 CPU layers only
-    limit = min(spec.max_input_tokens or model.cfg.max_positions, model.cfg.max_positions)
+    longest = getattr(model.cfg, "max_tokens", model.cfg.max_positions)  # encoders: positions past an offset
+    limit = min(spec.max_input_tokens or longest, longest)
     return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started, kernels)

@@ -168,12 +168,22 @@ class BlockConfig:
 
 @dataclass(frozen=True)
 class EncoderConfig(BlockConfig):
-    """BERT-style encoder with pooling and an optional classification head."""
+    """BERT-style encoder with pooling and an optional classification head.
+
+    The head is `head` (C -> labels) on `head_pooling`'s input, optionally after a C -> C dense
+    layer with `head_dense`'s activation. Our sentiment head reads the sentence embedding; Hugging
+    Face's sequence-classification heads read the first token: BERT through its pooler (dense +
+    tanh), RoBERTa through classifier.dense + tanh, DistilBERT through pre_classifier + ReLU.
+    """
 
     type_vocab_size: int = 0  # BERT token-type embeddings; 0 = none
     pooling: Literal["mean", "cls"] = "mean"
     normalize_embeddings: bool = True  # L2-normalise pooled embeddings (sentence-transformers)
-    labels: tuple[str, ...] = ()  # classification head labels; empty = no head
+    labels: tuple[str, ...] = ()  # classification head labels, in logit order; empty = no head
+    head_pooling: Literal["embedding", "cls"] = "embedding"  # the head's input: the embedding, or token 0
+    head_dense: Literal["tanh", "relu"] | None = None  # a C -> C layer + this activation before the head
+    head_scores: Literal["softmax", "sigmoid"] = "softmax"  # logits -> scores (sigmoid: multi-label, 1 label)
+    position_offset: int = 0  # the first token's position index (RoBERTa: padding_idx + 1)
     position: Position = "learned"
     prenorm: bool = False
     final_norm: bool = False
@@ -183,14 +193,26 @@ class EncoderConfig(BlockConfig):
 
     family: ClassVar[str] = "encoder"
 
+    @property
+    def max_tokens(self) -> int:
+        """The longest input: the positions left after the offset."""
+        return self.max_positions - self.position_offset
+
     def _validate(self) -> None:
         super()._validate()
-        if self.pooling not in ("mean", "cls"):
-            raise ConfigError(f"EncoderConfig: pooling must be 'mean' or 'cls', got {self.pooling!r}")
+        choices = {"pooling": ("mean", "cls"), "head_pooling": ("embedding", "cls"),
+                   "head_dense": (None, "tanh", "relu"), "head_scores": ("softmax", "sigmoid")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"EncoderConfig: {name} must be {' or '.join(map(repr, allowed))}, "
+                                  f"got {getattr(self, name)!r}")
         if self.position == "rotary":
             raise ConfigError("EncoderConfig: rotary positions are only supported in decoders")
         if len(set(self.labels)) != len(self.labels):
             raise ConfigError(f"EncoderConfig: duplicate labels in {self.labels}")
+        if not (isinstance(self.position_offset, int) and 0 <= self.position_offset < self.max_positions):
+            raise ConfigError(f"EncoderConfig: position_offset must be in [0, max_positions={self.max_positions}), "
+                              f"got {self.position_offset!r}")
 
 
 @dataclass(frozen=True)

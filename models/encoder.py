@@ -1,4 +1,7 @@
-"""Encoder family: a BERT-style stack with mean/CLS pooling and an optional classification head."""
+"""Encoder family: a BERT-style stack with mean/CLS pooling and an optional classification head.
+
+    B batch, T padded length, C model width, L labels
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import EncoderConfig
+from .layers import Embeddings
 from .stacks import EncoderStack
+
+# EncoderConfig.head_dense -> the activation after the head's dense layer
+HEAD_ACTIVATIONS = {"tanh": torch.tanh, "relu": F.relu}
+# EncoderConfig.head_scores -> logits (B, L) to scores (B, L)
+HEAD_SCORES = {"softmax": lambda x: x.softmax(-1), "sigmoid": torch.sigmoid}
 
 
 def mean_pool(hidden: Tensor, keep: Tensor) -> Tensor:
@@ -16,29 +25,65 @@ def mean_pool(hidden: Tensor, keep: Tensor) -> Tensor:
     return (hidden * w).sum(1) / w.sum(1).clamp(min=1e-9)  # (B, C)
 
 
+def first_token(hidden: Tensor, keep: Tensor) -> Tensor:
+    """Each row's first real token (CLS): hidden (B, T, C), keep (B, T) -> (B, C). Slot 0 for the
+    right-padded rows Hugging Face's heads read; the same token for left-padded rows."""
+    first = keep.long().argmax(-1)  # (B,): the first True
+    return hidden[torch.arange(hidden.size(0), device=hidden.device), first]  # (B, C)
+
+
+class OffsetEmbeddings(Embeddings):
+    """Embeddings whose positions count from `offset` (RoBERTa's tables start at padding_idx + 1)."""
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__(cfg, cfg.type_vocab_size)
+        self.offset = cfg.position_offset
+
+    def forward(self, ids: Tensor, positions: Tensor, token_types: Tensor | None = None) -> Tensor:
+        return super().forward(ids, positions + self.offset, token_types)  # (B, T, C)
+
+
 class EncoderModel(nn.Module):
-    """Encoder + pooling (+ head). `forward` returns token states; `embed`/`classify` build on it."""
+    """Encoder + pooling (+ head). `forward` returns token states; `pool`/`logits` read them, and
+    `embed`/`classify` do both in one call."""
 
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.stack = EncoderStack(cfg, type_vocab_size=cfg.type_vocab_size)
+        embed = OffsetEmbeddings(cfg) if cfg.position_offset else None
+        self.stack = EncoderStack(cfg, embed, type_vocab_size=cfg.type_vocab_size)
+        has_dense = bool(cfg.labels) and cfg.head_dense is not None
+        self.head_dense = nn.Linear(cfg.d_model, cfg.d_model) if has_dense else None
         self.head = nn.Linear(cfg.d_model, len(cfg.labels)) if cfg.labels else None
 
     def forward(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None) -> Tensor:
         """ids (B, T) -> hidden states (B, T, C)."""
         return self.stack(ids, keep, token_types)
 
-    def embed(self, ids: Tensor, keep: Tensor | None = None) -> Tensor:
-        """Pooled sentence embeddings (B, C), L2-normalised when the config says so."""
-        if keep is None:
-            keep = torch.ones_like(ids, dtype=torch.bool)
-        hidden = self.forward(ids, keep)  # (B, T, C)
-        pooled = mean_pool(hidden, keep) if self.cfg.pooling == "mean" else hidden[:, 0]  # (B, C)
+    def pool(self, hidden: Tensor, keep: Tensor) -> Tensor:
+        """Sentence embeddings (B, C) from hidden (B, T, C), L2-normalised when the config says so."""
+        pooled = mean_pool(hidden, keep) if self.cfg.pooling == "mean" else first_token(hidden, keep)  # (B, C)
         return F.normalize(pooled, dim=-1) if self.cfg.normalize_embeddings else pooled
 
-    def classify(self, ids: Tensor, keep: Tensor | None = None) -> Tensor:
-        """Label logits (B, n_labels) from the pooled embedding."""
+    def logits(self, hidden: Tensor, keep: Tensor) -> Tensor:
+        """Label logits (B, L) from hidden (B, T, C): the head on the embedding or on the first token."""
         if self.head is None:
             raise ValueError("this encoder has no classification head (its config lists no labels)")
-        return self.head(self.embed(ids, keep))  # (B, n_labels)
+        x = self.pool(hidden, keep) if self.cfg.head_pooling == "embedding" else first_token(hidden, keep)  # (B, C)
+        if self.head_dense is not None:
+            x = HEAD_ACTIVATIONS[self.cfg.head_dense](self.head_dense(x))  # (B, C)
+        return self.head(x)  # (B, L)
+
+    def scores(self, logits: Tensor) -> Tensor:
+        """Logits (B, L) -> label scores (B, L): softmax, or sigmoid per label (multi-label, one label)."""
+        return HEAD_SCORES[self.cfg.head_scores](logits)
+
+    def embed(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None) -> Tensor:
+        """Pooled sentence embeddings (B, C)."""
+        keep = keep if keep is not None else torch.ones_like(ids, dtype=torch.bool)  # (B, T)
+        return self.pool(self.forward(ids, keep, token_types), keep)
+
+    def classify(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None) -> Tensor:
+        """Label logits (B, L)."""
+        keep = keep if keep is not None else torch.ones_like(ids, dtype=torch.bool)  # (B, T)
+        return self.logits(self.forward(ids, keep, token_types), keep)

@@ -43,6 +43,17 @@ class PaddedBatch:
         keep = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]  # (B, T)
         return cls(ids.to(device), keep.to(device), lengths)
 
+    def pad(self, rows: Sequence[Sequence[int] | None], value: int = 0) -> Tensor:
+        """Per-token values of the same rows (e.g. token type ids) laid out like `ids`: (B, T) long,
+        `value` at padding and for a row given as None. Each row given has its row's length."""
+        out = torch.full(tuple(self.ids.shape), value, dtype=torch.long)  # (B, T)
+        for i, row in enumerate(rows):
+            if row is not None:
+                if len(row) != self.lengths[i]:
+                    raise ValueError(f"row {i} has {len(row)} values for {self.lengths[i]} tokens")
+                out[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
+        return out.to(self.ids.device)
+
     @property
     def real_tokens(self) -> int:
         return sum(self.lengths)

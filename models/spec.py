@@ -11,13 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-Task = Literal["classify", "embed", "translate", "generate"]
+Task = Literal["classify", "embed", "rerank", "translate", "generate"]
 Kind = Literal["encoder", "translator", "generator"]
 Quantization = Literal["int8"]
 DenseKernel = Literal["auto", "onednn", "aten"]  # float projections on CPU: models/dense.py
 # the kind of model (and of deployment) each task needs
-TASK_KIND: dict[str, Kind] = {"classify": "encoder", "embed": "encoder", "translate": "translator",
-                              "generate": "generator"}
+TASK_KIND: dict[str, Kind] = {"classify": "encoder", "embed": "encoder", "rerank": "encoder",
+                              "translate": "translator", "generate": "generator"}
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
-"""Import BERT-family encoders (BERT, MiniLM / sentence-transformers) from Hugging Face `BertModel` weights.
+"""Import BERT-family encoders (BERT, MiniLM / sentence-transformers) from Hugging Face `BertModel`
+or `BertForSequenceClassification` weights.
 
 Accepted names: a bare `BertModel` (`embeddings.…`, `encoder.layer.…`) or a model with a head
-(`bert.embeddings.…`). The pooler (`pooler.*`) and pre-training heads (`cls.*`) are ignored, since
-our encoder pools by mean (or CLS) itself; any other head (e.g. `classifier.*`) is an unexpected tensor.
-Legacy `embeddings.position_ids` buffers are ignored.
+(`bert.embeddings.…`). A sequence classifier (models/checkpoints/heads.py decides) keeps its head:
+the pooler (`pooler.dense`, tanh on the first token) and `classifier`, labels from `id2label`.
+Otherwise the pooler and pre-training heads (`cls.*`) are ignored, since our encoder pools by mean
+(or CLS) itself. Legacy `embeddings.position_ids` buffers are ignored.
 """
 
 from __future__ import annotations
@@ -16,27 +18,32 @@ from torch import Tensor
 from ..config import EncoderConfig
 from ..encoder import EncoderModel
 from .format import build_model, load_state_strict
+from .heads import has_head, head_fields
 from .hf import activation, make_config, need_field, rename_strict, require, strip_prefix
 
 SOURCE = "bert checkpoint"
 IGNORE = (r"pooler\..*", r"cls\..*", r"embeddings\.position_ids")
+HEAD = {"pooler.dense": "head_dense", "classifier": "head"}  # BertForSequenceClassification's head
 
 
-def config_from_hf(hf_config: dict[str, Any]) -> EncoderConfig:
-    """EncoderConfig for a BertConfig dict: learned positions, token types, embedding norm, post-norm."""
+def config_from_hf(hf_config: dict[str, Any], source: str = SOURCE, **fields: Any) -> EncoderConfig:
+    """EncoderConfig for a BertConfig dict: learned positions, token types, embedding norm, post-norm.
+
+    fields: EncoderConfig fields set by the caller (a head's; RoBERTa's position offset)."""
     require(hf_config, "position_embedding_type", lambda v: v in (None, "absolute"),
-            "only absolute (learned) positions are supported", source=SOURCE)
-    require(hf_config, "is_decoder", lambda v: not v, "BERT as a decoder is not supported", source=SOURCE)
+            "only absolute (learned) positions are supported", source=source)
+    require(hf_config, "is_decoder", lambda v: not v, "an encoder as a decoder is not supported", source=source)
     require(hf_config, "add_cross_attention", lambda v: not v, "cross-attention is not supported",
-            source=SOURCE)
+            source=source)
     pad = hf_config.get("pad_token_id")
+    vocab = need_field(hf_config, "vocab_size", source)
     return make_config(
-        EncoderConfig, SOURCE,
-        vocab_size=need_field(hf_config, "vocab_size", SOURCE),
-        d_model=need_field(hf_config, "hidden_size", SOURCE),
-        n_heads=need_field(hf_config, "num_attention_heads", SOURCE),
-        d_ff=need_field(hf_config, "intermediate_size", SOURCE),
-        n_layers=need_field(hf_config, "num_hidden_layers", SOURCE),
+        EncoderConfig, source,
+        vocab_size=vocab,
+        d_model=need_field(hf_config, "hidden_size", source),
+        n_heads=need_field(hf_config, "num_attention_heads", source),
+        d_ff=need_field(hf_config, "intermediate_size", source),
+        n_layers=need_field(hf_config, "num_hidden_layers", source),
         max_positions=hf_config.get("max_position_embeddings", 512),
         type_vocab_size=hf_config.get("type_vocab_size", 2),
         position="learned",
@@ -45,13 +52,22 @@ def config_from_hf(hf_config: dict[str, Any]) -> EncoderConfig:
         prenorm=False,
         final_norm=False,
         embed_norm=True,
-        activation=activation(hf_config, "hidden_act", source=SOURCE),
+        activation=activation(hf_config, "hidden_act", source=source),
         pooling="mean",
-        pad_token_id=pad if pad is not None and 0 <= pad < hf_config["vocab_size"] else None,
+        pad_token_id=pad if pad is not None and 0 <= pad < vocab else None,
+        **fields,
     )
 
 
-def _mapping(cfg: EncoderConfig) -> dict[str, str]:
+def with_head(mapping: dict[str, str], head: dict[str, str], cfg: EncoderConfig) -> dict[str, str]:
+    """`mapping` plus the head's weights and biases (their module -> ours) when cfg has a head."""
+    if cfg.labels:
+        mapping.update({f"{theirs}.{p}": f"{ours}.{p}" for theirs, ours in head.items() for p in ("weight", "bias")})
+    return mapping
+
+
+def body_mapping(cfg: EncoderConfig) -> dict[str, str]:
+    """BertModel's embeddings and layers -> ours (RoBERTa's too)."""
     m = {
         "embeddings.word_embeddings.weight": "stack.embed.tokens.weight",
         "embeddings.position_embeddings.weight": "stack.embed.positions.weight",
@@ -78,12 +94,15 @@ def _mapping(cfg: EncoderConfig) -> dict[str, str]:
 
 
 def from_hf(hf_config: dict[str, Any], state: dict[str, Tensor], dtype: torch.dtype | None = None) -> EncoderModel:
-    """Our EncoderModel (eval mode) from a BertConfig dict and a BertModel state dict.
+    """Our EncoderModel (eval mode) from a BertConfig dict and a BertModel (or
+    BertForSequenceClassification) state dict.
 
     dtype: cast floating weights to it; None keeps the stored dtype. The model may share storage
     with `state`.
     """
-    cfg = config_from_hf(hf_config)
     state = strip_prefix(state, "bert.", "embeddings.word_embeddings.weight")
-    ours = rename_strict(state, _mapping(cfg), ignore=IGNORE, source=SOURCE)
+    head = head_fields(hf_config, state, "classifier.weight", "tanh", SOURCE) if has_head(
+        hf_config, state, "classifier.weight", SOURCE) else {}
+    cfg = config_from_hf(hf_config, **head)
+    ours = rename_strict(state, with_head(body_mapping(cfg), HEAD, cfg), ignore=IGNORE, source=SOURCE)
     return load_state_strict(build_model(cfg), ours, dtype, source=SOURCE)

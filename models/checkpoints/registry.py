@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import bert, gpt2, llama, marian
+from . import bert, distilbert, gpt2, llama, marian, roberta
 from .format import CheckpointError
 from .hf import read_hf_dir
 
@@ -18,6 +18,9 @@ Importer = Callable[..., nn.Module]  # from_hf(hf_config, state, dtype=None) -> 
 # config.json "model_type" -> importer
 IMPORTERS: dict[str, Importer] = {
     "bert": bert.from_hf,
+    "distilbert": distilbert.from_hf,
+    "roberta": roberta.from_hf,
+    "xlm-roberta": roberta.from_hf,  # RoBERTa's architecture and tensor names, a larger vocabulary
     "gpt2": gpt2.from_hf,
     "llama": llama.from_hf,
     "marian": marian.from_hf,
