@@ -14,12 +14,12 @@ from typing import Any, ClassVar, Literal
 Position = Literal["sinusoidal", "learned", "rotary", "relative", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_tanh"]
-RopeType = Literal["linear", "dynamic", "yarn", "llama3"]
+RopeType = Literal["linear", "dynamic", "yarn", "llama3", "frequencies"]
 
 _POSITIONS = ("sinusoidal", "learned", "rotary", "relative", "none")
 _NORMS = ("layernorm", "rmsnorm")
 _ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_tanh")
-_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "frequencies")
 
 
 class ConfigError(ValueError):
@@ -32,7 +32,8 @@ class RopeScaling:
     (modeling_rope_utils): linear (positions / factor), dynamic NTK (the base grows with the row's
     length past original_max_positions), YaRN (per-frequency ramp between interpolation and
     extrapolation, cos/sin scaled by an attention factor), llama3 (Llama 3.1's low/high-frequency
-    smoothing)."""
+    smoothing); and frequencies: each inverse frequency divided by its own factor, as llama.cpp stores
+    Llama 3.1's scaling in a GGUF (the `rope_freqs` tensor)."""
 
     type: RopeType
     factor: float
@@ -45,13 +46,16 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+    freq_factors: tuple[float, ...] = ()  # frequencies: one divisor per rotary frequency (D/2 of them)
 
     def __post_init__(self) -> None:
         if self.type not in _ROPE_TYPES:
             raise ConfigError(f"RopeScaling: type must be one of {_ROPE_TYPES}, got {self.type!r}")
         if not self.factor > 0:
             raise ConfigError(f"RopeScaling: factor must be positive, got {self.factor!r}")
-        if self.type != "linear" and not (isinstance(self.original_max_positions, int)
+        if self.type == "frequencies" and not (self.freq_factors and all(f > 0 for f in self.freq_factors)):
+            raise ConfigError("RopeScaling: type 'frequencies' needs positive freq_factors")
+        if self.type not in ("linear", "frequencies") and not (isinstance(self.original_max_positions, int)
                                           and self.original_max_positions > 0):
             raise ConfigError(f"RopeScaling: type {self.type!r} needs original_max_positions, "
                               f"got {self.original_max_positions!r}")
@@ -130,6 +134,9 @@ class BlockConfig:
              f"rotary positions need an even head dim, got {self.head_dim}")
         need(self.rope_scaling is None or self.position == "rotary",
              f"rope_scaling needs rotary positions, got position {self.position!r}")
+        need(self.rope_scaling is None or self.rope_scaling.type != "frequencies"
+             or len(self.rope_scaling.freq_factors) == self.head_dim // 2,
+             f"rope_scaling.freq_factors needs one factor per rotary frequency ({self.head_dim // 2})")
         need(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window > 0),
              f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
         need(self.relative_buckets > 1 and self.relative_max_distance > 1,
@@ -156,7 +163,8 @@ class BlockConfig:
         # JSON has no tuples: give tuple-typed fields (labels, eos ids) back their type
         data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
         if isinstance(data.get("rope_scaling"), dict):
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+            data["rope_scaling"] = RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
+                                                  for k, v in data["rope_scaling"].items()})
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(f"{target.__name__}: unknown fields {unknown}")

@@ -74,6 +74,8 @@ class RotaryPositions(nn.Module):
             return inv_freq / s.factor
         if s.type == "llama3":
             return _llama3(inv_freq, s)
+        if s.type == "frequencies":
+            return inv_freq / torch.tensor(s.freq_factors, dtype=torch.float32, device=inv_freq.device)
         if s.type == "yarn":
             return _yarn(inv_freq, s, d, self.theta)
         # dynamic NTK: base * ((factor * L / L0) - (factor - 1)) ** (D / (D - 2)), L = max(row length, L0)

@@ -116,15 +116,18 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", permuted_qk=False),
     "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", permuted_qk=False),
 }
+ROPE_FREQS = "rope_freqs.weight"  # not a weight: RoPE frequency factors, read into the config
 # GGUF rope.scaling.type -> transformers rope_type
 _ROPE_SCALING = {"linear": "linear", "yarn": "yarn"}
 
 
 def _rope_parameters(reader: gguf.GGUFReader, arch: str, theta: float) -> dict[str, Any]:
     scaling = field(reader, f"{arch}.rope.scaling.type", "none")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise CheckpointError("GGUF: a rope_freqs tensor (per-frequency RoPE factors, as llama.cpp stores "
-                              "Llama 3.1's scaling) is not supported; import the Hugging Face directory instead")
+    freqs = [t for t in reader.tensors if t.name == ROPE_FREQS]
+    if freqs:  # Llama 3.1's scaling, as llama.cpp stores it: one divisor per rotary frequency
+        if scaling != "none":
+            raise CheckpointError(f"GGUF: both {ROPE_FREQS} and rope scaling {scaling!r}: not supported together")
+        return {"rope_type": "frequencies", "rope_theta": theta, "freq_factors": dequantized(freqs[0]).tolist()}
     if scaling == "none":
         return {"rope_type": "default", "rope_theta": theta}
     if scaling not in _ROPE_SCALING:
@@ -203,6 +206,8 @@ def read_gguf(path: str | Path) -> GGUFModel:
         heads = {}
     state: dict[str, Tensor] = {}
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue
         name = hf_name(tensor.name)
         w = dequantized(tensor)  # (out, in) or (C,)
         kind = tensor.name.split(".")[-2]

@@ -48,6 +48,8 @@ _ROPE_FIELDS: dict[str, dict[str, str]] = {
     "dynamic": {"factor": "factor", "original_max_position_embeddings": "original_max_positions"},
     "llama3": {"factor": "factor", "original_max_position_embeddings": "original_max_positions",
                "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor"},
+    # not a transformers type: llama.cpp's per-frequency divisors (a GGUF's rope_freqs tensor)
+    "frequencies": {"freq_factors": "freq_factors"},
     "yarn": {"factor": "factor", "original_max_position_embeddings": "original_max_positions",
              "beta_fast": "beta_fast", "beta_slow": "beta_slow", "attention_factor": "attention_factor",
              "mscale": "mscale", "mscale_all_dim": "mscale_all_dim", "truncate": "truncate"},
@@ -59,6 +61,7 @@ _ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
     "dynamic": ("factor",),
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "frequencies": ("freq_factors",),
 }
 
 
@@ -85,6 +88,8 @@ def _rope(hf_config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     missing = [theirs for theirs in _ROPE_REQUIRED[kind] if params.get(theirs) is None]
     if missing:
         raise CheckpointError(f"{SOURCE}: rope_type {kind!r} needs {missing} in rope_parameters")
+    if kind == "frequencies":
+        fields = {"freq_factors": tuple(float(f) for f in fields["freq_factors"]), "factor": 1.0}
     try:
         return theta, RopeScaling(type=kind, **fields)
     except ConfigError as exc:

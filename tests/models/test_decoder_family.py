@@ -129,3 +129,16 @@ def test_rotary_inverse_frequencies_match_transformers() -> None:
         ref_cos, ref_sin = ref(torch.zeros(1, 40, 8), positions)  # (1, T, D)
         torch.testing.assert_close(cos[:, 0], ref_cos, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(sin[:, 0], ref_sin, atol=1e-6, rtol=1e-5)
+
+
+def test_configs_with_rope_scaling_round_trip_through_our_format() -> None:
+    """Our checkpoint format (and the GGUF conversion cache) stores configs as JSON."""
+    import json
+
+    from models.config import BlockConfig, DecoderConfig
+
+    for scaling in (RopeScaling("yarn", 4.0, 16, attention_factor=1.2), RopeScaling("dynamic", 2.0, 32),
+                    RopeScaling("frequencies", 1.0, freq_factors=(1.0, 2.5, 8.0, 8.0))):
+        cfg = DecoderConfig(vocab_size=50, d_model=16, n_heads=2, d_ff=32, n_layers=1, position="rotary",
+                            rope_scaling=scaling, sliding_window=5, qk_norm=True, d_head=8, attn_out_bias=False)
+        assert BlockConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg

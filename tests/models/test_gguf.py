@@ -8,6 +8,7 @@ so a mistake there cannot cancel out.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -77,7 +78,8 @@ def tiny_llama(tie: bool, seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
-def write_gguf(path: Path, model: torch.nn.Module, qtype: gguf.GGMLQuantizationType, arch: str = "llama") -> None:
+def write_gguf(path: Path, model: torch.nn.Module, qtype: gguf.GGMLQuantizationType, arch: str = "llama",
+               rope_freqs: np.ndarray | None = None) -> None:
     """Write `model` as llama.cpp would, and load the quantization round-trip back into `model`.
 
     Afterwards `model` holds exactly the weights the GGUF represents, so it is the reference. Only
@@ -110,6 +112,8 @@ def write_gguf(path: Path, model: torch.nn.Module, qtype: gguf.GGMLQuantizationT
     state = model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     for name, tensor in state.items():
         original = tensor.numpy()
         data = original
@@ -188,6 +192,43 @@ def test_qwen_gguf_matches_the_same_weights_from_safetensors(tmp_path: Path, ids
     assert rel_err(got, theirs) <= 1e-4
 
 
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low: float, high: float, old: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.generate_extra_tensors for rope_type llama3, restated."""
+    out = []
+    for freq in 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_llama3_rope_factors_from_a_gguf_match_transformers(tmp_path: Path, ids: torch.Tensor) -> None:
+    """llama.cpp keeps Llama 3.1's RoPE scaling as a rope_freqs tensor of per-frequency divisors."""
+    torch.manual_seed(0)
+    rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    ref = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(TOKENS), hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+        rope_parameters=rope, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)).eval()
+    factors = llama3_rope_factors(16, 500.0, 8.0, 1.0, 4.0, 32)
+    assert len(set(factors.tolist())) > 2  # low, high and smoothed frequencies all present
+    write_gguf(tmp_path / "tiny.gguf", ref, Q.F32, rope_freqs=factors)
+    model, _ = import_gguf(tmp_path / "tiny.gguf")
+    assert model.cfg.rope_scaling.type == "frequencies"
+    with torch.no_grad():
+        assert rel_err(model(ids), ref(ids).logits) <= 1e-4
+        plain = LlamaForCausalLM(LlamaConfig(**{**ref.config.to_dict(), "rope_parameters": None,
+                                                "rope_theta": 500.0})).eval()
+        plain.load_state_dict(ref.state_dict())
+        assert rel_err(model(ids), plain(ids).logits) > 1e-3  # the factors matter at these positions
+
+
 def test_config_and_template_come_from_metadata(tmp_path: Path) -> None:
     write_gguf(tmp_path / "tiny.gguf", tiny_llama(tie=True), Q.F32)
     contents = read_gguf(tmp_path / "tiny.gguf")
@@ -211,8 +252,8 @@ def test_unpermute_inverts_llamacpp_permutation() -> None:
 def test_names_map_to_transformers_and_unknown_names_raise() -> None:
     assert hf_name("blk.3.ffn_gate.weight") == "model.layers.3.mlp.gate_proj.weight"
     assert hf_name("output.weight") == "lm_head.weight"
-    with pytest.raises(CheckpointError, match="rope_freqs.weight"):
-        hf_name("rope_freqs.weight")
+    with pytest.raises(CheckpointError, match="blk.0.ssm_a"):
+        hf_name("blk.0.ssm_a")
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
