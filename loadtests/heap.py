@@ -52,7 +52,8 @@ def _encoder(batches: int, interval: float, seed: int, marks: list[int]) -> dict
     inference = ThreadPoolExecutor(1)  # the replica's inference thread
     started = time.perf_counter()
     for i in range(1, batches + 1):
-        items = [EncodeItem([rng.randint(1000, 20000) for _ in range(rng.randint(4, 120))], rng.random() < 0.5)
+        items = [EncodeItem([rng.randint(1000, 20000) for _ in range(rng.randint(4, 120))],
+                            "classify" if rng.random() < 0.5 else "embed")
                  for _ in range(rng.randint(1, 24))]
         inference.submit(runner._compute, items).result()
         if i in marks:

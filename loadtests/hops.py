@@ -106,7 +106,7 @@ def measure(n: int, worker_env: dict[str, str] | None = None) -> dict[str, dict[
     spec = ModelSpec(name="tiny", tasks=("classify",), source="tiny:encoder")
     runner = EncoderRunner(load_model(spec, Path("/nonexistent")), "encoder", BatchLimits(max_wait_ms=0))
     ids = tokenize(runner.loaded.tokenizer, ["a"], 64, truncate=False)
-    results["compute"] = _time(lambda: runner.run_batch([EncodeItem(ids[0], True)]), n)
+    results["compute"] = _time(lambda: runner.run_batch([EncodeItem(ids[0], "classify")]), n)
     results["in-process"] = _in_process(runner, n)
     return results
 

@@ -73,7 +73,7 @@ class ModelDeployment:
 
 @serve.deployment
 class EncoderDeployment(ModelDeployment):
-    """classify + embed on one encoder (with a classification head); one batcher for both."""
+    """classify + embed + rerank on one encoder (with a classification head); one batcher for all."""
 
     runner_class = EncoderRunner
     runner: EncoderRunner
@@ -83,6 +83,10 @@ class EncoderDeployment(ModelDeployment):
 
     async def embed(self, texts: list[str], truncate: bool, timeout_s: float | None) -> Embeddings:
         return await self.runner.embed(texts, truncate, timeout_s)
+
+    async def rerank(self, query: str, texts: list[str], truncate: bool, raw_scores: bool,
+                     timeout_s: float | None) -> list[float]:
+        return await self.runner.rerank(query, texts, truncate, raw_scores, timeout_s)
 
 
 @serve.deployment

@@ -1,5 +1,6 @@
-"""The inference routes: /v1/classify, /v1/embeddings (OpenAI's) and /v1/translate. Each validates,
-resolves the model's deployment, calls it under the request's deadline and converts the result."""
+"""The inference routes: /v1/classify, /v1/embeddings (OpenAI's), /v1/rerank (Text Embeddings
+Inference's) and /v1/translate. Each validates, resolves the model's deployment, calls it under the
+request's deadline and converts the result."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from .schemas import (
     EmbeddingsRequest,
     EmbeddingsResponse,
     EmbeddingUsage,
+    Rank,
+    RerankRequest,
     TranslateRequest,
     TranslateResponse,
     check_texts,
@@ -63,6 +66,18 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend,
             model=route.model,
             data=[Embedding(index=i, embedding=encode(v)) for i, v in enumerate(out.vectors)],
             usage=EmbeddingUsage(prompt_tokens=out.prompt_tokens, total_tokens=out.prompt_tokens))
+
+    @router.post("/v1/rerank", response_model=list[Rank], response_model_exclude_none=True, responses=errors)
+    async def rerank(body: RerankRequest, request: Request) -> list[Rank]:
+        """TEI's rerank: each text's relevance to the query from a cross-encoder, best first."""
+        if not body.query:
+            raise InvalidRequest("query is an empty string", "query")
+        texts = check_texts(body.texts, "texts", settings.max_inputs)
+        route = routes.resolve("rerank", body.model)
+        scores: list[float] = await call(route, "rerank", "texts", request, body.query, texts, body.truncate,
+                                         body.raw_scores)
+        order = sorted(range(len(texts)), key=lambda i: -scores[i])  # stable: ties keep request order
+        return [Rank(index=i, score=scores[i], text=texts[i] if body.return_text else None) for i in order]
 
     @router.post("/v1/translate", response_model=TranslateResponse, responses=errors)
     async def translate(body: TranslateRequest, request: Request) -> TranslateResponse:

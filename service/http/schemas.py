@@ -75,6 +75,26 @@ class EmbeddingsResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+class RerankRequest(_Request):
+    """Text Embeddings Inference's rerank request: score each text's relevance to the query."""
+
+    query: StrictStr = Field(description="The text every text is scored against.")
+    texts: list[StrictStr] = Field(description="The texts to score; one result per text.")
+    raw_scores: StrictBool = Field(False, description="The cross-encoder's logits instead of their sigmoid.")
+    return_text: StrictBool = Field(False, description="Echo each text in its result.")
+    truncate: StrictBool = Field(False, description="Cut (query, text) pairs longer than the model's limit "
+                                                    "(longest first) instead of a 422.")
+    truncation_direction: Literal["right", "Right"] = Field(
+        "right", description="Accepted for TEI compatibility: pairs are cut at their end.")
+    model: StrictStr | None = Field(None, description="Model name (see /v1/models); default: the first.")
+
+
+class Rank(BaseModel):
+    index: int = Field(description="The text's position in the request.")
+    score: float
+    text: str | None = Field(None, description="The text, when return_text is true (absent otherwise).")
+
+
 class TranslateRequest(_Request):
     inputs: Texts = Field(description="A text or a list of texts; one translation per text, in order.")
     source_lang: StrictStr = Field(examples=["en"])

@@ -1,12 +1,12 @@
-"""Classification and embeddings on one encoder replica: tokenize on the event loop (lengths group
-and budget the batch), batch dynamically, one forward pass for both tasks, results as the plain
-dataclasses of service/messages.py."""
+"""Classification, embeddings and reranking on one encoder replica: tokenize on the event loop
+(lengths group and budget the batch), batch dynamically, one forward pass for every task, results as
+the plain dataclasses of service/messages.py (a rerank score is a float)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -18,17 +18,21 @@ from ..telemetry.hooks import BatchObserver
 from .config import BatchLimits
 from .heap import HeapTrimmer
 from .runner import BatchedRunner, deadline
-from .tokenize import tokenize
+from .tokenize import tokenize, tokenize_pairs
+
+Task = Literal["classify", "embed", "rerank"]
 
 
 @dataclass(frozen=True)
 class EncodeItem:
     ids: list[int]
-    classify: bool  # else: embedding
+    task: Task
+    types: list[int] | None = None  # token type ids (a rerank pair's); None: all zeros
 
 
 class EncoderRunner(BatchedRunner):
-    """Classification and embeddings on one encoder; both tasks share batches (one forward pass)."""
+    """Classification, embeddings and reranking on one encoder; every task shares batches (one
+    forward pass). A reranker is a classification head with one output: the pair's relevance logit."""
 
     def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits,
                  observer: BatchObserver | None = None, heap: HeapTrimmer | None = None) -> None:
@@ -36,31 +40,53 @@ class EncoderRunner(BatchedRunner):
         if "classify" in loaded.spec.tasks and not loaded.labels:
             raise ValueError(f"model {loaded.spec.name!r} serves classify but has no classification head "
                              "(set `head` in its model settings)")
-        pad = loaded.model.cfg.pad_token_id
-        self.pad_id = pad if pad is not None else 0
+        if "rerank" in loaded.spec.tasks and len(loaded.labels) != 1:
+            raise ValueError(f"model {loaded.spec.name!r} serves rerank, which needs a classification head with one "
+                             f"output (a cross-encoder's relevance score); its head has {len(loaded.labels)}")
+        cfg = loaded.model.cfg
+        self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        self.use_types = cfg.type_vocab_size > 1  # one type (RoBERTa) or none (DistilBERT): ids are all zero
 
     async def classify(self, texts: Sequence[str], truncate: bool, timeout_s: float | None) -> list[Classification]:
         ids = tokenize(self.loaded.tokenizer, texts, self.loaded.max_input_tokens, truncate)
-        return await self.batcher.submit_many([EncodeItem(x, True) for x in ids], [len(x) for x in ids],
+        return await self.batcher.submit_many([EncodeItem(x, "classify") for x in ids], [len(x) for x in ids],
                                               deadline(timeout_s))
 
     async def embed(self, texts: Sequence[str], truncate: bool, timeout_s: float | None) -> Embeddings:
         ids = tokenize(self.loaded.tokenizer, texts, self.loaded.max_input_tokens, truncate)
-        vectors = await self.batcher.submit_many([EncodeItem(x, False) for x in ids], [len(x) for x in ids],
+        vectors = await self.batcher.submit_many([EncodeItem(x, "embed") for x in ids], [len(x) for x in ids],
                                                  deadline(timeout_s))
         return Embeddings(vectors, sum(len(x) for x in ids))
 
+    async def rerank(self, query: str, texts: Sequence[str], truncate: bool, raw_scores: bool,
+                     timeout_s: float | None) -> list[float]:
+        """One relevance score per text, in input order: the sigmoid of the (query, text) pair's
+        logit, or the logit itself with raw_scores."""
+        pairs = tokenize_pairs(self.loaded.tokenizer, query, texts, self.loaded.max_input_tokens, truncate)
+        logits = await self.batcher.submit_many([EncodeItem(p.ids, "rerank", p.types) for p in pairs],
+                                                [len(p.ids) for p in pairs], deadline(timeout_s))
+        return logits if raw_scores else torch.tensor(logits, dtype=torch.float64).sigmoid().tolist()
+
     @torch.inference_mode()
-    def run_batch(self, payloads: list[EncodeItem]) -> list[Classification | list[float]]:
+    def run_batch(self, payloads: list[EncodeItem]) -> list[Classification | list[float] | float]:
         model = self.loaded.model
         batch = PaddedBatch.from_token_lists([p.ids for p in payloads], self.pad_id, self.loaded.device)  # (B, T)
-        pooled = model.embed(batch.ids, batch.keep)  # (B, C)
-        rows = [i for i, p in enumerate(payloads) if p.classify]
-        out: list[Any] = pooled.float().cpu().tolist()
+        types = batch.pad([p.types for p in payloads]) if self.use_types and any(p.types for p in payloads) else None
+        hidden = model(batch.ids, batch.keep, types)  # (B, T, C)
+        out: list[Any] = [None] * len(payloads)
+        rows = [i for i, p in enumerate(payloads) if p.task == "embed"]
         if rows:
-            probs = model.head(pooled[rows]).float().softmax(-1).cpu()  # (b, n_labels)
+            for row, vector in zip(rows, model.pool(hidden[rows], batch.keep[rows]).float().cpu().tolist(), strict=True):
+                out[row] = vector
+        rows = [i for i, p in enumerate(payloads) if p.task != "embed"]
+        if rows:
+            logits = model.logits(hidden[rows], batch.keep[rows]).float()  # (b, n_labels)
+            scores = model.scores(logits).cpu().tolist()
             labels = self.loaded.labels
-            for row, p in zip(rows, probs.tolist(), strict=True):
+            for row, p, z in zip(rows, scores, logits[:, 0].cpu().tolist(), strict=True):
+                if payloads[row].task == "rerank":
+                    out[row] = z  # the relevance logit; rerank() makes it a score
+                    continue
                 best = max(range(len(p)), key=p.__getitem__)
                 out[row] = Classification(labels[best], p[best], dict(zip(labels, p, strict=True)))
         return out
@@ -69,4 +95,4 @@ class EncoderRunner(BatchedRunner):
         tok = self.loaded.tokenizer
         texts = ["warm up", "a slightly longer sentence to warm up the encoder"]
         ids = tokenize(tok, texts, self.loaded.max_input_tokens, truncate=True)
-        self.run_batch([EncodeItem(ids[0], bool(self.loaded.labels)), EncodeItem(ids[1], False)])
+        self.run_batch([EncodeItem(ids[0], "classify" if self.loaded.labels else "embed"), EncodeItem(ids[1], "embed")])

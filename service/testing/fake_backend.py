@@ -2,9 +2,10 @@
 
 `fake_app()` builds the real FastAPI app (service.http.api.create_api) over an `EchoBackend`, which
 answers every deployment method from its arguments alone (a label by text length, unit vectors,
-reversed texts, a fixed generation), streams the way a generator replica does, and keeps the
-limits a replica enforces that the edge cannot know (tokens per text, the engine's max_new_tokens),
-so a fuzzer exercises every route, stream and error path of the HTTP layer in milliseconds.
+relevance by shared characters, reversed texts, a fixed generation), streams the way a generator
+replica does, and keeps the limits a replica enforces that the edge cannot know (tokens per text,
+the engine's max_new_tokens), so a fuzzer exercises every route, stream and error path of the HTTP
+layer in milliseconds.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def fake_settings(extra: Mapping[str, Any] | None = None) -> Settings:
     """Settings with one deployment per task kind (tiny sources: nothing loads them here)."""
     args = {
         "deployments": {
-            "encoder": {"model": {"name": "enc", "tasks": ["classify", "embed"], "source": "tiny:encoder"}},
+            "encoder": {"model": {"name": "enc", "tasks": ["classify", "embed", "rerank"], "source": "tiny:encoder"}},
             "translator": {"model": {"name": "en-es", "tasks": ["translate"], "source": "tiny:seq2seq",
                                      "languages": ["en", "es"]}},
             "generator": {"model": {"name": "gen", "tasks": ["generate"], "source": "tiny:decoder"}},
@@ -81,6 +82,12 @@ class EchoBackend:
         lengths = _tokens(texts, truncate)
         return Embeddings([[1.0 if j == len(t) % DIM else 0.0 for j in range(DIM)] for t in texts], sum(lengths))
 
+    def _rerank(self, query: str, texts: list[str], truncate: bool, raw_scores: bool,
+                timeout_s: float | None) -> list[float]:
+        _tokens([query + t for t in texts], truncate)  # a pair's tokens: query and text
+        shared = [len(set(query) & set(t)) / max(len(set(t)), 1) for t in texts]  # in [0, 1]
+        return [4 * s - 2 for s in shared] if raw_scores else shared
+
     def _translate(self, texts: list[str], options: TranslateOptions, timeout_s: float | None) -> list[str]:
         _tokens(texts, options.truncate)
         return [t[::-1] for t in texts]
@@ -109,7 +116,7 @@ class EchoBackend:
 
     async def info(self, deployment: str, timeout_s: float) -> ModelInfo:
         by_deployment = {
-            "encoder": ModelInfo("enc", deployment, ("classify", "embed"), "cpu", "float32", MAX_TOKENS,
+            "encoder": ModelInfo("enc", deployment, ("classify", "embed", "rerank"), "cpu", "float32", MAX_TOKENS,
                                  labels=LABELS),
             "translator": ModelInfo("en-es", deployment, ("translate",), "cpu", "float32", MAX_TOKENS,
                                     languages=("en", "es")),

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from models.beam_search import BeamParams, translate_ids
 from models.catalog import LoadedModel, ModelSpec, load_model
+from models.text import TextTokenizer
 from models.tiny import EOS
 from service.errors import InvalidItem, InvalidRequest
 from service.messages import TranslateOptions
@@ -17,7 +19,7 @@ from service.replica import device
 from service.replica.config import BatchLimits
 from service.replica.device import resolve_device
 from service.replica.encoder import EncodeItem, EncoderRunner
-from service.replica.tokenize import tokenize
+from service.replica.tokenize import tokenize, tokenize_pairs
 from service.replica.translator import TranslateItem, TranslatorRunner
 
 TEXTS = ["a", "hello world", "a considerably longer sentence with many more bytes in it", "mid length"]
@@ -54,7 +56,7 @@ def test_tokenize_names_the_bad_text_and_truncates_keeping_special_tokens(transl
 def test_encoder_batch_equals_each_text_alone(encoder: EncoderRunner) -> None:
     model = encoder.loaded.model
     ids = tokenize(encoder.loaded.tokenizer, TEXTS, 64, truncate=False)
-    batch = encoder.run_batch([EncodeItem(x, i % 2 == 0) for i, x in enumerate(ids)])
+    batch = encoder.run_batch([EncodeItem(x, "classify" if i % 2 == 0 else "embed") for i, x in enumerate(ids)])
     with torch.inference_mode():
         for i, x in enumerate(ids):
             alone = torch.tensor([x])
@@ -138,3 +140,44 @@ def test_an_embedding_only_encoder_warms_up_without_a_head() -> None:
     runner = EncoderRunner(loaded, "encoder", BatchLimits())
     runner.warm_up()
     assert runner.batcher.stats.batches == 0  # warm-up runs the model directly, not through the queue
+
+
+def _pair_tokenizer() -> TextTokenizer:
+    """One token per letter a..p after [PAD] [UNK] [CLS] [SEP]; pairs as BERT's: [CLS] A [SEP] B [SEP]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", *"abcdefghijklmnop"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    return TextTokenizer(tok)
+
+
+def test_pairs_are_truncated_as_the_tokenizers_library_does() -> None:
+    tok = _pair_tokenizer()
+    reference = Tokenizer.from_str(tok.tok.to_str())
+    words = list("abcdefghijklmnop")
+    for a, b, limit in [(n, m, k) for n in range(1, 10) for m in range(1, 10) for k in (5, 6, 9, 12, 30)]:
+        query, text = " ".join(words[:a]), " ".join(words[-b:])
+        reference.enable_truncation(limit, strategy="longest_first")
+        want = reference.encode(query, text)
+        (got,) = tokenize_pairs(tok, query, [text], limit, truncate=True)
+        assert (got.ids, got.types) == (want.ids, want.type_ids), (a, b, limit)
+
+
+def test_pairs_over_the_limit_name_the_query_or_the_text() -> None:
+    tok = _pair_tokenizer()
+    (pair,) = tokenize_pairs(tok, "a b", ["c d e"], 8, truncate=False)
+    assert pair.ids == [2, 4, 5, 3, 6, 7, 8, 3] and pair.types == [0, 0, 0, 0, 1, 1, 1, 1]
+    with pytest.raises(InvalidItem) as text:
+        tokenize_pairs(tok, "a b", ["c", "c d e f"], 8, truncate=False)
+    assert text.value.index == 1 and "9 tokens" in text.value.message
+    with pytest.raises(InvalidRequest) as query:
+        tokenize_pairs(tok, "a b c d e", ["c"], 8, truncate=False)  # 5 + 3 special: no room for a text
+    assert query.value.param == "query"
+
+
+def test_a_rerank_model_needs_a_one_output_head() -> None:
+    with pytest.raises(ValueError, match="rerank, which needs a classification head with one output"):
+        EncoderRunner(_load("encoder", ("rerank",)), "encoder", BatchLimits())  # tiny:encoder has 3 labels
