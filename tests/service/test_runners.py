@@ -181,3 +181,16 @@ def test_pairs_over_the_limit_name_the_query_or_the_text() -> None:
 def test_a_rerank_model_needs_a_one_output_head() -> None:
     with pytest.raises(ValueError, match="rerank, which needs a classification head with one output"):
         EncoderRunner(_load("encoder", ("rerank",)), "encoder", BatchLimits())  # tiny:encoder has 3 labels
+
+
+def test_a_multi_label_head_scores_each_label_by_its_sigmoid() -> None:
+    loaded = _load("encoder", ("classify",))
+    loaded.model.cfg = loaded.model.cfg.replace(head_scores="sigmoid")  # as problem_type multi_label gives
+    runner = EncoderRunner(loaded, "encoder", BatchLimits())
+    ids = tokenize(loaded.tokenizer, TEXTS[:2], 64, truncate=False)
+    results = runner.run_batch([EncodeItem(x, "classify") for x in ids])
+    with torch.inference_mode():
+        for x, result in zip(ids, results, strict=True):
+            probs = loaded.model.classify(torch.tensor([x]))[0].sigmoid()
+            assert list(result.scores.values()) == pytest.approx(probs.tolist(), abs=1e-5)
+            assert result.score == max(result.scores.values()) and sum(result.scores.values()) != pytest.approx(1.0)
