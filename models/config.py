@@ -188,7 +188,7 @@ class EncoderConfig(BlockConfig):
     pooling: Literal["mean", "cls"] = "mean"
     normalize_embeddings: bool = True  # L2-normalise pooled embeddings (sentence-transformers)
     labels: tuple[str, ...] = ()  # classification head labels, in logit order; empty = no head
-    head_pooling: Literal["embedding", "cls"] = "embedding"  # the head's input: the embedding, or token 0
+    head_pooling: Literal["embedding", "cls"] = "embedding"  # the head's input: the embedding, or the first token
     head_dense: Literal["tanh", "relu"] | None = None  # a C -> C layer + this activation before the head
     head_scores: Literal["softmax", "sigmoid"] = "softmax"  # logits -> scores (sigmoid: multi-label, 1 label)
     position_offset: int = 0  # the first token's position index (RoBERTa: padding_idx + 1)
