@@ -1,9 +1,17 @@
 """Decoding strategies on batches where every row has its own parameters.
 
 Pure functions from logits to next tokens: greedy, temperature / top-k / top-p sampling with a
-per-row seeded generator, a repetition penalty, and stop conditions (token ids, stop strings,
-max new tokens). No model calls here: generation loops (generate.py, beam_search.py, and the
-service's continuous-batching engine) own the model and the cache.
+per-row seeded generator, a logit bias, penalties (repetition over prompt and output as
+`transformers` applies it; presence and frequency over the output, as OpenAI and vLLM define them),
+log-probabilities of the chosen and the best tokens, and stop conditions (token ids, stop
+strings, max new tokens). No model calls here: generation loops (generate.py, beam_search.py, and
+the service's continuous-batching engine) own the model and the cache.
+
+The order of the transformations, for every row: logit bias, repetition penalty, presence and
+frequency penalties, then (sampling rows) temperature and the top-k / top-p filter. Log-probabilities
+are those of the distribution the token was drawn from, after every step the row applies (for a
+greedy row: after bias and penalties); a token the filter removed has log-probability -inf, sent as
+LOGPROB_FLOOR (JSON has no infinity; vLLM sends the same).
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import torch
 from torch import Tensor
 
 NEG_INF = float("-inf")
+LOGPROB_FLOOR = -9999.0  # a filtered-out token's log-probability, as sent (vLLM's value)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs
 
 
 @dataclass(frozen=True)
@@ -26,6 +36,10 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0  # 1.0 = no nucleus filter
     repetition_penalty: float = 1.0  # 1.0 = none; > 1 discourages tokens already in the sequence
+    presence_penalty: float = 0.0  # OpenAI's: minus this for every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's -100 .. 100
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k best tokens' log-probs
     seed: int | None = None  # None = a fresh random seed per request
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; the returned text ends before the first one
@@ -43,6 +57,13 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
             problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if any(not -100.0 <= bias <= 100.0 or token < 0 for token, bias in self.logit_bias):
+            problems.append("logit_bias maps token ids >= 0 to values in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -74,6 +95,10 @@ class BatchParams:
     any_sampling: bool
     any_penalty: bool
     any_filter: bool
+    presence: Tensor | None = None  # (B,) float; None: no row has one
+    frequency: Tensor | None = None  # (B,) float; None: no row has one
+    bias: tuple[Tensor, Tensor, Tensor] | None = None  # (rows, token ids, values) (N,) each; None: no bias
+    top_logprobs: int | None = None  # the most any row asks for; None: no row wants log-probabilities
 
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> BatchParams:
@@ -82,8 +107,21 @@ class BatchParams:
         top_k = torch.tensor([min(p.top_k, 2**31 - 1) for p in params], dtype=torch.long, device=device)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
+
+        def per_row(name: str) -> Tensor | None:
+            values = [getattr(p, name) for p in params]
+            return torch.tensor(values, dtype=torch.float32, device=device) if any(values) else None
+
+        entries = [(row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias]
+        bias = None
+        if entries:
+            rows, tokens, values = zip(*entries, strict=True)
+            bias = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device),
+                    torch.tensor(values, dtype=torch.float32, device=device))
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(temp, top_k, top_p, rep, bool((temp > 0).any()), bool((rep != 1.0).any()),
-                   bool(((top_k > 0) | (top_p < 1.0)).any()))
+                   bool(((top_k > 0) | (top_p < 1.0)).any()), per_row("presence_penalty"),
+                   per_row("frequency_penalty"), bias, max(wanted) if wanted else None)
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
@@ -112,27 +150,85 @@ def filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return logits.masked_fill(drop, NEG_INF)
 
 
+def apply_output_penalties(logits: Tensor, counts: Tensor, presence: Tensor | None,
+                           frequency: Tensor | None) -> Tensor:
+    """OpenAI's penalties: logits - presence * (count > 0) - frequency * count, per row.
+
+    logits: (B, V) float; counts: (B, V) how often each token is in the row's output; presence,
+    frequency: (B,) or None. Returns (B, V).
+    """
+    if frequency is not None:
+        logits = logits - frequency[:, None] * counts  # (B, V)
+    if presence is not None:
+        logits = logits - presence[:, None] * (counts > 0)  # (B, V)
+    return logits
+
+
+def apply_logit_bias(logits: Tensor, bias: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """Add each (row, token, value) of `bias` to logits (B, V); token ids past V are ignored."""
+    rows, tokens, values = bias
+    inside = tokens < logits.size(-1)  # (N,)
+    out = logits.clone()
+    out.index_put_((rows[inside], tokens[inside]), values[inside], accumulate=True)  # (B, V)
+    return out
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen token of each row and, when a row asked for them, log-probabilities."""
+
+    tokens: Tensor  # (B,) long
+    logprobs: Tensor | None = None  # (B,) float: the chosen tokens'; None: no row asked
+    top_ids: Tensor | None = None  # (B, k) long: each row's k most likely tokens, best first
+    top_logprobs: Tensor | None = None  # (B, k) float
+
+
 def next_tokens(
     logits: Tensor,
     params: BatchParams,
     samplers: list[RowSampler],
     seen: Tensor | None = None,
+    counts: Tensor | None = None,
 ) -> Tensor:
-    """Choose one token per row. logits: (B, V) float32; seen: (B, V) bool. Returns (B,) long."""
+    """Choose one token per row. logits: (B, V) float32; seen: (B, V) bool (prompt and output);
+    counts: (B, V) output token counts (presence / frequency penalties). Returns (B,) long."""
+    return choose(logits, params, samplers, seen, counts).tokens
+
+
+def choose(
+    logits: Tensor,
+    params: BatchParams,
+    samplers: list[RowSampler],
+    seen: Tensor | None = None,
+    counts: Tensor | None = None,
+) -> Choice:
+    """next_tokens, with the log-probabilities of the distribution each row drew from when any row
+    wants them (params.top_logprobs)."""
+    if params.bias is not None:
+        logits = apply_logit_bias(logits, params.bias)
     if params.any_penalty and seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if counts is not None and (params.presence is not None or params.frequency is not None):
+        logits = apply_output_penalties(logits, counts, params.presence, params.frequency)
     choice = logits.argmax(-1)  # (B,): greedy rows keep this
-    if not params.any_sampling:
-        return choice
-    temp = params.temperature.clamp(min=1e-5)[:, None]  # (B, 1)
-    scaled = logits / temp  # (B, V)
-    if params.any_filter:
-        scaled = filter_top_k_top_p(scaled, params.top_k, params.top_p)
-    probs = scaled.float().softmax(-1)  # (B, V)
-    for row, sampler in enumerate(samplers):
-        if not sampler.params.greedy:
-            choice[row] = torch.multinomial(probs[row].cpu(), 1, generator=sampler.generator)[0]
-    return choice
+    final = logits  # (B, V): what each row draws from (greedy rows: the argmax of it)
+    if params.any_sampling:
+        temp = params.temperature.clamp(min=1e-5)[:, None]  # (B, 1)
+        scaled = logits / temp  # (B, V)
+        if params.any_filter:
+            scaled = filter_top_k_top_p(scaled, params.top_k, params.top_p)
+        probs = scaled.float().softmax(-1)  # (B, V)
+        for row, sampler in enumerate(samplers):
+            if not sampler.params.greedy:
+                choice[row] = torch.multinomial(probs[row].cpu(), 1, generator=sampler.generator)[0]
+        greedy = (params.temperature == 0)[:, None]  # (B, 1)
+        final = torch.where(greedy, logits, scaled)  # (B, V)
+    if params.top_logprobs is None:
+        return Choice(choice)
+    logp = final.float().log_softmax(-1).clamp(min=LOGPROB_FLOOR)  # (B, V): -inf (filtered) -> the floor
+    chosen = logp.gather(-1, choice[:, None])[:, 0]  # (B,)
+    top = logp.topk(params.top_logprobs, dim=-1) if params.top_logprobs else None  # (B, k) each
+    return Choice(choice, chosen, top.indices if top else None, top.values if top else None)
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int:

@@ -97,6 +97,10 @@ class GenerationRequest:
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k best tokens' log-probabilities
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool | None = None
@@ -126,10 +130,22 @@ class GenerationStarted:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One output token with its log-probability and the request's k most likely alternatives
+    (token text, log-probability), best first; see models/decoding.py for which distribution."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TextDelta:
-    """A piece of generated text, final (complete characters, never part of a stop string)."""
+    """A piece of generated text, final (complete characters, never part of a stop string), and the
+    log-probabilities of the tokens sampled since the last piece (when the request asked for them)."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -145,6 +161,7 @@ class GenerationDone:
     finish_reason: AnswerFinish | Literal["error"]
     usage: Usage
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # every output token's, when the request asked
 
 
 GenerationEvent = GenerationStarted | TextDelta | GenerationDone

@@ -1,7 +1,7 @@
 """The running batch of the engine: live requests packed at the front of the KV cache.
 
 Row r of the cache belongs to `rows[r]`, with its seen-token mask (repetition penalty) at
-`seen[r]`. `prefill` admits requests on fresh rows at the end, `decode` runs one step for a block
+`seen[r]` and its output token counts (presence / frequency penalties) at `counts[r]`. `prefill` admits requests on fresh rows at the end, `decode` runs one step for a block
 of rows, `remove` frees rows and moves the last live rows into the holes. A forward writes each
 row's next cache slots before its length advances, and lengths advance only after sampling
 succeeded, so a failed prefill or decode can be retried on the same rows.
@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor
 
 from models.decoder import DecoderLM
-from models.decoding import BatchParams, RowSampler, next_tokens
+from models.decoding import BatchParams, Choice, RowSampler, choose
 from models.inputs import PaddedBatch
 from models.kv_cache import KVCache
 
@@ -27,6 +26,9 @@ from .sequence import SeqState
 # memory grow with the variety of prompt lengths (docs/reliability.md, Heap trimming). With it, a
 # prefill budget of 2048 tokens allows 64 distinct row counts; decode steps add one per batch size.
 PREFILL_MULTIPLE = 32
+# a row's sampled token, and (its log-probability, ((token id, log-probability) of the best k, best
+# first)) when the request asked for log-probabilities
+Picked = tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]
 
 
 class RunningBatch:
@@ -37,6 +39,7 @@ class RunningBatch:
         self.device = cache.lengths.device
         self.rows: list[SeqState] = []
         self.seen = torch.zeros(cache.rows, vocab_size, dtype=torch.bool, device=self.device)  # (R, V)
+        self.counts = torch.zeros(cache.rows, vocab_size, dtype=torch.int32, device=self.device)  # (R, V)
         self._params: tuple[BatchParams, list[RowSampler]] | None = None
 
     def __len__(self) -> int:
@@ -50,7 +53,7 @@ class RunningBatch:
         """Tokens held in the cache / its capacity."""
         return int(self.cache.lengths.sum()) / (self.cache.rows * self.cache.max_len)
 
-    def prefill(self, group: list[SeqState]) -> list[int]:
+    def prefill(self, group: list[SeqState]) -> list[Picked]:
         """One forward over the right-padded prompts on rows [n, n + B), sampling each first token at
         its last prompt index; the group joins the batch only if all of this succeeds."""
         start, stop = len(self.rows), len(self.rows) + len(group)
@@ -63,14 +66,15 @@ class RunningBatch:
         last = padded.last_index()  # (B,)
         logits = self.model(padded.ids, cache=self.cache.view(start, stop), last=last)[:, 0]  # (B, V)
         seen = padded.mark_seen(self.seen[start:stop].zero_())  # (B, V) view: the rows' prompt tokens
+        counts = self.counts[start:stop].zero_()  # (B, V) view: no output yet
         params = BatchParams.build([s.params for s in group], self.device)
-        tokens = next_tokens(logits.float(), params, [s.sampler for s in group], seen)  # (B,)
+        choice = choose(logits.float(), params, [s.sampler for s in group], seen, counts)  # (B,)
         self.cache.advance(last + 1, start, stop)
         self.rows.extend(group)
         self._params = None
-        return self._took(tokens, start)
+        return self._took(choice, start, group)
 
-    def decode(self, start: int = 0, stop: int | None = None) -> list[int]:
+    def decode(self, start: int = 0, stop: int | None = None) -> list[Picked]:
         """One step for rows [start, stop): each row's pending token in, one sampled token out."""
         stop = len(self.rows) if stop is None else stop
         seqs = self.rows[start:stop]
@@ -80,9 +84,9 @@ class RunningBatch:
             params, samplers = self._batch_params()
         else:
             params, samplers = BatchParams.build([s.params for s in seqs], self.device), [s.sampler for s in seqs]
-        tokens = next_tokens(logits.float(), params, samplers, self.seen[start:stop])  # (B,)
+        choice = choose(logits.float(), params, samplers, self.seen[start:stop], self.counts[start:stop])  # (B,)
         self.cache.advance(1, start, stop)
-        return self._took(tokens, start)
+        return self._took(choice, start, seqs)
 
     def remove(self, dead: list[int]) -> list[SeqState]:
         """Free rows `dead` (ascending): the last live rows move into the holes, the tail is reset."""
@@ -94,6 +98,7 @@ class RunningBatch:
         for src, dst in zip(movers, holes, strict=True):
             self.cache.move_row(src, dst)
             self.seen[dst] = self.seen[src]
+            self.counts[dst] = self.counts[src]
             self.rows[dst] = self.rows[src]
         del self.rows[keep_n:]
         self.cache.reset(keep_n, n)
@@ -105,10 +110,25 @@ class RunningBatch:
         self.cache.reset()
         return removed
 
-    def _took(self, tokens: Tensor, start: int) -> list[int]:
-        """Mark the sampled tokens (B,) as seen by their rows."""
-        self.seen[torch.arange(start, start + tokens.numel(), device=self.device), tokens] = True
-        return tokens.tolist()
+    def _took(self, choice: Choice, start: int, seqs: list[SeqState]) -> list[Picked]:
+        """Mark the sampled tokens (B,) as seen (and counted) by their rows; each row's token and,
+        when it asked for them, its log-probabilities."""
+        tokens = choice.tokens  # (B,)
+        rows = torch.arange(start, start + tokens.numel(), device=self.device)  # (B,)
+        self.seen[rows, tokens] = True
+        self.counts[rows, tokens] += 1
+        ids = tokens.tolist()
+        if choice.logprobs is None:
+            return [(t, None) for t in ids]
+        chosen = choice.logprobs.tolist()
+        top_ids = choice.top_ids.tolist() if choice.top_ids is not None else [[] for _ in ids]
+        top_lp = choice.top_logprobs.tolist() if choice.top_logprobs is not None else [[] for _ in ids]
+        picked: list[Picked] = []
+        for i, (token, seq) in enumerate(zip(ids, seqs, strict=True)):
+            k = seq.params.logprobs
+            entry = None if k is None else (chosen[i], tuple(zip(top_ids[i][:k], top_lp[i][:k], strict=True)))
+            picked.append((token, entry))
+        return picked
 
     def _batch_params(self) -> tuple[BatchParams, list[RowSampler]]:
         """The live rows' parameters, rebuilt only when the set (or order) of rows changed."""

@@ -39,7 +39,7 @@ from models.text import TextTokenizer
 
 from ..errors import EngineClosed, EngineOverloaded, InvalidRequest
 from ..telemetry.hooks import EngineObserver, EngineStats
-from .batch import RunningBatch
+from .batch import Picked, RunningBatch
 from .config import EngineConfig
 from .events import Finished, RequestHandle
 from .limits import EngineLimits
@@ -237,7 +237,7 @@ class GenerationEngine:
         """Prefill `group` on fresh rows; if that fails, retry request by request and fail only those
         that fail again. `rest` (taken, not yet prefilled) is failed too if anything escapes."""
         self._admitting, start = group + rest, len(self._batch)
-        tokens: list[int] = []
+        tokens: list[Picked] = []
         try:
             tokens = self._batch.prefill(group)
         except Exception as exc:
@@ -273,7 +273,7 @@ class GenerationEngine:
         """One token for every live row; if the step fails, each row is retried alone and only the
         rows that fail again are failed."""
         n = len(self._batch)
-        results: list[tuple[int, int]] = []
+        results: list[tuple[int, Picked]] = []
         try:
             results = list(enumerate(self._batch.decode()))
         except Exception as exc:
@@ -286,12 +286,12 @@ class GenerationEngine:
                     self._fail(self._batch.rows[row], row_exc)
         self._accept(results, time.perf_counter())
 
-    def _accept(self, results: list[tuple[int, int]], now: float) -> None:
+    def _accept(self, results: list[tuple[int, Picked]], now: float) -> None:
         """Hand each row its new token; a request whose text handling fails is failed alone."""
-        for row, token in results:
+        for row, (token, logprobs) in results:
             seq = self._batch.rows[row]
             try:
-                seq.accept(token, now)
+                seq.accept(token, now, logprobs)
             except Exception as exc:
                 self._fail(seq, exc)
                 continue

@@ -14,7 +14,7 @@ import queue
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ..messages import FinishReason, Usage
+from ..messages import FinishReason, TokenLogprob, Usage
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class Delta:
 
     text: str
     completion_tokens: int  # tokens sampled so far
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens since the last Delta (requests that ask)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Finished:
     usage: Usage
     timing: Timing
     error: str | None = None  # finish_reason "error": what went wrong (no traceback)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per output token; None: not asked for
 
 
 Event = Delta | Finished

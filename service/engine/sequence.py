@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from models.decoding import RowSampler, SamplingParams, find_stop, stop_holdback
 from models.text import IncrementalDetokenizer, TextTokenizer
 
-from ..messages import FinishReason, Usage
+from ..messages import FinishReason, TokenLogprob, Usage
 from .events import Delta, Event, Finished, RequestHandle, Timing
 
 
@@ -32,6 +32,9 @@ class SeqState:
         self.stop_ids = frozenset() if params.ignore_eos else eos_ids | frozenset(params.stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt=self.prompt)
         self.tokens: list[int] = []  # output without a final stop token
+        self.tokenizer = tokenizer
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self._lp_sent = 0  # entries of `logprobs` already sent in a Delta
         self.n_sampled = 0  # tokens sampled, a final stop token included
         self.pending = -1  # the last sampled token: the next decode step's input (not yet in the cache)
         self.text = ""  # detokenized output so far (cut at a stop string once one is found)
@@ -49,8 +52,10 @@ class SeqState:
         """The row can be freed: finished, cancelled, or already closed by an error."""
         return self.reason is not None or self.cancelled or self.closed
 
-    def accept(self, token: int, now: float) -> None:
-        """Take one sampled token (same stopping rules, in the same order, as models.generate)."""
+    def accept(self, token: int, now: float,
+               logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None) -> None:
+        """Take one sampled token (same stopping rules, in the same order, as models.generate), with
+        its log-probability and the best alternatives' when the request asked for them."""
         self.n_sampled += 1
         self.token_times.append(now - self.submitted)
         self.pending = token
@@ -58,6 +63,10 @@ class SeqState:
             self.reason = "stop"
             return
         self.tokens.append(token)
+        if self.logprobs is not None and logprobs is not None:
+            chosen, top = logprobs
+            self.logprobs.append(TokenLogprob(self._piece(token), chosen,
+                                              tuple((self._piece(t), lp) for t, lp in top)))
         self.text += self.detok.push(token)
         stops = self.params.stop
         if stops:
@@ -70,8 +79,18 @@ class SeqState:
             return
         safe = len(self.text) - (stop_holdback(self.text, stops) if stops else 0)
         if safe > self.sent:
-            self._emit(Delta(self.text[self.sent:safe], self.n_sampled))
+            self._emit(Delta(self.text[self.sent:safe], self.n_sampled, self._new_logprobs()))
             self.sent = safe
+
+    def _piece(self, token: int) -> str:
+        """A token's own text (special tokens shown), as OpenAI lists tokens with their log-probabilities."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _new_logprobs(self) -> tuple[TokenLogprob, ...]:
+        if not self.logprobs:
+            return ()
+        new, self._lp_sent = tuple(self.logprobs[self._lp_sent:]), len(self.logprobs)
+        return new
 
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> Finished:
         """Send the rest of the text and the Finished event. `reason` applies unless accept()
@@ -82,15 +101,16 @@ class SeqState:
         if not self._cut and error is None:
             self.text += self.detok.flush()  # an incomplete last character, as decode() shows it
         self.closed, self.reason = True, final  # after flush: if it raises, finish("error") still can
-        if len(self.text) > self.sent:
-            self._emit(Delta(self.text[self.sent:], self.n_sampled))
+        if len(self.text) > self.sent or (self.logprobs and self._lp_sent < len(self.logprobs)):
+            self._emit(Delta(self.text[self.sent:], self.n_sampled, self._new_logprobs()))
             self.sent = len(self.text)
         times = tuple(self.token_times)
         timing = Timing(queued_s=None if self.admitted is None else self.admitted - self.submitted,
                         first_token_s=times[0] if times else None, total_s=now - self.submitted,
                         token_times_s=times)
         event = Finished(self.request_id, self.text[:self.sent], tuple(self.tokens), final,
-                         Usage(len(self.prompt), self.n_sampled), timing, error)
+                         Usage(len(self.prompt), self.n_sampled), timing, error,
+                         None if self.logprobs is None else tuple(self.logprobs))
         self._emit(event)
         return event
 

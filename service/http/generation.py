@@ -37,6 +37,7 @@ from .generation_schemas import (
     Sampling,
     check_supported,
 )
+from .logprobs import chat_logprobs, completion_logprobs
 from .routing import Backend, ModelRoutes, Route
 from .sse import SSE_HEADERS, ChatFormat, CompletionFormat, GenerateFormat, StreamFormat, sse_body
 
@@ -68,13 +69,14 @@ class GenerationCalls:
 
 def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = None,
                messages: tuple[ChatMessage, ...] | None = None,
-               names: Mapping[str, str] | None = None) -> GenerationRequest:
+               names: Mapping[str, str] | None = None, logprobs: int | None = None) -> GenerationRequest:
     """`names`: the route's names of GenerationRequest fields, for the errors' `param`."""
     return GenerationRequest(
         request_id=uuid.uuid4().hex, prompt=prompt, messages=messages, max_new_tokens=max_new_tokens,
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-        repetition_penalty=body.repetition_penalty, seed=body.seed, stop=tuple(body.stop or ()),
-        ignore_eos=body.ignore_eos, names=dict(names or {}))
+        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, logit_bias=body.bias(), logprobs=logprobs, seed=body.seed,
+        stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, names=dict(names or {}))
 
 
 def usage(done: GenerationDone) -> CompletionUsage:
@@ -109,16 +111,18 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         """OpenAI-compatible text completion (one prompt, n=1)."""
         check_supported(body)
         route = routes.resolve("generate", body.model)
-        req = to_request(body, body.max_tokens, prompt=body.prompt_text(), names={"max_new_tokens": "max_tokens"})
+        req = to_request(body, body.max_tokens, prompt=body.prompt_text(), names={"max_new_tokens": "max_tokens"},
+                         logprobs=body.logprobs)
         cid, created = f"cmpl-{req.request_id}", int(time.time())
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             return await calls.stream(route, req, deadline(request),
-                                      CompletionFormat(cid, created, route.model, include))
+                                      CompletionFormat(cid, created, route.model, include, logprobs=req.logprobs is not None))
         done = await calls.complete(route, req, deadline(request))
+        lp = completion_logprobs(done.logprobs)[0] if done.logprobs is not None else None
         return CompletionResponse(
             id=cid, created=created, model=route.model, usage=usage(done),
-            choices=[CompletionChoice(text=done.text, finish_reason=done.finish_reason)])  # type: ignore[arg-type]
+            choices=[CompletionChoice(text=done.text, finish_reason=done.finish_reason, logprobs=lp)])  # type: ignore[arg-type]
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=responses)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -127,15 +131,18 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         route = routes.resolve("generate", body.model)
         messages = tuple(ChatMessage(m.role, m.text()) for m in body.messages)
         names = {"max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"}
-        req = to_request(body, body.max_completion_tokens or body.max_tokens, messages=messages, names=names)
+        req = to_request(body, body.max_completion_tokens or body.max_tokens, messages=messages, names=names,
+                         logprobs=body.logprobs_k())
         cid, created = f"chatcmpl-{req.request_id}", int(time.time())
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return await calls.stream(route, req, deadline(request), ChatFormat(cid, created, route.model, include))
+            return await calls.stream(route, req, deadline(request),
+                                      ChatFormat(cid, created, route.model, include, logprobs=req.logprobs is not None))
         done = await calls.complete(route, req, deadline(request))
+        lp = chat_logprobs(done.logprobs) if done.logprobs is not None else None
         return ChatCompletionResponse(
             id=cid, created=created, model=route.model, usage=usage(done),
-            choices=[ChatChoice(message=ChatMessageOut(content=done.text),
+            choices=[ChatChoice(message=ChatMessageOut(content=done.text), logprobs=lp,
                                 finish_reason=done.finish_reason)])  # type: ignore[arg-type]
 
     return router

@@ -13,14 +13,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictStr
+from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictStr, field_validator
 
 from ..errors import InvalidRequest
 from ..messages import AnswerFinish
+from .logprobs import ChatLogprobs, CompletionLogprobs
 from .schemas import Texts, _Request
 
 MAX_TOKENS = 1_000_000  # a static bound; the engine's max_new_tokens / max_total_tokens decide (422 naming them)
 MAX_STOPS = 8
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's bound
+MAX_TOP_LOGPROBS = 20  # OpenAI's (models.decoding.MAX_TOP_LOGPROBS)
 
 
 def _as_list(value: Any) -> Any:
@@ -43,12 +46,34 @@ class Sampling(_Request):
     top_k: int | None = Field(None, ge=0, strict=True, description="Sample among the k best tokens; 0 = off.")
     repetition_penalty: float | None = Field(None, gt=0, le=10, strict=True, allow_inf_nan=False,
                                              description="> 1 discourages tokens already in the text; 1 = off.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, strict=True, allow_inf_nan=False,
+                                           description="OpenAI's: minus this from the logit of every token "
+                                                       "already in the output; 0 = off.")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, strict=True, allow_inf_nan=False,
+                                            description="OpenAI's: minus this times the token's count in the "
+                                                        "output; 0 = off.")
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="Token id (as a string) -> a value in [-100, 100] added "
+                                                     "to its logit before sampling (OpenAI's).")
     seed: int | None = Field(None, ge=0, lt=2**63, strict=True,
                              description="Seeds this request's sampler: same seed and inputs, same text.")
     stop: Stops | None = None
     ignore_eos: StrictBool | None = Field(None, description="Keep generating past the end-of-sequence token "
                                                              "until max tokens (benchmarks; as vLLM's extra).")
     stream: StrictBool = Field(False, description="Answer with server-sent events as the text is generated.")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"logit_bias keys are token ids (decimal strings), got {key[:20]!r}")
+            if isinstance(bias, bool) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values are numbers in [-100, 100], got {bias!r} for {key}")
+        return value
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
 
 class GenerateRequest(Sampling):
@@ -87,15 +112,15 @@ class OpenAISampling(Sampling):
                                    description="Default: the model's max_new_tokens.")
     n: int | None = Field(None, ge=1, strict=True, description="Only 1.")
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, strict=True, description="Only 0.")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, strict=True, description="Only 0.")
-    logit_bias: dict[str, float] | None = Field(None, description="Only empty.")
     user: StrictStr | None = Field(None, description="Accepted for OpenAI compatibility; ignored.")
 
 
 class CompletionRequest(OpenAISampling):
     prompt: Texts = Field(description="A text, or a list with exactly one text.")
-    logprobs: int | None = Field(None, ge=0, strict=True, description="Not returned: only null or 0.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True,
+                                 description="Return the chosen token's log-probability and the `logprobs` most "
+                                             "likely tokens' for every output token (docs/serving.md says which "
+                                             "distribution).")
     echo: StrictBool | None = Field(None, description="Only false.")
     best_of: int | None = Field(None, ge=1, strict=True, description="Only 1.")
     suffix: StrictStr | None = Field(None, description="Only null.")
@@ -135,14 +160,21 @@ class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessageIn] = Field(min_length=1, description="Rendered with the model's chat template.")
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, strict=True,
                                               description="OpenAI's newer name for max_tokens; wins over it.")
-    logprobs: StrictBool | None = Field(None, description="Only false.")
-    top_logprobs: int | None = Field(None, ge=0, strict=True, description="Only null or 0.")
+    logprobs: StrictBool | None = Field(None, description="Return each output token's log-probability.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True,
+                                     description="With logprobs: also the k most likely tokens' at each position.")
+
+    def logprobs_k(self) -> int | None:
+        """The engine's logprobs field: None, or how many alternatives (a 422 for top_logprobs alone)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: AnswerFinish
 
 
@@ -163,7 +195,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: AnswerFinish
 
 
@@ -180,12 +212,7 @@ class ChatCompletionResponse(BaseModel):
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v in (None, 1), "only n=1 (send several requests)"),
     "best_of": (lambda v: v in (None, 1), "only best_of=1"),
-    "frequency_penalty": (lambda v: not v, "only 0 (repetition_penalty is supported)"),
-    "presence_penalty": (lambda v: not v, "only 0 (repetition_penalty is supported)"),
-    "logprobs": (lambda v: not v, "log-probabilities are not returned"),
-    "top_logprobs": (lambda v: not v, "log-probabilities are not returned"),
     "echo": (lambda v: not v, "the prompt is not echoed"),
-    "logit_bias": (lambda v: not v, "only an empty logit_bias"),
     "suffix": (lambda v: v is None, "suffixes are not supported"),
 }
 

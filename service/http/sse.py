@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Protocol
 
 from ..errors import InternalError, ServiceError
 from ..messages import GenerationDone, GenerationEvent, GenerationStarted, TextDelta
+from .logprobs import chat_logprobs, completion_logprobs
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -65,13 +66,19 @@ class _OpenAIFormat:
 
 @dataclass
 class CompletionFormat(_OpenAIFormat):
-    """OpenAI's text_completion chunks; a usage chunk (no choices) last when include_usage."""
+    """OpenAI's text_completion chunks; a usage chunk (no choices) last when include_usage. With
+    `logprobs`, each chunk carries its tokens' (text offsets counted over the whole completion)."""
 
+    logprobs: bool = False
+    offset: int = 0  # characters of the completion the chunks' log-probabilities covered so far
     object_name: ClassVar[str] = "text_completion"
 
     def render(self, event: GenerationEvent) -> list[dict[str, Any]]:
         if isinstance(event, TextDelta):
-            return [self.chunk([{"index": 0, "text": event.text, "logprobs": None, "finish_reason": None}])]
+            lp = None
+            if self.logprobs:
+                lp, self.offset = completion_logprobs(event.logprobs, self.offset)
+            return [self.chunk([{"index": 0, "text": event.text, "logprobs": lp, "finish_reason": None}])]
         if isinstance(event, GenerationDone):
             last = [self.chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": event.finish_reason}])]
             return last + ([self.chunk([], event.usage.as_dict())] if self.include_usage else [])
@@ -82,16 +89,18 @@ class CompletionFormat(_OpenAIFormat):
 class ChatFormat(_OpenAIFormat):
     """OpenAI's chat.completion.chunk: the role first, then content deltas, then finish_reason."""
 
+    logprobs: bool = False
     object_name: ClassVar[str] = "chat.completion.chunk"
 
     def render(self, event: GenerationEvent) -> list[dict[str, Any]]:
-        def choice(delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        def choice(delta: dict[str, str], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
         if isinstance(event, GenerationStarted):
             return [self.chunk([choice({"role": "assistant", "content": ""})])]
         if isinstance(event, TextDelta):
-            return [self.chunk([choice({"content": event.text})])]
+            lp = chat_logprobs(event.logprobs) if self.logprobs else None
+            return [self.chunk([choice({"content": event.text}, lp=lp)])]
         last = [self.chunk([choice({}, event.finish_reason)])]
         return last + ([self.chunk([], event.usage.as_dict())] if self.include_usage else [])
 

@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 # request fields that fall back to the model's defaults (ModelSpec.defaults), then SamplingParams'
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "ignore_eos")
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "logprobs", "seed", "ignore_eos")
 CHAT_ROLES = {"developer": "system"}  # roles the templates know under another name
 WARM_UP_STEPS = 8
 DEFAULT_MAX_NEW = SamplingParams().max_new_tokens  # when neither the request nor the model sets one
@@ -96,8 +97,13 @@ class GeneratorRunner(ModelRunner):
             limits = self.engine.limits
             room = min(limits.max_new_tokens, limits.max_total_tokens - prompt_tokens)
             values["max_new_tokens"] = max(1, min(values.get("max_new_tokens", DEFAULT_MAX_NEW), room))
+        vocab = self.loaded.model.cfg.vocab_size
+        outside = [token for token, _ in request.logit_bias if token >= vocab]
+        if outside:
+            raise InvalidRequest(f"logit_bias names token ids {outside[:5]} outside the vocabulary "
+                                 f"(size {vocab})", request.param("logit_bias"))
         try:
-            return SamplingParams(**values, stop=request.stop)
+            return SamplingParams(**values, stop=request.stop, logit_bias=request.logit_bias)
         except ValueError as e:  # the edge checks each field; this is a safety net
             raise InvalidRequest(str(e)) from None
 
@@ -137,7 +143,7 @@ class GeneratorRunner(ModelRunner):
             yield GenerationStarted(handle.request_id, prompt_tokens)
             async for event in handle:
                 if isinstance(event, Delta):
-                    yield TextDelta(event.text)
+                    yield TextDelta(event.text, event.logprobs)
                 else:
                     finished = True
                     yield _done(event)
@@ -198,4 +204,4 @@ def _done(event: Finished) -> GenerationDone:
     if error is not None:
         log.warning("generation %s ended with an error: %s", event.request_id, error)
     return GenerationDone(event.request_id, event.text, "error" if error else event.finish_reason,  # type: ignore[arg-type]
-                          event.usage, error)
+                          event.usage, error, event.logprobs)

@@ -18,10 +18,13 @@ from transformers.generation.logits_process import (
 from models.config import DecoderConfig
 from models.decoder import DecoderLM
 from models.decoding import (
+    LOGPROB_FLOOR,
     BatchParams,
     RowSampler,
     SamplingParams,
+    apply_output_penalties,
     apply_repetition_penalty,
+    choose,
     filter_top_k_top_p,
     find_stop,
     next_tokens,
@@ -283,3 +286,52 @@ def test_generate_rejects_bad_requests(lm: DecoderLM) -> None:
         generate(lm, [[1], []], SamplingParams())
     with pytest.raises(ValueError, match="exceeds the model's 64"):
         generate(lm, [list(range(10))], SamplingParams(max_new_tokens=60))
+
+
+# --- OpenAI's penalties, logit bias, log-probabilities ----------------------------------------------
+
+def _rows(*params: SamplingParams) -> tuple[BatchParams, list[RowSampler]]:
+    return BatchParams.build(list(params)), [RowSampler(p) for p in params]
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula() -> None:
+    logits = torch.randn(2, 6, generator=torch.Generator().manual_seed(0))  # (B, V)
+    counts = torch.tensor([[0, 3, 1, 0, 0, 0], [2, 0, 0, 0, 0, 1]])  # (B, V) output counts
+    got = apply_output_penalties(logits, counts, torch.tensor([0.5, 0.0]), torch.tensor([0.25, -1.0]))
+    want = logits - torch.tensor([[0.25], [-1.0]]) * counts - torch.tensor([[0.5], [0.0]]) * (counts > 0)
+    torch.testing.assert_close(got, want)
+
+
+def test_logit_bias_applies_to_its_own_row_only() -> None:
+    logits = torch.zeros(2, 5)  # (B, V)
+    params, samplers = _rows(SamplingParams(logit_bias=((3, 100.0),)), SamplingParams(logit_bias=((1, -100.0),)))
+    choice = choose(logits, params, samplers)
+    assert choice.tokens.tolist()[0] == 3 and choice.tokens.tolist()[1] != 1
+
+
+def test_logprobs_are_those_of_the_distribution_drawn_from() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 50, generator=g)  # (B, V)
+    params, samplers = _rows(SamplingParams(logprobs=2), SamplingParams(temperature=0.5, seed=3, logprobs=0),
+                             SamplingParams(temperature=1.0, top_k=4, seed=4, logprobs=5))
+    choice = choose(logits, params, samplers)
+    assert choice.logprobs is not None and choice.top_ids is not None and choice.top_logprobs is not None
+    greedy, hot, filtered = logits[0].log_softmax(-1), (logits[1] / 0.5).log_softmax(-1), logits[2]
+    keep = filtered.topk(4).indices
+    filtered = torch.full_like(filtered, float("-inf")).scatter(0, keep, filtered[keep]).log_softmax(-1)
+    for row, ref in enumerate((greedy, hot, filtered)):
+        token = int(choice.tokens[row])
+        assert float(choice.logprobs[row]) == pytest.approx(float(ref[token]), abs=1e-5)
+    assert choice.top_ids[0, :2].tolist() == greedy.topk(2).indices.tolist()
+    assert choice.top_logprobs[2, 4] == LOGPROB_FLOOR  # only 4 tokens survive top_k=4: the 5th is "-inf"
+    # asking for log-probabilities never changes the tokens
+    plain = choose(logits, *_rows(SamplingParams(), SamplingParams(temperature=0.5, seed=3),
+                                  SamplingParams(temperature=1.0, top_k=4, seed=4)))
+    assert plain.tokens.tolist() == choice.tokens.tolist() and plain.logprobs is None
+
+
+@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3.0),
+                                 dict(logit_bias=((1, 101.0),)), dict(logit_bias=((-1, 1.0),)), dict(logprobs=21)])
+def test_out_of_range_openai_parameters_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)

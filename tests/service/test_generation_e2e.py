@@ -274,7 +274,87 @@ def test_openai_client_sees_422_for_unsupported_parameters(server: Cluster) -> N
         client.completions.create(model=TINY, prompt="hi", n=2)
     with pytest.raises(openai.UnprocessableEntityError, match="frequency_penalty"):
         client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hi"}],
-                                       frequency_penalty=0.5)
+                                       frequency_penalty=2.5)
+    with pytest.raises(openai.UnprocessableEntityError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+
+
+# -- log-probabilities, penalties, logit bias ---------------------------------------------------------
+
+def offline_logprobs(prompt: str, n_new: int, k: int) -> tuple[list[int], list[float], list[list[int]]]:
+    """Greedy tokens of tiny:decoder with each step's log-softmax at the chosen token and the top k ids."""
+    model, tok = tiny_model("decoder")
+    ids = tok.encode(prompt)
+    chosen, lps, tops = [], [], []
+    with torch.no_grad():
+        for _ in range(n_new):
+            logp = model(torch.tensor([ids]))[0, -1].float().log_softmax(-1)  # (V,)
+            token = int(logp.argmax())
+            if token == 1:  # tiny:decoder's eos
+                break
+            chosen.append(token)
+            lps.append(float(logp[token]))
+            tops.append(logp.topk(k).indices.tolist())
+            ids.append(token)
+    return chosen, lps, tops
+
+
+def test_completion_logprobs_are_the_models_own_streamed_and_not(server: Cluster) -> None:
+    client = server.openai()
+    _, tok = tiny_model("decoder")
+    tokens, lps, tops = offline_logprobs("log me", 12, 3)
+    params = {"model": TINY, "prompt": "log me", "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    whole = client.completions.create(**params)
+    plain = client.completions.create(**{**params, "logprobs": None})
+    assert whole.choices[0].text == plain.choices[0].text == tok.decode(tokens)  # asking changes nothing
+    lp = whole.choices[0].logprobs
+    assert lp is not None and lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in tokens]
+    assert lp.token_logprobs == pytest.approx(lps, abs=1e-4)
+    for best, top, token in zip(tops, lp.top_logprobs or [], lp.tokens, strict=True):
+        assert set(top) >= {tok.decode([t], skip_special_tokens=False) for t in best} and token in top
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(**params, stream=True))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    offsets = [o for ch in chunks if ch.choices and ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
+    assert streamed == lp.tokens and offsets == lp.text_offset
+
+
+def test_chat_logprobs_in_openais_shape(server: Cluster) -> None:
+    client = server.openai()
+    messages = [{"role": "user", "content": "hola"}]
+    whole = client.chat.completions.create(model=TINY, messages=messages, max_tokens=10, temperature=0,  # type: ignore[arg-type]
+                                           logprobs=True, top_logprobs=2)
+    content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and "".join(c.token for c in content) == whole.choices[0].message.content
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the chosen is the best
+    stream = client.chat.completions.create(model=TINY, messages=messages, max_tokens=10, temperature=0,  # type: ignore[arg-type]
+                                            logprobs=True, top_logprobs=2, stream=True)
+    streamed = [c.token for ch in stream if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content or []]
+    assert streamed == [c.token for c in content]
+
+
+def test_penalties_and_logit_bias_change_the_text_as_defined(server: Cluster) -> None:
+    _, tok = tiny_model("decoder")
+    forced = tok.encode("z", add_special_tokens=False)[0]
+    with server.client() as c:
+        def text(**params: Any) -> str:
+            body = {"prompt": "penalise me", "max_new_tokens": 30, "ignore_eos": True, **params}
+            r = c.post("/v1/generate", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["text"]
+
+        free = text()
+        assert text(logit_bias={str(forced): 100}) == "z" * 30
+        repeated = max(set(free), key=free.count)
+        for name in ("frequency_penalty", "presence_penalty"):
+            penalised = text(**{name: 2.0})
+            assert penalised != free and penalised == text(**{name: 2.0})  # deterministic
+            assert penalised.count(repeated) <= free.count(repeated)
+        assert text(presence_penalty=-2.0) != free  # negative values reward repetition
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -305,9 +385,16 @@ BAD = [
     ("/v1/generate", {"prompt": "hi", "model": "no-such-model"}, "model", None),
     ("/v1/generate", {"prompt": "hi", "stream": True, "max_new_tokens": 600}, "max_new_tokens", "max_new_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, "n", None),
-    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty", None),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": -1.0}, "presence_penalty", None),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs", None),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty", None),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": -2.1}, "presence_penalty", None),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": "1"}, "presence_penalty", None),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", None),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs", None),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias", None),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", None),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias", "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", None),
+    ("/v1/generate", {"prompt": "hi", "logit_bias": [1, 2]}, "logit_bias", None),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", None),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", None),
     ("/v1/completions", {"prompt": [1, 2]}, "prompt[0]", None),
@@ -318,7 +405,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content", None),
     ("/v1/chat/completions", {"messages": CHAT, "n": 3}, "n", None),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": 2.5}, "temperature", None),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, "logprobs", None),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs", None),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 1}, "top_logprobs", "needs logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": []}, "tools", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * MAX_POSITIONS}]}, "messages",
      "max_prompt_tokens"),
