@@ -235,12 +235,21 @@ class DecoderConfig(BlockConfig):
 
 @dataclass(frozen=True)
 class Seq2SeqConfig(BlockConfig):
-    """Encoder-decoder (Marian / original Transformer). n_layers is the encoder depth."""
+    """Encoder-decoder (Marian / original Transformer, T5). n_layers is the encoder depth.
+
+    T5 is position "relative" (a bucketed bias per stack, no position embeddings), pre-norm RMSNorm
+    with a final norm per stack, unscaled scores, no biases and no final_logits_bias; v1.0 ties its
+    head and scales the decoder output by d_model**-0.5 before it (scale_head), v1.1 unties it.
+    """
 
     decoder_layers: int | None = None  # None = n_layers
     decoder_start_token_id: int = 0
     eos_token_id: int = 0
     final_logits_bias: bool = True  # Marian keeps a (vocab,) bias on the output logits
+    scale_head: bool = False  # the decoder output times d_model**-0.5 before the head (T5 v1.0)
+    # (source, target, prefix): the task prefix the model expects before a text to translate source ->
+    # target (T5's task_specific_params, e.g. ("en", "de", "translate English to German: "))
+    translation_prefixes: tuple[tuple[str, str, str], ...] = ()
     position: Position = "sinusoidal"
     prenorm: bool = False
     final_norm: bool = False
@@ -248,14 +257,34 @@ class Seq2SeqConfig(BlockConfig):
 
     family: ClassVar[str] = "seq2seq"
 
+    def __post_init__(self) -> None:
+        # JSON gives the triples back as lists: tuples again, so a round trip compares equal
+        prefixes = self.translation_prefixes
+        if isinstance(prefixes, list | tuple):
+            object.__setattr__(self, "translation_prefixes",
+                               tuple(tuple(p) if isinstance(p, list | tuple) else p for p in prefixes))
+        super().__post_init__()
+
     @property
     def n_decoder_layers(self) -> int:
         return self.decoder_layers if self.decoder_layers is not None else self.n_layers
+
+    def translation_prefix(self, source: str, target: str) -> str | None:
+        """The task prefix for translating source -> target; None when the model has none for the pair."""
+        return next((p for s, t, p in self.translation_prefixes if (s, t) == (source, target)), None)
 
     def _validate(self) -> None:
         super()._validate()
         if self.position == "rotary":
             raise ConfigError("Seq2SeqConfig: rotary positions are not supported for cross-attention models")
+        prefixes = self.translation_prefixes
+        if not isinstance(prefixes, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 3 and all(isinstance(x, str) for x in p) for p in prefixes):
+            raise ConfigError("Seq2SeqConfig: translation_prefixes must be (source, target, prefix) string "
+                              f"triples, got {prefixes!r}")
+        pairs = [(s, t) for s, t, _ in prefixes]
+        if len(set(pairs)) != len(pairs):
+            raise ConfigError(f"Seq2SeqConfig: translation_prefixes names a language pair twice: {pairs}")
         for name in ("decoder_start_token_id", "eos_token_id"):
             value = getattr(self, name)
             if not 0 <= value < self.vocab_size:
@@ -280,6 +309,12 @@ PRESETS: dict[str, BlockConfig] = {
     "tiny-seq2seq": Seq2SeqConfig(vocab_size=100, d_model=16, n_heads=2, d_ff=32, n_layers=2,
                                   max_positions=64, pad_token_id=2, decoder_start_token_id=2, eos_token_id=0,
                                   scale_embeddings=True),
+    # T5 v1.1's shape: relative positions, RMSNorm pre-norm, gated tanh-GELU, untied head, D * H != C
+    "tiny-t5": Seq2SeqConfig(vocab_size=100, d_model=16, n_heads=2, d_head=12, d_ff=32, n_layers=2,
+                             max_positions=64, position="relative", relative_buckets=8, relative_max_distance=6,
+                             norm="rmsnorm", norm_eps=1e-6, prenorm=True, final_norm=True, activation="geglu_tanh",
+                             attn_bias=False, mlp_bias=False, scale_attention=False, final_logits_bias=False,
+                             tie_embeddings=False, pad_token_id=0, decoder_start_token_id=0, eos_token_id=1),
 }
 
 __all__ = [

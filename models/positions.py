@@ -1,4 +1,5 @@
-"""Position schemes: sinusoidal and learned (added to embeddings), rotary (applied in attention).
+"""Position schemes: sinusoidal and learned (added to embeddings), rotary (applied in attention),
+T5's bucketed relative bias (added to the attention scores).
 
 Positions are always passed in explicitly as a (B, T) tensor, so rows of one batch may sit
 at different positions (left padding, or cached rows at different decoding steps).
@@ -141,3 +142,46 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.size(-1) // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (B, heads, T, D)
     return x * cos + rotated * sin  # (B, heads, T, D)
+
+
+def relative_bucket(relative: Tensor, bidirectional: bool, n_buckets: int, max_distance: int) -> Tensor:
+    """T5's bucket of each relative position (key position - query position), exactly as `transformers`
+    T5Attention._relative_position_bucket computes it: half of the buckets are exact distances, the
+    other half grow logarithmically up to max_distance, and farther distances share the last bucket.
+    Bidirectional (encoder): keys after the query get the upper half of the buckets; causal (decoder):
+    keys after the query all fall in bucket 0 (the causal mask hides them). Any shape -> same shape, long.
+    """
+    bucket = torch.zeros_like(relative)  # (...)
+    if bidirectional:
+        n_buckets //= 2
+        bucket = bucket + (relative > 0).long() * n_buckets  # (...): keys ahead of the query
+        distance = relative.abs()  # (...)
+    else:
+        distance = (-relative).clamp(min=0)  # (...): only keys at or before the query count
+    exact = n_buckets // 2
+    # in float32, operation for operation as transformers, so the floor lands on the same bucket
+    log_ratio = torch.log(distance.float() / exact) / math.log(max_distance / exact)  # (...)
+    far = (exact + (log_ratio * (n_buckets - exact)).to(torch.long)).clamp(max=n_buckets - 1)  # (...)
+    return bucket + torch.where(distance < exact, distance, far)  # (...)
+
+
+class RelativePositionBias(nn.Module):
+    """T5's learned relative position bias: one scalar per head and bucket of (key - query) position,
+    added to the self-attention scores. A stack computes it once per forward pass from explicit query
+    and key positions (so left padding and cached rows at different steps are exact) and shares it
+    with all its layers (T5 stores the table in its first layer)."""
+
+    def __init__(self, n_heads: int, n_buckets: int, max_distance: int, bidirectional: bool) -> None:
+        super().__init__()
+        self.n_buckets, self.max_distance, self.bidirectional = n_buckets, max_distance, bidirectional
+        self.weight = nn.Parameter(torch.zeros(n_buckets, n_heads))  # (buckets, H)
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """q_pos: (B, T) query positions; k_pos: (S,) or (B, S) key positions. Returns the bias
+        (B, H, T, S) in the table's dtype."""
+        if k_pos.dim() == 1:
+            k_pos = k_pos[None, :]  # (1, S)
+        relative = k_pos[:, None, :] - q_pos[:, :, None]  # (B, T, S)
+        buckets = relative_bucket(relative, self.bidirectional, self.n_buckets, self.max_distance)  # (B, T, S)
+        return self.weight[buckets].permute(0, 3, 1, 2).contiguous()  # (B, H, T, S)

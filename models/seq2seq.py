@@ -1,4 +1,4 @@
-"""Encoder-decoder (Marian / original Transformer) with separate encode() and decode()."""
+"""Encoder-decoder (Marian / original Transformer, T5) with separate encode() and decode()."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from .stacks import CausalStack, EncoderStack, gather_rows
 
 
 class Seq2Seq(nn.Module):
-    """Shared token embeddings (Marian ties encoder, decoder and output embeddings)."""
+    """Shared token embeddings (Marian and T5 share one matrix between encoder and decoder; the output
+    head is that matrix too unless the config unties it, as T5 v1.1 does)."""
 
     def __init__(self, cfg: Seq2SeqConfig) -> None:
         super().__init__()
@@ -24,6 +25,7 @@ class Seq2Seq(nn.Module):
         self.decoder.embed.tokens = shared.tokens  # one token matrix, two position/dropout wrappers
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.final_logits_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.final_logits_bias else None
+        self.head_scale = cfg.d_model ** -0.5 if cfg.scale_head else 1.0  # T5 v1.0 rescales before its head
 
     def encode(self, src: Tensor, src_keep: Tensor | None = None) -> Tensor:
         """src (B, S) -> memory (B, S, C)."""
@@ -36,6 +38,8 @@ class Seq2Seq(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """(B, T, C) -> (B, T, V)."""
+        if self.head_scale != 1.0:
+            hidden = hidden * self.head_scale  # (B, T, C)
         out = F.linear(hidden, self.decoder.embed.tokens.weight) if self.lm_head is None else self.lm_head(hidden)
         return out + self.final_logits_bias if self.final_logits_bias is not None else out
 

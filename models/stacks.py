@@ -1,7 +1,9 @@
 """The two stacks every family is built from: a bidirectional encoder stack and a causal stack.
 
 Both take a (B, T) "keep" mask (True = real token) and build their boolean attention masks
-here and only here, with the helpers of attention.py.
+here and only here, with the helpers of attention.py. With relative positions (T5) each stack
+also builds its additive position bias here, once per forward pass from the same query and key
+positions as the masks, and hands it to every layer's self-attention.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from .attention import AttentionMask, causal_mask, padding_mask, positions_from_
 from .config import BlockConfig
 from .kv_cache import CacheView, CrossCache
 from .layers import Block, Embeddings, make_norm
-from .positions import RotaryPositions
+from .positions import RelativePositionBias, RotaryPositions
 
 
 class EncoderStack(nn.Module):
@@ -22,6 +24,7 @@ class EncoderStack(nn.Module):
     def __init__(self, cfg: BlockConfig, embed: Embeddings | None = None, type_vocab_size: int = 0) -> None:
         super().__init__()
         self.embed = embed if embed is not None else Embeddings(cfg, type_vocab_size)
+        self.relative_bias = _relative_bias(cfg, bidirectional=True)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else None
 
@@ -32,8 +35,9 @@ class EncoderStack(nn.Module):
         positions = positions_from_mask(keep)  # (B, T): pad-invariant for left or right padding
         x = self.embed(ids, positions, token_types)  # (B, T, C)
         mask = AttentionMask.build(padding_mask(keep))  # (B, 1, 1, T)
+        bias = self.relative_bias(positions, positions) if self.relative_bias is not None else None  # (B, H, T, T)
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, mask, bias=bias)
         return self.norm(x) if self.norm is not None else x
 
 
@@ -51,6 +55,7 @@ class CausalStack(nn.Module):
         self.rotary = (RotaryPositions(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
                        if cfg.position == "rotary" else None)
         self.window = cfg.sliding_window
+        self.relative_bias = _relative_bias(cfg, bidirectional=False)
         self.blocks = nn.ModuleList(Block(cfg, cross=cross) for _ in range(n_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else None
 
@@ -65,24 +70,34 @@ class CausalStack(nn.Module):
         b, t = ids.shape
         if cache is not None:
             positions, s = cache.begin(t)  # (B, T), S = longest past + T
-            mask = causal_mask(positions, torch.arange(s, device=ids.device), self.window)  # (B, 1, T, S)
+            k_pos = torch.arange(s, device=ids.device)  # (S,): a cached key's slot is its position
+            mask = causal_mask(positions, k_pos, self.window)  # (B, 1, T, S)
         else:
             if keep is None:
                 keep = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
             positions = positions_from_mask(keep)  # (B, T)
+            k_pos = positions  # (B, T): the keys are these tokens
             slots = torch.arange(t, device=ids.device)  # (T,)
             # the window counts real tokens: positions skip padding, slots do not
             mask = causal_mask(slots.expand(b, t), slots) & padding_mask(keep)  # (B, 1, T, T)
             if self.window is not None:
                 mask = mask & causal_mask(positions, positions, self.window)  # (B, 1, T, T)
         mask = AttentionMask.build(mask)  # once for every layer
+        bias = self.relative_bias(positions, k_pos) if self.relative_bias is not None else None  # (B, H, T, S)
         x = self.embed(ids, positions)  # (B, T, C)
         rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2
         cross_mask = AttentionMask.build(padding_mask(cross.src_keep)) if cross is not None else None  # (B,1,1,S)
         for i, block in enumerate(self.blocks):
             kv = cross.kv[i] if cross is not None else None
-            x = block(x, mask, rope, cache, i, kv, cross_mask)
+            x = block(x, mask, rope, cache, i, kv, cross_mask, bias=bias)
         return self.norm(x) if self.norm is not None else x
+
+
+def _relative_bias(cfg: BlockConfig, bidirectional: bool) -> RelativePositionBias | None:
+    """The stack's one relative position bias table (position "relative", T5), else None."""
+    if cfg.position != "relative":
+        return None
+    return RelativePositionBias(cfg.n_heads, cfg.relative_buckets, cfg.relative_max_distance, bidirectional)
 
 
 def gather_rows(hidden: Tensor, index: Tensor | None) -> Tensor:

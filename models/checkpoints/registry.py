@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import bert, distilbert, gpt2, llama, marian, roberta
+from . import bert, distilbert, gpt2, llama, marian, roberta, t5
 from .format import CheckpointError
 from .hf import read_hf_dir
 
@@ -24,6 +24,8 @@ IMPORTERS: dict[str, Importer] = {
     "gpt2": gpt2.from_hf,
     "llama": llama.from_hf,
     "marian": marian.from_hf,
+    "t5": t5.from_hf,
+    "mt5": t5.from_hf,  # T5 v1.1's layout and tensor names, a larger vocabulary
     "mistral": llama.from_hf,
     "qwen2": llama.from_hf,
     "qwen3": llama.from_hf,

@@ -7,8 +7,8 @@ Every test runs twice: with torch's own float projections and with oneDNN-packed
 
 A sequence's outputs do not depend on what it is batched with (padding on either side), on
 cached vs full computation, on where other rows of a cached step stand, or on the embeddings of
-pad tokens; eval mode is deterministic. Configs cover learned / sinusoidal / rotary positions,
-LayerNorm / RMSNorm, pre- / post-norm, MHA / GQA, tied / untied heads. Every parameter is
+pad tokens; eval mode is deterministic. Configs cover learned / sinusoidal / rotary / relative (T5)
+positions, LayerNorm / RMSNorm, pre- / post-norm, MHA / GQA, tied / untied heads. Every parameter is
 perturbed away from its init so identity norms and zero biases cannot hide a bug.
 """
 
@@ -64,6 +64,10 @@ SEQ2SEQS: dict[str, Seq2SeqConfig] = {
         vocab_size=100, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, n_layers=2, decoder_layers=3,
         max_positions=64, position="learned", norm="rmsnorm", prenorm=True, final_norm=True,
         tie_embeddings=False, activation="swiglu", pad_token_id=0, decoder_start_token_id=1, eos_token_id=2),
+    # T5: relative position bias per stack (max distance 6: exact, logarithmic and clamped buckets occur)
+    "t5-v1.1-relative-geglu-untied": PRESETS["tiny-t5"],
+    "t5-v1.0-relative-relu-tied-scaled": PRESETS["tiny-t5"].replace(
+        activation="relu", tie_embeddings=True, scale_head=True, d_head=None, decoder_layers=3),
 }
 MODELS: dict[str, type[nn.Module]] = {"encoder": EncoderModel, "decoder": DecoderLM, "seq2seq": Seq2Seq}
 KERNELS = ["aten", "onednn"] if onednn_available() else ["aten"]
