@@ -1,5 +1,11 @@
 """Translation on one encoder-decoder replica: beam search over dynamic batches, each input with its
-own beam size and length limit (models.beam_search.translate_ids takes one BeamParams per source)."""
+own beam size and length limit (models.beam_search.translate_ids takes one BeamParams per source).
+
+What differs between translators is carried by the model and its tokenizer, not decided here: the
+start, end and pad ids come from the model's config, the text from its tokenizer, and a task prefix
+(T5's "translate English to German: ") from the config's translation_prefixes for the languages the
+spec serves, or from the spec's `prefix` default.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +30,25 @@ class TranslateItem:
     params: BeamParams
 
 
+def source_prefix(loaded: LoadedModel) -> str:
+    """The text put before every input: the spec's `prefix` default if it has one, else the model's task
+    prefix for the served (source, target) languages, else none. A model that names task prefixes but
+    none for the served pair cannot know what it is asked: ValueError at load, naming the pairs it has."""
+    spec, cfg = loaded.spec, loaded.model.cfg
+    if "prefix" in spec.defaults:
+        return str(spec.defaults["prefix"])
+    known = getattr(cfg, "translation_prefixes", ())
+    if not known or spec.languages is None:
+        return ""
+    prefix = cfg.translation_prefix(*spec.languages)
+    if prefix is None:
+        pairs = sorted(f"{s}->{t}" for s, t, _ in known)
+        raise ValueError(f"model {spec.name!r} has task prefixes for {pairs}, none for "
+                         f"{spec.languages[0]}->{spec.languages[1]}; serve one of those pairs or set "
+                         "defaults.prefix in its model spec")
+    return prefix
+
+
 class TranslatorRunner(BatchedRunner):
     """Beam search on the encoder-decoder; each item keeps its own beam size and length limit inside
     a shared batch (translate_ids takes one BeamParams per source)."""
@@ -35,6 +60,7 @@ class TranslatorRunner(BatchedRunner):
         self.banned = sorted({t for t in (cfg.pad_token_id, cfg.decoder_start_token_id) if t is not None}
                              - {cfg.eos_token_id})
         self.max_new_limit = cfg.max_positions - 1
+        self.prefix = source_prefix(loaded)
 
     def params(self, options: TranslateOptions) -> BeamParams:
         defaults = self.loaded.spec.defaults
@@ -48,7 +74,8 @@ class TranslatorRunner(BatchedRunner):
     async def translate(self, texts: Sequence[str], options: TranslateOptions,
                         timeout_s: float | None) -> list[str]:
         params = self.params(options)
-        ids = tokenize(self.loaded.tokenizer, texts, self.loaded.max_input_tokens, options.truncate)
+        ids = tokenize(self.loaded.tokenizer, [self.prefix + t for t in texts], self.loaded.max_input_tokens,
+                       options.truncate)
         return await self.batcher.submit_many([TranslateItem(x, params) for x in ids], [len(x) for x in ids],
                                               deadline(timeout_s))
 
@@ -58,6 +85,6 @@ class TranslatorRunner(BatchedRunner):
         return self.loaded.tokenizer.decode_batch(out)
 
     def warm_up(self) -> None:
-        ids = tokenize(self.loaded.tokenizer, ["warm up", "warm up the translator"],
+        ids = tokenize(self.loaded.tokenizer, [self.prefix + "warm up", self.prefix + "warm up the translator"],
                        self.loaded.max_input_tokens, truncate=True)
         self.run_batch([TranslateItem(ids[0], BeamParams(1, 2)), TranslateItem(ids[1], BeamParams(2, 2))])
