@@ -24,6 +24,7 @@ from .messages import (
     GenerationEvent,
     GenerationRequest,
     ModelInfo,
+    Tokenized,
     TranslateOptions,
 )
 from .replica.encoder import EncoderRunner
@@ -111,6 +112,12 @@ class GeneratorDeployment(ModelDeployment):
 
     async def generate(self, request: GenerationRequest) -> GenerationDone:
         return await self.runner.generate(request)
+
+    async def tokenize(self, request: GenerationRequest, add_special_tokens: bool) -> Tokenized:
+        return self.runner.tokenize(request, add_special_tokens)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        return self.runner.detokenize(tokens)
 
     async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         events = self.runner.stream(request)

@@ -165,3 +165,12 @@ class GenerationDone:
 
 
 GenerationEvent = GenerationStarted | TextDelta | GenerationDone
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """A prompt (or a chat rendered with the template) as the generator's model sees it."""
+
+    tokens: tuple[int, ...]
+    token_strs: tuple[str, ...]  # each token's own text (special tokens shown)
+    max_model_len: int  # the engine's max_total_tokens

@@ -24,6 +24,7 @@ from .observability import Observability
 from .ops import METRICS_PATH, ops_router
 from .routing import Backend, ModelRoutes
 from .schemas import ErrorResponse
+from .tokenize import tokenize_router
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in {
@@ -55,6 +56,7 @@ def create_api(settings: Settings, backend: Backend, metrics: ServiceMetrics | N
     app.include_router(inference_router(settings, routes, backend, ERRORS))
     app.include_router(ops_router(settings, routes, backend, metrics))
     app.include_router(generation_router(settings, routes, backend, ERRORS))
+    app.include_router(tokenize_router(routes, backend, ERRORS))
     return app
 
 

@@ -23,7 +23,14 @@ from ..engine.config import EngineConfig
 from ..engine.core import GenerationEngine
 from ..engine.events import Delta, Finished, RequestHandle
 from ..errors import InternalError, InvalidRequest, RequestTooLarge
-from ..messages import GenerationDone, GenerationEvent, GenerationRequest, GenerationStarted, TextDelta
+from ..messages import (
+    GenerationDone,
+    GenerationEvent,
+    GenerationRequest,
+    GenerationStarted,
+    TextDelta,
+    Tokenized,
+)
 from ..telemetry.hooks import EngineObserver
 from ..telemetry.metrics import ServiceMetrics
 from ..telemetry.observers import PrometheusEngineObserver
@@ -86,6 +93,25 @@ class GeneratorRunner(ModelRunner):
         except Exception as e:  # e.g. lone surrogates that are not UTF-8
             raise InvalidRequest(f"the {field} could not be tokenized ({type(e).__name__}: {e})",
                                  request.param(field)) from None
+
+    def tokenize(self, request: GenerationRequest, add_special_tokens: bool = True) -> Tokenized:
+        """The prompt's (or the rendered chat's) token ids, as a generation would see them; with
+        add_special_tokens False a prompt is tokenized without the model's special tokens."""
+        if request.messages is None and not add_special_tokens:
+            ids = self.loaded.tokenizer.encode(request.prompt or "", add_special_tokens=False)
+        else:
+            ids = self.prompt_ids(request)
+        tok = self.loaded.tokenizer
+        return Tokenized(tuple(ids), tuple(tok.decode([t], skip_special_tokens=False) for t in ids),
+                         self.engine.limits.max_total_tokens)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """Text of token ids (special tokens shown); ids outside the vocabulary are a 422 naming one."""
+        vocab = self.loaded.model.cfg.vocab_size
+        for i, t in enumerate(tokens):
+            if not 0 <= t < vocab:
+                raise InvalidRequest(f"token id {t} is outside the vocabulary (size {vocab})", f"tokens[{i}]")
+        return self.loaded.tokenizer.decode(tokens, skip_special_tokens=False)
 
     def params(self, request: GenerationRequest, prompt_tokens: int) -> SamplingParams:
         """The request's fields over the model's defaults. A default max_new_tokens (the request sent

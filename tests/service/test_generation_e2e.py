@@ -357,6 +357,29 @@ def test_penalties_and_logit_bias_change_the_text_as_defined(server: Cluster) ->
         assert text(presence_penalty=-2.0) != free  # negative values reward repetition
 
 
+# -- /tokenize and /detokenize (vLLM's shapes) --------------------------------------------------------
+
+def test_tokenize_counts_what_a_generation_would_see(server: Cluster) -> None:
+    _, tok = tiny_model("decoder")
+    with server.client() as c:
+        prompt = c.post("/tokenize", json={"prompt": TEXT, "return_token_strs": True}).json()
+        bare = c.post("/tokenize", json={"prompt": TEXT, "add_special_tokens": False}).json()
+        chat = c.post("/tokenize", json={"messages": CHAT}).json()
+        whole = c.post("/v1/generate", json={"prompt": TEXT, "max_new_tokens": 2}).json()
+        back = c.post("/detokenize", json={"tokens": prompt["tokens"]}).json()
+        assert_error(c.post("/detokenize", json={"tokens": [5, VOCAB]}), 422, "invalid_request_error", "tokens[1]")
+        assert_error(c.post("/tokenize", json={"prompt": "a", "messages": CHAT}), 422, "invalid_request_error", None)
+        assert_error(c.post("/tokenize", json={"messages": CHAT, "model": LONG}), 422, "invalid_request_error",
+                     "messages")
+    assert prompt["tokens"] == tok.encode(TEXT) and prompt["count"] == whole["usage"]["prompt_tokens"]
+    assert prompt["max_model_len"] == MAX_POSITIONS and bare["token_strs"] is None
+    # each token's own text: a byte of a multi-byte character alone is U+FFFD, whole ones are themselves
+    assert len(prompt["token_strs"]) == prompt["count"] and prompt["token_strs"][0] == "h"
+    assert bare["tokens"] == tok.encode(TEXT, add_special_tokens=False)
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False)
+    assert back == {"prompt": tok.decode(prompt["tokens"], skip_special_tokens=False)}
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 CHAT = [{"role": "user", "content": "hi"}]
