@@ -55,21 +55,39 @@ class RunningBatch:
 
     def prefill(self, group: list[SeqState]) -> list[Picked]:
         """One forward over the right-padded prompts on rows [n, n + B), sampling each first token at
-        its last prompt index; the group joins the batch only if all of this succeeds."""
+        its last prompt index; the group joins the batch only if all of this succeeds.
+
+        Requests with the same prompt (n > 1 siblings, or the same prompt sent twice) are computed
+        once: the group is reordered so each distinct prompt's first request comes first, the forward
+        runs on those rows only, and the others get a copy of that row's cache and its logits (each
+        still samples with its own generator)."""
         start, stop = len(self.rows), len(self.rows) + len(group)
         if stop > self.cache.rows:
             raise ValueError(f"{len(group)} requests do not fit the {self.free} free cache rows")
+        firsts: dict[tuple[int, ...], int] = {}
+        for i, seq in enumerate(group):
+            firsts.setdefault(tuple(seq.prompt), i)
+        group = [group[i] for i in firsts.values()] + [s for i, s in enumerate(group) if i not in firsts.values()]
+        source = [list(firsts).index(tuple(seq.prompt)) for seq in group]  # (B,): the computed row of each
+        n_unique = len(firsts)
         self.cache.reset(start, stop)
-        multiple = PREFILL_MULTIPLE // math.gcd(len(group), PREFILL_MULTIPLE)  # of T, for B x T
-        padded = PaddedBatch.from_token_lists([s.prompt for s in group], device=self.device, multiple=multiple,
-                                              limit=self.cache.max_len)  # (B, T)
-        last = padded.last_index()  # (B,)
-        logits = self.model(padded.ids, cache=self.cache.view(start, stop), last=last)[:, 0]  # (B, V)
-        seen = padded.mark_seen(self.seen[start:stop].zero_())  # (B, V) view: the rows' prompt tokens
+        multiple = PREFILL_MULTIPLE // math.gcd(n_unique, PREFILL_MULTIPLE)  # of T, for B x T
+        padded = PaddedBatch.from_token_lists([s.prompt for s in group[:n_unique]], device=self.device,
+                                              multiple=multiple, limit=self.cache.max_len)  # (U, T)
+        last = padded.last_index()  # (U,)
+        logits = self.model(padded.ids, cache=self.cache.view(start, start + n_unique), last=last)[:, 0]  # (U, V)
+        seen = padded.mark_seen(self.seen[start:start + n_unique].zero_())  # (U, V) view: the prompts' tokens
+        index = torch.tensor(source, device=self.device)  # (B,)
+        if n_unique < len(group):
+            logits = logits.index_select(0, index)  # (B, V)
+            self.seen[start:stop] = seen.index_select(0, index)  # (B, V)
+            seen = self.seen[start:stop]  # (B, V) view
         counts = self.counts[start:stop].zero_()  # (B, V) view: no output yet
         params = BatchParams.build([s.params for s in group], self.device)
         choice = choose(logits.float(), params, [s.sampler for s in group], seen, counts)  # (B,)
-        self.cache.advance(last + 1, start, stop)
+        self.cache.advance(last + 1, start, start + n_unique)
+        for row in range(n_unique, len(group)):
+            self.cache.move_row(start + source[row], start + row)  # the shared prompt's keys and length
         self.rows.extend(group)
         self._params = None
         return self._took(choice, start, group)

@@ -167,7 +167,7 @@ def test_prompts_of_very_different_lengths_are_prefilled_in_separate_forwards(
     model, tok = tiny
     spy = FaultyLM(model, lambda ids, cache: False)
     engine = make(spy, tok, max_running=8)
-    prompts = [list(range(3, 3 + n)) for n in (90, 2, 3, 88, 2)]
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((90, 2, 3, 88, 2))]  # all different
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     handles = [engine.submit(p, params) for p in prompts]
     engine.step()  # all five admitted in one step
@@ -178,6 +178,25 @@ def test_prompts_of_very_different_lengths_are_prefilled_in_separate_forwards(
     run_until_idle(engine)
     for prompt, handle in zip(prompts, handles, strict=True):
         assert list(read(handle)[1].token_ids) == reference(model, tok, prompt, params)[0]
+
+
+def test_requests_with_the_same_prompt_share_one_prefill(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """n > 1 siblings (and any identical prompts admitted together) are prefilled once and copied;
+    each still samples on its own generator, as it would alone."""
+    model, tok = tiny
+    spy = FaultyLM(model, lambda ids, cache: False)
+    engine = make(spy, tok, max_running=8)
+    shared, other = tok.encode("a shared system prompt", add_special_tokens=False), [5, 6, 7]
+    params = [SamplingParams(max_new_tokens=12, temperature=0.9, seed=s, ignore_eos=True) for s in range(4)]
+    handles = [engine.submit(shared, p) for p in params] + [engine.submit(other, params[0])]
+    engine.step()
+    prefill_rows = sum(ids.size(0) for ids in spy.calls[:-1])
+    assert prefill_rows == 2  # one row for the four siblings, one for the other prompt
+    run_until_idle(engine)
+    outputs = [list(read(h)[1].token_ids) for h in handles]
+    assert outputs[:4] == [reference(model, tok, shared, p)[0] for p in params]
+    assert outputs[4] == reference(model, tok, other, params[0])[0]
+    assert len({tuple(o) for o in outputs[:4]}) == 4  # four seeds, four different continuations
 
 
 def test_prefill_row_counts_are_multiples_of_32_within_the_cache_row(tiny: tuple[nn.Module, TextTokenizer]) -> None:
