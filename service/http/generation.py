@@ -12,14 +12,16 @@ replica's errors name the client's fields and pass through unchanged. No Ray and
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from ..errors import InvalidRequest
 from ..messages import ChatMessage, GenerationDone, GenerationRequest
 from ..settings import Settings
 from .deadline import request_timeout, within
@@ -39,48 +41,96 @@ from .generation_schemas import (
 )
 from .logprobs import chat_logprobs, completion_logprobs
 from .routing import Backend, ModelRoutes, Route
-from .sse import SSE_HEADERS, ChatFormat, CompletionFormat, GenerateFormat, StreamFormat, sse_body
+from .sse import SSE_HEADERS, ChatFormat, CompletionFormat, GenerateFormat, Opened, StreamFormat, sse_body
 
 # -- calls ----------------------------------------------------------------------------------------
 
 class GenerationCalls:
-    """The two ways to call a generator deployment: a whole answer, or a stream opened at once."""
+    """The two ways to call a generator deployment, for one choice or several at once (n > 1, a list
+    of prompts): whole answers, or streams opened before the response starts."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    async def complete(self, route: Route, request: GenerationRequest, timeout: float) -> GenerationDone:
-        # on the deadline the call is cancelled: the replica cancels the request in its engine
-        return await within(self.backend.call(route.deployment, "generate", request), timeout)
-
-    async def stream(self, route: Route, request: GenerationRequest, timeout: float,
-                     fmt: StreamFormat) -> StreamingResponse:
-        """Wait (under the deadline) until the engine accepted the request, then stream. The deadline
-        does not limit the stream itself: the client reads as long as it wants, and may hang up."""
-        events = self.backend.stream(route.deployment, "generate_stream", request)
+    async def complete(self, route: Route, requests: list[GenerationRequest], timeout: float) -> list[GenerationDone]:
+        """Every request's answer; the first failure cancels the others and is raised. On the deadline the
+        calls are cancelled: the replica cancels the requests in its engine."""
+        calls = [asyncio.ensure_future(within(self.backend.call(route.deployment, "generate", r), timeout))
+                 for r in requests]
         try:
-            first = await within(anext(events), timeout, "the generation did not start")
+            return list(await asyncio.gather(*calls))
         except BaseException:
-            await events.aclose()
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
             raise
-        return StreamingResponse(sse_body(first, events, fmt), media_type="text/event-stream",
+
+    async def stream(self, route: Route, requests: list[GenerationRequest], timeout: float,
+                     formats: Sequence[StreamFormat],
+                     usage: Callable[[list[tuple[int, GenerationDone]]], dict[str, Any]] | None = None,
+                     ) -> StreamingResponse:
+        """Wait (under the deadline) until the engine accepted every request, then stream. The deadline
+        does not limit the stream itself: the client reads as long as it wants, and may hang up."""
+
+        async def open_one(request: GenerationRequest) -> Opened:
+            events = self.backend.stream(route.deployment, "generate_stream", request)
+            try:
+                return await within(anext(events), timeout, "the generation did not start"), events
+            except BaseException:
+                await events.aclose()
+                raise
+
+        opening = [asyncio.ensure_future(open_one(r)) for r in requests]
+        try:
+            opened = list(await asyncio.gather(*opening))
+        except BaseException:
+            for task in opening:
+                task.cancel()
+            for result in await asyncio.gather(*opening, return_exceptions=True):
+                if isinstance(result, tuple):
+                    await result[1].aclose()
+            raise
+        return StreamingResponse(sse_body(opened, formats, usage), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
 
 def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = None,
                messages: tuple[ChatMessage, ...] | None = None,
-               names: Mapping[str, str] | None = None, logprobs: int | None = None) -> GenerationRequest:
-    """`names`: the route's names of GenerationRequest fields, for the errors' `param`."""
+               names: Mapping[str, str] | None = None, logprobs: int | None = None,
+               sibling: int = 0) -> GenerationRequest:
+    """`names`: the route's names of GenerationRequest fields, for the errors' `param`. `sibling`: the
+    choice's number among a prompt's n; a seeded request's siblings get seed + sibling."""
+    seed = None if body.seed is None else (body.seed + sibling) % 2**63
     return GenerationRequest(
         request_id=uuid.uuid4().hex, prompt=prompt, messages=messages, max_new_tokens=max_new_tokens,
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, logit_bias=body.bias(), logprobs=logprobs, seed=body.seed,
+        frequency_penalty=body.frequency_penalty, logit_bias=body.bias(), logprobs=logprobs, seed=seed,
         stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, names=dict(names or {}))
 
 
 def usage(done: GenerationDone) -> CompletionUsage:
     return CompletionUsage(**done.usage.as_dict())
+
+
+def summed_usage(dones: Sequence[GenerationDone], per_prompt: int) -> CompletionUsage:
+    """OpenAI's usage of several choices: each prompt's tokens once, every choice's completion tokens
+    (best_of candidates included). `dones` come in prompt order, `per_prompt` of them each."""
+    prompt = sum(d.usage.prompt_tokens for d in dones[::per_prompt])
+    completion = sum(d.usage.completion_tokens for d in dones)
+    return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def mean_logprob(done: GenerationDone) -> float:
+    """best_of's ranking: mean log-probability per output token (an empty answer ranks last)."""
+    entries = done.logprobs or ()
+    return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
+
+
+def check_choices(settings: Settings, prompts: int, per_prompt: int, field: str) -> None:
+    if prompts * per_prompt > settings.max_inputs:
+        raise InvalidRequest(f"{prompts} prompt(s) x {per_prompt} choices = {prompts * per_prompt} generations; "
+                             f"at most {settings.max_inputs} per request", field)
 
 
 def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
@@ -101,48 +151,69 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         route = routes.resolve("generate", body.model)
         req = to_request(body, body.max_new_tokens, prompt=body.prompt)
         if body.stream:
-            return await calls.stream(route, req, deadline(request), GenerateFormat(route.model))
-        done = await calls.complete(route, req, deadline(request))
+            return await calls.stream(route, [req], deadline(request), [GenerateFormat(route.model)])
+        done, = await calls.complete(route, [req], deadline(request))
         return GenerateResponse(model=route.model, text=done.text, finish_reason=done.finish_reason,  # type: ignore[arg-type]
                                 usage=usage(done))
 
     @router.post("/v1/completions", response_model=CompletionResponse, responses=responses)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        """OpenAI-compatible text completion (one prompt, n=1)."""
+        """OpenAI-compatible text completion: one prompt or several, `n` choices each (`best_of`
+        candidates, the best `n` returned)."""
         check_supported(body)
         route = routes.resolve("generate", body.model)
-        req = to_request(body, body.max_tokens, prompt=body.prompt_text(), names={"max_new_tokens": "max_tokens"},
-                         logprobs=body.logprobs)
-        cid, created = f"cmpl-{req.request_id}", int(time.time())
+        prompts, (n, best_of) = body.prompt_texts(), body.choices()
+        check_choices(settings, len(prompts), best_of, "best_of" if best_of > n else "n")
+        # best_of ranks candidates by their log-probabilities: asked for even when the client did not
+        wanted = body.logprobs if best_of == n else (body.logprobs or 0)
+        reqs = [to_request(body, body.max_tokens, prompt=p, names={"max_new_tokens": "max_tokens"},
+                           logprobs=wanted, sibling=i) for p in prompts for i in range(best_of)]
+        cid, created = f"cmpl-{reqs[0].request_id}", int(time.time())
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return await calls.stream(route, req, deadline(request),
-                                      CompletionFormat(cid, created, route.model, include, logprobs=req.logprobs is not None))
-        done = await calls.complete(route, req, deadline(request))
-        lp = completion_logprobs(done.logprobs)[0] if done.logprobs is not None else None
-        return CompletionResponse(
-            id=cid, created=created, model=route.model, usage=usage(done),
-            choices=[CompletionChoice(text=done.text, finish_reason=done.finish_reason, logprobs=lp)])  # type: ignore[arg-type]
+            formats = [CompletionFormat(cid, created, route.model, include, index=i, final_usage=False,
+                                        logprobs=body.logprobs is not None) for i in range(len(reqs))]
+            tail = (lambda done: formats[0].chunk([], summed_usage([d for _, d in sorted(done, key=lambda x: x[0])],
+                                                                    n).model_dump())) if include else None
+            return await calls.stream(route, reqs, deadline(request), formats, tail)
+        dones = await calls.complete(route, reqs, deadline(request))
+        choices = []
+        for p in range(len(prompts)):
+            candidates = dones[p * best_of:(p + 1) * best_of]
+            best = sorted(candidates, key=mean_logprob, reverse=True)[:n] if best_of > n else candidates
+            for j, done in enumerate(best):
+                lp = completion_logprobs(done.logprobs)[0] if body.logprobs is not None and done.logprobs else None
+                choices.append(CompletionChoice(index=p * n + j, text=done.text, logprobs=lp,
+                                                finish_reason=done.finish_reason))  # type: ignore[arg-type]
+        return CompletionResponse(id=cid, created=created, model=route.model, choices=choices,
+                                  usage=summed_usage(dones, best_of))
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=responses)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        """OpenAI-compatible chat completion; the messages are rendered with the model's chat template."""
+        """OpenAI-compatible chat completion; the messages are rendered with the model's chat template.
+        `n` choices share the prompt's prefill."""
         check_supported(body)
         route = routes.resolve("generate", body.model)
+        n = body.n or 1
+        check_choices(settings, 1, n, "n")
         messages = tuple(ChatMessage(m.role, m.text()) for m in body.messages)
         names = {"max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"}
-        req = to_request(body, body.max_completion_tokens or body.max_tokens, messages=messages, names=names,
-                         logprobs=body.logprobs_k())
-        cid, created = f"chatcmpl-{req.request_id}", int(time.time())
+        k = body.logprobs_k()
+        reqs = [to_request(body, body.max_completion_tokens or body.max_tokens, messages=messages, names=names,
+                           logprobs=k, sibling=i) for i in range(n)]
+        cid, created = f"chatcmpl-{reqs[0].request_id}", int(time.time())
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return await calls.stream(route, req, deadline(request),
-                                      ChatFormat(cid, created, route.model, include, logprobs=req.logprobs is not None))
-        done = await calls.complete(route, req, deadline(request))
-        lp = chat_logprobs(done.logprobs) if done.logprobs is not None else None
-        return ChatCompletionResponse(
-            id=cid, created=created, model=route.model, usage=usage(done),
-            choices=[ChatChoice(message=ChatMessageOut(content=done.text), logprobs=lp,
-                                finish_reason=done.finish_reason)])  # type: ignore[arg-type]
+            formats = [ChatFormat(cid, created, route.model, include, index=i, final_usage=False,
+                                  logprobs=k is not None) for i in range(n)]
+            tail = (lambda done: formats[0].chunk([], summed_usage([d for _, d in done], n).model_dump())
+                    ) if include else None
+            return await calls.stream(route, reqs, deadline(request), formats, tail)
+        dones = await calls.complete(route, reqs, deadline(request))
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=done.text), finish_reason=done.finish_reason,  # type: ignore[arg-type]
+                              logprobs=chat_logprobs(done.logprobs) if done.logprobs is not None else None)
+                   for i, done in enumerate(dones)]
+        return ChatCompletionResponse(id=cid, created=created, model=route.model, choices=choices,
+                                      usage=summed_usage(dones, n))
 
     return router

@@ -24,6 +24,7 @@ MAX_TOKENS = 1_000_000  # a static bound; the engine's max_new_tokens / max_tota
 MAX_STOPS = 8
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's bound
 MAX_TOP_LOGPROBS = 20  # OpenAI's (models.decoding.MAX_TOP_LOGPROBS)
+MAX_CHOICES = 16  # n and best_of; prompts x best_of is also bounded by the settings' max_inputs
 
 
 def _as_list(value: Any) -> Any:
@@ -110,27 +111,42 @@ class OpenAISampling(Sampling):
     model: StrictStr | None = Field(None, description="Model name (see /v1/models); default: the first.")
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, strict=True,
                                    description="Default: the model's max_new_tokens.")
-    n: int | None = Field(None, ge=1, strict=True, description="Only 1.")
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, strict=True,
+                          description="Choices per prompt; siblings share the prompt's prefill and sample with "
+                                      "seeds seed, seed + 1, ... when a seed is given.")
     stream_options: StreamOptions | None = None
     user: StrictStr | None = Field(None, description="Accepted for OpenAI compatibility; ignored.")
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: Texts = Field(description="A text, or a list with exactly one text.")
+    prompt: Texts = Field(description="A text, or a list of texts (each gets `n` choices).")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True,
                                  description="Return the chosen token's log-probability and the `logprobs` most "
                                              "likely tokens' for every output token (docs/serving.md says which "
                                              "distribution).")
     echo: StrictBool | None = Field(None, description="Only false.")
-    best_of: int | None = Field(None, ge=1, strict=True, description="Only 1.")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, strict=True,
+                                description="Generate this many per prompt and return the `n` with the highest "
+                                            "mean log-probability per token (not with stream).")
     suffix: StrictStr | None = Field(None, description="Only null.")
 
-    def prompt_text(self) -> str:
-        if len(self.prompt) != 1:
-            raise InvalidRequest(f"prompt has {len(self.prompt)} texts; send exactly one per request", "prompt")
-        if not self.prompt[0]:
-            raise InvalidRequest("prompt is an empty string", "prompt")
-        return self.prompt[0]
+    def prompt_texts(self) -> list[str]:
+        if not self.prompt:
+            raise InvalidRequest("prompt is an empty list", "prompt")
+        for i, text in enumerate(self.prompt):
+            if not text:
+                raise InvalidRequest("prompt is an empty string", "prompt" if len(self.prompt) == 1 else f"prompt[{i}]")
+        return list(self.prompt)
+
+    def choices(self) -> tuple[int, int]:
+        """(n, best_of), checked against each other and against streaming."""
+        n = self.n or 1
+        best_of = self.best_of or n
+        if best_of < n:
+            raise InvalidRequest(f"best_of ({best_of}) must be >= n ({n})", "best_of")
+        if self.stream and best_of > n:
+            raise InvalidRequest("best_of > n cannot be streamed (the best are known only at the end)", "best_of")
+        return n, best_of
 
 
 class TextPart(_Request):
@@ -172,7 +188,7 @@ class ChatCompletionRequest(OpenAISampling):
 
 
 class CompletionChoice(BaseModel):
-    index: int = 0
+    index: int = 0  # prompt index x n + choice
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: AnswerFinish
@@ -210,8 +226,6 @@ class ChatCompletionResponse(BaseModel):
 
 # field -> (is its value supported, what is supported); a registry, so a new field is one line
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v in (None, 1), "only n=1 (send several requests)"),
-    "best_of": (lambda v: v in (None, 1), "only best_of=1"),
     "echo": (lambda v: not v, "the prompt is not echoed"),
     "suffix": (lambda v: v is None, "suffixes are not supported"),
 }

@@ -3,9 +3,11 @@ and chat chunks) and the body that writes them. Described in docs/serving.md."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -27,6 +29,8 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 class StreamFormat(Protocol):
     end: bytes  # written after the last event (b"" for none)
+    index: int  # the choice this format renders (n > 1, several prompts)
+    final_usage: bool  # render a usage chunk after Done (False: the response sums all choices' once)
 
     def render(self, event: GenerationEvent) -> list[dict[str, Any]]:
         ...
@@ -38,6 +42,8 @@ class GenerateFormat:
 
     model: str
     end: bytes = b""
+    index: int = 0
+    final_usage: bool = True
 
     def render(self, event: GenerationEvent) -> list[dict[str, Any]]:
         if isinstance(event, TextDelta):
@@ -56,6 +62,8 @@ class _OpenAIFormat:
     model: str
     include_usage: bool
     end: bytes = DONE
+    index: int = 0
+    final_usage: bool = True
     object_name: ClassVar[str] = ""
 
     def chunk(self, choices: list[dict[str, Any]], used: dict[str, int] | None = None) -> dict[str, Any]:
@@ -78,10 +86,11 @@ class CompletionFormat(_OpenAIFormat):
             lp = None
             if self.logprobs:
                 lp, self.offset = completion_logprobs(event.logprobs, self.offset)
-            return [self.chunk([{"index": 0, "text": event.text, "logprobs": lp, "finish_reason": None}])]
+            return [self.chunk([{"index": self.index, "text": event.text, "logprobs": lp, "finish_reason": None}])]
         if isinstance(event, GenerationDone):
-            last = [self.chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": event.finish_reason}])]
-            return last + ([self.chunk([], event.usage.as_dict())] if self.include_usage else [])
+            last = [self.chunk([{"index": self.index, "text": "", "logprobs": None,
+                                 "finish_reason": event.finish_reason}])]
+            return last + ([self.chunk([], event.usage.as_dict())] if self.include_usage and self.final_usage else [])
         return []
 
 
@@ -94,7 +103,7 @@ class ChatFormat(_OpenAIFormat):
 
     def render(self, event: GenerationEvent) -> list[dict[str, Any]]:
         def choice(delta: dict[str, str], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
-            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
         if isinstance(event, GenerationStarted):
             return [self.chunk([choice({"role": "assistant", "content": ""})])]
@@ -102,28 +111,85 @@ class ChatFormat(_OpenAIFormat):
             lp = chat_logprobs(event.logprobs) if self.logprobs else None
             return [self.chunk([choice({"content": event.text}, lp=lp)])]
         last = [self.chunk([choice({}, event.finish_reason)])]
-        return last + ([self.chunk([], event.usage.as_dict())] if self.include_usage else [])
+        return last + ([self.chunk([], event.usage.as_dict())] if self.include_usage and self.final_usage else [])
 
 
-async def sse_body(first: GenerationEvent, events: AsyncIterator[GenerationEvent],
-                   fmt: StreamFormat) -> AsyncIterator[bytes]:
-    """The event stream of a response. An error after the stream started (the replica died, the
-    engine failed the request) is a last `{"error": {...}}` event: the status is already sent."""
+Opened = tuple[GenerationEvent, AsyncIterator[GenerationEvent]]  # a stream's first event, and the rest
+
+
+async def merged(streams: Sequence[Opened]) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """(choice index, event) of every stream, each stream in order, the streams interleaved as their
+    events arrive. Closing this closes (cancels) every stream still open."""
+    if len(streams) == 1:
+        first, events = streams[0]
+        try:
+            yield 0, first
+            async for event in events:
+                yield 0, event
+        finally:
+            await events.aclose()
+        return
+    queue: asyncio.Queue[tuple[int, GenerationEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, events: AsyncIterator[GenerationEvent]) -> None:
+        try:
+            async for event in events:
+                await queue.put((i, event))
+            await queue.put((i, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the reader, which ends the response with it
+            await queue.put((i, exc))
+        finally:
+            await events.aclose()
+
+    tasks = [asyncio.create_task(pump(i, events)) for i, (_, events) in enumerate(streams)]
     try:
-        event: GenerationEvent | None = first
-        while event is not None:
-            if isinstance(event, GenerationDone) and event.error is not None:
-                yield sse(InternalError("the generation failed; see the server log").body())
-                return
-            for payload in fmt.render(event):
+        for i, (first, _) in enumerate(streams):
+            yield i, first
+        open_streams = len(streams)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def sse_body(streams: Sequence[Opened], formats: Sequence[StreamFormat],
+                   usage: Callable[[list[tuple[int, GenerationDone]]], dict[str, Any]] | None = None
+                   ) -> AsyncIterator[bytes]:
+    """The event stream of a response: one or several choices (formats[i] renders stream i), then
+    `usage(every choice's Done)` as a last payload when given. An error after the stream started
+    (the replica died, the engine failed the request) is a last `{"error": {...}}` event: the
+    status is already sent."""
+    items = merged(streams)
+    done: list[tuple[int, GenerationDone]] = []
+    try:
+        async for i, event in items:
+            if isinstance(event, GenerationDone):
+                if event.error is not None:
+                    yield sse(InternalError("the generation failed; see the server log").body())
+                    return
+                done.append((i, event))
+            for payload in formats[i].render(event):
                 yield sse(payload)
-            event = await anext(events, None)
-        if fmt.end:
-            yield fmt.end
+        if usage is not None:
+            yield sse(usage(done))
+        if formats[0].end:
+            yield formats[0].end
     except ServiceError as e:
         yield sse(e.body())
     except Exception:
         log.exception("generation stream failed")
         yield sse(InternalError("internal error; see the server log").body())
-    finally:  # also when the client went away: closing the stream cancels the model call
-        await events.aclose()
+    finally:  # also when the client went away: closing the stream cancels the model calls
+        await items.aclose()

@@ -270,8 +270,8 @@ def test_openai_chat_completions_with_and_without_stream(server: Cluster) -> Non
 
 def test_openai_client_sees_422_for_unsupported_parameters(server: Cluster) -> None:
     client = server.openai()
-    with pytest.raises(openai.UnprocessableEntityError, match="n=2"):
-        client.completions.create(model=TINY, prompt="hi", n=2)
+    with pytest.raises(openai.UnprocessableEntityError, match="echo"):
+        client.completions.create(model=TINY, prompt="hi", echo=True)
     with pytest.raises(openai.UnprocessableEntityError, match="frequency_penalty"):
         client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hi"}],
                                        frequency_penalty=2.5)
@@ -357,6 +357,77 @@ def test_penalties_and_logit_bias_change_the_text_as_defined(server: Cluster) ->
         assert text(presence_penalty=-2.0) != free  # negative values reward repetition
 
 
+# -- n, best_of, several prompts -------------------------------------------------------------------
+
+def native_text(c: httpx.Client, prompt: str, seed: int, **extra: Any) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_new_tokens": 16, "temperature": 0.9, "seed": seed, **extra}
+    r = c.post("/v1/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_n_choices_are_the_seeds_siblings_alone_and_among_others(server: Cluster) -> None:
+    client = server.openai()
+    params = {"model": TINY, "prompt": "three ways", "max_tokens": 16, "temperature": 0.9, "seed": 7, "n": 3}
+    alone = client.completions.create(**params)
+
+    async def crowd() -> list[Any]:
+        async with server.async_client() as c:
+            bodies = [params] + [{**params, "prompt": f"other {i}", "n": 2} for i in range(6)]
+            return await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+
+    among = asyncio.run(crowd())[0].json()
+    with server.client() as c:
+        singles = [native_text(c, "three ways", seed) for seed in (7, 8, 9)]
+    texts = [ch.text for ch in sorted(alone.choices, key=lambda ch: ch.index)]
+    assert [ch.index for ch in alone.choices] == [0, 1, 2]
+    assert texts == [s["text"] for s in singles] == [ch["text"] for ch in among["choices"]]
+    assert len(set(texts)) == 3
+    assert alone.usage is not None and alone.usage.prompt_tokens == singles[0]["usage"]["prompt_tokens"]
+    assert alone.usage.completion_tokens == sum(s["usage"]["completion_tokens"] for s in singles)
+
+
+def test_several_prompts_each_get_n_choices_in_order(server: Cluster) -> None:
+    client = server.openai()
+    out = client.completions.create(model=TINY, prompt=["first", "second one"], max_tokens=16, temperature=0.9,
+                                    seed=3, n=2)
+    with server.client() as c:
+        want = [native_text(c, p, seed)["text"] for p in ("first", "second one") for seed in (3, 4)]
+    assert [ch.index for ch in out.choices] == [0, 1, 2, 3] and [ch.text for ch in out.choices] == want
+
+
+def test_best_of_returns_the_candidate_with_the_best_mean_logprob(server: Cluster) -> None:
+    client = server.openai()
+    out = client.completions.create(model=TINY, prompt="pick one", max_tokens=16, temperature=1.0, seed=11,
+                                    best_of=4, n=1)
+    with server.client() as c:
+        candidates = []
+        for seed in range(11, 15):
+            body = {"model": TINY, "prompt": "pick one", "max_tokens": 16, "temperature": 1.0, "seed": seed,
+                    "logprobs": 0}
+            choice = c.post("/v1/completions", json=body).json()["choices"][0]
+            lps = choice["logprobs"]["token_logprobs"]
+            candidates.append((sum(lps) / len(lps), choice["text"]))
+    assert len({t for _, t in candidates}) > 1
+    assert out.choices[0].text == max(candidates)[1] and out.choices[0].logprobs is None
+    assert out.usage is not None and out.usage.completion_tokens >= 4  # every candidate's tokens are billed
+
+
+def test_chat_n_streams_each_choice_with_its_index(server: Cluster) -> None:
+    client = server.openai()
+    params = {"model": TINY, "messages": CHAT, "max_tokens": 12, "temperature": 0.9, "seed": 5, "n": 2}
+    whole = client.chat.completions.create(**params)  # type: ignore[call-overload]
+    chunks = list(client.chat.completions.create(**params, stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices] and texts[0] != texts[1]
+    finishes = [c for ch in chunks for c in ch.choices if c.finish_reason]
+    assert sorted(c.index for c in finishes) == [0, 1]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
 # -- /tokenize and /detokenize (vLLM's shapes) --------------------------------------------------------
 
 def test_tokenize_counts_what_a_generation_would_see(server: Cluster) -> None:
@@ -407,7 +478,12 @@ BAD = [
     ("/v1/generate", {"prompt": "hi", "beam": 2}, "beam", None),
     ("/v1/generate", {"prompt": "hi", "model": "no-such-model"}, "model", None),
     ("/v1/generate", {"prompt": "hi", "stream": True, "max_new_tokens": 600}, "max_new_tokens", "max_new_tokens"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", None),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, "n", None),
+    ("/v1/completions", {"prompt": ["a"] * 5, "n": 16}, "n", "at most"),
+    ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, "best_of", None),
+    ("/v1/completions", {"prompt": "hi", "n": 1, "best_of": 2, "stream": True}, "best_of", "streamed"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt[1]", None),
+    ("/v1/completions", {"prompt": []}, "prompt", None),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty", None),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": -2.1}, "presence_penalty", None),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": "1"}, "presence_penalty", None),
@@ -419,14 +495,13 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", None),
     ("/v1/generate", {"prompt": "hi", "logit_bias": [1, 2]}, "logit_bias", None),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", None),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", None),
     ("/v1/completions", {"prompt": [1, 2]}, "prompt[0]", None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, "max_tokens", "max_new_tokens"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "max_tokens": 600}, "max_tokens", "max_new_tokens"),
     ("/v1/chat/completions", {"messages": []}, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content", None),
-    ("/v1/chat/completions", {"messages": CHAT, "n": 3}, "n", None),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 0}, "n", None),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": 2.5}, "temperature", None),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs", None),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
