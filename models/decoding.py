@@ -201,9 +201,13 @@ def choose(
     samplers: list[RowSampler],
     seen: Tensor | None = None,
     counts: Tensor | None = None,
+    allowed: Tensor | None = None,
 ) -> Choice:
     """next_tokens, with the log-probabilities of the distribution each row drew from when any row
-    wants them (params.top_logprobs)."""
+    wants them (params.top_logprobs). allowed: (B, V) bool, True = the row may choose the token
+    (structured outputs); applied first, so no bias or penalty brings a forbidden token back."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, NEG_INF)  # (B, V)
     if params.bias is not None:
         logits = apply_logit_bias(logits, params.bias)
     if params.any_penalty and seen is not None:

@@ -80,6 +80,23 @@ class ChatMessage:
     content: str
 
 
+GrammarKind = Literal["json_object", "json_schema", "regex", "grammar"]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A structured-output constraint: the output must match it (token masks, service/engine/grammar.py).
+
+    json_object: any JSON object; json_schema: `source` is the schema as JSON text; regex: a regular
+    expression; grammar: a Lark grammar (llguidance's dialect, start rule `start`).
+    `field`: the request field it came from, for the errors' `param`.
+    """
+
+    kind: GrammarKind
+    source: str = ""
+    field: str = "response_format"
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation, as the ingress sends it to a generator replica.
@@ -101,6 +118,7 @@ class GenerationRequest:
     frequency_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     logprobs: int | None = None  # None: none; k: the chosen token's and the k best tokens' log-probabilities
+    grammar: GrammarSpec | None = None  # structured output: the text must match it
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool | None = None

@@ -10,14 +10,17 @@ succeeded, so a failed prefill or decode can be retried on the same rows.
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+from torch import Tensor
 
 from models.decoder import DecoderLM
 from models.decoding import BatchParams, Choice, RowSampler, choose
 from models.inputs import PaddedBatch
 from models.kv_cache import KVCache
 
+from .grammar import MaskBuilder
 from .sequence import SeqState
 
 # A prefill pads its prompts (T) so that B x T, the rows its Linears see, is a multiple of this
@@ -41,6 +44,22 @@ class RunningBatch:
         self.seen = torch.zeros(cache.rows, vocab_size, dtype=torch.bool, device=self.device)  # (R, V)
         self.counts = torch.zeros(cache.rows, vocab_size, dtype=torch.int32, device=self.device)  # (R, V)
         self._params: tuple[BatchParams, list[RowSampler]] | None = None
+        self._masks = MaskBuilder(vocab_size)
+        self._mask_thread: ThreadPoolExecutor | None = None  # structured outputs: masks beside the forward
+
+    def _start_masks(self, seqs: list[SeqState]) -> Future[Tensor | None] | None:
+        """Begin the allowed-token masks of the constrained rows among `seqs` on a worker thread, so
+        they are computed while the forward pass runs; None when no row is constrained."""
+        matchers = [s.matcher for s in seqs]
+        if all(m is None for m in matchers):
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._mask_thread.submit(self._masks.masks, matchers)
+
+    def _allowed(self, pending: Future[Tensor | None] | None) -> Tensor | None:
+        mask = pending.result() if pending is not None else None  # (B, V) bool on the CPU
+        return mask.to(self.device) if mask is not None else None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -70,6 +89,7 @@ class RunningBatch:
         group = [group[i] for i in firsts.values()] + [s for i, s in enumerate(group) if i not in firsts.values()]
         source = [list(firsts).index(tuple(seq.prompt)) for seq in group]  # (B,): the computed row of each
         n_unique = len(firsts)
+        masks = self._start_masks(group)
         self.cache.reset(start, stop)
         multiple = PREFILL_MULTIPLE // math.gcd(n_unique, PREFILL_MULTIPLE)  # of T, for B x T
         padded = PaddedBatch.from_token_lists([s.prompt for s in group[:n_unique]], device=self.device,
@@ -84,7 +104,8 @@ class RunningBatch:
             seen = self.seen[start:stop]  # (B, V) view
         counts = self.counts[start:stop].zero_()  # (B, V) view: no output yet
         params = BatchParams.build([s.params for s in group], self.device)
-        choice = choose(logits.float(), params, [s.sampler for s in group], seen, counts)  # (B,)
+        choice = choose(logits.float(), params, [s.sampler for s in group], seen, counts,
+                        self._allowed(masks))  # (B,)
         self.cache.advance(last + 1, start, start + n_unique)
         for row in range(n_unique, len(group)):
             self.cache.move_row(start + source[row], start + row)  # the shared prompt's keys and length
@@ -97,12 +118,14 @@ class RunningBatch:
         stop = len(self.rows) if stop is None else stop
         seqs = self.rows[start:stop]
         ids = torch.tensor([[s.pending] for s in seqs], dtype=torch.long, device=self.device)  # (B, 1)
+        masks = self._start_masks(seqs)
         logits = self.model(ids, cache=self.cache.view(start, stop))[:, 0]  # (B, V)
         if (start, stop) == (0, len(self.rows)):
             params, samplers = self._batch_params()
         else:
             params, samplers = BatchParams.build([s.params for s in seqs], self.device), [s.sampler for s in seqs]
-        choice = choose(logits.float(), params, samplers, self.seen[start:stop], self.counts[start:stop])  # (B,)
+        choice = choose(logits.float(), params, samplers, self.seen[start:stop], self.counts[start:stop],
+                        self._allowed(masks))  # (B,)
         self.cache.advance(1, start, stop)
         return self._took(choice, start, seqs)
 

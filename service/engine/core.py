@@ -28,6 +28,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ from ..telemetry.hooks import EngineObserver, EngineStats
 from .batch import Picked, RunningBatch
 from .config import EngineConfig
 from .events import Finished, RequestHandle
+from .grammar import Grammars
 from .limits import EngineLimits
 from .sequence import SeqState
 
@@ -67,6 +69,7 @@ class GenerationEngine:
         self.cache = KVCache.for_model(model.cfg, self.limits.rows, self.limits.max_total_tokens, weight.dtype,
                                        self.device)
         self._eos = frozenset(model.cfg.eos_token_ids)
+        self.grammars = Grammars(tokenizer, model.cfg.vocab_size, self._eos)  # structured outputs
         self._observer = observer or EngineObserver()
         self._after_step = after_step  # the loop calls it after each step (the replica trims its heap there)
         # engine thread only: the live rows, and a group taken from the queue while it is prefilled
@@ -95,10 +98,12 @@ class GenerationEngine:
         return self
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, grammar: Any = None) -> RequestHandle:
         """Queue a request and return at once (it runs once start() was called, or on step()).
         Called on an event loop, the handle is an async iterator on that loop; otherwise read it
         with handle.events() / result_sync().
+
+        `grammar`: a grammar compiled by self.grammars: the output must match it.
 
         Raises InvalidRequest / RequestTooLarge (naming the limit) for a request over the limits,
         EngineOverloaded when max_queued requests wait, EngineClosed after shutdown().
@@ -112,7 +117,8 @@ class GenerationEngine:
             loop = None
         request_id = request_id or uuid.uuid4().hex
         handle = RequestHandle(request_id, self.cancel, loop)
-        seq = SeqState(request_id, prompt, params, handle, self.tokenizer, self._eos, time.perf_counter())
+        matcher = self.grammars.matcher(grammar) if grammar is not None else None
+        seq = SeqState(request_id, prompt, params, handle, self.tokenizer, self._eos, time.perf_counter(), matcher)
         with self._cond:
             if self._closed:
                 raise EngineClosed("the generation engine is shut down")

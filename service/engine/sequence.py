@@ -9,6 +9,7 @@ characters (IncrementalDetokenizer), never a tail that may begin a stop string (
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from models.decoding import RowSampler, SamplingParams, find_stop, stop_holdback
 from models.text import IncrementalDetokenizer, TextTokenizer
@@ -23,12 +24,13 @@ class SeqState:
 
     def __init__(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                  handle: RequestHandle, tokenizer: TextTokenizer, eos_ids: frozenset[int],
-                 submitted: float) -> None:
+                 submitted: float, matcher: Any = None) -> None:
         self.request_id = request_id
         self.prompt = list(prompt)
         self.params = params
         self.handle = handle
         self.sampler = RowSampler(params)
+        self.matcher = matcher  # structured output: an xgrammar GrammarMatcher (engine/grammar.py), or None
         self.stop_ids = frozenset() if params.ignore_eos else eos_ids | frozenset(params.stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt=self.prompt)
         self.tokens: list[int] = []  # output without a final stop token
@@ -59,6 +61,8 @@ class SeqState:
         self.n_sampled += 1
         self.token_times.append(now - self.submitted)
         self.pending = token
+        if self.matcher is not None and not self.matcher.accept_token(token):
+            raise ValueError(f"the output grammar refused token {token}")  # masks allow only what it accepts
         if token in self.stop_ids:
             self.reason = "stop"
             return

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ..errors import InvalidRequest
-from ..messages import ChatMessage, GenerationDone, GenerationRequest
+from ..messages import ChatMessage, GenerationDone, GenerationRequest, GrammarSpec
 from ..settings import Settings
 from .deadline import request_timeout, within
 from .generation_schemas import (
@@ -38,6 +38,7 @@ from .generation_schemas import (
     GenerateResponse,
     Sampling,
     check_supported,
+    grammar_of,
 )
 from .logprobs import chat_logprobs, completion_logprobs
 from .routing import Backend, ModelRoutes, Route
@@ -97,7 +98,7 @@ class GenerationCalls:
 def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = None,
                messages: tuple[ChatMessage, ...] | None = None,
                names: Mapping[str, str] | None = None, logprobs: int | None = None,
-               sibling: int = 0) -> GenerationRequest:
+               sibling: int = 0, grammar: GrammarSpec | None = None) -> GenerationRequest:
     """`names`: the route's names of GenerationRequest fields, for the errors' `param`. `sibling`: the
     choice's number among a prompt's n; a seeded request's siblings get seed + sibling."""
     seed = None if body.seed is None else (body.seed + sibling) % 2**63
@@ -106,6 +107,7 @@ def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = 
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logit_bias=body.bias(), logprobs=logprobs, seed=seed,
+        grammar=grammar if grammar is not None else grammar_of(body.response_format),
         stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, names=dict(names or {}))
 
 
@@ -149,7 +151,8 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         """Continue a prompt. With `"stream": true`: events `{"text"}` per piece of text, then
         `{"model", "text": "", "finish_reason", "usage"}`."""
         route = routes.resolve("generate", body.model)
-        req = to_request(body, body.max_new_tokens, prompt=body.prompt)
+        req = to_request(body, body.max_new_tokens, prompt=body.prompt,
+                         grammar=grammar_of(body.response_format, body.regex, body.grammar))
         if body.stream:
             return await calls.stream(route, [req], deadline(request), [GenerateFormat(route.model)])
         done, = await calls.complete(route, [req], deadline(request))

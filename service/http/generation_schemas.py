@@ -10,13 +10,14 @@ service/http/sse.py and described in docs/serving.md.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictStr, field_validator
 
 from ..errors import InvalidRequest
-from ..messages import AnswerFinish
+from ..messages import AnswerFinish, GrammarSpec
 from .logprobs import ChatLogprobs, CompletionLogprobs
 from .schemas import Texts, _Request
 
@@ -25,6 +26,53 @@ MAX_STOPS = 8
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's bound
 MAX_TOP_LOGPROBS = 20  # OpenAI's (models.decoding.MAX_TOP_LOGPROBS)
 MAX_CHOICES = 16  # n and best_of; prompts x best_of is also bounded by the settings' max_inputs
+MAX_GRAMMAR_CHARS = 32_768  # a JSON schema (as JSON), a regex or a grammar
+
+
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Request):
+    name: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: StrictStr | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="A JSON Schema the output must validate against.")
+    strict: StrictBool | None = Field(None, description="Accepted; the schema is always enforced.")
+
+    model_config = {"extra": "forbid", "populate_by_name": True}
+
+
+class JsonSchemaFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+def grammar_of(response_format: Any, regex: str | None = None, grammar: str | None = None) -> GrammarSpec | None:
+    """The structured-output constraint of a request (at most one of the three), bounded in size."""
+    given = [name for name, v in (("response_format", response_format), ("regex", regex), ("grammar", grammar))
+             if v is not None and not isinstance(v, TextFormat)]
+    if len(given) > 1:
+        raise InvalidRequest(f"send at most one of {given}", given[1])
+    if isinstance(response_format, JsonObjectFormat):
+        return GrammarSpec("json_object", field="response_format")
+    if isinstance(response_format, JsonSchemaFormat):
+        source = json.dumps(response_format.json_schema.schema_)
+        if len(source) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(f"the JSON schema is {len(source)} characters; at most {MAX_GRAMMAR_CHARS}",
+                                 "response_format")
+        return GrammarSpec("json_schema", source, "response_format")
+    if regex is not None:
+        return GrammarSpec("regex", regex, "regex")
+    if grammar is not None:
+        return GrammarSpec("grammar", grammar, "grammar")
+    return None
 
 
 def _as_list(value: Any) -> Any:
@@ -62,6 +110,9 @@ class Sampling(_Request):
     ignore_eos: StrictBool | None = Field(None, description="Keep generating past the end-of-sequence token "
                                                              "until max tokens (benchmarks; as vLLM's extra).")
     stream: StrictBool = Field(False, description="Answer with server-sent events as the text is generated.")
+    response_format: ResponseFormat | None = Field(
+        None, description="Structured output (OpenAI's): `json_object` (any JSON object) or `json_schema`; the "
+                          "text is generated under token masks, so it always matches (unless cut by max tokens).")
 
     @field_validator("logit_bias")
     @classmethod
@@ -79,6 +130,11 @@ class Sampling(_Request):
 
 class GenerateRequest(Sampling):
     prompt: StrictStr = Field(min_length=1, description="Text to continue (the model's special tokens added).")
+    regex: StrictStr | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS,
+                                    description="The text must match this regular expression.")
+    grammar: StrictStr | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS,
+                                      description="The text must match this Lark grammar (llguidance's dialect; "
+                                                  "the start rule is `start`).")
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, strict=True,
                                        description="Default: the model's; at most the engine's limit.")
     model: StrictStr | None = Field(None, description="Model name (see /v1/models); default: the first.")

@@ -133,14 +133,24 @@ class GeneratorRunner(ModelRunner):
         except ValueError as e:  # the edge checks each field; this is a safety net
             raise InvalidRequest(str(e)) from None
 
-    def submit(self, request: GenerationRequest) -> tuple[RequestHandle, int]:
+    async def compile_grammar(self, request: GenerationRequest) -> Any:
+        """The request's structured-output grammar, compiled off the event loop (tens of ms; cached by
+        source), or None. A source the library refuses is a 422 naming its field."""
+        if request.grammar is None:
+            return None
+        if request.ignore_eos:
+            raise InvalidRequest("ignore_eos cannot be combined with a structured output (it ends the text)",
+                                 request.param("ignore_eos"))
+        return await asyncio.to_thread(self.engine.grammars.compile, request.grammar)
+
+    def submit(self, request: GenerationRequest, grammar: Any = None) -> tuple[RequestHandle, int]:
         """Queue the request in the engine; its handle and its prompt length. Raises InvalidRequest /
         RequestTooLarge naming the field (as the client called it) and the limit, EngineOverloaded when
-        the queue is full."""
+        the queue is full. `grammar`: compile_grammar's result."""
         ids = self.prompt_ids(request)
         params = self.params(request, len(ids))
         try:
-            return self.engine.submit(ids, params, request.request_id), len(ids)
+            return self.engine.submit(ids, params, request.request_id, grammar), len(ids)
         except RequestTooLarge as e:
             raise RequestTooLarge(e.message, request.param(e.param), e.limit) from None
         except InvalidRequest as e:
@@ -148,7 +158,7 @@ class GeneratorRunner(ModelRunner):
 
     async def generate(self, request: GenerationRequest) -> GenerationDone:
         """The whole answer. Cancelling the awaiting task cancels the request in the engine."""
-        handle, _ = self.submit(request)
+        handle, _ = self.submit(request, await self.compile_grammar(request))
         try:
             finished = await handle.result()
         except asyncio.CancelledError:
@@ -163,7 +173,7 @@ class GeneratorRunner(ModelRunner):
         """GenerationStarted once the engine accepted the request, a TextDelta per piece of text, then
         GenerationDone (finish_reason "error" if the engine failed it). Closing the generator early,
         or cancelling the task reading it, cancels the request in the engine."""
-        handle, prompt_tokens = self.submit(request)
+        handle, prompt_tokens = self.submit(request, await self.compile_grammar(request))
         finished = False
         try:
             yield GenerationStarted(handle.request_id, prompt_tokens)

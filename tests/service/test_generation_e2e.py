@@ -428,6 +428,67 @@ def test_chat_n_streams_each_choice_with_its_index(server: Cluster) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
+# -- structured outputs (token masks from xgrammar) --------------------------------------------------
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "color", "ok", "n"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "color": {"enum": ["red", "green", "blue"]},
+                         "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+def test_json_schema_outputs_always_validate(server: Cluster) -> None:
+    """50 seeded samples of a random tiny model: every one parses and validates, and they differ."""
+    import jsonschema
+
+    with server.client() as c:  # n=10 at a time: the tiny engine queues 32
+        bodies = [c.post("/v1/chat/completions", json={
+            "model": TINY, "messages": CHAT, "max_tokens": 160, "temperature": 1.0, "seed": 100 * i, "n": 10,
+            "response_format": JSON_SCHEMA}).json() for i in range(5)]
+    texts = [choice["message"]["content"] for body in bodies for choice in body["choices"]]
+    assert len(texts) == 50
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) > 40
+
+
+def test_json_object_regex_and_grammar(server: Cluster) -> None:
+    import re
+
+    client = server.openai()
+    # any JSON object: free-form strings may run to max_tokens ("length"); every finished one parses
+    whole = client.chat.completions.create(model=TINY, messages=CHAT, max_tokens=200, temperature=0.8, seed=1, n=8,  # type: ignore[arg-type]
+                                           response_format={"type": "json_object"})
+    finished = [c.message.content or "" for c in whole.choices if c.finish_reason == "stop"]
+    assert finished and all(isinstance(json.loads(text), dict) for text in finished)
+    assert all((c.message.content or "").startswith("{") for c in whole.choices)
+    stream = client.chat.completions.create(model=TINY, messages=CHAT, max_tokens=200, temperature=0.8, seed=1,  # type: ignore[arg-type]
+                                            response_format={"type": "json_object"}, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == whole.choices[0].message.content
+    with server.client() as c:
+        for seed in range(5):
+            body = {"prompt": "code:", "max_new_tokens": 20, "temperature": 1.0, "seed": seed}
+            code = c.post("/v1/generate", json={**body, "regex": "[a-c]{3}-[0-9]{2}"}).json()
+            assert re.fullmatch("[a-c]{3}-[0-9]{2}", code["text"]), code
+            answer = c.post("/v1/generate", json={**body, "grammar": 'start: "yes" | "no" | "maybe"'}).json()
+            assert answer["text"] in ("yes", "no", "maybe") and answer["finish_reason"] == "stop", answer
+
+
+def test_structured_output_sources_the_library_refuses_are_a_422(server: Cluster) -> None:
+    with server.client() as c:
+        for body, param, words in [
+            ({"prompt": "x", "regex": "(ab"}, "regex", "cannot be compiled"),
+            ({"prompt": "x", "grammar": "start: undefined_rule"}, "grammar", "cannot be compiled"),
+            ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+                "name": "bad", "schema": {"type": "nope"}}}}, "response_format", "cannot be compiled"),
+            ({"prompt": "x", "regex": "a", "grammar": 'start: "a"'}, "grammar", "at most one"),
+            ({"prompt": "x", "regex": "a+", "ignore_eos": True}, "ignore_eos", "structured output"),
+            ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format.json_schema.json_schema", None),
+            ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", None),
+        ]:
+            error = assert_error(c.post("/v1/generate", json=body), 422, "invalid_request_error", param)
+            assert words is None or words in error["message"], error
+
+
 # -- /tokenize and /detokenize (vLLM's shapes) --------------------------------------------------------
 
 def test_tokenize_counts_what_a_generation_would_see(server: Cluster) -> None:
