@@ -37,8 +37,14 @@ def _config(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert")  # those with classifier heads we import
+
+
 def _hf_tasks(config: dict[str, Any]) -> tuple[str, ...] | None:
-    if any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
+    heads = any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ())
+    if heads and config.get("model_type") not in ENCODER_TYPES:
+        return None  # e.g. LlamaForSequenceClassification: its importer refuses it, naming the architecture
+    if heads:
         labels = config.get("id2label") or {}
         # one output: a cross-encoder's relevance score; several: labels to classify into
         return ("rerank",) if len(labels) == 1 or config.get("num_labels") == 1 else ("classify",)

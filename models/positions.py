@@ -8,6 +8,7 @@ at different positions (left padding, or cached rows at different decoding steps
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -66,24 +67,12 @@ class RotaryPositions(nn.Module):
 
     def _inv_freq(self, positions: Tensor) -> Tensor:
         """(D/2,) or, for dynamic NTK, (B, 1, D/2) inverse frequencies in float32."""
-        d, s = self.head_dim, self.scaling
+        d = self.head_dim
         exponents = torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d  # (D/2,)
         inv_freq = 1.0 / (self.theta ** exponents)  # (D/2,)
-        if s is None:
+        if self.scaling is None:
             return inv_freq
-        if s.type == "linear":
-            return inv_freq / s.factor
-        if s.type == "llama3":
-            return _llama3(inv_freq, s)
-        if s.type == "frequencies":
-            return inv_freq / torch.tensor(s.freq_factors, dtype=torch.float32, device=inv_freq.device)
-        if s.type == "yarn":
-            return _yarn(inv_freq, s, d, self.theta)
-        # dynamic NTK: base * ((factor * L / L0) - (factor - 1)) ** (D / (D - 2)), L = max(row length, L0)
-        original = s.original_max_positions
-        length = (positions.amax(dim=-1, keepdim=True) + 1).clamp(min=original).double()  # (B, 1)
-        base = self.theta * ((s.factor * length / original) - (s.factor - 1)) ** (d / (d - 2))  # (B, 1)
-        return (1.0 / base[..., None] ** exponents.double()).float()  # (B, 1, D/2)
+        return SCALINGS[self.scaling.type](inv_freq, self.scaling, self.theta, positions)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions (B, T) -> cos, sin (B, 1, T, D) in `dtype`."""
@@ -95,7 +84,27 @@ class RotaryPositions(nn.Module):
         return cos[:, None].to(dtype), sin[:, None].to(dtype)  # (B, 1, T, D) each
 
 
-def _llama3(inv_freq: Tensor, s: RopeScaling) -> Tensor:
+def _linear(inv_freq: Tensor, s: RopeScaling, base: float, positions: Tensor) -> Tensor:
+    return inv_freq / s.factor  # (D/2,)
+
+
+def _frequencies(inv_freq: Tensor, s: RopeScaling, base: float, positions: Tensor) -> Tensor:
+    """llama.cpp's rope_freqs: one divisor per frequency."""
+    factors = torch.tensor(s.freq_factors, dtype=torch.float32, device=inv_freq.device)  # (D/2,)
+    return inv_freq / factors  # (D/2,)
+
+
+def _dynamic(inv_freq: Tensor, s: RopeScaling, base: float, positions: Tensor) -> Tensor:
+    """Dynamic NTK per row: base * ((factor * L / L0) - (factor - 1)) ** (D / (D - 2)), L = max(row length, L0)."""
+    d = 2 * inv_freq.numel()
+    exponents = torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d  # (D/2,)
+    original = s.original_max_positions
+    length = (positions.amax(dim=-1, keepdim=True) + 1).clamp(min=original).double()  # (B, 1)
+    grown = base * ((s.factor * length / original) - (s.factor - 1)) ** (d / (d - 2))  # (B, 1)
+    return (1.0 / grown[..., None] ** exponents).float()  # (B, 1, D/2)
+
+
+def _llama3(inv_freq: Tensor, s: RopeScaling, base: float = 0.0, positions: Tensor | None = None) -> Tensor:
     """Llama 3.1: low frequencies divided by factor, high ones kept, a smooth ramp in between."""
     old = s.original_max_positions
     low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
@@ -107,8 +116,9 @@ def _llama3(inv_freq: Tensor, s: RopeScaling) -> Tensor:
     return torch.where(medium, smoothed, scaled)  # (D/2,)
 
 
-def _yarn(inv_freq: Tensor, s: RopeScaling, dim: int, base: float) -> Tensor:
+def _yarn(inv_freq: Tensor, s: RopeScaling, base: float, positions: Tensor | None = None) -> Tensor:
     """YaRN: interpolated (/factor) below the ramp, extrapolated (as is) above it."""
+    dim = 2 * inv_freq.numel()
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(s.original_max_positions / (rotations * 2 * math.pi))) / (2 * math.log(base))
@@ -119,9 +129,16 @@ def _yarn(inv_freq: Tensor, s: RopeScaling, dim: int, base: float) -> Tensor:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # no zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    dims = torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device)  # (D/2,)
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)  # (D/2,)
     extrapolation = 1 - ramp  # (D/2,)
     return inv_freq / s.factor * (1 - extrapolation) + inv_freq * extrapolation  # (D/2,)
+
+
+# RopeScaling.type -> (inverse frequencies (D/2,), scaling, base, positions (B, T)) -> scaled ones
+SCALINGS: dict[str, Callable[[Tensor, RopeScaling, float, Tensor], Tensor]] = {
+    "linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3, "frequencies": _frequencies,
+}
 
 
 def _yarn_attention_factor(s: RopeScaling) -> float:

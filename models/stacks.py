@@ -78,10 +78,8 @@ class CausalStack(nn.Module):
             positions = positions_from_mask(keep)  # (B, T)
             k_pos = positions  # (B, T): the keys are these tokens
             slots = torch.arange(t, device=ids.device)  # (T,)
-            # the window counts real tokens: positions skip padding, slots do not
-            mask = causal_mask(slots.expand(b, t), slots) & padding_mask(keep)  # (B, 1, T, T)
-            if self.window is not None:
-                mask = mask & causal_mask(positions, positions, self.window)  # (B, 1, T, T)
+            # a row's real tokens are contiguous (left or right padding): slot distances are position distances
+            mask = causal_mask(slots.expand(b, t), slots, self.window) & padding_mask(keep)  # (B, 1, T, T)
         mask = AttentionMask.build(mask)  # once for every layer
         bias = self.relative_bias(positions, k_pos) if self.relative_bias is not None else None  # (B, H, T, S)
         x = self.embed(ids, positions)  # (B, T, C)

@@ -211,7 +211,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
         name = hf_name(tensor.name)
         w = dequantized(tensor)  # (out, in) or (C,)
         kind = tensor.name.split(".")[-2]
-        if kind in heads and tensor.name.endswith(".weight"):
+        if kind in heads:  # weights and biases: llama.cpp permuted both
             w = unpermute_rotary(w, heads[kind])  # (H * D, C)
         state[name] = w
     template = field(reader, "tokenizer.chat_template", None)

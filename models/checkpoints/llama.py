@@ -33,13 +33,15 @@ class Traits:
     qkv_bias: bool | None = None  # None: config's attention_bias (on q, k, v and o)
     qk_norm: bool = False  # q_norm / k_norm over each head (Qwen3)
     windowed: bool = False  # the config's sliding_window (or layer_types) applies
+    # Qwen: the window is off unless use_sliding_window, and then only on layers >= max_window_layers
+    window_by_layer: bool = False
 
 
 TRAITS: dict[str, Traits] = {
     "llama": Traits(),
     "mistral": Traits(windowed=True),
-    "qwen2": Traits(qkv_bias=True, windowed=True),
-    "qwen3": Traits(qk_norm=True, windowed=True),
+    "qwen2": Traits(qkv_bias=True, windowed=True, window_by_layer=True),
+    "qwen3": Traits(qk_norm=True, windowed=True, window_by_layer=True),
 }
 
 # rope_type -> the RopeScaling fields its parameters map to (their name -> ours)
@@ -96,22 +98,37 @@ def _rope(hf_config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         raise CheckpointError(f"{SOURCE}: {exc}") from exc
 
 
+def _layer_types(hf_config: dict[str, Any], traits: Traits, n_layers: int) -> list[str]:
+    """Each layer's attention, as transformers 5 writes `layer_types` (and derives it for older files)."""
+    given = hf_config.get("layer_types")
+    if given is not None:
+        return list(given)
+    window = hf_config.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        return ["full_attention"] * n_layers
+    if not traits.window_by_layer:
+        return ["sliding_attention"] * n_layers
+    if not hf_config.get("use_sliding_window", False):
+        return ["full_attention"] * n_layers
+    first = hf_config.get("max_window_layers", 28)
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+
+
 def _window(hf_config: dict[str, Any], traits: Traits, n_layers: int) -> int | None:
     """The sliding window of every layer, or None; a mix of windowed and full layers raises."""
     if not traits.windowed:
         return None
-    window = hf_config.get("sliding_window")
-    layer_types = hf_config.get("layer_types")
-    if layer_types is not None:
-        kinds = set(layer_types)
-        if kinds == {"full_attention"}:
-            return None
-        if kinds != {"sliding_attention"} or len(layer_types) != n_layers:
-            raise CheckpointError(f"{SOURCE}: layer_types mixes {sorted(kinds)}: sliding-window attention "
-                                  "on some layers only is not supported")
-    elif hf_config.get("use_sliding_window") is False:
+    layer_types = _layer_types(hf_config, traits, n_layers)
+    kinds = set(layer_types)
+    if kinds == {"full_attention"}:
         return None
-    return window if isinstance(window, int) and window > 0 else None
+    if kinds != {"sliding_attention"} or len(layer_types) != n_layers:
+        raise CheckpointError(f"{SOURCE}: layer_types mixes {sorted(kinds)}: sliding-window attention "
+                              "on some layers only is not supported")
+    window = hf_config.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        raise CheckpointError(f"{SOURCE}: layer_types asks for sliding attention but sliding_window={window!r}")
+    return window
 
 
 def config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
@@ -121,6 +138,10 @@ def config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
         raise CheckpointError(f"{SOURCE}: model_type={model_type!r} is not in the Llama family "
                               f"({sorted(TRAITS)})")
     traits = TRAITS[model_type]
+    heads = [a for a in hf_config.get("architectures") or [] if not str(a).endswith(("ForCausalLM", "Model"))]
+    if heads:
+        raise CheckpointError(f"{SOURCE}: architectures={heads} is not supported: only the causal LM "
+                              "(…ForCausalLM) or the bare model")
     require(hf_config, "hidden_act", lambda v: v in ("silu", "swish"), "the MLP must be SwiGLU (silu)",
             default="silu", source=SOURCE)
     d_model = need_field(hf_config, "hidden_size", SOURCE)

@@ -81,6 +81,11 @@ def config_from_hf(hf_config: dict[str, Any], tied: bool = True) -> Seq2SeqConfi
     if model_type not in SCALE_HEAD:
         raise CheckpointError(f"{SOURCE}: model_type={model_type!r} is not supported; supported: "
                               f"{sorted(SCALE_HEAD)}")
+    other = [a for a in hf_config.get("architectures") or []
+             if not str(a).endswith(("ForConditionalGeneration", "Model")) or str(a).endswith("EncoderModel")]
+    if other:
+        raise CheckpointError(f"{SOURCE}: architectures={other} is not supported: only the encoder-decoder "
+                              "(…ForConditionalGeneration) or the bare model")
     require(hf_config, "is_encoder_decoder", lambda v: v is True, "only the encoder-decoder is served",
             default=True, source=SOURCE)
     require(hf_config, "is_decoder", lambda v: not v, "a decoder-only T5 stack is not supported",

@@ -60,3 +60,15 @@ def test_hf_tokenizer_brings_its_chat_template_and_special_tokens(tmp_path: Path
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi</s>"
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")  # the newer file wins
     assert TextTokenizer.from_hf_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
+
+
+def test_every_importer_has_its_tasks_and_no_more() -> None:
+    from models.architectures import HF_TASKS
+    from models.checkpoints.registry import IMPORTERS
+
+    assert set(HF_TASKS) == set(IMPORTERS)
+
+
+def test_a_decoder_classifier_is_not_taken_for_an_encoder(tmp_path: Path) -> None:
+    config = hf.LlamaConfig(architectures=["LlamaForSequenceClassification"], num_labels=2)
+    assert infer_tasks(f"hf:{hf_dir(tmp_path, config)}") is None

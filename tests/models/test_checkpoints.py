@@ -189,6 +189,8 @@ UNSUPPORTED = {
     "llama partial rotary": (llama.config_from_hf,
                              _llama_config(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5}),
                              "partial_rotary_factor"),
+    "llama classifier": (llama.config_from_hf, _llama_config(architectures=["LlamaForSequenceClassification"]),
+                         "LlamaForSequenceClassification"),
     "qwen2 mixed windows": (llama.config_from_hf,
                             {**hf.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, max_window_layers=1,
                                               sliding_window=8).to_dict()}, "layer_types"),

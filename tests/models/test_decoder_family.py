@@ -142,3 +142,27 @@ def test_configs_with_rope_scaling_round_trip_through_our_format() -> None:
         cfg = DecoderConfig(vocab_size=50, d_model=16, n_heads=2, d_ff=32, n_layers=1, position="rotary",
                             rope_scaling=scaling, sliding_window=5, qk_norm=True, d_head=8, attn_out_bias=False)
         assert BlockConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize(("changes", "window"), [
+    (dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), 8),  # every layer windowed
+    (dict(use_sliding_window=True, sliding_window=8, max_window_layers=2), None),  # no layer reaches it
+    (dict(use_sliding_window=False, sliding_window=8), None),
+    (dict(sliding_window=8), None),  # Qwen2Config's default: use_sliding_window False
+], ids=["all-layers", "max-window-layers", "off", "default-off"])
+def test_qwen_window_from_a_transformers_4_config(changes: dict, window: int | None) -> None:
+    """Files written by transformers 4 have no layer_types: derive them as transformers 5 does."""
+    config = {**hf.Qwen2Config(**{**BASE, **changes}).to_dict(), **changes}
+    config.pop("layer_types")
+    assert llama.config_from_hf(config).sliding_window == window
+    theirs = hf.Qwen2Config(**{**BASE, **changes}).layer_types  # transformers 5's own derivation
+    assert (window is not None) == ("sliding_attention" in theirs)
+
+
+def test_every_rope_scaling_type_has_an_implementation() -> None:
+    from typing import get_args
+
+    from models.config import RopeType
+    from models.positions import SCALINGS
+
+    assert set(SCALINGS) == set(get_args(RopeType))

@@ -65,16 +65,19 @@ def llamacpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) ->
             .reshape(weights.shape))
 
 
-def tiny_llama(tie: bool, seed: int = 0) -> LlamaForCausalLM:
+def tiny_llama(tie: bool, seed: int = 0, bias: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYERS,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
-                      rope_theta=500.0, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+                      rope_theta=500.0, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                      attention_bias=bias)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))  # not all ones, so norms must land in the right place
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))  # biases away from 0, so their permutation matters
     return model
 
 
@@ -119,9 +122,9 @@ def write_gguf(path: Path, model: torch.nn.Module, qtype: gguf.GGMLQuantizationT
         data = original
         if arch != "llama":
             pass
-        elif name.endswith("q_proj.weight"):
+        elif name.endswith(("q_proj.weight", "q_proj.bias")):
             data = llamacpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
             data = llamacpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
         if data.ndim == 2 and qtype != Q.F32:
             w.add_tensor(TO_GGUF[name], gguf.quants.quantize(data, qtype), raw_dtype=qtype)
@@ -227,6 +230,16 @@ def test_llama3_rope_factors_from_a_gguf_match_transformers(tmp_path: Path, ids:
                                                 "rope_theta": 500.0})).eval()
         plain.load_state_dict(ref.state_dict())
         assert rel_err(model(ids), plain(ids).logits) > 1e-3  # the factors matter at these positions
+
+
+def test_llama_q_k_biases_are_unpermuted_like_the_weights(tmp_path: Path, ids: torch.Tensor) -> None:
+    """llama.cpp permutes the q/k biases of a llama with attention_bias as it permutes their weights."""
+    ref = tiny_llama(tie=True, bias=True)
+    write_gguf(tmp_path / "tiny.gguf", ref, Q.F32)
+    model, _ = import_gguf(tmp_path / "tiny.gguf")
+    assert model.cfg.attn_bias
+    with torch.no_grad():
+        assert rel_err(model(ids), ref(ids).logits) <= 1e-4
 
 
 def test_config_and_template_come_from_metadata(tmp_path: Path) -> None:

@@ -301,6 +301,8 @@ def test_head_scaling_is_read_from_the_config(fields: dict[str, Any], scaled: bo
     ("is_encoder_decoder", False),
     ("dense_act_fn", "relu"),  # contradicts gated-gelu: transformers would run relu
     ("model_type", "umt5"),
+    ("architectures", ["T5EncoderModel"]),
+    ("architectures", ["T5ForSequenceClassification"]),
 ])
 def test_unsupported_config_values_are_named(field: str, value: Any) -> None:
     config = {**hf_t5("v1.1").config.to_dict(), field: value}
