@@ -26,6 +26,15 @@ class ConfigError(ValueError):
     """A config that cannot describe a working model; the message names the field."""
 
 
+def _is_int(value: Any) -> bool:
+    """A real integer: bool is an int subclass, but True is no size."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary frequencies stretched for longer contexts, as `transformers` defines each type
@@ -51,16 +60,20 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.type not in _ROPE_TYPES:
             raise ConfigError(f"RopeScaling: type must be one of {_ROPE_TYPES}, got {self.type!r}")
-        if not self.factor > 0:
-            raise ConfigError(f"RopeScaling: factor must be positive, got {self.factor!r}")
-        if self.type == "frequencies" and not (self.freq_factors and all(f > 0 for f in self.freq_factors)):
-            raise ConfigError("RopeScaling: type 'frequencies' needs positive freq_factors")
-        if self.type not in ("linear", "frequencies") and not (isinstance(self.original_max_positions, int)
-                                          and self.original_max_positions > 0):
+        if not (_is_number(self.factor) and self.factor > 0):
+            raise ConfigError(f"RopeScaling: factor must be a positive number, got {self.factor!r}")
+        if self.type == "frequencies" and not (isinstance(self.freq_factors, tuple) and self.freq_factors
+                                               and all(_is_number(f) and f > 0 for f in self.freq_factors)):
+            raise ConfigError(f"RopeScaling: type 'frequencies' needs a tuple of positive freq_factors, "
+                              f"got {self.freq_factors!r}")
+        if self.type not in ("linear", "frequencies") and not (_is_int(self.original_max_positions)
+                                                               and self.original_max_positions > 0):
             raise ConfigError(f"RopeScaling: type {self.type!r} needs original_max_positions, "
                               f"got {self.original_max_positions!r}")
-        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise ConfigError("RopeScaling: llama3 needs high_freq_factor > low_freq_factor")
+        if self.type == "llama3" and not (_is_number(self.low_freq_factor) and _is_number(self.high_freq_factor)
+                                          and self.high_freq_factor > self.low_freq_factor):
+            raise ConfigError(f"RopeScaling: llama3 needs high_freq_factor > low_freq_factor, got "
+                              f"high_freq_factor={self.high_freq_factor!r}, low_freq_factor={self.low_freq_factor!r}")
 
 
 @dataclass(frozen=True)
@@ -121,9 +134,9 @@ class BlockConfig:
                 raise ConfigError(f"{type(self).__name__}: {msg}")
 
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_positions"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) > 0,
+            need(_is_int(getattr(self, name)) and getattr(self, name) > 0,
                  f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        need(self.d_head is None or (isinstance(self.d_head, int) and self.d_head > 0),
+        need(self.d_head is None or (_is_int(self.d_head) and self.d_head > 0),
              f"d_head must be a positive integer or None, got {self.d_head!r}")
         need(self.d_head is not None or self.d_model % self.n_heads == 0,
              f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}), or d_head given")
@@ -132,15 +145,28 @@ class BlockConfig:
         need(self.position in _POSITIONS, f"position must be one of {_POSITIONS}, got {self.position!r}")
         need(self.position != "rotary" or self.head_dim % 2 == 0,
              f"rotary positions need an even head dim, got {self.head_dim}")
+        need(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
+             f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r} "
+             "(from_dict builds one from a dict)")
         need(self.rope_scaling is None or self.position == "rotary",
              f"rope_scaling needs rotary positions, got position {self.position!r}")
         need(self.rope_scaling is None or self.rope_scaling.type != "frequencies"
              or len(self.rope_scaling.freq_factors) == self.head_dim // 2,
-             f"rope_scaling.freq_factors needs one factor per rotary frequency ({self.head_dim // 2})")
-        need(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window > 0),
+             f"rope_scaling.freq_factors needs one factor per rotary frequency ({self.head_dim // 2}), "
+             f"got {len(self.rope_scaling.freq_factors) if self.rope_scaling else 0}")
+        # dynamic NTK grows the base by a power D / (D - 2)
+        need(self.rope_scaling is None or self.rope_scaling.type != "dynamic" or self.head_dim > 2,
+             f"rope_scaling.type 'dynamic' needs head_dim > 2, got {self.head_dim}")
+        need(self.sliding_window is None or (_is_int(self.sliding_window) and self.sliding_window > 0),
              f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
-        need(self.relative_buckets > 1 and self.relative_max_distance > 1,
-             "relative_buckets and relative_max_distance must be > 1")
+        if self.position == "relative":
+            # relative_bucket: the encoder's half of the buckets splits again into exact and logarithmic
+            # ones (so >= 4), and the logarithmic ones reach from the exact ones to max_distance
+            need(_is_int(self.relative_buckets) and self.relative_buckets >= 4,
+                 f"relative_buckets must be an integer >= 4, got {self.relative_buckets!r}")
+            need(_is_int(self.relative_max_distance) and self.relative_max_distance > self.relative_buckets // 2,
+                 f"relative_max_distance must be an integer > relative_buckets // 2 "
+                 f"({self.relative_buckets} // 2 = {self.relative_buckets // 2}), got {self.relative_max_distance!r}")
         need(self.norm in _NORMS, f"norm must be one of {_NORMS}, got {self.norm!r}")
         need(self.activation in _ACTIVATIONS,
              f"activation must be one of {_ACTIVATIONS}, got {self.activation!r}")
@@ -216,6 +242,9 @@ class EncoderConfig(BlockConfig):
                                   f"got {getattr(self, name)!r}")
         if self.position == "rotary":
             raise ConfigError("EncoderConfig: rotary positions are only supported in decoders")
+        if self.sliding_window is not None:  # the encoder stack has no window: it would be ignored
+            raise ConfigError(f"EncoderConfig: sliding_window is only supported in decoders, "
+                              f"got {self.sliding_window!r}")
         if len(set(self.labels)) != len(self.labels):
             raise ConfigError(f"EncoderConfig: duplicate labels in {self.labels}")
         if not (isinstance(self.position_offset, int) and 0 <= self.position_offset < self.max_positions):
@@ -277,6 +306,9 @@ class Seq2SeqConfig(BlockConfig):
         super()._validate()
         if self.position == "rotary":
             raise ConfigError("Seq2SeqConfig: rotary positions are not supported for cross-attention models")
+        if self.sliding_window is not None:  # the encoder stack would ignore it; no seq2seq checkpoint has one
+            raise ConfigError(f"Seq2SeqConfig: sliding_window is only supported in decoders, "
+                              f"got {self.sliding_window!r}")
         prefixes = self.translation_prefixes
         if not isinstance(prefixes, tuple) or not all(
                 isinstance(p, tuple) and len(p) == 3 and all(isinstance(x, str) for x in p) for p in prefixes):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from models.config import (
     CONFIGS,
@@ -13,8 +14,10 @@ from models.config import (
     ConfigError,
     DecoderConfig,
     EncoderConfig,
+    RopeScaling,
     Seq2SeqConfig,
 )
+from models.positions import relative_bucket
 
 BAD_CONFIGS = {
     "heads-divide-width": (DecoderConfig, dict(d_model=30, n_heads=4),
@@ -41,6 +44,40 @@ BAD_CONFIGS = {
     "seq2seq-eos": (Seq2SeqConfig, dict(vocab_size=50, eos_token_id=50), "eos_token_id 50 is outside"),
     "seq2seq-start": (Seq2SeqConfig, dict(vocab_size=50, decoder_start_token_id=-1),
                       "decoder_start_token_id -1 is outside"),
+    # relative_bucket would divide by zero (2 buckets) or take the log of a ratio <= 1 (max distance)
+    "relative-two-buckets": (Seq2SeqConfig, dict(position="relative", relative_buckets=2, relative_max_distance=8),
+                             "relative_buckets must be an integer >= 4, got 2"),
+    "relative-float-buckets": (EncoderConfig, dict(position="relative", relative_buckets=8.0),
+                               "relative_buckets must be an integer >= 4, got 8.0"),
+    "relative-distance-within-exact": (Seq2SeqConfig, dict(position="relative", relative_buckets=8,
+                                                           relative_max_distance=4),
+                                       "relative_max_distance must be an integer > relative_buckets // 2 "
+                                       "(8 // 2 = 4), got 4"),
+    "bool-head-dim": (DecoderConfig, dict(d_head=True), "d_head must be a positive integer or None, got True"),
+    "bool-layers": (DecoderConfig, dict(n_layers=True), "n_layers must be a positive integer, got True"),
+    "dynamic-rope-head-dim-2": (DecoderConfig, dict(d_model=8, n_heads=4, position="rotary",
+                                                    rope_scaling=RopeScaling("dynamic", 2.0, 16)),
+                                "rope_scaling.type 'dynamic' needs head_dim > 2, got 2"),
+    "freq-factors-count": (DecoderConfig, dict(d_model=16, n_heads=2, position="rotary",
+                                               rope_scaling=RopeScaling("frequencies", 1.0, freq_factors=(1.0, 2.0))),
+                           "needs one factor per rotary frequency (4), got 2"),
+    "rope-scaling-dict": (DecoderConfig, dict(position="rotary", rope_scaling={"type": "linear", "factor": 2.0}),
+                          "rope_scaling must be a RopeScaling or None, got {'type': 'linear', 'factor': 2.0}"),
+    # only the causal stack reads the window: an encoder (or seq2seq's encoder) would ignore it
+    "encoder-window": (EncoderConfig, dict(sliding_window=4), "sliding_window is only supported in decoders, got 4"),
+    "seq2seq-window": (Seq2SeqConfig, dict(sliding_window=4), "sliding_window is only supported in decoders, got 4"),
+}
+
+BAD_ROPE_SCALINGS = {
+    "factor-string": (dict(type="linear", factor="2"), "factor must be a positive number, got '2'"),
+    "factor-zero": (dict(type="linear", factor=0.0), "factor must be a positive number, got 0.0"),
+    "frequencies-negative": (dict(type="frequencies", factor=1.0, freq_factors=(1.0, -2.0)),
+                             "needs a tuple of positive freq_factors, got (1.0, -2.0)"),
+    "yarn-bool-context": (dict(type="yarn", factor=4.0, original_max_positions=True),
+                          "type 'yarn' needs original_max_positions, got True"),
+    "llama3-ramp": (dict(type="llama3", factor=8.0, original_max_positions=64, low_freq_factor=4.0,
+                         high_freq_factor=1.0),
+                    "needs high_freq_factor > low_freq_factor, got high_freq_factor=1.0, low_freq_factor=4.0"),
 }
 
 
@@ -52,6 +89,24 @@ def test_bad_config_names_the_problem(case: str) -> None:
     assert message in str(info.value)
     assert str(info.value).startswith(cls.__name__)  # and names the config class
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROPE_SCALINGS))
+def test_bad_rope_scaling_shows_the_value(case: str) -> None:
+    fields, message = BAD_ROPE_SCALINGS[case]
+    with pytest.raises(ConfigError) as info:
+        RopeScaling(**fields)
+    assert message in str(info.value) and str(info.value).startswith("RopeScaling: ")
+
+
+@pytest.mark.parametrize(("buckets", "max_distance"), [(4, 3), (5, 3), (8, 5), (32, 128)])
+def test_smallest_valid_relative_buckets_stay_in_the_table(buckets: int, max_distance: int) -> None:
+    """The validation's bounds are tight: at them, every distance maps into the bias table."""
+    Seq2SeqConfig(position="relative", relative_buckets=buckets, relative_max_distance=max_distance)
+    relative = torch.arange(-3 * max_distance, 3 * max_distance + 1)  # (R,)
+    for bidirectional in (True, False):
+        got = relative_bucket(relative, bidirectional, buckets, max_distance)  # (R,)
+        assert int(got.min()) >= 0 and int(got.max()) < buckets, (bidirectional, got.tolist())
 
 
 def test_replace_validates_too() -> None:
