@@ -180,21 +180,13 @@ class BlockConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BlockConfig:
+        """The config `to_dict` gave (also after a JSON round trip), as its family's class."""
         data = dict(data)
         family = data.pop("family", cls.family)
         target = CONFIGS.get(family)
         if target is None:
             raise ConfigError(f"unknown model family {family!r}; known: {sorted(CONFIGS)}")
-        names = {f.name for f in dataclasses.fields(target)}
-        # JSON has no tuples: give tuple-typed fields (labels, eos ids) back their type
-        data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-        if isinstance(data.get("rope_scaling"), dict):
-            data["rope_scaling"] = RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
-                                                  for k, v in data["rope_scaling"].items()})
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"{target.__name__}: unknown fields {unknown}")
-        return target(**data)
+        return _from_json(target, data, target.__name__)
 
     def replace(self, **changes: Any) -> BlockConfig:
         return dataclasses.replace(self, **changes)
@@ -286,14 +278,6 @@ class Seq2SeqConfig(BlockConfig):
 
     family: ClassVar[str] = "seq2seq"
 
-    def __post_init__(self) -> None:
-        # JSON gives the triples back as lists: tuples again, so a round trip compares equal
-        prefixes = self.translation_prefixes
-        if isinstance(prefixes, list | tuple):
-            object.__setattr__(self, "translation_prefixes",
-                               tuple(tuple(p) if isinstance(p, list | tuple) else p for p in prefixes))
-        super().__post_init__()
-
     @property
     def n_decoder_layers(self) -> int:
         return self.decoder_layers if self.decoder_layers is not None else self.n_layers
@@ -321,6 +305,32 @@ class Seq2SeqConfig(BlockConfig):
             value = getattr(self, name)
             if not 0 <= value < self.vocab_size:
                 raise ConfigError(f"Seq2SeqConfig: {name} {value} is outside the vocabulary ({self.vocab_size})")
+
+
+# fields whose to_dict form is a nested config's dict
+_NESTED: dict[str, type] = {"rope_scaling": RopeScaling}
+
+
+def _from_json(kind: type, data: dict[str, Any], owner: str, prefix: str = "") -> Any:
+    """Dataclass `kind` from its to_dict form: JSON lists become tuples again at any depth (labels, eos
+    ids, translation_prefixes' triples, freq_factors), a nested config's dict becomes its dataclass.
+    Unknown and missing fields raise naming them, a nested one as e.g. `rope_scaling.type`."""
+    fields = dataclasses.fields(kind)
+    unknown = sorted(set(data) - {f.name for f in fields})
+    if unknown:
+        raise ConfigError(f"{owner}: unknown fields {[prefix + name for name in unknown]}")
+    missing = [f.name for f in fields if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{owner}: missing fields {[prefix + name for name in missing]}")
+    return kind(**{name: _from_json(_NESTED[name], value, owner, f"{prefix}{name}.")
+                   if name in _NESTED and isinstance(value, dict) else _tuples(value)
+                   for name, value in data.items()})
+
+
+def _tuples(value: Any) -> Any:
+    """Lists to tuples, also inside tuples (configs hold tuples so they stay frozen and hashable)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
 
 
 CONFIGS: dict[str, type[BlockConfig]] = {

@@ -149,9 +149,7 @@ def read_config(directory: str | Path) -> BlockConfig:
     version = data.pop("format_version", None)
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
-    # JSON has no tuples; configs hold tuples so they stay hashable and frozen
-    data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-    try:
+    try:  # from_dict gives JSON's lists back their tuple type
         return BlockConfig.from_dict(data)
     except ConfigError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -66,6 +67,9 @@ BAD_CONFIGS = {
     # only the causal stack reads the window: an encoder (or seq2seq's encoder) would ignore it
     "encoder-window": (EncoderConfig, dict(sliding_window=4), "sliding_window is only supported in decoders, got 4"),
     "seq2seq-window": (Seq2SeqConfig, dict(sliding_window=4), "sliding_window is only supported in decoders, got 4"),
+    # tuples, as every tuple field: from_dict converts JSON's lists, direct construction does not
+    "prefixes-as-lists": (Seq2SeqConfig, dict(translation_prefixes=[["en", "de", "x: "]]),
+                          "translation_prefixes must be (source, target, prefix) string triples, got [["),
 }
 
 BAD_ROPE_SCALINGS = {
@@ -148,6 +152,41 @@ def test_dict_round_trip(name: str) -> None:
 def test_round_trip_keeps_non_default_fields() -> None:
     cfg = EncoderConfig(labels=("neg", "pos"), pooling="cls", n_kv_heads=2, pad_token_id=3)
     assert BlockConfig.from_dict(cfg.to_dict()) == cfg
+
+
+# configs whose tuples nest (prefix triples, a RopeScaling's freq_factors): JSON gives them back as lists
+NESTED_TUPLES = {
+    **PRESETS,
+    "t5-prefixes": PRESETS["tiny-t5"].replace(translation_prefixes=(("en", "de", "translate English to German: "),
+                                                                    ("en", "fr", "translate English to French: "))),
+    "llama-frequencies": PRESETS["tiny-llama"].replace(
+        rope_scaling=RopeScaling("frequencies", 1.0, freq_factors=(1.0, 4.0))),
+    "encoder-labels": EncoderConfig(labels=("neg", "pos"), head_pooling="cls", head_dense="tanh"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NESTED_TUPLES))
+def test_json_round_trip(name: str) -> None:
+    cfg = NESTED_TUPLES[name]
+    again = BlockConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg and hash(again) == hash(cfg)  # tuples all the way down: still hashable
+
+
+@pytest.mark.parametrize(("rope", "named"), [
+    ({"type": "linear", "factor": 2.0, "alpha": 1.0}, r"unknown fields \['rope_scaling\.alpha'\]"),
+    ({"factor": 2.0}, r"missing fields \['rope_scaling\.type'\]"),
+    ({}, r"missing fields \['rope_scaling\.type', 'rope_scaling\.factor'\]"),
+])
+def test_a_bad_rope_scaling_dict_names_its_field(rope: dict, named: str) -> None:
+    data = {**PRESETS["tiny-llama"].to_dict(), "rope_scaling": rope}
+    with pytest.raises(ConfigError, match=f"^DecoderConfig: {named}"):
+        BlockConfig.from_dict(data)
+
+
+def test_a_rope_scaling_dict_loads_as_its_dataclass() -> None:
+    data = {**PRESETS["tiny-llama"].to_dict(), "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                                "original_max_positions": 16}}
+    assert BlockConfig.from_dict(data).rope_scaling == RopeScaling("yarn", 4.0, 16)
 
 
 def test_unknown_field_is_named() -> None:
