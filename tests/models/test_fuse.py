@@ -3,6 +3,7 @@ and without the KV cache; load_model fuses unless the spec says not to."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -10,12 +11,17 @@ import torch
 from torch import nn
 
 from models.catalog import ModelSpec, load_model
+from models.config import BlockConfig
 from models.fuse import fuse_projections
 from models.kv_cache import KVCache
 from models.quant import Int8Linear
 from models.tiny import tiny_model
+from tests.models.test_invariants import DECODERS, ENCODERS, LENGTHS, MODELS, SEQ2SEQS, close, padded, real
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# the invariance configs: q/k norm and head dim (Qwen3), q/k/v biases, windows, YaRN, T5's relative bias
+INVARIANT_CONFIGS = {**ENCODERS, **DECODERS, **SEQ2SEQS}
 
 
 def _linears(model: nn.Module) -> set[str]:
@@ -47,6 +53,42 @@ def test_fused_projections_give_the_same_outputs(family: str) -> None:
             tgt = torch.randint(3, 200, (3, 5))
             assert torch.allclose(fused(ids, keep, tgt), plain(ids, keep, tgt), atol=1e-6)
             assert "q_proj" in _linears(fused)  # cross-attention keeps its own q (k/v come from the source)
+
+
+@torch.no_grad()
+def _plain_and_fused(cfg: BlockConfig) -> tuple[nn.Module, nn.Module]:
+    """A model of cfg's family with every parameter moved off its init (identity norms and zero biases
+    would hide a dropped q/k norm or bias in the fused path), and a fused copy of it; eval mode."""
+    torch.manual_seed(0)
+    plain = MODELS[cfg.family](cfg)
+    for p in plain.parameters():
+        p.add_(torch.randn_like(p) * 0.1)
+    plain.eval()
+    return plain, fuse_projections(copy.deepcopy(plain))
+
+
+@pytest.mark.parametrize("name", sorted(INVARIANT_CONFIGS))
+@torch.inference_mode()
+def test_fused_projections_match_on_every_invariant_config(name: str) -> None:
+    cfg = INVARIANT_CONFIGS[name]
+    plain, fused = _plain_and_fused(cfg)
+    assert "qkv" in _linears(fused)
+    ids, keep = padded(cfg, LENGTHS, "right", seed=1)  # (B, T), (B, T)
+    if cfg.family == "encoder":
+        close(fused(ids, keep), plain(ids, keep))  # (B, T, C)
+        close(fused.embed(ids, keep), plain.embed(ids, keep))  # (B, C)
+    elif cfg.family == "decoder":
+        close(fused(ids, keep), plain(ids, keep))  # (B, T, V)
+        row = real(ids, keep, 0)  # (1, n)
+        cache = KVCache.for_model(cfg, 1, 16)
+        steps = []
+        for t in range(row.size(1)):
+            steps.append(fused(row[:, t:t + 1], cache=cache.view())[:, 0])  # (1, V)
+            cache.advance(1)
+        close(torch.stack(steps, 1), plain(row))  # (1, n, V)
+    else:
+        tgt, tgt_keep = padded(cfg, (4, 2, 3), "right", seed=2)  # (B, T'), (B, T')
+        close(fused(ids, keep, tgt, tgt_keep), plain(ids, keep, tgt, tgt_keep))  # (B, T', V)
 
 
 def test_load_model_fuses_unless_told_not_to_and_quantizes_the_fused_projections() -> None:
