@@ -28,11 +28,13 @@ class EncodeItem:
     ids: list[int]
     task: Task
     types: list[int] | None = None  # token type ids (a rerank pair's); None: all zeros
+    raw: bool = False  # rerank: the pair's logit instead of its score
 
 
 class EncoderRunner(BatchedRunner):
     """Classification, embeddings and reranking on one encoder; every task shares batches (one
-    forward pass). A reranker is a classification head with one output: the pair's relevance logit."""
+    forward pass). A reranker is a classification head with one output: the pair's relevance logit,
+    scored by the head's own score function (EncoderModel.scores), as classification is."""
 
     def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits,
                  observer: BatchObserver | None = None, heap: HeapTrimmer | None = None) -> None:
@@ -44,6 +46,9 @@ class EncoderRunner(BatchedRunner):
             raise ValueError(f"model {loaded.spec.name!r} serves rerank, which needs a classification head with one "
                              f"output (a cross-encoder's relevance score); its head has {len(loaded.labels)}")
         cfg = loaded.model.cfg
+        if "rerank" in loaded.spec.tasks and cfg.head_scores == "softmax":
+            raise ValueError(f"model {loaded.spec.name!r} serves rerank, but its head scores by softmax, which is 1 "
+                             "for every pair with one output (a cross-encoder's head scores by sigmoid)")
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.use_types = cfg.type_vocab_size > 1  # one type (RoBERTa) or none (DistilBERT): ids are all zero
 
@@ -60,12 +65,11 @@ class EncoderRunner(BatchedRunner):
 
     async def rerank(self, query: str, texts: Sequence[str], truncate: bool, raw_scores: bool,
                      timeout_s: float | None) -> list[float]:
-        """One relevance score per text, in input order: the sigmoid of the (query, text) pair's
-        logit, or the logit itself with raw_scores."""
+        """One relevance score per text, in input order: the head's score of the (query, text) pair's
+        logit (a cross-encoder's: its sigmoid), or the logit itself with raw_scores."""
         pairs = tokenize_pairs(self.loaded.tokenizer, query, texts, self.loaded.max_input_tokens, truncate)
-        logits = await self.batcher.submit_many([EncodeItem(p.ids, "rerank", p.types) for p in pairs],
-                                                [len(p.ids) for p in pairs], deadline(timeout_s))
-        return logits if raw_scores else torch.tensor(logits, dtype=torch.float64).sigmoid().tolist()
+        return await self.batcher.submit_many([EncodeItem(p.ids, "rerank", p.types, raw_scores) for p in pairs],
+                                              [len(p.ids) for p in pairs], deadline(timeout_s))
 
     @torch.inference_mode()
     def run_batch(self, payloads: list[EncodeItem]) -> list[Classification | list[float] | float]:
@@ -85,7 +89,7 @@ class EncoderRunner(BatchedRunner):
             labels = self.loaded.labels
             for row, p, z in zip(rows, scores, logits[:, 0].cpu().tolist(), strict=True):
                 if payloads[row].task == "rerank":
-                    out[row] = z  # the relevance logit; rerank() makes it a score
+                    out[row] = z if payloads[row].raw else p[0]  # the relevance logit or its score
                     continue
                 best = max(range(len(p)), key=p.__getitem__)
                 out[row] = Classification(labels[best], p[best], dict(zip(labels, p, strict=True)))

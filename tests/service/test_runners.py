@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import Tokenizer
+from torch import nn
 
 from models.beam_search import BeamParams, translate_ids
 from models.catalog import LoadedModel, ModelSpec, load_model
@@ -181,6 +183,40 @@ def test_pairs_over_the_limit_name_the_query_or_the_text() -> None:
 def test_a_rerank_model_needs_a_one_output_head() -> None:
     with pytest.raises(ValueError, match="rerank, which needs a classification head with one output"):
         EncoderRunner(_load("encoder", ("rerank",)), "encoder", BatchLimits())  # tiny:encoder has 3 labels
+
+
+def _reranker(head_scores: str = "sigmoid") -> LoadedModel:
+    """tiny:encoder with a one-output head (a cross-encoder's relevance logit) and a pair tokenizer."""
+    loaded = _load("encoder", ("rerank",))
+    model = loaded.model
+    model.cfg = model.cfg.replace(labels=("relevance",), head_scores=head_scores)
+    torch.manual_seed(0)
+    model.head = nn.Linear(model.cfg.d_model, 1)
+    loaded.labels, loaded.tokenizer = ("relevance",), _pair_tokenizer()
+    return loaded
+
+
+def test_rerank_scores_by_the_heads_own_score_function() -> None:
+    loaded = _reranker()
+    loaded.model.scores = lambda logits: logits.tanh()  # a scoring only the model knows: rerank must use it
+    runner = EncoderRunner(loaded, "reranker", BatchLimits(max_wait_ms=10))
+    texts = ["c d e", "f", "a b c d"]
+
+    async def main() -> tuple[list[float], list[float]]:  # scored and raw pairs share batches
+        return await asyncio.gather(runner.rerank("a b", texts, False, False, 5.0),
+                                    runner.rerank("a b", texts, False, True, 5.0))
+
+    scores, raw = asyncio.run(main())
+    pairs = tokenize_pairs(loaded.tokenizer, "a b", texts, 64, truncate=False)
+    with torch.inference_mode():
+        want = [loaded.model.classify(torch.tensor([p.ids]))[0, 0].item() for p in pairs]
+    assert raw == pytest.approx(want, abs=1e-5)
+    assert scores == pytest.approx([math.tanh(z) for z in want], abs=1e-5)
+
+
+def test_a_rerank_head_scored_by_softmax_is_refused() -> None:
+    with pytest.raises(ValueError, match="scores by softmax, which is 1 for every pair"):
+        EncoderRunner(_reranker("softmax"), "reranker", BatchLimits())
 
 
 def test_a_multi_label_head_scores_each_label_by_its_sigmoid() -> None:
