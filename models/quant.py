@@ -32,8 +32,9 @@ SMOOTHING_ALPHA = 0.5
 # Linears kept in float, by model class and name suffix. The encoder's FFN output projection reads
 # GELU outputs with the widest channel ranges: quantized, MiniLM's sentiment label matched fp32 on
 # 98.0 % of the 1,000 test texts, in float on 99.4 % (the rest of the model still int8); its 3-way
-# head is too small to gain anything from int8.
-FLOAT_LAYERS: dict[str, tuple[str, ...]] = {"EncoderModel": ("ff.down", "head")}
+# head is too small to gain anything from int8, and so is a classifier's C x C head_dense (BERT's pooler,
+# RoBERTa's classifier.dense), one row per text on the logits path.
+FLOAT_LAYERS: dict[str, tuple[str, ...]] = {"EncoderModel": ("ff.down", "head", "head_dense")}
 # Model classes whose projections stay unfused (models/fuse.py) when quantized. MiniLM's fused q/k/v
 # share one smoothing vector: 98.9 % of labels kept against 99.4 % unfused, at no measurable speed
 # gain (its MLP is not gated, so q/k/v is all that fusion would merge).

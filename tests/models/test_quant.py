@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from models.catalog import ModelSpec, load_model
+from models.config import EncoderConfig
 from models.decoding import SamplingParams
+from models.encoder import EncoderModel
 from models.generate import generate
 from models.kv_cache import KVCache
 from models.quant import FLOAT_LAYERS, Int8Linear, quantize, quantize_int8, quantize_rows
@@ -56,6 +58,18 @@ def test_every_linear_of_every_family_is_swapped(family: str) -> None:
         assert isinstance(model.lm_head, Int8Linear)  # the tied head gets an int8 copy of the embeddings
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize(model, "int3")
+
+
+def test_a_quantized_classifier_keeps_its_head_dense_and_head_in_float() -> None:
+    """A Hugging Face classifier's C x C pooler dense sits on the logits path, as the head does."""
+    cfg = EncoderConfig(vocab_size=100, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_positions=32,
+                        labels=("a", "b"), head_pooling="cls", head_dense="tanh")
+    model = EncoderModel(cfg).eval()
+    dense = model.head_dense.weight.detach().clone()  # (C, C)
+    quantize_int8(model)
+    assert type(model.head_dense) is nn.Linear and type(model.head) is nn.Linear
+    assert torch.equal(model.head_dense.weight, dense)
+    assert isinstance(model.stack.blocks[0].self_attn.q_proj, Int8Linear)  # the rest is int8
 
 
 def test_quantized_decoder_keeps_cached_equal_uncached_and_batched_equal_alone() -> None:
