@@ -2,7 +2,8 @@
 
 Dimension legend (used in every shape comment of this package):
     B batch rows, T query length, S key length, H query heads, K key/value heads
-    (K divides H; K < H is grouped-query attention), D head dim, C model dim (H * D).
+    (K divides H; K < H is grouped-query attention), D head dim, C model dim (H * D unless the
+    config sets d_head: Qwen3, T5; the projections map C <-> H * D).
 
 Masks are boolean with True = attend, built only by the helpers below:
     padding mask   (B, 1, 1, S)  from a (B, S) "is a real token" mask
@@ -167,5 +168,5 @@ class MultiHeadAttention(nn.Module):
             k, v = kv  # (B, K, S, D) each
         drop = self.dropout if self.training else 0.0
         out = attention(q, k, v, mask, drop, bias, self.scale)  # (B, H, T, D)
-        out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, C)
+        out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(out)  # (B, T, C)
