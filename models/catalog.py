@@ -87,7 +87,8 @@ def _load_hf_dir(path: Path) -> tuple[nn.Module, TextTokenizer]:
 
 
 def _load_ours(path: Path) -> tuple[nn.Module, TextTokenizer]:
-    return load_checkpoint(path), TextTokenizer.from_file(path)
+    """Our format; the tokenizer beside it, with chat_template.jinja when the directory has one."""
+    return load_checkpoint(path), TextTokenizer.from_hf_dir(path)
 
 
 def _load_gguf(rest: str, cache_dir: Path) -> tuple[nn.Module, TextTokenizer]:

@@ -76,13 +76,15 @@ class TextTokenizer:
     def decode_batch(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
         return self.tok.decode_batch([list(ids) for ids in batch], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render the model's chat template (Jinja, in a sandbox, as `transformers` does)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **context: Any) -> str:
+        """Render the model's chat template (Jinja, in a sandbox, as `transformers` does); `context`
+        adds variables the template may read (e.g. `tools`)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         template = _compile_template(self.chat_template)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               **self.special_tokens)
+                               **self.special_tokens, **context)
 
 
 @functools.lru_cache(maxsize=8)

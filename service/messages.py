@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .tool_calls import Tool, ToolCall
+
 AnswerFinish = Literal["stop", "length"]  # how an answer a client receives ended
 # ... and how a request can end inside the engine: its client went away, or it failed
 FinishReason = Literal[AnswerFinish, "cancelled", "error"]
@@ -76,8 +78,10 @@ class TranslateOptions:
 
 @dataclass(frozen=True)
 class ChatMessage:
-    role: str  # system, user or assistant
+    role: str  # system, developer, user, assistant or tool
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls (service/tool_calls.py)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "grammar"]
@@ -119,6 +123,7 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     logprobs: int | None = None  # None: none; k: the chosen token's and the k best tokens' log-probabilities
     grammar: GrammarSpec | None = None  # structured output: the text must match it
+    tools: tuple[Tool, ...] = ()  # functions the chat prompt shows the model (service/tool_calls.py)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool | None = None

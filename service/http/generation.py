@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -24,6 +24,8 @@ from fastapi.responses import StreamingResponse
 from ..errors import InvalidRequest
 from ..messages import ChatMessage, GenerationDone, GenerationRequest, GrammarSpec
 from ..settings import Settings
+from ..tool_calls import Tool
+from ..tool_calls import parse as parse_tool_calls
 from .deadline import request_timeout, within
 from .generation_schemas import (
     ChatChoice,
@@ -34,15 +36,27 @@ from .generation_schemas import (
     CompletionRequest,
     CompletionResponse,
     CompletionUsage,
+    FunctionCallOut,
     GenerateRequest,
     GenerateResponse,
     Sampling,
+    ToolCallOut,
     check_supported,
     grammar_of,
 )
 from .logprobs import chat_logprobs, completion_logprobs
 from .routing import Backend, ModelRoutes, Route
-from .sse import SSE_HEADERS, ChatFormat, CompletionFormat, GenerateFormat, Opened, StreamFormat, sse_body
+from .sse import (
+    DONE,
+    SSE_HEADERS,
+    ChatFormat,
+    CompletionFormat,
+    GenerateFormat,
+    Opened,
+    StreamFormat,
+    sse,
+    sse_body,
+)
 
 # -- calls ----------------------------------------------------------------------------------------
 
@@ -98,7 +112,7 @@ class GenerationCalls:
 def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = None,
                messages: tuple[ChatMessage, ...] | None = None,
                names: Mapping[str, str] | None = None, logprobs: int | None = None,
-               sibling: int = 0, grammar: GrammarSpec | None = None) -> GenerationRequest:
+               sibling: int = 0, grammar: GrammarSpec | None = None, tools: tuple[Tool, ...] = ()) -> GenerationRequest:
     """`names`: the route's names of GenerationRequest fields, for the errors' `param`. `sibling`: the
     choice's number among a prompt's n; a seeded request's siblings get seed + sibling."""
     seed = None if body.seed is None else (body.seed + sibling) % 2**63
@@ -107,7 +121,7 @@ def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = 
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logit_bias=body.bias(), logprobs=logprobs, seed=seed,
-        grammar=grammar if grammar is not None else grammar_of(body.response_format),
+        grammar=grammar if grammar is not None else grammar_of(body.response_format), tools=tools,
         stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, names=dict(names or {}))
 
 
@@ -127,6 +141,38 @@ def mean_logprob(done: GenerationDone) -> float:
     """best_of's ranking: mean log-probability per output token (an empty answer ranks last)."""
     entries = done.logprobs or ()
     return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
+
+
+def chat_choice(index: int, done: GenerationDone, tools: tuple[Tool, ...]) -> ChatChoice:
+    """One chat choice; with tools, <tool_call> blocks of the answer become tool_calls."""
+    lp = chat_logprobs(done.logprobs) if done.logprobs is not None else None
+    if not tools:
+        return ChatChoice(index=index, message=ChatMessageOut(content=done.text), logprobs=lp,
+                          finish_reason=done.finish_reason)  # type: ignore[arg-type]
+    content, found = parse_tool_calls(done.text, [t.name for t in tools])
+    out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in found]
+    return ChatChoice(index=index, message=ChatMessageOut(content=content, tool_calls=out or None), logprobs=lp,
+                      finish_reason="tool_calls" if out else done.finish_reason)  # type: ignore[arg-type]
+
+
+async def replayed_chat(response: ChatCompletionResponse, include_usage: bool) -> AsyncIterator[bytes]:
+    """A whole chat answer as OpenAI's chunks: per choice the role, its content, its tool calls, its
+    finish_reason; then the usage chunk when asked, then [DONE]."""
+    fmt = ChatFormat(response.id, response.created, response.model, include_usage)
+    for choice in response.choices:
+        def chunk(delta: dict[str, Any], finish: str | None = None, index: int = choice.index) -> bytes:
+            return sse(fmt.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]))
+
+        yield chunk({"role": "assistant", "content": ""})
+        if choice.message.content:
+            yield chunk({"content": choice.message.content})
+        if choice.message.tool_calls:
+            yield chunk({"tool_calls": [{"index": j, **call.model_dump()}
+                                        for j, call in enumerate(choice.message.tool_calls)]})
+        yield chunk({}, choice.finish_reason)
+    if include_usage:
+        yield sse(fmt.chunk([], response.usage.model_dump()))
+    yield DONE
 
 
 def check_choices(settings: Settings, prompts: int, per_prompt: int, field: str) -> None:
@@ -199,24 +245,27 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         route = routes.resolve("generate", body.model)
         n = body.n or 1
         check_choices(settings, 1, n, "n")
-        messages = tuple(ChatMessage(m.role, m.text()) for m in body.messages)
+        tools, _, forced = body.tool_plan()
+        messages = tuple(m.message() for m in body.messages)
         names = {"max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"}
         k = body.logprobs_k()
         reqs = [to_request(body, body.max_completion_tokens or body.max_tokens, messages=messages, names=names,
-                           logprobs=k, sibling=i) for i in range(n)]
+                           logprobs=k, sibling=i, grammar=forced, tools=tools) for i in range(n)]
         cid, created = f"chatcmpl-{reqs[0].request_id}", int(time.time())
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
+        include = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+        if body.stream and not tools:
             formats = [ChatFormat(cid, created, route.model, include, index=i, final_usage=False,
                                   logprobs=k is not None) for i in range(n)]
             tail = (lambda done: formats[0].chunk([], summed_usage([d for _, d in done], n).model_dump())
                     ) if include else None
             return await calls.stream(route, reqs, deadline(request), formats, tail)
         dones = await calls.complete(route, reqs, deadline(request))
-        choices = [ChatChoice(index=i, message=ChatMessageOut(content=done.text), finish_reason=done.finish_reason,  # type: ignore[arg-type]
-                              logprobs=chat_logprobs(done.logprobs) if done.logprobs is not None else None)
-                   for i, done in enumerate(dones)]
-        return ChatCompletionResponse(id=cid, created=created, model=route.model, choices=choices,
-                                      usage=summed_usage(dones, n))
+        choices = [chat_choice(i, done, tools) for i, done in enumerate(dones)]
+        response = ChatCompletionResponse(id=cid, created=created, model=route.model, choices=choices,
+                                          usage=summed_usage(dones, n))
+        if body.stream:  # with tools: the calls are known only once the answer is whole (docs/serving.md)
+            return StreamingResponse(replayed_chat(response, include), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        return response
 
     return router

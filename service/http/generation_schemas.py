@@ -14,10 +14,19 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    StrictBool,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from ..errors import InvalidRequest
-from ..messages import AnswerFinish, GrammarSpec
+from ..messages import AnswerFinish, ChatMessage, GrammarSpec
+from ..tool_calls import Tool, ToolCall, call_grammar
 from .logprobs import ChatLogprobs, CompletionLogprobs
 from .schemas import Texts, _Request
 
@@ -218,14 +227,77 @@ def _as_parts(value: Any) -> Any:
 Content = Annotated[list[TextPart], BeforeValidator(_as_parts, json_schema_input_type=str | list[TextPart])]
 
 
+MAX_TOOLS = 32
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionCallIn(_Request):
+    name: StrictStr = Field(pattern=TOOL_NAME)
+    arguments: StrictStr = Field(max_length=MAX_GRAMMAR_CHARS, description="A JSON object, as text (OpenAI's).")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value or "{}")
+        except ValueError:
+            raise ValueError("arguments must be a JSON object (as text)") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments must be a JSON object (as text)")
+        return value
+
+
+class ToolCallIn(_Request):
+    id: StrictStr = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(_Request):
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="`developer` is passed to the template as `system`.")
-    content: Content
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="`developer` is passed to the template as `system`; `tool` answers an assistant's tool call.")
+    content: Content | None = Field(None, description="Required, except for an assistant message with tool_calls.")
     name: StrictStr | None = Field(None, description="Accepted; ignored.")
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS, description="assistant: the calls it made.")
+    tool_call_id: StrictStr | None = Field(None, max_length=128, description="tool: the call this answers.")
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessageIn:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content or [])
+
+    def message(self) -> ChatMessage:
+        calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ())
+        return ChatMessage(self.role, self.text(), calls, self.tool_call_id)
+
+
+class FunctionDef(_Request):
+    name: StrictStr = Field(pattern=TOOL_NAME)
+    description: StrictStr | None = Field(None, max_length=4096)
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments object.")
+    strict: StrictBool | None = Field(None, description="Accepted; a forced call always validates.")
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: StrictStr = Field(pattern=TOOL_NAME)
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -235,6 +307,36 @@ class ChatCompletionRequest(OpenAISampling):
     logprobs: StrictBool | None = Field(None, description="Return each output token's log-probability.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True,
                                      description="With logprobs: also the k most likely tokens' at each position.")
+    tools: list[ToolDef] | None = Field(None, min_length=1, max_length=MAX_TOOLS,
+                                        description="Functions the model may call (docs/serving.md: how they reach "
+                                                    "a template without tools).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="auto (default with tools): the model decides; required or a named function: the answer "
+                          "is constrained to one call whose arguments validate; none: no calls.")
+    parallel_tool_calls: StrictBool | None = Field(None, description="Accepted; an auto answer may hold several calls.")
+
+    def tool_plan(self) -> tuple[tuple[Tool, ...], str | None, GrammarSpec | None]:
+        """(the tools the prompt shows, the tool a call is forced to (or "" for any), the grammar forcing
+        it); checks names are unique and a named choice exists."""
+        tools = tuple(Tool(t.function.name, t.function.description or "",
+                           json.dumps(t.function.parameters if t.function.parameters is not None
+                                      else {"type": "object"}))
+                      for t in self.tools or ())
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise InvalidRequest("tools have duplicate function names", "tools")
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        if choice != "none" and not tools:
+            raise InvalidRequest(f"tool_choice={choice!r} needs tools", "tool_choice")
+        if choice in ("none", "auto"):
+            return (tools if choice == "auto" else ()), None, None
+        only = None if choice == "required" else choice.function.name  # type: ignore[union-attr]
+        if only is not None and only not in names:
+            raise InvalidRequest(f"tool_choice names {only!r}, which is not among the tools", "tool_choice")
+        if self.response_format is not None and not isinstance(self.response_format, TextFormat):
+            raise InvalidRequest("response_format cannot be combined with a forced tool call", "response_format")
+        grammar = GrammarSpec("grammar", call_grammar(tools, only), "tools")
+        return tools, only or "", grammar
 
     def logprobs_k(self) -> int | None:
         """The engine's logprobs field: None, or how many alternatives (a 422 for top_logprobs alone)."""
@@ -259,16 +361,28 @@ class CompletionResponse(BaseModel):
     usage: CompletionUsage
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: AnswerFinish
+    finish_reason: AnswerFinish | Literal["tool_calls"]
 
 
 class ChatCompletionResponse(BaseModel):

@@ -34,6 +34,7 @@ from ..messages import (
 from ..telemetry.hooks import EngineObserver
 from ..telemetry.metrics import ServiceMetrics
 from ..telemetry.observers import PrometheusEngineObserver
+from ..tool_calls import hf_messages, render_in_prompt, template_knows_tools
 from .heap import HeapTrimmer
 from .runner import ModelRunner
 
@@ -81,9 +82,17 @@ class GeneratorRunner(ModelRunner):
             if not tok.chat_template:
                 raise InvalidRequest(f"model {self.loaded.spec.name!r} has no chat template; send a prompt to "
                                      "/v1/completions or /v1/generate instead", request.param("messages"))
-            messages = [{"role": CHAT_ROLES.get(m.role, m.role), "content": m.content} for m in request.messages]
+            messages = [{"role": CHAT_ROLES.get(m.role, m.role), "content": m.content, "tool_calls": m.tool_calls,
+                         "tool_call_id": m.tool_call_id} for m in request.messages]
+            tools_used = bool(request.tools) or any(m["tool_calls"] or m["role"] == "tool" for m in messages)
             try:
-                text = tok.apply_chat_template(messages)
+                if tools_used and template_knows_tools(tok.chat_template):
+                    tools = [{"type": "function", "function": t.as_dict()} for t in request.tools] or None
+                    text = tok.apply_chat_template(hf_messages(messages), tools=tools)
+                elif tools_used:  # the documented system-prompt format (service/tool_calls.py)
+                    text = tok.apply_chat_template(render_in_prompt(messages, request.tools))
+                else:
+                    text = tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
             except Exception as e:  # the template's own checks (raise_exception) or a Jinja error
                 raise InvalidRequest(f"the chat template refused these messages: {e}",
                                      request.param("messages")) from None

@@ -72,6 +72,20 @@ def app_args(long_dir: Path) -> dict[str, Any]:
     }
 
 
+def tools_decoder(path: Path) -> Path:
+    """tiny:decoder's weights and chat template with 2048 positions: room for the tools' system prompt."""
+    from models.checkpoints.format import save_checkpoint
+    from models.tiny import CHAT_TEMPLATE
+
+    model, tok = tiny_model("decoder")
+    wide = DecoderLM(model.cfg.replace(max_positions=2048)).eval()
+    wide.load_state_dict(model.state_dict())
+    save_checkpoint(wide, path)
+    tok.tok.save(str(path / "tokenizer.json"))
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return path
+
+
 @dataclass
 class Cluster:
     url: str
@@ -489,6 +503,89 @@ def test_structured_output_sources_the_library_refuses_are_a_422(server: Cluster
             assert words is None or words in error["message"], error
 
 
+# -- tool calls (tiny:decoder's template knows no tools: the documented system-prompt format) -------
+
+@pytest.fixture(scope="module")
+def tools_server(server: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A second app at /tools: tiny:decoder with 2048 positions (the tools' prompt is long in bytes)."""
+    from ray import serve
+
+    path = tools_decoder(tmp_path_factory.mktemp("tools-decoder"))
+    deploy({"device": "cpu", "deployments": {"generator": {
+        "model": {"name": TINY, "tasks": ["generate"], "source": f"dir:{path}"},
+        "num_cpus": 0, "torch_threads": 1, "engine": {"max_running": 8, "max_queued": 16, "max_new_tokens": 256}}}},
+        "tools", "/tools")
+    try:
+        wait_for(f"{server.url}/tools", "/readyz", 200, timeout_s=120)
+        yield server
+    finally:
+        serve.delete("tools")
+
+WEATHER_PARAMS = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                  "properties": {"city": {"enum": ["Paris", "Lima", "Oslo"]}, "unit": {"enum": ["C", "F"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER_PARAMS}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+
+
+def test_a_forced_tool_call_is_parsed_and_validates(tools_server: Cluster) -> None:
+    import jsonschema
+
+    client = tools_server.openai("/tools")
+    seen = set()
+    for seed in range(6):
+        out = client.chat.completions.create(  # type: ignore[call-overload]
+            model=TINY, messages=CHAT, max_tokens=200, temperature=1.0, seed=seed, tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, WEATHER_PARAMS)
+        seen.add(json.dumps(arguments, sort_keys=True))
+    assert len(seen) > 1  # sampled arguments differ: the constraint does not fix the answer
+    required = client.chat.completions.create(model=TINY, messages=CHAT, max_tokens=200, temperature=1.0, seed=3,  # type: ignore[call-overload]
+                                              tools=TOOLS, tool_choice="required")
+    assert required.choices[0].message.tool_calls[0].function.name in ("get_weather", "get_time")
+
+
+def test_tools_reach_the_prompt_and_tool_messages_come_back(tools_server: Cluster) -> None:
+    from service.tool_calls import Tool, ToolCall, render_in_prompt
+
+    _, tok = tiny_model("decoder")
+    history = [{"role": "user", "content": "weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    client = tools_server.openai("/tools")
+    out = client.chat.completions.create(model=TINY, messages=history, max_tokens=10, temperature=0, tools=TOOLS)  # type: ignore[call-overload]
+    tools = [Tool(t["function"]["name"], t["function"].get("description", ""), json.dumps(t["function"]["parameters"]))
+             for t in TOOLS]
+    ours = [{"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": (ToolCall("call_1", "get_weather",
+                                                                         '{"city": "Paris", "unit": "C"}'),)},
+            {"role": "tool", "content": '{"temperature": 21}'}]
+    prompt = tok.apply_chat_template(render_in_prompt(ours, tools))
+    assert out.usage is not None and out.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
+    assert out.choices[0].finish_reason in ("stop", "length")  # auto: the tiny model writes no call block
+
+
+def test_a_streamed_tool_call_arrives_whole(tools_server: Cluster) -> None:
+    client = tools_server.openai("/tools")
+    params = {"model": TINY, "messages": CHAT, "max_tokens": 200, "temperature": 0.7, "seed": 1, "tools": TOOLS,
+              "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    whole = client.chat.completions.create(**params)  # type: ignore[call-overload]
+    chunks = list(client.chat.completions.create(**params, stream=True))  # type: ignore[call-overload]
+    calls = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 # -- /tokenize and /detokenize (vLLM's shapes) --------------------------------------------------------
 
 def test_tokenize_counts_what_a_generation_would_see(server: Cluster) -> None:
@@ -560,7 +657,16 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, "max_tokens", "max_new_tokens"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "max_tokens": 600}, "max_tokens", "max_new_tokens"),
     ("/v1/chat/completions", {"messages": []}, "messages", None),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0]", "content is required"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS + TOOLS[:1]}, "tools", "duplicate"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "response_format", "forced tool call"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "bad name"}}]},
+     "tools[0].function.name", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content", None),
     ("/v1/chat/completions", {"messages": CHAT, "n": 0}, "n", None),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": 2.5}, "temperature", None),

@@ -1,0 +1,144 @@
+"""Tool calls in chat, torch-free and FastAPI-free (the ingress parses, the replica renders).
+
+A model whose chat template knows tools (it reads `tools`, as Qwen2.5's and Llama 3.1's do) gets
+them through the template, with assistant `tool_calls` and `tool` messages in Hugging Face's shape.
+Any other template (SmolLM2's has no tools) gets them in this documented format, the one Hermes and
+Qwen models are trained on:
+
+    system:    <the request's system message, if any>
+
+               You may call functions. Their JSON Schemas:
+               <tools>
+               {"name": ..., "description": ..., "parameters": {...}}
+               </tools>
+               To call one, answer with
+               <tool_call>{"name": <name>, "arguments": <JSON object>}</tool_call>
+               (one block per call) and nothing else.
+    assistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
+    user:      <tool_response>{"temperature": 21}</tool_response>      (a `tool` message)
+
+The answer is parsed back: every <tool_call> block whose JSON names a requested tool becomes a
+tool call (OpenAI's shape), the text outside them the content. With `tool_choice` "required" or a
+named function, the answer is constrained (structured outputs) to one such block whose JSON
+validates against the tool's parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object"}'  # a JSON Schema, as JSON text
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        if self.description:
+            out["description"] = self.description
+        out["parameters"] = json.loads(self.parameters)
+        return out
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as JSON text (OpenAI's shape)
+
+
+def tools_prompt(tools: Sequence[Tool]) -> str:
+    listed = "\n".join(json.dumps(t.as_dict(), ensure_ascii=False) for t in tools)
+    return ("You may call functions. Their JSON Schemas:\n<tools>\n" + listed + "\n</tools>\n"
+            f'To call one, answer with\n{OPEN}{{"name": <name>, "arguments": <JSON object>}}{CLOSE}\n'
+            "(one block per call) and nothing else.")
+
+
+def call_text(call: ToolCall) -> str:
+    return OPEN + json.dumps({"name": call.name, "arguments": json.loads(call.arguments or "{}")},
+                             ensure_ascii=False) + CLOSE
+
+
+def render_in_prompt(messages: Sequence[dict[str, Any]], tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    """Messages (role, content, tool_calls?, tool_call_id?) as plain system/user/assistant messages,
+    the tools in the system message (the format above), for templates that know no tools."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>{m.get('content') or ''}</tool_response>"})
+        elif m.get("tool_calls"):
+            text = "\n".join(call_text(c) for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + text).lstrip()})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    if tools:
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + tools_prompt(tools)}
+        else:
+            out.insert(0, {"role": "system", "content": tools_prompt(tools)})
+    return out
+
+
+def hf_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages in Hugging Face's tool-calling shape, for templates that know tools."""
+    out = []
+    for m in messages:
+        entry: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
+        if m.get("tool_calls"):
+            entry["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.name, "arguments": json.loads(c.arguments or "{}")}}
+                                   for c in m["tool_calls"]]
+        if m.get("tool_call_id"):
+            entry["tool_call_id"] = m["tool_call_id"]
+        out.append(entry)
+    return out
+
+
+def template_knows_tools(template: str | None) -> bool:
+    return bool(template) and re.search(r"\btools\b", template or "") is not None
+
+
+def parse(text: str, names: Sequence[str]) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of an answer: blocks that are JSON {"name": a requested tool, "arguments":
+    an object} become calls; the rest of the text (stripped; None when empty) is the content."""
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    last = 0
+    for match in _BLOCK.finditer(text):
+        try:
+            data = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if not isinstance(data, dict) or data.get("name") not in names:
+            continue
+        arguments = data.get("arguments", data.get("parameters", {}))
+        if not isinstance(arguments, dict):
+            continue
+        kept.append(text[last:match.start()])
+        last = match.end()
+        calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", data["name"], json.dumps(arguments, ensure_ascii=False)))
+    kept.append(text[last:])
+    content = "".join(kept).strip()
+    return (content or None), calls
+
+
+def call_grammar(tools: Sequence[Tool], only: str | None = None) -> str:
+    """A Lark grammar (llguidance's, structured outputs) for exactly one tool-call block of one of
+    `tools` (or of the tool named `only`), its arguments valid against the tool's parameters."""
+    chosen = [t for t in tools if only is None or t.name == only]
+    options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                "properties": {"name": {"const": t.name}, "arguments": json.loads(t.parameters)}} for t in chosen]
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return f"start: {json.dumps(OPEN)} call {json.dumps(CLOSE)}\ncall: %json {json.dumps(schema)}"
