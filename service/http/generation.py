@@ -13,6 +13,7 @@ replica's errors name the client's fields and pass through unchanged. No Ray and
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -57,6 +58,9 @@ from .sse import (
     sse,
     sse_body,
 )
+
+log = logging.getLogger(__name__)
+
 
 # -- calls ----------------------------------------------------------------------------------------
 
@@ -189,6 +193,10 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         return request_timeout(request, settings)
 
     calls = GenerationCalls(backend)
+
+    def log_user(body: Any, request_id: str) -> None:
+        if getattr(body, "user", None) is not None:  # an opaque id, logged escaped
+            log.info("generation %s for user %r", request_id, body.user)
     responses = {**errors, 200: {"description": "JSON, or server-sent events with `\"stream\": true`",
                                  "content": {"text/event-stream": {}}}}
 
@@ -218,6 +226,7 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         reqs = [to_request(body, body.max_tokens, prompt=p, names={"max_new_tokens": "max_tokens"},
                            logprobs=wanted, sibling=i) for p in prompts for i in range(best_of)]
         cid, created = f"cmpl-{reqs[0].request_id}", int(time.time())
+        log_user(body, cid)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             formats = [CompletionFormat(cid, created, route.model, include, index=i, final_usage=False,
@@ -252,6 +261,7 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         reqs = [to_request(body, body.max_completion_tokens or body.max_tokens, messages=messages, names=names,
                            logprobs=k, sibling=i, grammar=forced, tools=tools) for i in range(n)]
         cid, created = f"chatcmpl-{reqs[0].request_id}", int(time.time())
+        log_user(body, cid)
         include = bool(body.stream and body.stream_options and body.stream_options.include_usage)
         if body.stream and not tools:
             formats = [ChatFormat(cid, created, route.model, include, index=i, final_usage=False,

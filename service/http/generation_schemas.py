@@ -180,7 +180,7 @@ class OpenAISampling(Sampling):
                           description="Choices per prompt; siblings share the prompt's prefill and sample with "
                                       "seeds seed, seed + 1, ... when a seed is given.")
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = Field(None, description="Accepted for OpenAI compatibility; ignored.")
+    user: StrictStr | None = Field(None, max_length=256, description="An end-user id; logged as given, never used.")
 
 
 class CompletionRequest(OpenAISampling):

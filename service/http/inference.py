@@ -5,6 +5,7 @@ request's deadline and converts the result."""
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,15 @@ from .schemas import (
     TranslateResponse,
     check_texts,
 )
+
+log = logging.getLogger(__name__)
+
+
+def truncated(vector: list[float], size: int) -> list[float]:
+    """The first `size` components, L2-normalised again (Matryoshka embeddings)."""
+    head = np.asarray(vector[:size], dtype=np.float32)
+    norm = float(np.linalg.norm(head))
+    return (head / norm if norm > 0 else head).tolist()
 
 
 def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend,
@@ -59,12 +69,22 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         """OpenAI-compatible sentence embeddings."""
         texts = check_texts(body.input, "input", settings.max_inputs)
         route = routes.resolve("embed", body.model)
+        if body.dimensions is not None:  # refused before any work when the model cannot be cut there
+            spec = settings.deployments[route.deployment].model
+            sizes = tuple((spec.defaults if spec is not None else {}).get("dimensions") or ())
+            if body.dimensions not in sizes:
+                raise InvalidRequest(f"model {route.model!r} cannot return {body.dimensions} dimensions: "
+                                     + (f"its embeddings may be cut to {list(sizes)}" if sizes else
+                                        "its embeddings were not trained to be truncated"), "dimensions")
+        if body.user is not None:
+            log.info("embeddings for user %r", body.user)
         out: Embeddings = await call(route, "embed", "input", request, texts, body.truncate)
+        vectors = out.vectors if body.dimensions is None else [truncated(v, body.dimensions) for v in out.vectors]
         encode: Callable[[list[float]], list[float] | str] = (
             _base64 if body.encoding_format == "base64" else (lambda v: v))
         return EmbeddingsResponse(
             model=route.model,
-            data=[Embedding(index=i, embedding=encode(v)) for i, v in enumerate(out.vectors)],
+            data=[Embedding(index=i, embedding=encode(v)) for i, v in enumerate(vectors)],
             usage=EmbeddingUsage(prompt_tokens=out.prompt_tokens, total_tokens=out.prompt_tokens))
 
     @router.post("/v1/rerank", response_model=list[Rank], response_model_exclude_none=True, responses=errors)

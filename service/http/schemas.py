@@ -51,8 +51,12 @@ class EmbeddingsRequest(_Request):
     model: StrictStr | None = None
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: little-endian float32 bytes, as OpenAI's clients expect.")
-    user: StrictStr | None = Field(None, description="Accepted for OpenAI compatibility; ignored.")
+    user: StrictStr | None = Field(None, max_length=256, description="An end-user id; logged as given, never used.")
     truncate: StrictBool = False
+    dimensions: int | None = Field(None, ge=1, le=65_536, strict=True,
+                                   description="Keep the first `dimensions` components (renormalised); only for "
+                                               "models whose spec lists the sizes they were trained to be cut to "
+                                               "(`defaults.dimensions`, Matryoshka embeddings).")
 
 
 class Embedding(BaseModel):

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from ..errors import InvalidItem, RequestTooLarge
+from ..errors import InvalidItem, InvalidRequest, RequestTooLarge
 from ..http.api import create_api
 from ..messages import (
     Classification,
@@ -26,6 +26,7 @@ from ..messages import (
     GenerationStarted,
     ModelInfo,
     TextDelta,
+    Tokenized,
     TranslateOptions,
     Usage,
 )
@@ -103,6 +104,18 @@ class EchoBackend:
         prompt = request.prompt if request.prompt is not None else "".join(m.content for m in request.messages or ())
         prompt_tokens = _tokens([prompt], truncate=True)[0]
         return "ok" * min(request.max_new_tokens or 2, 4), prompt_tokens
+
+    def _tokenize(self, request: GenerationRequest, add_special_tokens: bool) -> Tokenized:
+        _, prompt_tokens = self._check(request)
+        text = request.prompt if request.prompt is not None else "".join(m.content for m in request.messages or ())
+        ids = tuple(text.encode("utf-8", "surrogatepass")[:prompt_tokens])
+        return Tokenized(ids, tuple(chr(i) for i in ids), MAX_TOKENS + MAX_NEW)
+
+    def _detokenize(self, tokens: list[int]) -> str:
+        for i, t in enumerate(tokens):
+            if not 0 <= t < 256:
+                raise InvalidRequest(f"token id {t} is outside the vocabulary (size 256)", f"tokens[{i}]")
+        return bytes(tokens).decode("utf-8", "replace")
 
     async def stream(self, deployment: str, method: str, request: GenerationRequest) -> AsyncIterator[Any]:
         self.calls[method] = self.calls.get(method, 0) + 1

@@ -35,7 +35,8 @@ SMALL_BATCHES = {"max_batch_size": 8, "max_wait_ms": 25, "max_batch_tokens": 256
 
 
 def _encoder(name: str) -> dict[str, Any]:
-    return {"name": name, "tasks": ["classify", "embed"], "source": "tiny:encoder", "max_input_tokens": LIMIT}
+    return {"name": name, "tasks": ["classify", "embed"], "source": "tiny:encoder", "max_input_tokens": LIMIT,
+            "defaults": {"dimensions": [8, 16]}}  # as a Matryoshka model's spec lists the sizes it may be cut to
 
 
 def app_args(gate: Path) -> dict[str, Any]:
@@ -196,6 +197,17 @@ def test_embeddings_have_openai_shape(server: Server) -> None:
         assert vec.shape == (32,) and np.linalg.norm(vec) == pytest.approx(1.0, abs=1e-5)
         decoded = np.frombuffer(base64.b64decode(e["embedding"]), dtype="<f4")
         np.testing.assert_allclose(decoded, vec, atol=1e-6)
+
+
+def test_embeddings_are_cut_only_to_the_sizes_the_model_lists(server: Server) -> None:
+    with server.client() as c:
+        full = c.post("/v1/embeddings", json={"input": "hello", "user": "user-42"}).json()["data"][0]["embedding"]
+        cut = c.post("/v1/embeddings", json={"input": "hello", "dimensions": 8}).json()["data"][0]["embedding"]
+        refused = c.post("/v1/embeddings", json={"input": "hello", "dimensions": 12})
+    head = np.asarray(full[:8])
+    np.testing.assert_allclose(cut, head / np.linalg.norm(head), atol=1e-6)
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "dimensions"
+    assert "[8, 16]" in refused.json()["error"]["message"]
 
 
 def test_translate_honours_per_request_beam_size_and_length(server: Server) -> None:

@@ -123,7 +123,7 @@ def test_chat_chunks_in_openai_format() -> None:
     whole = post(backend, "/v1/chat/completions", {"messages": messages, "max_tokens": 9,
                                                    "max_completion_tokens": 3, "n": 1, "stop": ["a", "b"]}).json()
     assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
-    assert whole["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Héllo"},
+    assert whole["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Héllo", "tool_calls": None},
                                  "logprobs": None, "finish_reason": "length"}]
     request = backend.requests[0]
     assert request.messages == (ChatMessage("developer", "be brief"), ChatMessage("user", "hi"))

@@ -586,6 +586,48 @@ def test_a_streamed_tool_call_arrives_whole(tools_server: Cluster) -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+# -- conformance with OpenAI's published shapes (the `openai` package's types) -------------------------
+
+def no_extras(obj: Any, path: str = "") -> list[str]:
+    """Paths of fields OpenAI's types do not define (their models keep unknown keys in model_extra)."""
+    from pydantic import BaseModel
+
+    found: list[str] = []
+    if isinstance(obj, BaseModel):
+        found += [f"{path}.{k}" for k in (obj.model_extra or {})]
+        for name in type(obj).model_fields:
+            found += no_extras(getattr(obj, name), f"{path}.{name}")
+    elif isinstance(obj, list):
+        for i, item in enumerate(obj):
+            found += no_extras(item, f"{path}[{i}]")
+    return found
+
+
+def test_responses_match_openais_types_field_for_field(tools_server: Cluster) -> None:
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    with tools_server.client("/tools") as c:
+        chat = {"model": TINY, "messages": CHAT, "max_tokens": 12, "temperature": 0.7, "seed": 1, "n": 2,
+                "logprobs": True, "top_logprobs": 2}
+        completion = {"model": TINY, "prompt": ["a", "b"], "max_tokens": 12, "logprobs": 2, "temperature": 0}
+        tool = {**chat, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200, "logprobs": False,
+                "top_logprobs": None}
+        bodies = [(ChatCompletion, c.post("/v1/chat/completions", json=chat).json()),
+                  (ChatCompletion, c.post("/v1/chat/completions", json=tool).json()),
+                  (Completion, c.post("/v1/completions", json=completion).json())]
+        for route, body, kind in [("/v1/chat/completions", chat, ChatCompletionChunk),
+                                  ("/v1/completions", completion, Completion)]:
+            with c.stream("POST", route, json={**body, "stream": True,
+                                               "stream_options": {"include_usage": True}}) as r:
+                bodies += [(kind, p) for p in sse_payloads(r.iter_lines()) if p != "[DONE]"]
+    for kind, body in bodies:
+        if kind is Completion and body.get("choices") and body["choices"][0]["finish_reason"] is None:
+            # OpenAI's streamed completion chunks carry finish_reason null too, but its type (shared with
+            # the whole answer) does not allow it: the client builds chunks without validating
+            body = {**body, "choices": [{**ch, "finish_reason": "stop"} for ch in body["choices"]]}
+        assert no_extras(kind.model_validate(body)) == [], (kind.__name__, body)
+
 # -- /tokenize and /detokenize (vLLM's shapes) --------------------------------------------------------
 
 def test_tokenize_counts_what_a_generation_would_see(server: Cluster) -> None:
