@@ -369,6 +369,10 @@ def test_penalties_and_logit_bias_change_the_text_as_defined(server: Cluster) ->
             assert penalised != free and penalised == text(**{name: 2.0})  # deterministic
             assert penalised.count(repeated) <= free.count(repeated)
         assert text(presence_penalty=-2.0) != free  # negative values reward repetition
+        via_openai = server.openai().completions.create(
+            model=TINY, prompt="penalise me", max_tokens=30, frequency_penalty=2.0, logit_bias={str(forced): 5},
+            extra_body={"ignore_eos": True})
+        assert via_openai.choices[0].text == text(frequency_penalty=2.0, logit_bias={str(forced): 5})
 
 
 # -- n, best_of, several prompts -------------------------------------------------------------------
