@@ -2,7 +2,7 @@
 
 Only for the baseline systems on sources transformers cannot open by itself (the `tiny:` test models);
 the default models are opened by transformers from their own files (see hf_models.py). The name
-mappings are the importers' own (`_mapping`), read backwards, so the two directions cannot drift.
+mappings are the importers' own (`body_mapping`, `_mapping`), read backwards, so the two directions cannot drift.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from models.checkpoints.bert import _mapping as bert_mapping
+from models.checkpoints.bert import body_mapping as bert_mapping
 from models.checkpoints.hf import HF_ACTIVATIONS
 from models.checkpoints.llama import _mapping as llama_mapping
 from models.decoder import DecoderLM

@@ -19,7 +19,7 @@ from ..config import EncoderConfig
 from ..encoder import EncoderModel
 from .format import build_model, load_state_strict
 from .heads import has_head, head_fields
-from .hf import activation, make_config, need_field, rename_strict, require, strip_prefix
+from .hf import activation, make_config, need_field, per_layer, rename_strict, require, strip_prefix
 
 SOURCE = "bert checkpoint"
 IGNORE = (r"pooler\..*", r"cls\..*", r"embeddings\.position_ids")
@@ -35,25 +35,31 @@ def config_from_hf(hf_config: dict[str, Any], source: str = SOURCE, **fields: An
     require(hf_config, "is_decoder", lambda v: not v, "an encoder as a decoder is not supported", source=source)
     require(hf_config, "add_cross_attention", lambda v: not v, "cross-attention is not supported",
             source=source)
-    pad = hf_config.get("pad_token_id")
+    return post_norm_encoder(
+        hf_config, source, BERT_SIZES,
+        type_vocab_size=hf_config.get("type_vocab_size", 2),
+        norm_eps=hf_config.get("layer_norm_eps", 1e-12),
+        activation=activation(hf_config, "hidden_act", source=source),
+        **fields,
+    )
+
+
+# our size fields -> BertConfig's names for them
+BERT_SIZES = {"d_model": "hidden_size", "n_heads": "num_attention_heads", "d_ff": "intermediate_size",
+              "n_layers": "num_hidden_layers"}
+
+
+def post_norm_encoder(hf_config: dict[str, Any], source: str, sizes: dict[str, str], **fields: Any) -> EncoderConfig:
+    """EncoderConfig of a BERT-style encoder (learned positions, an embedding norm, post-norm, mean
+    pooling) whose sizes are under the names `sizes` gives (ours -> theirs); `fields` set the rest."""
     vocab = need_field(hf_config, "vocab_size", source)
+    pad = hf_config.get("pad_token_id")
     return make_config(
         EncoderConfig, source,
         vocab_size=vocab,
-        d_model=need_field(hf_config, "hidden_size", source),
-        n_heads=need_field(hf_config, "num_attention_heads", source),
-        d_ff=need_field(hf_config, "intermediate_size", source),
-        n_layers=need_field(hf_config, "num_hidden_layers", source),
+        **{ours: need_field(hf_config, theirs, source) for ours, theirs in sizes.items()},
         max_positions=hf_config.get("max_position_embeddings", 512),
-        type_vocab_size=hf_config.get("type_vocab_size", 2),
-        position="learned",
-        norm="layernorm",
-        norm_eps=hf_config.get("layer_norm_eps", 1e-12),
-        prenorm=False,
-        final_norm=False,
-        embed_norm=True,
-        activation=activation(hf_config, "hidden_act", source=source),
-        pooling="mean",
+        position="learned", norm="layernorm", prenorm=False, final_norm=False, embed_norm=True, pooling="mean",
         pad_token_id=pad if pad is not None and 0 <= pad < vocab else None,
         **fields,
     )
@@ -86,11 +92,7 @@ def body_mapping(cfg: EncoderConfig) -> dict[str, str]:
         "output.dense": "ff.down",
         "output.LayerNorm": "ff_norm",
     }
-    for i in range(cfg.n_layers):
-        for theirs, ours in parts.items():
-            for p in ("weight", "bias"):
-                m[f"encoder.layer.{i}.{theirs}.{p}"] = f"stack.blocks.{i}.{ours}.{p}"
-    return m
+    return {**m, **per_layer(cfg.n_layers, "encoder.layer", "stack.blocks", parts)}
 
 
 def from_hf(hf_config: dict[str, Any], state: dict[str, Tensor], dtype: torch.dtype | None = None) -> EncoderModel:

@@ -18,10 +18,10 @@ from torch import Tensor
 
 from ..config import EncoderConfig
 from ..encoder import EncoderModel
-from .bert import with_head
+from .bert import post_norm_encoder, with_head
 from .format import build_model, load_state_strict
 from .heads import has_head, head_fields
-from .hf import activation, make_config, need_field, rename_strict, strip_prefix
+from .hf import activation, per_layer, rename_strict, strip_prefix
 
 SOURCE = "distilbert checkpoint"
 IGNORE = (r"vocab_transform\..*", r"vocab_layer_norm\..*", r"vocab_projector\..*", r"embeddings\.position_ids")
@@ -42,26 +42,11 @@ PARTS = {
 def config_from_hf(hf_config: dict[str, Any], **fields: Any) -> EncoderConfig:
     """EncoderConfig for a DistilBertConfig dict: learned positions (the sinusoidal table is stored),
     no token types, embedding norm, post-norm."""
-    vocab = need_field(hf_config, "vocab_size", SOURCE)
-    pad = hf_config.get("pad_token_id")
-    return make_config(
-        EncoderConfig, SOURCE,
-        vocab_size=vocab,
-        d_model=need_field(hf_config, "dim", SOURCE),
-        n_heads=need_field(hf_config, "n_heads", SOURCE),
-        d_ff=need_field(hf_config, "hidden_dim", SOURCE),
-        n_layers=need_field(hf_config, "n_layers", SOURCE),
-        max_positions=hf_config.get("max_position_embeddings", 512),
+    return post_norm_encoder(
+        hf_config, SOURCE, {"d_model": "dim", "n_heads": "n_heads", "d_ff": "hidden_dim", "n_layers": "n_layers"},
         type_vocab_size=0,
-        position="learned",
-        norm="layernorm",
         norm_eps=LAYER_NORM_EPS,
-        prenorm=False,
-        final_norm=False,
-        embed_norm=True,
         activation=activation(hf_config, "activation", source=SOURCE),
-        pooling="mean",
-        pad_token_id=pad if pad is not None and 0 <= pad < vocab else None,
         **fields,
     )
 
@@ -73,11 +58,7 @@ def _mapping(cfg: EncoderConfig) -> dict[str, str]:
         "embeddings.LayerNorm.weight": "stack.embed.norm.weight",
         "embeddings.LayerNorm.bias": "stack.embed.norm.bias",
     }
-    for i in range(cfg.n_layers):
-        for theirs, ours in PARTS.items():
-            for p in ("weight", "bias"):
-                m[f"transformer.layer.{i}.{theirs}.{p}"] = f"stack.blocks.{i}.{ours}.{p}"
-    return with_head(m, HEAD, cfg)
+    return with_head({**m, **per_layer(cfg.n_layers, "transformer.layer", "stack.blocks", PARTS)}, HEAD, cfg)
 
 
 def from_hf(hf_config: dict[str, Any], state: dict[str, Tensor], dtype: torch.dtype | None = None) -> EncoderModel:

@@ -94,6 +94,14 @@ def rename_strict(
     return {ours: state[theirs] for theirs, ours in mapping.items()}
 
 
+def per_layer(n_layers: int, theirs: str, ours: str, parts: Mapping[str, str],
+              params: Iterable[str] = ("weight", "bias")) -> dict[str, str]:
+    """`{theirs}.{i}.{their part}.{p}` -> `{ours}.{i}.{our part}.{p}` for every layer i, part and param."""
+    params = tuple(params)
+    return {f"{theirs}.{i}.{part}.{p}": f"{ours}.{i}.{mine}.{p}"
+            for i in range(n_layers) for part, mine in parts.items() for p in params}
+
+
 def check_tied(state: Mapping[str, Tensor], copy: str, original: str, source: str) -> None:
     """A stored copy of a tied tensor must equal the original (config and weights agree)."""
     if copy in state and original in state and not torch.equal(state[copy], state[original]):

@@ -129,8 +129,9 @@ def marian_config(**changes) -> hf.MarianConfig:
     return hf.MarianConfig(**{**fields, **changes})
 
 
-def _marian_logits(ref_model: torch.nn.Module, ours: Seq2Seq) -> tuple[Tensor, Tensor]:
-    """Teacher-forced logits on real target tokens of a right-padded src + tgt batch: (N, V) each."""
+def teacher_forced_logits(ref_model: torch.nn.Module, ours: Seq2Seq) -> tuple[Tensor, Tensor]:
+    """Teacher-forced logits on real target tokens of a right-padded src + tgt batch: (N, V) each
+    (any HF encoder-decoder: Marian, T5)."""
     src, src_keep = batch("right", seed=1)
     tgt, tgt_keep = batch("right", seed=2)
     tgt, tgt_keep = tgt[:, :5], tgt_keep[:, :5]  # a target length different from the source's
@@ -147,7 +148,7 @@ def test_sinusoidal_table_matches_marian() -> None:
         assert torch.allclose(sinusoidal_table(40, dim), ref, atol=1e-6)
 
 
-def test_marian_logits_match() -> None:
+def testteacher_forced_logits_match() -> None:
     torch.manual_seed(0)
     config = marian_config()
     ref_model = perturb(hf.MarianMTModel(config), skip=("embed_positions",))
@@ -155,7 +156,7 @@ def test_marian_logits_match() -> None:
         ref_model.final_logits_bias.normal_()  # a buffer, not a parameter
     ours = marian.from_hf(config.to_dict(), ref_model.state_dict())
     assert ours.cfg.n_layers == 2 and ours.cfg.n_decoder_layers == 3 and ours.cfg.activation == "silu"
-    assert_close_rel(*_marian_logits(ref_model, ours))
+    assert_close_rel(*teacher_forced_logits(ref_model, ours))
 
 
 def test_our_seq2seq_exports_to_marian() -> None:
@@ -167,7 +168,7 @@ def test_our_seq2seq_exports_to_marian() -> None:
     config, state = marian.to_hf_marian(ours)
     ref_model = hf.MarianMTModel(hf.MarianConfig(**config, attn_implementation="eager")).eval()
     ref_model.load_state_dict(state, strict=True)
-    assert_close_rel(*_marian_logits(ref_model, ours))
+    assert_close_rel(*teacher_forced_logits(ref_model, ours))
     back = marian.from_hf(config, ref_model.state_dict())  # and the round trip through Marian's names
-    got, ref = _marian_logits(ref_model, back)
+    got, ref = teacher_forced_logits(ref_model, back)
     assert_close_rel(got, ref)

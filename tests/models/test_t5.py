@@ -29,7 +29,8 @@ from models.checkpoints.registry import IMPORTERS
 from models.kv_cache import KVCache
 from models.positions import RelativePositionBias, relative_bucket
 from models.seq2seq import Seq2Seq
-from tests.models.test_parity import assert_close_rel, batch, perturb
+from tests.models.test_generation_parity import right_pad as right_pad_mask
+from tests.models.test_parity import assert_close_rel, perturb, teacher_forced_logits
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
 
@@ -76,13 +77,8 @@ def imported(ref: torch.nn.Module) -> Seq2Seq:
 
 def right_pad(seqs: list[list[int]]) -> tuple[Tensor, Tensor]:
     """ids (B, T) right-padded with PAD, keep (B, T) bool."""
-    t = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), t), PAD)  # (B, T)
-    keep = torch.zeros(len(seqs), t, dtype=torch.bool)  # (B, T)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s)
-        keep[i, :len(s)] = True
-    return ids, keep
+    ids, mask = right_pad_mask(seqs)  # (B, T) each
+    return ids, mask.bool()
 
 
 def until(tokens: list[int], stop: int) -> list[int]:
@@ -137,18 +133,6 @@ def test_relative_bias_rows_at_their_own_positions() -> None:
 # --- teacher-forced logits ------------------------------------------------------------------------
 
 
-def _logits(ref: torch.nn.Module, ours: Seq2Seq) -> tuple[Tensor, Tensor]:
-    """Teacher-forced logits on the real target tokens of a right-padded src + tgt batch: (N, V) each."""
-    src, src_keep = batch("right", seed=1)  # rows of 7, 4 and 2 tokens
-    tgt, tgt_keep = batch("right", seed=2)
-    tgt, tgt_keep = tgt[:, :5], tgt_keep[:, :5]  # a target length different from the source's
-    with torch.no_grad():
-        want = ref(input_ids=src, attention_mask=src_keep.long(), decoder_input_ids=tgt,
-                   decoder_attention_mask=tgt_keep.long()).logits
-        got = ours(src, src_keep, tgt, tgt_keep)  # (B, T, V)
-    return got[tgt_keep], want[tgt_keep]
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_t5_logits_match(variant: str) -> None:
     torch.manual_seed(0)
@@ -158,7 +142,7 @@ def test_t5_logits_match(variant: str) -> None:
     assert cfg.position == "relative" and cfg.n_decoder_layers == 3 and not cfg.scale_attention
     assert cfg.scale_head == (variant == "v1.0") and cfg.tie_embeddings == (variant == "v1.0")
     assert cfg.head_dim * cfg.n_heads != cfg.d_model if variant == "v1.1" else True
-    assert_close_rel(*_logits(ref, ours))
+    assert_close_rel(*teacher_forced_logits(ref, ours))
 
 
 def test_left_padded_sources_equal_right_padded() -> None:
@@ -331,4 +315,4 @@ def test_task_prefixes_and_head_come_from_the_checkpoint(tmp_path: Path) -> None
     save_checkpoint(ours, tmp_path)
     back = load_checkpoint(tmp_path)
     assert back.cfg == cfg
-    assert_close_rel(*_logits(ref, back))
+    assert_close_rel(*teacher_forced_logits(ref, back))

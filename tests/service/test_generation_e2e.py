@@ -12,6 +12,7 @@ deployed on it at "/", SmolLM2 (slow test only) as a second app under "/smollm2"
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -99,6 +100,19 @@ class Cluster:
 
     def openai(self, prefix: str = "") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}{prefix}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@contextlib.contextmanager
+def second_app(cluster: Cluster, args: dict[str, Any], name: str, timeout_s: float) -> Iterator[None]:
+    """Another app of the service on the same Serve, at /<name>, ready inside the block, deleted after."""
+    from ray import serve
+
+    deploy(args, name, f"/{name}")
+    try:
+        wait_for(f"{cluster.url}/{name}", "/readyz", 200, timeout_s=timeout_s)
+        yield
+    finally:
+        serve.delete(name)
 
 
 @pytest.fixture(scope="module")
@@ -512,18 +526,12 @@ def test_structured_output_sources_the_library_refuses_are_a_422(server: Cluster
 @pytest.fixture(scope="module")
 def tools_server(server: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A second app at /tools: tiny:decoder with 2048 positions (the tools' prompt is long in bytes)."""
-    from ray import serve
-
     path = tools_decoder(tmp_path_factory.mktemp("tools-decoder"))
-    deploy({"device": "cpu", "deployments": {"generator": {
-        "model": {"name": TINY, "tasks": ["generate"], "source": f"dir:{path}"},
-        "num_cpus": 0, "torch_threads": 1, "engine": {"max_running": 8, "max_queued": 16, "max_new_tokens": 256}}}},
-        "tools", "/tools")
-    try:
-        wait_for(f"{server.url}/tools", "/readyz", 200, timeout_s=120)
+    with second_app(server, {"device": "cpu", "deployments": {"generator": {
+            "model": {"name": TINY, "tasks": ["generate"], "source": f"dir:{path}"},
+            "num_cpus": 0, "torch_threads": 1, "engine": {"max_running": 8, "max_queued": 16, "max_new_tokens": 256}}}},
+            "tools", timeout_s=120):
         yield server
-    finally:
-        serve.delete("tools")
 
 WEATHER_PARAMS = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
                   "properties": {"city": {"enum": ["Paris", "Lima", "Oslo"]}, "unit": {"enum": ["C", "F"]}}}
@@ -812,15 +820,9 @@ def test_models_and_readiness_include_the_generators(server: Cluster) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2(cluster: Cluster) -> Iterator[Cluster]:
-    from ray import serve
-
-    deploy({"device": "cpu", "deployments": {"generator": {"num_cpus": 0, "torch_threads": 2}}},
-            "smollm2", "/smollm2")
-    try:
-        wait_for(f"{cluster.url}/smollm2", "/readyz", 200, timeout_s=180)
+    with second_app(cluster, {"device": "cpu", "deployments": {"generator": {"num_cpus": 0, "torch_threads": 2}}},
+                    "smollm2", timeout_s=180):
         yield cluster
-    finally:
-        serve.delete("smollm2")
 
 
 @pytest.mark.slow
