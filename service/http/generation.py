@@ -220,7 +220,7 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         check_supported(body)
         route = routes.resolve("generate", body.model)
         prompts, (n, best_of) = body.prompt_texts(), body.choices()
-        check_choices(settings, len(prompts), best_of, "best_of" if best_of > n else "n")
+        check_choices(settings, len(prompts), best_of, "best_of" if best_of > n else "n" if n > 1 else "prompt")
         # best_of ranks candidates by their log-probabilities: asked for even when the client did not
         wanted = body.logprobs if best_of == n else (body.logprobs or 0)
         reqs = [to_request(body, body.max_tokens, prompt=p, names={"max_new_tokens": "max_tokens"},

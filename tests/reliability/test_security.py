@@ -39,7 +39,8 @@ OVER_LIMITS = [
     ("/v1/generate", {"prompt": "a", "max_new_tokens": 10**7}, "max_new_tokens"),
     ("/v1/generate", {"prompt": "a", "stop": ["s"] * 9}, "stop"),
     ("/v1/generate", {"prompt": "a", "stop": ["s" * 257]}, "stop[0]"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 9}, "prompt"),  # a list of prompts: one per choice, max_inputs 8
+    ("/v1/completions", {"prompt": "a", "n": 9}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 10**7}, "max_tokens"),
 ]
 
