@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: venv weights serve test test-fast lint bench bench-quant bench-peers bench-serve fuzz soak clean
+.PHONY: venv weights serve test test-fast lint bench bench-quant bench-peers bench-serve fuzz soak clean gpu-check
 
 venv: $(STAMP)
 
@@ -60,3 +60,8 @@ soak: weights
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# The prepared GPU check (loadtests/gpu/check.py): random weights at the real shapes, ours vs transformers.
+# On a lent GPU machine (no Ray there): `python -m loadtests.gpu.check --out gpu-check`.
+gpu-check: venv
+	$(PY) -m loadtests.gpu.check --out gpu-check

@@ -1,0 +1,1 @@
+"""The prepared GPU check (`make gpu-check`): loadtests/gpu/check.py."""

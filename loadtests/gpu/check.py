@@ -1,0 +1,397 @@
+"""The prepared GPU check: one command that measures what a lent GPU gives (`make gpu-check`).
+
+    python -m loadtests.gpu.check [--out DIR] [--tiny] [--device cuda|cpu] [--budget-s 420]
+
+Needs only PyTorch, transformers, tokenizers and numpy (what the GPU machine has: no Ray, no
+FastAPI, no weights): every model has random weights at the real shapes of our defaults (MiniLM,
+SmolLM2-135M, a ~1B Llama, a Marian-sized translator), built by `transformers` and imported into
+ours, so both run the same weights. Writes DIR/gpu-check.json and DIR/gpu-check.md:
+
+1. environment: GPU, memory, driver, torch / CUDA versions;
+2. correctness: ours vs transformers in float32 (relative error, <= 1e-4 to pass) and bfloat16
+   (relative error, greedy-token agreement over 16 steps); padded = alone, cached = uncached; the
+   same request alone and among 31 others in the continuous-batching engine (service/engine, no
+   Ray): identical tokens, and whether bitwise;
+3. throughput: the engine at 1, 32 and 256 concurrent sequences (output tok/s, step time, % of the
+   memory bandwidth at batch 1 for the model's bytes per token) next to transformers' static
+   batching `generate`; the encoder (texts/s at batch 1/32/256) and the translator (sentences/s,
+   beam 4), each next to transformers.
+
+Every section records its own error instead of stopping the run, and the run stops starting new
+measurements once --budget-s is spent. `--tiny` shrinks every shape and count so that `make test`
+runs it on CPU in seconds (tests/loadtests/test_gpu_check.py): it cannot rot unseen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Peak memory bandwidth (GB/s) by GPU name, for "% of the bandwidth limit" at batch 1.
+PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L4": 300.0}
+SHAPES = {  # transformers config kwargs at our defaults' real shapes
+    "minilm": dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                   intermediate_size=1536, max_position_embeddings=512),
+    "smollm2": dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, intermediate_size=1536, max_position_embeddings=2048,
+                    tie_word_embeddings=True, rope_theta=100000.0),
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=4096,
+                     tie_word_embeddings=True, rope_theta=500000.0),
+    "marian": dict(vocab_size=32000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+                   decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
+                   max_position_embeddings=512, scale_embedding=True, pad_token_id=0, eos_token_id=1,
+                   decoder_start_token_id=0),
+}
+TINY = {
+    "minilm": dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                   max_position_embeddings=128),
+    "smollm2": dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=True),
+    "llama-1b": dict(vocab_size=300, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=96, max_position_embeddings=256, tie_word_embeddings=True),
+    "marian": dict(vocab_size=300, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128,
+                   scale_embedding=True, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0),
+}
+
+
+class Run:
+    """The run's clock, its device and sizes, and the results collected so far."""
+
+    def __init__(self, device: str, tiny: bool, budget_s: float) -> None:
+        self.device, self.tiny, self.budget_s = torch.device(device), tiny, budget_s
+        self.started = time.perf_counter()
+        self.results: dict[str, Any] = {"tiny": tiny, "device": device}
+        self.shapes = TINY if tiny else SHAPES
+        self.concurrency = (1, 4, 8) if tiny else (1, 32, 256)
+        self.new_tokens = 8 if tiny else 64
+
+    def left_s(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.started)
+
+    def section(self, name: str, fn: Callable[[Run], Any]) -> None:
+        if self.left_s() <= 0:
+            self.results[name] = {"skipped": f"the {self.budget_s:.0f} s budget was spent"}
+            return
+        t0 = time.perf_counter()
+        try:
+            self.results[name] = fn(self)
+        except Exception as exc:  # one failing section must not cost the others
+            self.results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+        if isinstance(self.results[name], dict):
+            self.results[name]["seconds"] = round(time.perf_counter() - t0, 1)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-12))
+
+
+def synthetic_tokenizer(vocab_size: int) -> Any:
+    """A TextTokenizer over `vocab_size` made-up words (t0 t1 ...): the engine detokenizes with it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from models.text import TextTokenizer
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return TextTokenizer(tok)
+
+
+def timed(run: Run, fn: Callable[[], Any], repeat: int = 3) -> float:
+    """Median seconds of fn() (after one warm-up call), synchronized."""
+    fn()
+    run.sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        run.sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def padded_batch(run: Run, vocab: int, lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), t), generator=g)  # (B, T)
+    keep = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]  # (B, T)
+    return ids.masked_fill(~keep, 0).to(run.device), keep.to(run.device)
+
+
+def hf_decoder(run: Run, shape: str) -> tuple[Any, Any]:
+    """A random transformers Llama at `shape` and ours with the same weights, on the device, float32."""
+    import transformers as hf
+
+    from models.checkpoints import llama
+
+    torch.manual_seed(0)
+    ref = hf.LlamaForCausalLM(hf.LlamaConfig(**run.shapes[shape], attn_implementation="sdpa")).eval()
+    ours = llama.from_hf(ref.config.to_dict(), ref.state_dict())
+    return ref.to(run.device), ours.to(run.device).eval()
+
+
+# -- sections --------------------------------------------------------------------------------------
+
+def environment(run: Run) -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+                           "platform": platform.platform()}
+    if run.device.type == "cuda":
+        props = torch.cuda.get_device_properties(run.device)
+        out |= {"gpu": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+                "capability": f"{props.major}.{props.minor}"}
+        try:
+            out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            out["driver"] = None
+    return out
+
+
+def correctness(run: Run) -> dict[str, Any]:
+    import transformers as hf
+
+    from models.checkpoints import bert, marian
+    from models.decoding import SamplingParams
+    from models.generate import generate
+
+    out: dict[str, Any] = {}
+    lengths = [11, 7, 3] if run.tiny else [64, 40, 9]
+    # encoder
+    torch.manual_seed(0)
+    ref = hf.BertModel(hf.BertConfig(**run.shapes["minilm"], attn_implementation="sdpa")).eval()
+    enc = bert.from_hf(ref.config.to_dict(), ref.state_dict()).to(run.device).eval()
+    ref = ref.to(run.device)
+    ids, keep = padded_batch(run, run.shapes["minilm"]["vocab_size"], lengths)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=keep.long()).last_hidden_state
+        got = enc(ids, keep)
+        alone = enc(ids[2:, :lengths[2]], keep[2:, :lengths[2]])
+    out["encoder_fp32_rel_err"] = rel_err(got[keep], want[keep])
+    out["encoder_padded_eq_alone"] = rel_err(got[2, :lengths[2]], alone[0])
+    # decoder
+    ref, dec = hf_decoder(run, "smollm2")
+    vocab = run.shapes["smollm2"]["vocab_size"]
+    ids, keep = padded_batch(run, vocab, lengths)
+    with torch.no_grad():
+        pos = (keep.long().cumsum(-1) - 1).clamp(min=0)
+        want = ref(input_ids=ids, attention_mask=keep.long(), position_ids=pos).logits
+        got = dec(ids, keep)
+    out["decoder_fp32_rel_err"] = rel_err(got[keep], want[keep])
+    prompts = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+    steps = 16
+    fp32 = [g.tokens for g in generate(dec, prompts, SamplingParams(max_new_tokens=steps, ignore_eos=True))]
+    with torch.no_grad():  # cached = uncached: greedy through the cache equals argmax of full recomputation
+        full = torch.tensor([prompts[0] + fp32[0]], device=run.device)
+        argmax = dec(full)[0, len(prompts[0]) - 1:-1].argmax(-1).tolist()
+    out["decoder_cached_eq_uncached"] = argmax == fp32[0]
+    bf16 = dec.to(torch.bfloat16)
+    ref_bf16 = ref.to(torch.bfloat16)
+    with torch.no_grad():
+        out["decoder_bf16_rel_err"] = rel_err(bf16(ids, keep)[keep],
+                                              ref_bf16(input_ids=ids, attention_mask=keep.long(),
+                                                       position_ids=pos).logits[keep])
+    got_bf16 = [g.tokens for g in generate(bf16, prompts, SamplingParams(max_new_tokens=steps, ignore_eos=True))]
+    agree = [sum(a == b for a, b in zip(x, y, strict=True)) / steps for x, y in zip(got_bf16, fp32, strict=True)]
+    out["decoder_bf16_greedy_agreement_vs_fp32"] = round(sum(agree) / len(agree), 3)
+    out |= alone_vs_among(run, bf16, vocab)
+    del ref, ref_bf16, dec, bf16
+    # encoder-decoder
+    torch.manual_seed(0)
+    ref = hf.MarianMTModel(hf.MarianConfig(**run.shapes["marian"], attn_implementation="sdpa")).eval()
+    mt = marian.from_hf(ref.config.to_dict(), ref.state_dict()).to(run.device).eval()
+    ref = ref.to(run.device)
+    src, src_keep = padded_batch(run, run.shapes["marian"]["vocab_size"], lengths)
+    tgt, tgt_keep = padded_batch(run, run.shapes["marian"]["vocab_size"], [5, 3, 2], seed=1)
+    with torch.no_grad():
+        want = ref(input_ids=src, attention_mask=src_keep.long(), decoder_input_ids=tgt,
+                   decoder_attention_mask=tgt_keep.long()).logits
+        got = mt(src, src_keep, tgt, tgt_keep)
+    out["seq2seq_fp32_rel_err"] = rel_err(got[tgt_keep], want[tgt_keep])
+    out["pass_fp32"] = all(out[k] <= 1e-4 for k in ("encoder_fp32_rel_err", "decoder_fp32_rel_err",
+                                                     "seq2seq_fp32_rel_err")) and out["encoder_padded_eq_alone"] <= 1e-4
+    return out
+
+
+def alone_vs_among(run: Run, model: Any, vocab: int) -> dict[str, Any]:
+    """One greedy request alone in the engine, then among 31 others: the same tokens?"""
+    from models.decoding import SamplingParams
+    from service.engine.config import EngineConfig
+    from service.engine.core import GenerationEngine
+
+    tok = synthetic_tokenizer(vocab)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 40, (32,), generator=g)]
+    params = SamplingParams(max_new_tokens=run.new_tokens, ignore_eos=True)
+
+    def answers(batch: list[list[int]]) -> list[list[int]]:
+        engine = GenerationEngine(model, tok, EngineConfig(max_running=32, kv_cache_mib=4096, max_total_tokens=256,
+                                                           max_new_tokens=128, max_queued=64))
+        handles = [engine.submit(p, params) for p in batch]
+        while any(not h._done for h in handles) and (engine.stats().running or engine.stats().waiting):
+            engine.step()
+        return [list(h.result_sync(timeout=60).token_ids) for h in handles]
+
+    alone = answers(prompts[:1])[0]
+    among = answers(prompts)[0]
+    return {"engine_alone_eq_among_31_bf16": alone == among}
+
+
+def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
+    """Output tok/s of the engine at each concurrency, and of transformers' static batching generate."""
+    from models.decoding import SamplingParams
+    from service.engine.config import EngineConfig
+    from service.engine.core import GenerationEngine
+
+    ref, ours = hf_decoder(run, shape)
+    dtype = torch.bfloat16 if run.device.type == "cuda" else torch.float32
+    ours, ref = ours.to(dtype), ref.to(dtype)
+    vocab = run.shapes[shape]["vocab_size"]
+    tok = synthetic_tokenizer(vocab)
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+    rows: list[dict[str, Any]] = []
+    for n in run.concurrency:
+        if run.left_s() <= 0:
+            break
+        prompts = [[3 + (i * 7 + j) % (vocab - 3) for j in range(32)] for i in range(n)]
+        params = SamplingParams(max_new_tokens=run.new_tokens, ignore_eos=True)
+        engine = GenerationEngine(ours, tok, EngineConfig(max_running=n, kv_cache_mib=65536, max_total_tokens=256,
+                                                          max_new_tokens=200, max_queued=n, prefill_tokens=16384))
+        handles = [engine.submit(p, params) for p in prompts]
+        engine.step()  # admission and the first decode step
+        run.sync()
+        t0, steps = time.perf_counter(), 0
+        while engine.stats().running:
+            engine.step()
+            steps += 1
+        run.sync()
+        elapsed = time.perf_counter() - t0
+        tokens = sum(len(h.result_sync(timeout=60).token_ids) for h in handles) - 2 * n  # past the first step
+        row = {"sequences": n, "ours_tok_s": round(tokens / elapsed, 1), "ours_step_ms": round(1e3 * elapsed / max(steps, 1), 2)}
+        ids = torch.tensor(prompts, device=run.device)
+        with torch.no_grad():
+            t_hf = timed(run, lambda ids=ids: ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                           max_new_tokens=run.new_tokens, min_new_tokens=run.new_tokens,
+                                                           pad_token_id=0), repeat=1)
+        row["transformers_tok_s"] = round(n * run.new_tokens / t_hf, 1)
+        row["ratio"] = round(row["ours_tok_s"] / row["transformers_tok_s"], 2)
+        if n == 1:
+            gbps = weight_bytes / (elapsed / max(steps, 1)) / 1e9
+            name = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else ""
+            peak = next((v for k, v in PEAK_GBPS.items() if k in name), None)
+            row["weights_gb_s"] = round(gbps, 1)
+            row["bandwidth_pct"] = round(100 * gbps / peak, 1) if peak else None
+        rows.append(row)
+    return {"dtype": str(dtype).removeprefix("torch."), "weight_bytes": weight_bytes, "rows": rows}
+
+
+def encoder_throughput(run: Run) -> dict[str, Any]:
+    import transformers as hf
+
+    from models.checkpoints import bert
+
+    torch.manual_seed(0)
+    ref = hf.BertModel(hf.BertConfig(**run.shapes["minilm"], attn_implementation="sdpa")).eval()
+    ours = bert.from_hf(ref.config.to_dict(), ref.state_dict()).eval()
+    dtype = torch.bfloat16 if run.device.type == "cuda" else torch.float32
+    ref, ours = ref.to(run.device, dtype), ours.to(run.device, dtype)
+    rows = []
+    for b in run.concurrency:
+        ids, keep = padded_batch(run, run.shapes["minilm"]["vocab_size"], [16 + (i * 5) % 48 for i in range(b)])
+        with torch.no_grad():
+            t_ours = timed(run, lambda ids=ids, keep=keep: ours.embed(ids, keep))
+            t_ref = timed(run, lambda ids=ids, keep=keep: ref(input_ids=ids, attention_mask=keep.long()))
+        rows.append({"batch": b, "ours_texts_s": round(b / t_ours, 1), "transformers_texts_s": round(b / t_ref, 1),
+                     "ratio": round(t_ref / t_ours, 2)})
+    return {"dtype": str(dtype).removeprefix("torch."), "rows": rows}
+
+
+def translator_throughput(run: Run) -> dict[str, Any]:
+    import transformers as hf
+
+    from models.beam_search import BeamParams, translate_ids
+    from models.checkpoints import marian
+
+    torch.manual_seed(0)
+    ref = hf.MarianMTModel(hf.MarianConfig(**run.shapes["marian"], attn_implementation="sdpa")).eval()
+    ours = marian.from_hf(ref.config.to_dict(), ref.state_dict()).eval()
+    dtype = torch.bfloat16 if run.device.type == "cuda" else torch.float32
+    ref, ours = ref.to(run.device, dtype), ours.to(run.device, dtype)
+    vocab, new = run.shapes["marian"]["vocab_size"], (8 if run.tiny else 32)
+    rows = []
+    for b in run.concurrency[:2] + (run.concurrency[-1] // 4,) if not run.tiny else run.concurrency:
+        sources = [[3 + (i * 11 + j) % (vocab - 3) for j in range(12 + i % 8)] + [1] for i in range(b)]
+        t_ours = timed(run, lambda s=sources: translate_ids(ours, s, BeamParams(4, new)), repeat=1)
+        ids, keep = padded_batch(run, vocab, [len(s) for s in sources])
+        with torch.no_grad():
+            t_ref = timed(run, lambda ids=ids, keep=keep: ref.generate(
+                ids, attention_mask=keep.long(), num_beams=4, max_new_tokens=new, min_new_tokens=new,
+                early_stopping=False), repeat=1)
+        rows.append({"batch": b, "ours_sentences_s": round(b / t_ours, 1),
+                     "transformers_sentences_s": round(b / t_ref, 1), "ratio": round(t_ref / t_ours, 2)})
+    return {"dtype": str(dtype).removeprefix("torch."), "beam": 4, "new_tokens": new, "rows": rows}
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+def markdown(results: dict[str, Any]) -> str:
+    env = results.get("environment", {})
+    lines = [f"# GPU check ({'tiny, ' if results['tiny'] else ''}{results['device']})", "",
+             f"GPU: {env.get('gpu', 'none')}, {env.get('memory_gib', '?')} GiB, driver {env.get('driver')}; "
+             f"torch {env.get('torch')}, CUDA {env.get('cuda')}", ""]
+    corr = results.get("correctness", {})
+    lines += ["## Correctness", "", "| check | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in corr.items() if k not in ("traceback", "seconds")]
+    for name, key, unit in (("generation_smollm2", "sequences", "tok/s"), ("generation_llama_1b", "sequences", "tok/s"),
+                            ("encoder", "batch", "texts/s"), ("translator", "batch", "sentences/s")):
+        section = results.get(name, {})
+        lines += ["", f"## {name} ({section.get('dtype', '')}, {unit})", ""]
+        if "rows" not in section:
+            lines.append(f"{section.get('error') or section.get('skipped')}")
+            continue
+        cols = list(section["rows"][0]) if section["rows"] else [key]
+        lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in section["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu-check"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes and counts (CPU, in make test)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="no new measurement starts after this")
+    args = parser.parse_args(argv)
+    run = Run(args.device, args.tiny, args.budget_s)
+    run.section("environment", environment)
+    run.section("correctness", correctness)
+    run.section("generation_smollm2", lambda r: engine_throughput(r, "smollm2"))
+    run.section("generation_llama_1b", lambda r: engine_throughput(r, "llama-1b"))
+    run.section("encoder", encoder_throughput)
+    run.section("translator", translator_throughput)
+    run.results["total_seconds"] = round(time.perf_counter() - run.started, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu-check.json").write_text(json.dumps(run.results, indent=2))
+    (args.out / "gpu-check.md").write_text(markdown(run.results))
+    print(markdown(run.results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,27 @@
+"""The prepared GPU check in its tiny CPU mode: every section runs and the correctness checks hold,
+so the command a lent GPU runs (`python -m loadtests.gpu.check`) cannot rot unseen."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtests.gpu.check import main
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_tiny_mode_runs_every_section(tmp_path: Path) -> None:
+    assert main(["--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "gpu-check.json").read_text())
+    sections = ("environment", "correctness", "generation_smollm2", "generation_llama_1b", "encoder", "translator")
+    errors = {name: results[name].get("error") for name in sections if "error" in results[name]}
+    assert errors == {}
+    corr = results["correctness"]
+    assert corr["pass_fp32"] and corr["decoder_cached_eq_uncached"] and corr["engine_alone_eq_among_31_bf16"]
+    for name in ("generation_smollm2", "generation_llama_1b"):
+        assert [r["sequences"] for r in results[name]["rows"]] == [1, 4, 8]
+        assert all(r["ours_tok_s"] > 0 and r["transformers_tok_s"] > 0 for r in results[name]["rows"])
+    assert "## Correctness" in (tmp_path / "gpu-check.md").read_text()
