@@ -66,6 +66,11 @@ class ModelSpec:
             problems.append(f"quantize must be one of {list(get_args(Quantization))} or null, got {self.quantize!r}")
         if self.dense_kernel not in get_args(DenseKernel):
             problems.append(f"dense_kernel must be one of {list(get_args(DenseKernel))}, got {self.dense_kernel!r}")
+        dims = self.defaults.get("dimensions")
+        if dims is not None and not (isinstance(dims, list | tuple) and dims
+                                     and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims)):
+            problems.append(f"defaults.dimensions must list the positive embedding sizes the model may be cut "
+                            f"to, got {dims!r}")
         if self.max_input_tokens is not None and self.max_input_tokens < 1:
             problems.append(f"max_input_tokens must be >= 1, got {self.max_input_tokens}")
         if problems:

@@ -61,6 +61,16 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
+    def token_bytes(self, token: int) -> bytes:
+        """A token's own bytes: for a byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) the bytes its symbols
+        stand for, so a piece of a multi-byte character is that piece; otherwise its decoded text."""
+        symbols = self.tok.id_to_token(token)
+        if symbols is not None and _byte_level(self.tok):
+            table = _unicode_to_byte()
+            if all(ch in table for ch in symbols):
+                return bytes(table[ch] for ch in symbols)
+        return self.decode([token], skip_special_tokens=False).encode("utf-8", "surrogatepass")
+
     def token_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
@@ -85,6 +95,24 @@ class TextTokenizer:
         template = _compile_template(self.chat_template)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                **self.special_tokens, **context)
+
+
+def _byte_level(tok: Tokenizer) -> bool:
+    return type(tok.decoder).__name__ == "ByteLevel"
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte -> printable-character table (byte-level BPE vocabularies), inverted."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars, n = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
 @functools.lru_cache(maxsize=8)

@@ -160,6 +160,8 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...] = ()
+    bytes: tuple[int, ...] = ()  # the token's own bytes (part of a character, for byte-level tokenizers)
+    offset: int = 0  # where the token's text starts in the answer (characters)
 
 
 @dataclass(frozen=True)

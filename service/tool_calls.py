@@ -1,7 +1,9 @@
 """Tool calls in chat, torch-free and FastAPI-free (the ingress parses, the replica renders).
 
-A model whose chat template knows tools (it reads `tools`, as Qwen2.5's and Llama 3.1's do) gets
-them through the template, with assistant `tool_calls` and `tool` messages in Hugging Face's shape.
+A model whose chat template knows tools (it reads `tools`, as Qwen2.5's does) gets them through the
+template, with assistant `tool_calls` and `tool` messages in Hugging Face's shape; its answers are
+parsed in the same <tool_call> form below (Qwen's and Hermes'; a model that writes calls in another
+form, such as Llama 3.1's bare JSON, is answered as text unless the call is forced).
 Any other template (SmolLM2's has no tools) gets them in this documented format, the one Hermes and
 Qwen models are trained on:
 
@@ -33,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -110,23 +111,36 @@ def template_knows_tools(template: str | None) -> bool:
 
 
 def parse(text: str, names: Sequence[str]) -> tuple[str | None, list[ToolCall]]:
-    """(content, tool calls) of an answer: blocks that are JSON {"name": a requested tool, "arguments":
-    an object} become calls; the rest of the text (stripped; None when empty) is the content."""
+    """(content, tool calls) of an answer: each <tool_call> followed by a JSON object {"name": a
+    requested tool, "arguments": an object (or a JSON string of one)} is a call, its closing tag
+    optional at the end of the text; the rest of the text (stripped; None when empty) is the content."""
+    decoder = json.JSONDecoder()
     calls: list[ToolCall] = []
     kept: list[str] = []
-    last = 0
-    for match in _BLOCK.finditer(text):
+    last = search = 0
+    while (at := text.find(OPEN, search)) >= 0:
+        search = at + len(OPEN)
+        body = len(text[search:]) - len(text[search:].lstrip())
         try:
-            data = json.loads(match.group(1))
+            data, used = decoder.raw_decode(text, search + body)
         except ValueError:
             continue
-        if not isinstance(data, dict) or data.get("name") not in names:
+        arguments = data.get("arguments", data.get("parameters", {})) if isinstance(data, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if not isinstance(data, dict) or data.get("name") not in names or not isinstance(arguments, dict):
             continue
-        arguments = data.get("arguments", data.get("parameters", {}))
-        if not isinstance(arguments, dict):
-            continue
-        kept.append(text[last:match.start()])
-        last = match.end()
+        rest = text[used:]
+        end = used + (len(rest) - len(rest.lstrip()))
+        if text.startswith(CLOSE, end):
+            end += len(CLOSE)
+        elif text[end:].strip():
+            continue  # neither a closing tag nor the end of the text: not a call block
+        kept.append(text[last:at])
+        last = search = end
         calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", data["name"], json.dumps(arguments, ensure_ascii=False)))
     kept.append(text[last:])
     content = "".join(kept).strip()

@@ -2,8 +2,8 @@
 schema, regex or Lark grammar (no retries).
 
 llguidance over xgrammar, measured on this machine (`python -m loadtests.grammar.compare`,
-docs/benchmarks.md): xgrammar 0.2.9 fills the masks of 32 rows 3-8x faster (0.2 vs 0.7-1.3 ms a
-step, both a few % of a decode step, and computed beside the forward pass here), but it lets
+docs/benchmarks.md): xgrammar 0.2.9 fills the masks of 32 rows about 8x faster (0.10 vs 0.82 ms a
+step median, both small next to a decode step, and computed beside the forward pass here), but it lets
 length-bounded strings (`maxLength` / `minLength`) take raw control characters and no escapes, so
 its "JSON" can fail to parse; llguidance refuses them, and has no dependencies.
 
@@ -101,6 +101,9 @@ class Matcher:
     def accept_token(self, token: int) -> bool:
         """Consume the sampled token; False when the grammar refuses it (the mask should have prevented it)."""
         return bool(self.inner.consume_token(token)) and not self.inner.is_error()
+
+    def error(self) -> str:
+        return self.inner.get_error() if self.inner.is_error() else ""
 
 
 class MaskBuilder:

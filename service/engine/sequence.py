@@ -30,7 +30,7 @@ class SeqState:
         self.params = params
         self.handle = handle
         self.sampler = RowSampler(params)
-        self.matcher = matcher  # structured output: an xgrammar GrammarMatcher (engine/grammar.py), or None
+        self.matcher = matcher  # structured output: a grammar Matcher (engine/grammar.py), or None
         self.stop_ids = frozenset() if params.ignore_eos else eos_ids | frozenset(params.stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt=self.prompt)
         self.tokens: list[int] = []  # output without a final stop token
@@ -61,39 +61,50 @@ class SeqState:
         self.n_sampled += 1
         self.token_times.append(now - self.submitted)
         self.pending = token
-        if self.matcher is not None and not self.matcher.accept_token(token):
-            raise ValueError(f"the output grammar refused token {token}")  # masks allow only what it accepts
+        if self.matcher is not None and not self.matcher.accept_token(token):  # masks allow only what it accepts
+            raise ValueError(f"the output grammar refused token {token}: {self.matcher.error()}")
         if token in self.stop_ids:
             self.reason = "stop"
             return
         self.tokens.append(token)
+        start = len(self.text)
+        self.text += self.detok.push(token)
         if self.logprobs is not None and logprobs is not None:
             chosen, top = logprobs
             self.logprobs.append(TokenLogprob(self._piece(token), chosen,
-                                              tuple((self._piece(t), lp) for t, lp in top)))
-        self.text += self.detok.push(token)
+                                              tuple((self._piece(t), lp) for t, lp in top),
+                                              tuple(self.tokenizer.token_bytes(token)), start))
         stops = self.params.stop
         if stops:
             at = find_stop(self.text, stops, self.sent)  # nothing before `sent` can begin a stop
             if at >= 0:
                 self.text, self._cut, self.reason = self.text[:at], True, "stop"
+                if self.logprobs:  # the tokens of the stop string (and after) are not part of the answer
+                    self.logprobs = [e for e in self.logprobs if e.offset < at]
+                    self._lp_sent = min(self._lp_sent, len(self.logprobs))
                 return
         if len(self.tokens) >= self.params.max_new_tokens:
             self.reason = "length"
             return
         safe = len(self.text) - (stop_holdback(self.text, stops) if stops else 0)
         if safe > self.sent:
-            self._emit(Delta(self.text[self.sent:safe], self.n_sampled, self._new_logprobs()))
+            self._emit(Delta(self.text[self.sent:safe], self.n_sampled, self._new_logprobs(safe)))
             self.sent = safe
 
     def _piece(self, token: int) -> str:
         """A token's own text (special tokens shown), as OpenAI lists tokens with their log-probabilities."""
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def _new_logprobs(self) -> tuple[TokenLogprob, ...]:
+    def _new_logprobs(self, upto: int | None = None) -> tuple[TokenLogprob, ...]:
+        """Entries not sent yet whose token's text starts before character `upto` (None: all): a
+        token held back (it may begin a stop string) goes out with its text."""
         if not self.logprobs:
             return ()
-        new, self._lp_sent = tuple(self.logprobs[self._lp_sent:]), len(self.logprobs)
+        end = len(self.logprobs)
+        if upto is not None:
+            while end > self._lp_sent and self.logprobs[end - 1].offset >= upto:
+                end -= 1
+        new, self._lp_sent = tuple(self.logprobs[self._lp_sent:end]), end
         return new
 
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> Finished:

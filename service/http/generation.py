@@ -168,8 +168,10 @@ async def replayed_chat(response: ChatCompletionResponse, include_usage: bool) -
             return sse(fmt.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]))
 
         yield chunk({"role": "assistant", "content": ""})
-        if choice.message.content:
-            yield chunk({"content": choice.message.content})
+        if choice.message.content or choice.logprobs is not None:
+            lp = choice.logprobs.model_dump() if choice.logprobs is not None else None
+            yield sse(fmt.chunk([{"index": choice.index, "delta": {"content": choice.message.content or ""},
+                                  "logprobs": lp, "finish_reason": None}]))
         if choice.message.tool_calls:
             yield chunk({"tool_calls": [{"index": j, **call.model_dump()}
                                         for j, call in enumerate(choice.message.tool_calls)]})
@@ -179,10 +181,14 @@ async def replayed_chat(response: ChatCompletionResponse, include_usage: bool) -
     yield DONE
 
 
-def check_choices(settings: Settings, prompts: int, per_prompt: int, field: str) -> None:
-    if prompts * per_prompt > settings.max_inputs:
+def check_choices(settings: Settings, route: Route, prompts: int, per_prompt: int, field: str) -> None:
+    """Prompts x choices within max_inputs and within what the generator's engine queues (a request
+    it could never take whole would only ever get 503s)."""
+    dep = settings.deployments.get(route.deployment)
+    limit = min(settings.max_inputs, dep.engine.max_queued if dep is not None else settings.max_inputs)
+    if prompts * per_prompt > limit:
         raise InvalidRequest(f"{prompts} prompt(s) x {per_prompt} choices = {prompts * per_prompt} generations; "
-                             f"at most {settings.max_inputs} per request", field)
+                             f"at most {limit} per request", field)
 
 
 def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
@@ -220,7 +226,7 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         check_supported(body)
         route = routes.resolve("generate", body.model)
         prompts, (n, best_of) = body.prompt_texts(), body.choices()
-        check_choices(settings, len(prompts), best_of, "best_of" if best_of > n else "n" if n > 1 else "prompt")
+        check_choices(settings, route, len(prompts), best_of, "best_of" if best_of > n else "n" if n > 1 else "prompt")
         # best_of ranks candidates by their log-probabilities: asked for even when the client did not
         wanted = body.logprobs if best_of == n else (body.logprobs or 0)
         reqs = [to_request(body, body.max_tokens, prompt=p, names={"max_new_tokens": "max_tokens"},
@@ -240,7 +246,7 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
             candidates = dones[p * best_of:(p + 1) * best_of]
             best = sorted(candidates, key=mean_logprob, reverse=True)[:n] if best_of > n else candidates
             for j, done in enumerate(best):
-                lp = completion_logprobs(done.logprobs)[0] if body.logprobs is not None and done.logprobs else None
+                lp = completion_logprobs(done.logprobs) if body.logprobs is not None and done.logprobs is not None else None
                 choices.append(CompletionChoice(index=p * n + j, text=done.text, logprobs=lp,
                                                 finish_reason=done.finish_reason))  # type: ignore[arg-type]
         return CompletionResponse(id=cid, created=created, model=route.model, choices=choices,
@@ -253,7 +259,7 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         check_supported(body)
         route = routes.resolve("generate", body.model)
         n = body.n or 1
-        check_choices(settings, 1, n, "n")
+        check_choices(settings, route, 1, n, "n")
         tools, _, forced = body.tool_plan()
         messages = tuple(m.message() for m in body.messages)
         names = {"max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"}

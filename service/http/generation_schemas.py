@@ -110,7 +110,7 @@ class Sampling(_Request):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, strict=True, allow_inf_nan=False,
                                             description="OpenAI's: minus this times the token's count in the "
                                                         "output; 0 = off.")
-    logit_bias: dict[str, float] | None = Field(
+    logit_bias: dict[str, Annotated[float, Field(strict=True, ge=-100, le=100, allow_inf_nan=False)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS, description="Token id (as a string) -> a value in [-100, 100] added "
                                                      "to its logit before sampling (OpenAI's).")
     seed: int | None = Field(None, ge=0, lt=2**63, strict=True,
@@ -126,12 +126,20 @@ class Sampling(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (value or {}).items():
+        seen: set[int] = set()
+        for key in value or {}:
             if not (key.isascii() and key.isdigit() and len(key) <= 10):
                 raise ValueError(f"logit_bias keys are token ids (decimal strings), got {key[:20]!r}")
-            if isinstance(bias, bool) or not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values are numbers in [-100, 100], got {bias!r} for {key}")
+            if int(key) in seen:
+                raise ValueError(f"logit_bias names token {int(key)} twice")
+            seen.add(int(key))
         return value
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> Sampling:
+        if getattr(self, "stream_options", None) is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
 
     def bias(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())

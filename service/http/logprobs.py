@@ -37,15 +37,11 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> tuple[dict[str, Any], int]:
-    """The completion shape of `entries`, whose text starts at character `offset`; and the offset after."""
-    offsets = []
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e.token)
+def completion_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The completion shape of `entries`; text_offset is where each token's text starts in the answer."""
     top = [{**dict(e.top), e.token: e.logprob} for e in entries]
     return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": top, "text_offset": offsets}, offset
+            "top_logprobs": top, "text_offset": [e.offset for e in entries]}
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:
@@ -53,6 +49,7 @@ def _token(text: str, logprob: float) -> dict[str, Any]:
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": null}."""
-    return {"content": [{**_token(e.token, e.logprob), "top_logprobs": [_token(t, lp) for t, lp in e.top]}
-                        for e in entries], "refusal": None}
+    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": null}; a
+    token's bytes are its own (a byte of a multi-byte character, for byte-level tokenizers)."""
+    return {"content": [{**_token(e.token, e.logprob), "bytes": list(e.bytes) or _token(e.token, 0)["bytes"],
+                         "top_logprobs": [_token(t, lp) for t, lp in e.top]} for e in entries], "refusal": None}

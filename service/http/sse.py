@@ -78,14 +78,11 @@ class CompletionFormat(_OpenAIFormat):
     `logprobs`, each chunk carries its tokens' (text offsets counted over the whole completion)."""
 
     logprobs: bool = False
-    offset: int = 0  # characters of the completion the chunks' log-probabilities covered so far
     object_name: ClassVar[str] = "text_completion"
 
     def render(self, event: GenerationEvent) -> list[dict[str, Any]]:
         if isinstance(event, TextDelta):
-            lp = None
-            if self.logprobs:
-                lp, self.offset = completion_logprobs(event.logprobs, self.offset)
+            lp = completion_logprobs(event.logprobs) if self.logprobs else None
             return [self.chunk([{"index": self.index, "text": event.text, "logprobs": lp, "finish_reason": None}])]
         if isinstance(event, GenerationDone):
             last = [self.chunk([{"index": self.index, "text": "", "logprobs": None,

@@ -28,6 +28,7 @@ from ..messages import (
     GenerationEvent,
     GenerationRequest,
     GenerationStarted,
+    GrammarSpec,
     TextDelta,
     Tokenized,
 )
@@ -142,23 +143,25 @@ class GeneratorRunner(ModelRunner):
         except ValueError as e:  # the edge checks each field; this is a safety net
             raise InvalidRequest(str(e)) from None
 
-    async def compile_grammar(self, request: GenerationRequest) -> Any:
-        """The request's structured-output grammar, compiled off the event loop (tens of ms; cached by
-        source), or None. A source the library refuses is a 422 naming its field."""
-        if request.grammar is None:
-            return None
-        if request.ignore_eos:
-            raise InvalidRequest("ignore_eos cannot be combined with a structured output (it ends the text)",
-                                 request.param("ignore_eos"))
-        return await asyncio.to_thread(self.engine.grammars.compile, request.grammar)
-
-    def submit(self, request: GenerationRequest, grammar: Any = None) -> tuple[RequestHandle, int]:
-        """Queue the request in the engine; its handle and its prompt length. Raises InvalidRequest /
+    async def submit(self, request: GenerationRequest) -> tuple[RequestHandle, int]:
+        """Queue the request in the engine; its handle and its prompt length. The cheap checks come
+        first (prompt, parameters, limits), then a structured output's grammar is compiled off the
+        event loop (tens of ms; cached by source), then the request is queued. Raises InvalidRequest /
         RequestTooLarge naming the field (as the client called it) and the limit, EngineOverloaded when
-        the queue is full. `grammar`: compile_grammar's result."""
+        the queue is full."""
         ids = self.prompt_ids(request)
         params = self.params(request, len(ids))
+        grammar = None
         try:
+            self.engine.limits.check(ids, params)
+            if request.grammar is not None:
+                if params.ignore_eos:
+                    raise InvalidRequest("ignore_eos cannot be combined with a structured output (it ends the "
+                                         "text)", "ignore_eos")
+                if params.stop:
+                    raise InvalidRequest("stop strings cannot be combined with a structured output (a cut text "
+                                         "would not match it)", "stop")
+                grammar = await asyncio.to_thread(self.engine.grammars.compile, request.grammar)
             return self.engine.submit(ids, params, request.request_id, grammar), len(ids)
         except RequestTooLarge as e:
             raise RequestTooLarge(e.message, request.param(e.param), e.limit) from None
@@ -167,7 +170,7 @@ class GeneratorRunner(ModelRunner):
 
     async def generate(self, request: GenerationRequest) -> GenerationDone:
         """The whole answer. Cancelling the awaiting task cancels the request in the engine."""
-        handle, _ = self.submit(request, await self.compile_grammar(request))
+        handle, _ = await self.submit(request)
         try:
             finished = await handle.result()
         except asyncio.CancelledError:
@@ -182,7 +185,7 @@ class GeneratorRunner(ModelRunner):
         """GenerationStarted once the engine accepted the request, a TextDelta per piece of text, then
         GenerationDone (finish_reason "error" if the engine failed it). Closing the generator early,
         or cancelling the task reading it, cancels the request in the engine."""
-        handle, prompt_tokens = self.submit(request, await self.compile_grammar(request))
+        handle, prompt_tokens = await self.submit(request)
         finished = False
         try:
             yield GenerationStarted(handle.request_id, prompt_tokens)
@@ -207,13 +210,19 @@ class GeneratorRunner(ModelRunner):
             except Exception:
                 log.warning("%s: the chat template fails on a plain user message", self.deployment, exc_info=True)
         ids = self.prompt_ids(GenerationRequest("warm-up", prompt="warm up"))
-        self.engine.submit(ids, SamplingParams(max_new_tokens=2), f"warm-up-{uuid.uuid4().hex}")
-        for _ in range(WARM_UP_STEPS):
-            self.engine.step()
-            stats = self.engine.stats()
-            if stats.running == 0 and stats.waiting == 0:
-                return
-        raise RuntimeError(f"{self.deployment}: the warm-up request did not finish in {WARM_UP_STEPS} steps")
+        # a plain request, then a structured one: the grammar library's first use (its tokenizer, its
+        # mask code) is paid here, not by the first constrained request and the batch it would stall;
+        # one at a time, as an engine may queue only one
+        grammar = self.engine.grammars.compile(GrammarSpec("json_object"))
+        for constraint in (None, grammar):
+            self.engine.submit(ids, SamplingParams(max_new_tokens=2), f"warm-up-{uuid.uuid4().hex}", constraint)
+            for _ in range(WARM_UP_STEPS):
+                self.engine.step()
+                stats = self.engine.stats()
+                if stats.running == 0 and stats.waiting == 0:
+                    break
+            else:
+                raise RuntimeError(f"{self.deployment}: the warm-up request did not finish in {WARM_UP_STEPS} steps")
 
     def start(self) -> None:
         self.engine.start()

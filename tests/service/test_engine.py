@@ -532,3 +532,36 @@ def test_idle_engine_sleeps_and_shutdown_ends_open_requests(tiny: tuple[nn.Modul
     idle.shutdown()
     final = read(handle)[1]
     assert final.finish_reason == "error" and "shut down" in (final.error or "")
+
+
+def test_logprobs_follow_the_text_a_stop_string_cuts_and_carry_each_tokens_bytes(
+        tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    engine = make(model, tok)
+    prompt = tok.encode("héllo ¿qué? 日本", add_special_tokens=False)
+
+    def answer(**extra: Any) -> tuple[list[Delta], Finished]:
+        handle = engine.submit(prompt, SamplingParams(max_new_tokens=60, ignore_eos=True, logprobs=1, **extra))
+        run_until_idle(engine)
+        return read(handle)
+
+    deltas, free = answer()
+    assert free.logprobs is not None and len(free.logprobs) == 60
+    raw = b"".join(bytes(e.bytes) for e in free.logprobs)
+    assert raw.decode("utf-8", "replace") == free.text  # a byte of a character is that byte, not U+FFFD
+    assert [e.offset for e in free.logprobs] == sorted(e.offset for e in free.logprobs)
+    assert [e for d in deltas for e in d.logprobs] == list(free.logprobs)  # streamed = whole
+    # a stop of two ASCII characters past the start, at its first occurrence: its tokens are its own
+    at = next(i for i in range(4, len(free.text) - 1) if free.text[i:i + 2].isascii()
+              and free.text[i:i + 2].isprintable() and free.text.index(free.text[i:i + 2]) == i)
+    stop = free.text[at:at + 2]
+    deltas, cut = answer(stop=(stop,))
+    assert cut.text == free.text[:at] and cut.logprobs is not None
+    assert all(e.offset < at for e in cut.logprobs) and len(cut.logprobs) < 60  # none from the stop string on
+    assert raw.decode("utf-8", "replace").startswith(b"".join(bytes(e.bytes) for e in cut.logprobs)
+                                                     .decode("utf-8", "replace")[:at])
+    sent = 0
+    for d in deltas:  # each piece's log-probabilities are those of tokens whose text it (or earlier) sent
+        sent += len(d.text)
+        assert all(e.offset < max(sent, 1) for e in d.logprobs)
+    assert [e for d in deltas for e in d.logprobs] == list(cut.logprobs)

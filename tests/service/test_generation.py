@@ -48,7 +48,7 @@ def test_a_default_max_new_tokens_shrinks_to_fit_but_a_requested_one_does_not() 
     assert r.params(GenerationRequest("a", prompt="hi"), 2).max_new_tokens == 100
     assert r.params(GenerationRequest("a", prompt=prompt), len(ids)).max_new_tokens == 30
     with pytest.raises(RequestTooLarge, match="max_total_tokens") as e:
-        r.submit(GenerationRequest("a", prompt=prompt, max_new_tokens=31))
+        asyncio.run(r.submit(GenerationRequest("a", prompt=prompt, max_new_tokens=31)))
     assert e.value.param == "max_new_tokens" and e.value.limit == "max_total_tokens"
     assert runner().params(GenerationRequest("a", prompt="hi"), 2).max_new_tokens == 64  # SamplingParams'
 
@@ -66,10 +66,10 @@ def test_chat_uses_the_template_and_its_errors_name_messages() -> None:
     ids = r.prompt_ids(GenerationRequest("a", messages=messages))
     assert r.loaded.tokenizer.decode(ids) == "<system>be brief\n<user>hi\n<assistant>"
     with pytest.raises(RequestTooLarge) as e:
-        r.submit(GenerationRequest("a", messages=(ChatMessage("user", "y" * POSITIONS),)))
+        asyncio.run(r.submit(GenerationRequest("a", messages=(ChatMessage("user", "y" * POSITIONS),))))
     assert e.value.param == "messages" and e.value.limit == "max_prompt_tokens"
     with pytest.raises(InvalidRequest, match="could not be tokenized") as bad:
-        r.submit(GenerationRequest("a", prompt="bad \ud800"))
+        asyncio.run(r.submit(GenerationRequest("a", prompt="bad \ud800")))
     assert bad.value.param == "prompt"
     r.loaded.tokenizer.chat_template = None
     with pytest.raises(InvalidRequest, match="no chat template"):
@@ -80,10 +80,10 @@ def test_errors_name_the_fields_as_the_client_called_them() -> None:
     r = runner(EngineConfig(max_total_tokens=64))
     names = {"max_new_tokens": "max_completion_tokens"}
     with pytest.raises(RequestTooLarge) as e:
-        r.submit(GenerationRequest("a", messages=(ChatMessage("user", "hi"),), max_new_tokens=100, names=names))
+        asyncio.run(r.submit(GenerationRequest("a", messages=(ChatMessage("user", "hi"),), max_new_tokens=100, names=names)))
     assert e.value.param == "max_completion_tokens" and e.value.limit == "max_new_tokens"
     with pytest.raises(RequestTooLarge) as e:
-        r.submit(GenerationRequest("b", messages=(ChatMessage("user", "y" * 80),), names=names))
+        asyncio.run(r.submit(GenerationRequest("b", messages=(ChatMessage("user", "y" * 80),), names=names)))
     assert e.value.param == "messages" and e.value.limit == "max_prompt_tokens"
 
 
@@ -114,9 +114,9 @@ def test_whole_answers_streams_and_cancellation() -> None:
             task = asyncio.create_task(r.generate(long))
             while r.engine.stats().running == 0:
                 await asyncio.sleep(0.001)
-            queued, _ = r.submit(GenerationRequest("queued", prompt="go"))
+            queued, _ = await r.submit(GenerationRequest("queued", prompt="go"))
             with pytest.raises(EngineOverloaded):  # one row running, one request waiting: full
-                r.submit(GenerationRequest("refused", prompt="go"))
+                await r.submit(GenerationRequest("refused", prompt="go"))
             queued.cancel()
             task.cancel()  # the client went away
             with pytest.raises(asyncio.CancelledError):
@@ -127,9 +127,10 @@ def test_whole_answers_streams_and_cancellation() -> None:
             await stream.aclose()  # the ingress closed it
 
         asyncio.run(main())
-        _wait_finished(r, 6)
+        _wait_finished(r, 7)
         info = r.info()
-        assert info.stats["finished"] == {"length": 3, "cancelled": 3}  # warm-up, whole, streamed; the rest
+        # the two warm-ups (plain, structured), whole, streamed; the rest were cancelled
+        assert info.stats["finished"] == {"length": 4, "cancelled": 3}
         assert info.stats["running"] == info.stats["waiting"] == 0
         assert info.limits["rows"] == 1 and info.max_input_tokens == POSITIONS - 1
     finally:

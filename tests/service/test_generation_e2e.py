@@ -340,7 +340,13 @@ def test_completion_logprobs_are_the_models_own_streamed_and_not(server: Cluster
     assert lp.token_logprobs == pytest.approx(lps, abs=1e-4)
     for best, top, token in zip(tops, lp.top_logprobs or [], lp.tokens, strict=True):
         assert set(top) >= {tok.decode([t], skip_special_tokens=False) for t in best} and token in top
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    from models.text import IncrementalDetokenizer
+
+    detok, offsets, text = IncrementalDetokenizer(tok, prompt=tok.encode("log me")), [], ""
+    for t in tokens:  # where each token's text starts in the answer, as the detokenizer releases it
+        offsets.append(len(text))
+        text += detok.push(t)
+    assert lp.text_offset == offsets
     chunks = list(client.completions.create(**params, stream=True))
     streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
     offsets = [o for ch in chunks if ch.choices and ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
@@ -354,8 +360,10 @@ def test_chat_logprobs_in_openais_shape(server: Cluster) -> None:
                                            logprobs=True, top_logprobs=2)
     content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content and "".join(c.token for c in content) == whole.choices[0].message.content
+    raw = b"".join(bytes(entry.bytes or []) for entry in content)  # each token's own bytes
+    assert raw.decode("utf-8", "replace") == whole.choices[0].message.content
     for entry in content:
-        assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 2
+        assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the chosen is the best
     stream = client.chat.completions.create(model=TINY, messages=messages, max_tokens=10, temperature=0,  # type: ignore[arg-type]
@@ -460,7 +468,7 @@ def test_chat_n_streams_each_choice_with_its_index(server: Cluster) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
-# -- structured outputs (token masks from xgrammar) --------------------------------------------------
+# -- structured outputs (token masks from llguidance) ------------------------------------------------
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "color", "ok", "n"],
           "properties": {"name": {"type": "string", "maxLength": 8}, "color": {"enum": ["red", "green", "blue"]},
@@ -702,7 +710,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", None),
     ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs", None),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias", None),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", None),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias.5", None),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias", "outside the vocabulary"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", None),
     ("/v1/generate", {"prompt": "hi", "logit_bias": [1, 2]}, "logit_bias", None),
@@ -726,6 +734,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "temperature": 2.5}, "temperature", None),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs", None),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs", None),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 1}, "top_logprobs", "needs logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": []}, "tools", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * MAX_POSITIONS}]}, "messages",

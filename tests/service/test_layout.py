@@ -23,7 +23,7 @@ import pytest
 
 from service.errors import ServiceError
 
-INGRESS_SIDE = ["service.http", "service.telemetry", "service.errors", "service.messages", "service.settings",
+INGRESS_SIDE = ["service.http", "service.telemetry", "service.errors", "service.messages", "service.tool_calls", "service.settings",
                 "service.ingress"]
 TORCH_SIDE = ("torch", "transformers", "safetensors", "tokenizers")
 

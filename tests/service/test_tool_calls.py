@@ -41,3 +41,16 @@ def test_forced_call_grammar_and_template_detection() -> None:
     assert '"noop"' not in grammar and '"noop"' in call_grammar([WEATHER, Tool("noop")])
     assert template_knows_tools("{% if tools %}{{ tools | tojson }}{% endif %}")
     assert not template_knows_tools("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def test_parsing_survives_what_models_write() -> None:
+    names = ["get_weather"]
+    unclosed = 'ok <tool_call>{"name": "get_weather", "arguments": {"city": "Lima"}}'
+    content, calls = parse(unclosed, names)
+    assert content == "ok" and json.loads(calls[0].arguments) == {"city": "Lima"}
+    as_string = '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
+    assert json.loads(parse(as_string, names)[1][0].arguments) == {"city": "Oslo"}
+    tag_inside = '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}</tool_call>'
+    assert json.loads(parse(tag_inside, names)[1][0].arguments) == {"city": "a</tool_call>b"}
+    followed = '<tool_call>{"name": "get_weather", "arguments": {}} and then prose'
+    assert parse(followed, names) == (followed, [])  # no closing tag and not at the end: not a call
