@@ -301,16 +301,23 @@ def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
     return {"dtype": str(dtype).removeprefix("torch."), "weight_bytes": weight_bytes, "rows": rows}
 
 
-def encoder_throughput(run: Run) -> dict[str, Any]:
+def serving_pair(run: Run, shape: str, model_cls: str, config_cls: str, importer: Callable[..., Any]
+                 ) -> tuple[Any, Any, torch.dtype]:
+    """A random transformers model at `shape`, ours with its weights, both on the device in the serving
+    dtype (bfloat16 on CUDA, float32 on CPU)."""
     import transformers as hf
 
+    torch.manual_seed(0)
+    ref = getattr(hf, model_cls)(getattr(hf, config_cls)(**run.shapes[shape], attn_implementation="sdpa")).eval()
+    ours = importer(ref.config.to_dict(), ref.state_dict()).eval()
+    dtype = torch.bfloat16 if run.device.type == "cuda" else torch.float32
+    return ref.to(run.device, dtype), ours.to(run.device, dtype), dtype
+
+
+def encoder_throughput(run: Run) -> dict[str, Any]:
     from models.checkpoints import bert
 
-    torch.manual_seed(0)
-    ref = hf.BertModel(hf.BertConfig(**run.shapes["minilm"], attn_implementation="sdpa")).eval()
-    ours = bert.from_hf(ref.config.to_dict(), ref.state_dict()).eval()
-    dtype = torch.bfloat16 if run.device.type == "cuda" else torch.float32
-    ref, ours = ref.to(run.device, dtype), ours.to(run.device, dtype)
+    ref, ours, dtype = serving_pair(run, "minilm", "BertModel", "BertConfig", bert.from_hf)
     rows = []
     for b in run.concurrency:
         ids, keep = padded_batch(run, run.shapes["minilm"]["vocab_size"], [16 + (i * 5) % 48 for i in range(b)])
@@ -323,16 +330,10 @@ def encoder_throughput(run: Run) -> dict[str, Any]:
 
 
 def translator_throughput(run: Run) -> dict[str, Any]:
-    import transformers as hf
-
     from models.beam_search import BeamParams, translate_ids
     from models.checkpoints import marian
 
-    torch.manual_seed(0)
-    ref = hf.MarianMTModel(hf.MarianConfig(**run.shapes["marian"], attn_implementation="sdpa")).eval()
-    ours = marian.from_hf(ref.config.to_dict(), ref.state_dict()).eval()
-    dtype = torch.bfloat16 if run.device.type == "cuda" else torch.float32
-    ref, ours = ref.to(run.device, dtype), ours.to(run.device, dtype)
+    ref, ours, dtype = serving_pair(run, "marian", "MarianMTModel", "MarianConfig", marian.from_hf)
     vocab, new = run.shapes["marian"]["vocab_size"], (8 if run.tiny else 32)
     rows = []
     for b in run.concurrency[:2] + (run.concurrency[-1] // 4,) if not run.tiny else run.concurrency:
