@@ -96,7 +96,7 @@ def test_the_generator_refuses_before_the_engine() -> None:
                            (GenerationRequest("b", prompt="hi", max_new_tokens=17), "max_new_tokens"),
                            (GenerationRequest("c", prompt="x" * 30, max_new_tokens=16), "max_total_tokens")]:
         with pytest.raises(RequestTooLarge) as refused:
-            runner.submit(request)
+            asyncio.run(runner.submit(request))
         assert refused.value.limit == limit
     stats = runner.engine.stats()
     assert stats.waiting == 0 and stats.running == 0 and stats.prompt_tokens == 0 and stats.steps == 0
