@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import zoo
+from .architectures import BUILTIN_DIR
 from .calibration import calibration_run
 from .checkpoints.format import load_checkpoint, load_state_strict
 from .dense import pack_dense
@@ -36,7 +37,6 @@ from .text import TextTokenizer
 
 __all__ = ["DEFAULT_SPECS", "LOADERS", "LoadedModel", "ModelSpec", "load_model", "resolve_dir"]
 
-BUILTIN_DIR = Path(__file__).parent / "weights"
 
 
 @dataclass

@@ -44,12 +44,13 @@ def completion_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
             "top_logprobs": top, "text_offset": [e.offset for e in entries]}
 
 
-def _token(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+def _token(text: str, logprob: float, raw: Sequence[int] = ()) -> dict[str, Any]:
+    """A token's entry; `raw`: its own bytes when known, else those of its text."""
+    return {"token": text, "logprob": logprob, "bytes": list(raw) or list(text.encode("utf-8", "surrogatepass"))}
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
     """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": null}; a
     token's bytes are its own (a byte of a multi-byte character, for byte-level tokenizers)."""
-    return {"content": [{**_token(e.token, e.logprob), "bytes": list(e.bytes) or _token(e.token, 0)["bytes"],
+    return {"content": [{**_token(e.token, e.logprob, e.bytes),
                          "top_logprobs": [_token(t, lp) for t, lp in e.top]} for e in entries], "refusal": None}

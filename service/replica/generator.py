@@ -153,8 +153,8 @@ class GeneratorRunner(ModelRunner):
         params = self.params(request, len(ids))
         grammar = None
         try:
-            self.engine.limits.check(ids, params)
             if request.grammar is not None:
+                self.engine.limits.check(ids, params)  # before the compile; engine.submit checks the rest
                 if params.ignore_eos:
                     raise InvalidRequest("ignore_eos cannot be combined with a structured output (it ends the "
                                          "text)", "ignore_eos")
