@@ -845,3 +845,29 @@ def test_smollm2_answers_the_capital_of_france(smollm2: Cluster) -> None:
     stream = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages,  # type: ignore[arg-type]
                                             temperature=0, max_tokens=40, stream=True)
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == text
+
+
+@pytest.mark.slow
+def test_smollm2_structured_outputs_tools_and_logprobs(smollm2: Cluster) -> None:
+    """On the shipped generator: a JSON schema validates, a forced tool call validates, and asking for
+    log-probabilities does not change a greedy answer."""
+    import jsonschema
+
+    client = smollm2.openai("/smollm2")
+    model = "smollm2-135m-instruct"
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    out = client.chat.completions.create(model=model, messages=ask, max_tokens=120, temperature=0.8, seed=1,  # type: ignore[call-overload]
+                                         n=3, response_format=JSON_SCHEMA)
+    for choice in out.choices:
+        jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    call = client.chat.completions.create(model=model, messages=weather, max_tokens=120, temperature=0,  # type: ignore[call-overload]
+                                          tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (tool_call,) = call.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(tool_call.function.arguments), WEATHER_PARAMS)
+    plain = client.chat.completions.create(model=model, messages=weather, max_tokens=24, temperature=0)  # type: ignore[call-overload]
+    logged = client.chat.completions.create(model=model, messages=weather, max_tokens=24, temperature=0,  # type: ignore[call-overload]
+                                            logprobs=True, top_logprobs=2)
+    assert logged.choices[0].message.content == plain.choices[0].message.content
+    entries = logged.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert b"".join(bytes(e.bytes or []) for e in entries).decode("utf-8", "replace") == plain.choices[0].message.content
