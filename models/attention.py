@@ -70,14 +70,17 @@ class AttentionMask:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | AttentionMask | None,
-              dropout_p: float = 0.0, bias: Tensor | None = None, scale: float | None = None) -> Tensor:
+              dropout_p: float = 0.0, bias: Tensor | None = None, scale: float | None = None,
+              gqa: bool | None = None) -> Tensor:
     """Scaled dot-product attention, softmax(q k^T * scale + bias) v, scale = 1/sqrt(D) unless given.
 
     q: (B, H, T, D); k, v: (B, K, S, D) with H % K == 0; mask: bool, broadcastable to
     (B, 1, T, S), True = attend (or an AttentionMask built from one); bias: float, broadcastable to
-    (B, H, T, S), in q's dtype. Returns (B, H, T, D). Fully masked query rows give zeros.
+    (B, H, T, S), in q's dtype. gqa: whether K < H, when the caller knows it from its config (sizes
+    are symbolic under torch.compile). Returns (B, H, T, D). Fully masked query rows give zeros.
     """
-    gqa = bool(k.size(1) != q.size(1))  # a Python bool also under tracing (ONNX export)
+    if gqa is None:
+        gqa = bool(k.size(1) != q.size(1))  # a Python bool also under tracing (ONNX export)
     if mask is not None and not isinstance(mask, AttentionMask):
         mask = AttentionMask.build(mask)
     attn_mask = mask.safe if mask is not None else None  # (B, 1, T, S) bool
@@ -145,13 +148,12 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | AttentionMask | None,
         rope: tuple[Tensor, Tensor] | None = None,
         cache=None,
-        layer: int = 0,
         kv: tuple[Tensor, Tensor] | None = None,
         bias: Tensor | None = None,
     ) -> Tensor:
         """x: (B, T, C); mask: (B|1, 1, T|1, S) bool; rope: cos, sin (B, 1, T, D).
 
-        cache: a kv_cache.CacheView to write this step's keys into (self-attention);
+        cache: a kv_cache.LayerCache to write this step's keys into (self-attention);
         kv: precomputed (B, K, S, D) keys/values (cross-attention); bias: (B|1, H, T, S) added to the
         scores (T5's relative positions). Returns (B, T, C).
         """
@@ -162,11 +164,11 @@ class MultiHeadAttention(nn.Module):
                 q = apply_rotary(q, *rope)  # (B, H, T, D)
                 k = apply_rotary(k, *rope)  # (B, K, T, D)
             if cache is not None:
-                k, v = cache.write(layer, k, v)  # (B, K, S, D) each: past + this step
+                k, v = cache.write(k, v)  # (B, K, S, D) each: past + this step
         else:
             q = self._split(self.q_proj(x), self.n_heads, self.q_norm)  # (B, H, T, D)
             k, v = kv  # (B, K, S, D) each
         drop = self.dropout if self.training else 0.0
-        out = attention(q, k, v, mask, drop, bias, self.scale)  # (B, H, T, D)
+        out = attention(q, k, v, mask, drop, bias, self.scale, self.n_kv_heads != self.n_heads)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(out)  # (B, T, C)

@@ -29,9 +29,10 @@ from . import zoo
 from .architectures import BUILTIN_DIR
 from .calibration import calibration_run
 from .checkpoints.format import load_checkpoint, load_state_strict
+from .compiled import compile_blocks, warm_up
 from .dense import pack_dense
 from .fuse import fuse_projections
-from .quant import UNFUSED_WHEN_QUANTIZED, quantize
+from .quant import keeps_fusion, quantize
 from .spec import DEFAULT_SPECS, ModelSpec
 from .text import TextTokenizer
 
@@ -50,6 +51,7 @@ class LoadedModel:
     max_input_tokens: int = 512
     load_seconds: float = 0.0
     kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/dense.py)
+    compile_seconds: float = 0.0  # of load_seconds, compiling and warming up the blocks (spec.compile)
 
     @property
     def device(self) -> torch.device:
@@ -152,11 +154,16 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
     if spec.tokenizer is not None:
         tokenizer = TextTokenizer.from_file(resolve_dir(spec.tokenizer, cache_dir))
     model = model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
-    if spec.fuse and (spec.quantize is None or type(model).__name__ not in UNFUSED_WHEN_QUANTIZED):
+    if spec.fuse and keeps_fusion(spec.quantize, model):
         model = fuse_projections(model)
     if spec.quantize is not None:  # after the cast (the scales stay float32), calibrated on sample text
         model = quantize(model, spec.quantize, calibration_run(model, tokenizer))
     kernels = pack_dense(model, spec.dense_kernel)  # float32 CPU layers only
+    compile_seconds = 0.0
+    if spec.compile:  # last: the compiled blocks do not re-check their layers (models/compiled.py)
+        compile_blocks(model)
+        compile_seconds = warm_up(model)
     longest = getattr(model.cfg, "max_tokens", model.cfg.max_positions)  # encoders: positions past an offset
     limit = min(spec.max_input_tokens or longest, longest)
-    return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started, kernels)
+    return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started, kernels,
+                       compile_seconds)

@@ -1,19 +1,24 @@
-"""Float projections through oneDNN with prepacked weights, chosen per weight shape by measurement.
+"""Float projections on CPU: MKL, oneDNN with prepacked weights, or our own panel kernels, chosen
+per weight shape by measurement.
 
 `torch.nn.functional.linear` on CPU calls MKL's sgemm. On the AMD EPYC this project was measured on
 (AVX-512, 2 threads), MKL runs SmolLM2's 30 layers of projections plus its head at 10 GB/s at one row
 and 6-9 GB/s at 2-32 rows, while oneDNN with the weight reordered once into its blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`, the path inductor's freezing uses) reaches 17-21 GB/s: a
-1.8-2.8x faster decode step at the same fp32 precision. Which library wins depends on the CPU (MKL
-is at its best on Intel), so `pack_dense(model, "auto")` times both at load on every projection, in
-sweeps over the model's layers in order (so the caches hold what a forward pass leaves in them), and
-packs the weight shapes oneDNN runs faster; "onednn" packs every float layer, "aten" leaves the
-model as it is. Only float32 weights on the CPU are packed (bf16 and CUDA keep F.linear).
+1.8-2.8x faster decode step at the same fp32 precision; our own kernels (models/panels.py, where
+the CPU has AVX-512 and a compiler built them) stream a decoder's weights at one row about 2x faster
+again. Which one wins depends on the CPU and the shape (MKL is at its best on Intel; oneDNN at a few
+hundred rows), so `pack_dense(model, "auto")` times every candidate at load on every projection, in
+sweeps over the model's layers in order (so the caches hold what a forward pass leaves in them),
+and keeps the fastest per weight shape; "panels" or "onednn" packs every float layer with that
+kernel, "aten" leaves the model as it is. Only float32 weights on the CPU are packed (bf16 and CUDA
+keep F.linear).
 
 Results: the same fp32 arithmetic in another summation order, so logits differ from F.linear's in the
 last bits (~1e-6 relative); neither library gives a row bitwise the same result at every batch size.
 A tied output head (the embedding matrix, lm_head None) gets a packed copy as its head, the lookup
-keeps the dense table: one extra head-sized matrix of memory (SmolLM2: 113 MB).
+keeps the dense table: one extra head-sized matrix of memory (SmolLM2: 113 MB). While measuring,
+each candidate holds its own copy of the weights for a moment (up to 3x the projections' memory).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .kernels import native
+from .panels import PanelLinear
 from .projections import tied_embedding
 from .spec import DenseKernel
 
@@ -91,27 +98,45 @@ class Slot:
         return tuple(self.weight.shape)  # type: ignore[return-value]
 
 
-def measure(slots: list[Slot], packed: list[PackedLinear]) -> dict[Shape, tuple[float, float]]:
-    """(aten seconds, oneDNN seconds) per weight shape, from sweeps over all the model's projections in
-    model order at PROBE_ROWS rows: each layer is timed where the model would run it, after the
-    others, so the caches hold what they would hold in a forward pass (a decoder's weights stream
-    from memory; a small translator's stay in cache, except what its output head evicts)."""
-    totals: dict[Shape, list[float]] = {slot.shape: [0.0, 0.0] for slot in slots}
+class AtenLinear(nn.Module):
+    """F.linear on a slot's dense weight, as the model computes it unpacked (a timing candidate)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, copy: bool = False) -> None:
+        super().__init__()
+        self.w, self.b = weight, bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.w, self.b)
+
+
+# kernel name -> a module built from (weight, bias, copy); "aten" leaves the slot as it is
+BUILDERS: dict[str, Callable[..., nn.Module]] = {"aten": AtenLinear, "onednn": PackedLinear, "panels": PanelLinear}
+Candidates = dict[str, list[nn.Module]]  # kernel -> one module per slot
+Timer = Callable[[list[Slot], Candidates], dict[Shape, dict[str, float]]]
+
+
+def kernels_here() -> list[str]:
+    """The float kernels this process can run: aten always, oneDNN and our panels where available."""
+    return ["aten"] + (["onednn"] if onednn_available() else []) + (["panels"] if native.available() else [])
+
+
+def measure(slots: list[Slot], candidates: Candidates) -> dict[Shape, dict[str, float]]:
+    """Seconds per weight shape and kernel, from sweeps over all the model's projections in model
+    order at PROBE_ROWS rows, one kernel at a time: each layer is timed where the model would run
+    it, after the others, so the caches hold what they would hold in a forward pass (a decoder's
+    weights stream from memory; a small translator's stay in cache, except what its head evicts)."""
+    totals: dict[Shape, dict[str, float]] = {slot.shape: dict.fromkeys(candidates, 0.0) for slot in slots}
     with torch.inference_mode():
         for rows in PROBE_ROWS:
             xs = {k: torch.randn(rows, k) for k in {slot.shape[1] for slot in slots}}
             for sweep in range(PROBE_SWEEPS + 1):  # the first sweep warms up
-                for slot in slots:
-                    start = time.perf_counter()
-                    F.linear(xs[slot.shape[1]], slot.weight, slot.bias)
-                    if sweep:
-                        totals[slot.shape][0] += time.perf_counter() - start
-                for slot, lin in zip(slots, packed, strict=True):
-                    start = time.perf_counter()
-                    lin(xs[slot.shape[1]])
-                    if sweep:
-                        totals[slot.shape][1] += time.perf_counter() - start
-    return {k: (aten, onednn) for k, (aten, onednn) in totals.items()}
+                for kernel, modules in candidates.items():
+                    for slot, module in zip(slots, modules, strict=True):
+                        start = time.perf_counter()
+                        module(xs[slot.shape[1]])
+                        if sweep:
+                            totals[slot.shape][kernel] += time.perf_counter() - start
+    return totals
 
 
 def _slots(model: nn.Module) -> list[Slot]:
@@ -124,27 +149,37 @@ def _slots(model: nn.Module) -> list[Slot]:
     return slots
 
 
-def pack_dense(model: nn.Module, kernel: DenseKernel = "auto",
-               timer: Callable[[list[Slot], list[PackedLinear]], dict[Shape, tuple[float, float]]] = measure,
-               ) -> dict[str, str]:
-    """Swap float32 CPU nn.Linear layers of `model` (in place) for PackedLinear where `kernel` says:
-    "onednn" all, "auto" the weight shapes `timer` measures faster packed, "aten" none. A tied head
-    is packed as a copy. For inference only (a packed copy does not follow training updates).
-    Returns the choice per weight shape ("NxK" -> "onednn 1.9x" | "aten 1.1x" | "onednn")."""
-    if kernel == "aten" or not onednn_available():
+def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = measure) -> dict[str, str]:
+    """Swap float32 CPU nn.Linear layers of `model` (in place) for packed ones where `kernel` says:
+    "panels" or "onednn" all (with that kernel), "auto" each weight shape with the kernel `timer`
+    measures fastest, "aten" none. A tied head is packed as a copy. For inference only (a packed copy
+    does not follow training updates). A kernel this process cannot run falls back to "auto".
+    Returns the choice per weight shape: "NxK" -> "panels 1.9x" (the winner and how much faster it
+    ran than the next best kernel) or just the kernel's name when it was not measured."""
+    here = kernels_here()
+    if kernel == "aten" or here == ["aten"]:
         return {}
+    if kernel != "auto" and kernel not in here:
+        log.warning("dense kernel %r is not available here (%s); measuring the others", kernel, here)
+        kernel = "auto"
     slots = _slots(model)
-    packed = [PackedLinear(slot.weight, slot.bias, copy=slot.copy) for slot in slots]
-    if kernel == "onednn":
-        use = dict.fromkeys((slot.shape for slot in slots), True)
-        report = {f"{n}x{k}": "onednn" for n, k in use}
+    built: Candidates = {}
+    if kernel != "auto":
+        use = {slot.shape: kernel for slot in slots}
+        report = {f"{n}x{k}": kernel for n, k in use}
     else:
-        times = timer(slots, packed)
-        use = {shape: onednn < aten for shape, (aten, onednn) in times.items()}
-        report = {f"{n}x{k}": f"onednn {aten / onednn:.2f}x" if use[(n, k)] else f"aten {onednn / aten:.2f}x"
-                  for (n, k), (aten, onednn) in times.items()}
-    for slot, lin in zip(slots, packed, strict=True):
-        if use[slot.shape]:
-            setattr(slot.parent, slot.name, lin)
+        candidates = {name: [BUILDERS[name](s.weight, s.bias, copy=s.copy) for s in slots] for name in here}
+        times = timer(slots, candidates)
+        use, report = {}, {}
+        for (n, k), seconds in times.items():
+            ranked = sorted(seconds, key=seconds.__getitem__)
+            use[(n, k)] = ranked[0]
+            report[f"{n}x{k}"] = f"{ranked[0]} {seconds[ranked[1]] / seconds[ranked[0]]:.2f}x"
+        built = candidates
+    for i, slot in enumerate(slots):
+        choice = use[slot.shape]
+        if choice != "aten":
+            module = built[choice][i] if built else BUILDERS[choice](slot.weight, slot.bias, copy=slot.copy)
+            setattr(slot.parent, slot.name, module)
     log.info("dense kernels (%s): %s", kernel, report)
     return report

@@ -31,9 +31,12 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (rows, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # (R, K, L, D)
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # (R, K, L, D)
-        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # (R,)
+        # ordinary tensors even when built under inference_mode (generate, beam search): the engine
+        # builds its cache outside it, and compiled blocks (models/compiled.py) see one kind only
+        with torch.inference_mode(False):
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # (R, K, L, D)
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # (R, K, L, D)
+            self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # (R,)
         self.rows, self.max_len = rows, max_len
 
     @classmethod
@@ -84,7 +87,7 @@ class CacheView:
     start: int
     stop: int
     step_len: int | None = None  # S of the step in progress, set by begin()
-    _slots: tuple[int, Tensor] | None = None  # (T, flat slot index (B*K*T,)) of the step in progress
+    _slots: Tensor | None = None  # flat slot index (B*K*T,) of the step in progress, set by begin()
 
     @property
     def lengths(self) -> Tensor:
@@ -103,34 +106,57 @@ class CacheView:
         return s
 
     def begin(self, t: int) -> tuple[Tensor, int]:
-        """Start a step of T new tokens per row: their positions (B, T) and S (checked once)."""
+        """Start a step of T new tokens per row: their positions (B, T) and S (checked once, the
+        step's one host synchronisation), and where its keys go in every layer."""
         self.step_len = self.key_len(t)
-        self._slots = None
-        return self.positions(t), self.step_len
+        positions = self.positions(t)  # (B, T)
+        kv_heads = self.cache.k[0].size(1) if self.cache.k else 1
+        self._slots = self._slot_index(positions, kv_heads)
+        return positions, self.step_len
 
-    def _slot_index(self, t: int, kv_heads: int) -> Tensor:
+    def _slot_index(self, positions: Tensor, kv_heads: int) -> Tensor:
         """Where the step's keys go in a layer buffer seen as (R * K * L, D): row-major offsets of
         (row, head, position) for every row, head and new token, (B * K * T,); the same for every
         layer, so a step computes it once."""
-        if self._slots is not None and self._slots[0] == t:
-            return self._slots[1]
         max_len = self.cache.max_len
-        rows = torch.arange(self.start, self.stop, device=self.cache.lengths.device)  # (B,)
+        rows = torch.arange(self.start, self.stop, device=positions.device)  # (B,)
         heads = torch.arange(kv_heads, device=rows.device)  # (K,)
         base = (rows[:, None] * kv_heads + heads[None, :]) * max_len  # (B, K)
-        index = (base[:, :, None] + self.positions(t)[:, None, :]).reshape(-1)  # (B * K * T,)
-        self._slots = (t, index)
-        return index
+        return (base[:, :, None] + positions[:, None, :]).reshape(-1)  # (B * K * T,)
+
+    def layer(self, i: int) -> LayerCache:
+        """Layer i's buffers for the step begin() started."""
+        if self._slots is None or self.step_len is None:
+            raise RuntimeError("CacheView.layer() before begin()")
+        return LayerCache(self.cache.k[i], self.cache.v[i], self._slots, self.start, self.stop, self.step_len)
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store new keys/values (B, K, T, D) of layer `layer` (starting the step if begin() was not
+        called); return the (B, K, S, D) views of past + new."""
+        if self._slots is None:
+            self.begin(k.size(2))
+        return self.layer(layer).write(k, v)
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's key/value buffers during a step: what attention reads and writes. Tensors and
+    plain ints only (no list indexing by layer), so one compiled block serves every layer."""
+
+    k: Tensor  # (R, K, L, D), contiguous
+    v: Tensor  # (R, K, L, D), contiguous
+    slots: Tensor  # (B * K * T,) flat offsets of the step's new keys (CacheView._slot_index)
+    start: int
+    stop: int
+    step_len: int  # S
+
+    def write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store new keys/values (B, K, T, D) at each row's next slots; return (B, K, S, D) views."""
-        b, kh, t, d = k.shape
-        s = self.step_len if self.step_len is not None else self.key_len(t)  # checks capacity first
-        index = self._slot_index(t, kh)  # (B * K * T,)
-        kbuf, vbuf = self.cache.k[layer], self.cache.v[layer]  # (R, K, L, D) each, contiguous
-        kbuf.view(-1, d).index_copy_(0, index, k.reshape(-1, d).to(kbuf.dtype))  # (B*K*T, D) rows copied
-        vbuf.view(-1, d).index_copy_(0, index, v.reshape(-1, d).to(vbuf.dtype))  # (B*K*T, D) rows copied
-        return kbuf[self.start:self.stop, :, :s], vbuf[self.start:self.stop, :, :s]  # (B, K, S, D) each
+        d = k.size(-1)
+        self.k.view(-1, d).index_copy_(0, self.slots, k.reshape(-1, d).to(self.k.dtype))  # (B*K*T, D) rows copied
+        self.v.view(-1, d).index_copy_(0, self.slots, v.reshape(-1, d).to(self.v.dtype))  # (B*K*T, D) rows copied
+        s = self.step_len
+        return self.k[self.start:self.stop, :, :s], self.v[self.start:self.stop, :, :s]  # (B, K, S, D) each
 
 
 @dataclass

@@ -1,4 +1,10 @@
-"""8-bit weights for every family: `quantize_int8(model)` swaps each `nn.Linear` for an `Int8Linear`.
+"""Quantized weights for every family. `quantize(model, mode)`:
+- "int8": `quantize_int8(model)` swaps each `nn.Linear` for an `Int8Linear` (below);
+- "q8_0" / "q4_1": GGUF's weight-only block formats on our CPU kernels (models/panels.py): float
+  activations, 8-bit or 4-bit weights in groups of 32 inputs; a model loaded from a GGUF file with
+  those blocks is served with exactly its own weights.
+
+int8 in detail:
 
 Weights: int8, symmetric, one scale per output channel. Activations: int8, symmetric, one scale
 per row (per token), computed from that row alone, so a row's result never depends on what it is
@@ -24,6 +30,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from .kernels import native
+from .panels import GROUP, BlockLinear
 from .projections import tied_embedding
 
 QMAX = 127.0
@@ -132,9 +140,50 @@ def quantize_int8(model: nn.Module, calibrate: Callable[[nn.Module], object] | N
     return model
 
 
+# Layers the weight-only block formats keep in float: a classifier's tiny heads (one row per text).
+BLOCK_FLOAT_LAYERS: dict[str, tuple[str, ...]] = {"EncoderModel": ("head", "head_dense")}
+
+
+def quantize_blocks(fmt: str, head_fmt: str) -> Callable[[nn.Module, Callable[[nn.Module], object] | None], nn.Module]:
+    """A quantizer that swaps every nn.Linear whose input size is a multiple of 32 for a
+    BlockLinear(fmt), the output head (an `lm_head`, or a tied embedding's copy: the lookup stays
+    float) for a BlockLinear(head_fmt). Activations stay float, so no calibration: weight-only."""
+
+    def run(model: nn.Module, calibrate: Callable[[nn.Module], object] | None = None) -> nn.Module:
+        if not native.available():
+            raise ValueError(f"quantize: {fmt} runs on this project's CPU kernels, which are not available here "
+                             "(they need AVX-512 and a C++ compiler; see the log for the reason)")
+        if next(model.parameters()).device.type != "cpu":
+            raise ValueError(f"quantize: {fmt} has CPU kernels only; use int8 or a float dtype on "
+                             f"{next(model.parameters()).device.type}")
+        keep = BLOCK_FLOAT_LAYERS.get(type(model).__name__, ())
+        for name, module in list(model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                full = f"{name}.{child_name}" if name else child_name
+                if isinstance(child, nn.Linear) and not full.endswith(keep) and child.in_features % GROUP == 0:
+                    setattr(module, child_name, BlockLinear(head_fmt if full == "lm_head" else fmt,
+                                                            child.weight, child.bias))
+        tied = tied_embedding(model)
+        if tied is not None and tied.size(1) % GROUP == 0:
+            model.lm_head = BlockLinear(head_fmt, tied, None)  # type: ignore[assignment]
+        return model
+
+    return run
+
+
 QUANTIZERS: dict[str, Callable[[nn.Module, Callable[[nn.Module], object] | None], nn.Module]] = {
     "int8": quantize_int8,
+    # GGUF's formats; in q4_1 the output head is Q8_0, as in the shipped SmolLM2 file (and llama.cpp's
+    # own Q4_1 conversions): the head's errors reach every logit directly
+    "q8_0": quantize_blocks("q8_0", "q8_0"),
+    "q4_1": quantize_blocks("q4_1", "q8_0"),
 }
+FUSE_SAFE = frozenset({"q8_0", "q4_1"})  # group-wise per output row: fusing changes no block
+
+
+def keeps_fusion(mode: str | None, model: nn.Module) -> bool:
+    """Whether `model`'s projections may be fused (models/fuse.py) before quantizing in `mode`."""
+    return mode is None or mode in FUSE_SAFE or type(model).__name__ not in UNFUSED_WHEN_QUANTIZED
 
 
 def quantize(model: nn.Module, mode: str | None, calibrate: Callable[[nn.Module], object] | None = None) -> nn.Module:

@@ -13,8 +13,8 @@ from typing import Any, Literal, get_args
 
 Task = Literal["classify", "embed", "rerank", "translate", "generate"]
 Kind = Literal["encoder", "translator", "generator"]
-Quantization = Literal["int8"]
-DenseKernel = Literal["auto", "onednn", "aten"]  # float projections on CPU: models/dense.py
+Quantization = Literal["int8", "q8_0", "q4_1"]
+DenseKernel = Literal["auto", "panels", "onednn", "aten"]  # float projections on CPU: models/dense.py
 # the kind of model (and of deployment) each task needs
 TASK_KIND: dict[str, Kind] = {"classify": "encoder", "embed": "encoder", "rerank": "encoder",
                               "translate": "translator", "generate": "generator"}
@@ -35,11 +35,17 @@ class ModelSpec:
     languages: tuple[str, str] | None = None  # translate: (source, target)
     max_input_tokens: int | None = None  # default: the model's max_positions
     defaults: Mapping[str, Any] = field(default_factory=dict)  # decoding defaults for this model
-    quantize: Quantization | None = None  # "int8": 8-bit weights and per-token activations (models/quant.py)
+    # "int8": 8-bit weights and per-token 8-bit activations; "q8_0" / "q4_1": GGUF's 8-bit / 4-bit
+    # weight blocks with float activations, on our CPU kernels (models/quant.py, models/panels.py)
+    quantize: Quantization | None = None
     fuse: bool = True  # q/k/v and gate/up as one projection each (models/fuse.py): the same results, faster
-    # float projections on CPU: "auto" measures MKL vs oneDNN per weight shape at load and packs the
-    # faster; "onednn" packs all, "aten" none (models/dense.py)
+    # float projections on CPU: "auto" measures MKL, oneDNN and our panel kernels per weight shape at
+    # load and keeps the fastest; "panels" / "onednn" packs all with that kernel, "aten" none (models/dense.py)
     dense_kernel: DenseKernel = "auto"
+    # every transformer block through torch.compile (inductor), compiled and warmed up at load
+    # (models/compiled.py): the same results to fp32 rounding, a few times faster per token at
+    # small batches on CPU; costs seconds to a minute at start-up the first time on a machine
+    compile: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -71,7 +71,8 @@ class CausalStack(nn.Module):
         if cache is not None:
             positions, s = cache.begin(t)  # (B, T), S = longest past + T
             k_pos = torch.arange(s, device=ids.device)  # (S,): a cached key's slot is its position
-            mask = causal_mask(positions, k_pos, self.window)  # (B, 1, T, S)
+            # every query sees at least its own key: no dead rows to look for (no host sync)
+            mask = AttentionMask(causal_mask(positions, k_pos, self.window), None)  # (B, 1, T, S)
         else:
             if keep is None:
                 keep = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
@@ -80,14 +81,14 @@ class CausalStack(nn.Module):
             slots = torch.arange(t, device=ids.device)  # (T,)
             # a row's real tokens are contiguous (left or right padding): slot distances are position distances
             mask = causal_mask(slots.expand(b, t), slots, self.window) & padding_mask(keep)  # (B, 1, T, T)
-        mask = AttentionMask.build(mask)  # once for every layer
+            mask = AttentionMask.build(mask)  # once for every layer
         bias = self.relative_bias(positions, k_pos) if self.relative_bias is not None else None  # (B, H, T, S)
         x = self.embed(ids, positions)  # (B, T, C)
         rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2
         cross_mask = AttentionMask.build(padding_mask(cross.src_keep)) if cross is not None else None  # (B,1,1,S)
         for i, block in enumerate(self.blocks):
             kv = cross.kv[i] if cross is not None else None
-            x = block(x, mask, rope, cache, i, kv, cross_mask, bias=bias)
+            x = block(x, mask, rope, cache.layer(i) if cache is not None else None, kv, cross_mask, bias=bias)
         return self.norm(x) if self.norm is not None else x
 
 

@@ -168,7 +168,7 @@ def test_multi_head_attention_with_rope_and_cache() -> None:
     rope = RotaryPositions(cfg.head_dim, cfg.rope_theta)(positions, torch.float32)  # (B, 1, T, D) x2
     assert rope[0].shape == (B, 1, T, cfg.head_dim)
     x = torch.randn(B, T, cfg.d_model)  # (B, T, C)
-    out = mha(x, causal_mask(positions, torch.arange(s)), rope, cache=view, layer=0)
+    out = mha(x, causal_mask(positions, torch.arange(s)), rope, cache=view.layer(0))
     assert out.shape == (B, T, cfg.d_model)
     assert torch.equal(cache.lengths, torch.zeros(B, dtype=torch.long))
     assert cache.k[0][:, :, :T].abs().sum() > 0 and cache.k[0][:, :, T:].abs().sum() == 0

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.catalog import ModelSpec, load_model
-from models.dense import PackedLinear, onednn_available, pack_dense
+from models.dense import PackedLinear, kernels_here, onednn_available, pack_dense
 from models.fuse import unfused_state_dict
 from models.kv_cache import KVCache
 from models.tiny import tiny_model
@@ -67,13 +67,16 @@ def test_packed_models_match_and_keep_their_checkpoint_layout(family: str) -> No
 def test_auto_packs_only_the_shapes_the_timer_measures_faster() -> None:
     model, _ = tiny_model("decoder")
     shapes = {tuple(m.weight.shape) for m in model.modules() if type(m) is nn.Linear}
-    slow_shape = max(shapes)  # oneDNN "slower" on this one shape only
+    slow_shape = max(shapes)  # oneDNN "slower" than MKL on this one shape only
     seen: list[int] = []
 
-    def timer(slots, packed):  # noqa: ANN001, ANN202
+    def timer(slots, candidates):  # noqa: ANN001, ANN202
         seen.append(len(slots))
-        assert len(slots) == len(packed) and slots[-1].copy  # the tied head comes last, as a copy
-        return {s.shape: (1.0, 2.0) if s.shape == slow_shape else (2.0, 1.0) for s in slots}
+        assert set(candidates) == set(kernels_here()) and all(len(c) == len(slots) for c in candidates.values())
+        assert slots[-1].copy  # the tied head comes last, as a copy
+        others = {k: 3.0 for k in candidates if k not in ("aten", "onednn")}  # our panels: slowest here
+        return {s.shape: {"aten": 1.0, "onednn": 2.0, **others} if s.shape == slow_shape
+                else {"aten": 2.0, "onednn": 1.0, **others} for s in slots}
 
     report = pack_dense(model, "auto", timer=timer)
     assert seen == [sum(type(m) is nn.Linear for m in tiny_model("decoder")[0].modules()) + 1]
@@ -83,15 +86,17 @@ def test_auto_packs_only_the_shapes_the_timer_measures_faster() -> None:
         elif isinstance(m, PackedLinear):
             assert (m.out_features, m.in_features) != slow_shape
     assert report[f"{slow_shape[0]}x{slow_shape[1]}"] == "aten 2.00x"
+    assert {v for k, v in report.items() if k != f"{slow_shape[0]}x{slow_shape[1]}"} == {"onednn 2.00x"}
 
 
-def test_the_real_timer_measures_every_shape() -> None:
-    from models.dense import _slots, measure
+def test_the_real_timer_measures_every_shape_and_kernel() -> None:
+    from models.dense import BUILDERS, _slots, measure
 
     model, _ = tiny_model("seq2seq")
     slots = _slots(model)
-    times = measure(slots, [PackedLinear(s.weight, s.bias) for s in slots])
-    assert set(times) == {s.shape for s in slots} and all(a > 0 and o > 0 for a, o in times.values())
+    times = measure(slots, {k: [BUILDERS[k](s.weight, s.bias, copy=s.copy) for s in slots] for k in kernels_here()})
+    assert set(times) == {s.shape for s in slots}
+    assert all(set(t) == set(kernels_here()) and all(v > 0 for v in t.values()) for t in times.values())
 
 
 def test_aten_leaves_the_model_alone_and_load_model_reports_its_choice() -> None:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from models.config import PRESETS, BlockConfig, DecoderConfig, EncoderConfig, RopeScaling, Seq2SeqConfig
 from models.decoder import DecoderLM
-from models.dense import onednn_available, pack_dense
+from models.dense import kernels_here, pack_dense
 from models.encoder import EncoderModel
 from models.kv_cache import KVCache
 from models.seq2seq import Seq2Seq
@@ -70,7 +70,7 @@ SEQ2SEQS: dict[str, Seq2SeqConfig] = {
         activation="relu", tie_embeddings=True, scale_head=True, d_head=None, decoder_layers=3),
 }
 MODELS: dict[str, type[nn.Module]] = {"encoder": EncoderModel, "decoder": DecoderLM, "seq2seq": Seq2Seq}
-KERNELS = ["aten", "onednn"] if onednn_available() else ["aten"]
+KERNELS = kernels_here()  # aten, and oneDNN and our panels where this machine has them
 KERNEL = "aten"  # set per test by the dense_kernel fixture
 
 

@@ -1,0 +1,95 @@
+"""Compiled transformer blocks: `compile_blocks(model)` hands every Block to torch.compile.
+
+A decode step on CPU is hundreds of small operations per token (norms, rotary, residuals, cache
+writes, the SwiGLU product) around the projections; in eager PyTorch each costs a dispatch and a
+pass over a few KB. Inductor fuses them into a few C++ loops: SmolLM2's 4-bit decode step went from
+about 22 to 12 ms on the 2-core AMD EPYC (docs/benchmarks.md).
+
+Regional compilation: each Block is compiled, not the whole model. Every block of a model runs the
+same code on its own parameters (inputs of the graph, not constants) and its own cache buffers
+(kv_cache.LayerCache), so one graph serves all layers of a stack: SmolLM2 warms up in ~15 s on 2
+cores, where compiling its 30-layer stack as one graph took about 90 s per graph (that graph ran a
+step ~25 % faster: one guard check and one call per step instead of 30; the next lever if start-up
+time allows). Sizes are symbolic (`dynamic=True`: the cache growing or a new batch size does not
+recompile); torch specialises sizes of 1 (and would assume sizes equal that were while tracing: turned off), so a block has a few graphs (one row or
+more; a prefill on an empty cache, where S = T, or a decode step), which `warm_up` builds at load,
+before the first request. Guards: all on the inputs, but on module state only the structural ones
+(MODULE_GUARDS: a submodule's type, a None, a flag, a size): checking every parameter's tensor
+metadata on each call cost ~2 ms a step, and without them blocks of another structure (a
+translator's encoder and decoder, a second model in the process) still get their own graphs. The
+parameters' values are inputs, but compile after the model's layers are final (quantized, packed):
+load_model does it last.
+
+Inductor caches its output ($TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER): a restart
+on the same machine skips most of the work. Results: the same arithmetic fused in another order,
+within ~1e-5 of eager (tests/models/test_compiled.py; the shipped models' greedy tokens are equal,
+docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from .layers import Block
+
+log = logging.getLogger("models.compiled")
+# Guards kept on module state: what tells one kind of block from another (a submodule's type, a
+# None, a flag, a head count), not the parameters' tensors or the hook dictionaries
+MODULE_GUARDS = frozenset({"TYPE_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH"})
+
+
+def structural_guards(entries: list) -> list[bool]:
+    """guard_filter_fn: every guard on inputs and globals; on modules only MODULE_GUARDS."""
+    return [not e.orig_guard.source.is_unspecialized_nn_module() or e.guard_type in MODULE_GUARDS for e in entries]
+
+
+OPTIONS = {"guard_filter_fn": structural_guards}
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """Compile every Block of `model` in place (nn.Module.compile); returns how many."""
+    # no "duck sizing": sizes that happen to be equal while tracing (a cache of 8 slots and a head
+    # dim of 8, 2 kv heads and a 2-token prompt) would otherwise be assumed equal and recompile later
+    torch.fx.experimental._config.use_duck_shape = False
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.compile(dynamic=True, options=OPTIONS)
+    return len(blocks)
+
+
+@torch.inference_mode()
+def warm_up(model: nn.Module) -> float:
+    """Run the shapes serving meets (1 and 2 rows; prefill and decode steps on a KV cache; an
+    encoder's padded batch) so their graphs compile now. Returns the seconds it took."""
+    from .decoder import DecoderLM
+    from .encoder import EncoderModel
+    from .kv_cache import KVCache
+    from .seq2seq import Seq2Seq
+
+    started = time.perf_counter()
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    for rows in (1, 2):
+        src = torch.full((rows, 3), 3, dtype=torch.long, device=device)  # (B, 3)
+        keep = torch.ones_like(src, dtype=torch.bool)  # (B, 3)
+        keep[-1, -1] = rows == 1  # with two rows, one padded
+        if isinstance(model, EncoderModel):
+            model.embed(src, keep)
+            continue
+        cache = KVCache.for_model(model.cfg, rows, 8, dtype=dtype, device=device)
+        cross = model.cross_cache(model.encode(src, keep), keep) if isinstance(model, Seq2Seq) else None
+        # a decoder: a prefill on an empty cache (S = T >= 2), then decode steps (T = 1, S > 1);
+        # a translator: decode steps from the start token (S = 1, then S > 1)
+        for t in (1, 1, 1) if cross is not None else (2, 1, 1):
+            ids = torch.full((rows, t), 3, dtype=torch.long, device=device)  # (B, T)
+            if isinstance(model, DecoderLM):
+                model(ids, cache=cache.view())
+            elif cross is not None:
+                model.decode(ids, cross, cache=cache.view())
+            cache.advance(t)
+    seconds = time.perf_counter() - started
+    log.info("compiled blocks warmed up in %.1f s", seconds)
+    return seconds

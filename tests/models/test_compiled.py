@@ -1,0 +1,109 @@
+"""Compiled blocks (models/compiled.py): the eager model's results to fp32 rounding for every family,
+greedy and beam outputs unchanged, no recompilation once warmed up (new batch sizes, longer caches),
+and blocks of different structure in one process each running their own graph."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from models.beam_search import BeamParams, translate_ids
+from models.catalog import ModelSpec, load_model
+from models.compiled import compile_blocks, warm_up
+from models.decoding import SamplingParams
+from models.generate import generate
+from models.kernels import native
+from models.kv_cache import KVCache
+from models.quant import quantize
+from models.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+CLOSE = dict(atol=1e-5, rtol=1e-5)
+
+
+def compiled(family: str, mode: str | None = None):  # noqa: ANN201
+    """(eager, compiled) copies of one tiny model, the compiled one warmed up."""
+    eager, _ = tiny_model(family)
+    model, _ = tiny_model(family)
+    if mode is not None:
+        quantize(eager, mode)
+        quantize(model, mode)
+    compile_blocks(model)
+    warm_up(model)
+    return eager, model
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def decode_steps(model, prompts: list[list[int]], steps: int) -> torch.Tensor:  # noqa: ANN001
+    """Prefill right-padded prompts on a cache, then `steps` decode steps: logits (B, steps + 1, V)."""
+    b, t = len(prompts), max(map(len, prompts))
+    ids = torch.tensor([p + [0] * (t - len(p)) for p in prompts])  # (B, T)
+    last = torch.tensor([len(p) - 1 for p in prompts])
+    cache = KVCache.for_model(model.cfg, b, t + steps + 1)
+    with torch.inference_mode():
+        out = [model(ids, cache=cache.view(), last=last)[:, 0]]
+        cache.advance(last + 1)
+        for i in range(steps):
+            out.append(model(torch.full((b, 1), 5 + i), cache=cache.view())[:, 0])
+            cache.advance(1)
+    return torch.stack(out, 1)
+
+
+def test_a_compiled_decoder_matches_eager_and_does_not_recompile_once_warm() -> None:
+    eager, model = compiled("decoder")
+    before = graphs()
+    for prompts in ([[5, 6, 7]], [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]], [[20 + i] * (i + 2) for i in range(5)]):
+        torch.testing.assert_close(decode_steps(model, prompts, 6), decode_steps(eager, prompts, 6), **CLOSE)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
+    assert [g.tokens for g in generate(model, prompts, params)] == [g.tokens for g in generate(eager, prompts, params)]
+    assert graphs() == before  # batch sizes 1-5, prompts 2-6 tokens, caches up to 19: the warm-up's graphs
+
+
+def test_a_compiled_translator_gives_the_same_beams() -> None:
+    eager, model = compiled("seq2seq")
+    before = graphs()
+    sources = [[5, 6, 7, 2], [8, 9, 10, 11, 12, 2], [13, 2]]
+    for beam in (1, 4):
+        params = BeamParams(beam, 10)
+        assert translate_ids(model, sources, params) == translate_ids(eager, sources, params)
+        assert translate_ids(model, sources[:1], params) == translate_ids(eager, sources[:1], params)
+    assert graphs() == before
+
+
+def test_a_compiled_encoder_matches_eager_on_padded_batches() -> None:
+    eager, model = compiled("encoder")
+    ids = torch.randint(3, 200, (4, 9))
+    keep = torch.arange(9)[None, :] < torch.tensor([[9], [4], [1], [7]])  # (4, 9)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.embed(ids, keep), eager.embed(ids, keep), **CLOSE)
+        torch.testing.assert_close(model.embed(ids[:1], keep[:1]), eager.embed(ids[:1], keep[:1]), **CLOSE)
+
+
+@pytest.mark.skipif(not native.available() and not os.environ.get("REQUIRE_NATIVE_KERNELS"),
+                    reason="no AVX-512 CPU or no compiler for the native kernels")
+def test_blocks_of_another_structure_in_the_same_process_get_their_own_graphs() -> None:
+    """Guards on module state are reduced to the structural ones: a float and a 4-bit decoder
+    (different projection modules, same Block code) must not share a graph."""
+    float_eager, float_model = compiled("decoder")
+    q4_eager, q4_model = compiled("decoder", "q4_1")
+    prompts = [[5, 6, 7], [8, 9]]
+    for eager, model in ((float_eager, float_model), (q4_eager, q4_model), (float_eager, float_model)):
+        torch.testing.assert_close(decode_steps(model, prompts, 4), decode_steps(eager, prompts, 4), **CLOSE)
+
+
+def test_load_model_compiles_when_the_spec_says_so() -> None:
+    spec = ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", compile=True)
+    loaded = load_model(spec, Path("/nonexistent"))
+    assert 0 < loaded.compile_seconds <= loaded.load_seconds
+    assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None
+               for b in loaded.model.stack.blocks)
+    assert load_model(ModelSpec(name="g", tasks=("generate",), source="tiny:decoder"),
+                      Path("/nonexistent")).compile_seconds == 0.0

@@ -1,0 +1,118 @@
+"""Our CPU projection kernels (models/kernels/panels.cpp, models/panels.py): the products F.linear
+computes on the same (dequantized) weights, bitwise the same for a row alone and in any batch, and
+GGUF's Q4_1 / Q8_0 blocks exactly as llama.cpp's reference quantizers make them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.kernels import native
+from models.panels import BlockLinear, PanelLinear, dequantize, quantize_q4_1, quantize_q8_0
+
+# CI sets REQUIRE_NATIVE_KERNELS=1 (.ci/run): there a missing build fails instead of skipping
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(not native.available() and not os.environ.get("REQUIRE_NATIVE_KERNELS"),
+                                 reason="no AVX-512 CPU or no compiler for the native kernels")]
+
+SHAPES = [(96, 64), (40, 32), (3, 384), (257, 128)]  # whole panels, a partial one, a tiny head, a 1-output tail
+ROWS = (1, 2, 7, 8, 9, 17)  # one pass, a partial pass, several passes of 8 rows
+
+
+def test_the_kernels_are_built_here() -> None:
+    assert native.available()
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_float_panels_match_linear_and_give_the_weight_back(n: int, k: int, bias: bool) -> None:
+    torch.manual_seed(n + k)
+    lin = nn.Linear(k, n, bias=bias)
+    panel = PanelLinear(lin.weight, lin.bias)
+    with torch.inference_mode():
+        for m in ROWS:
+            x = torch.randn(m, k)
+            torch.testing.assert_close(panel(x), lin(x), atol=1e-5, rtol=1e-5)
+        x = torch.randn(2, 5, k)
+        assert panel(x).shape == (2, 5, n)
+    assert torch.equal(panel.weight, lin.weight.detach())
+    fresh = nn.Linear(k, n, bias=bias)
+    fresh.load_state_dict(panel.state_dict(), strict=True)
+    assert torch.equal(fresh.weight, lin.weight)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_block_formats_compute_with_their_dequantized_weights(fmt: str, n: int, k: int) -> None:
+    torch.manual_seed(n * k)
+    w, b = torch.randn(n, k), torch.randn(n)
+    lin = BlockLinear(fmt, w, b)
+    dense = lin.weight  # (N, K): what the blocks stand for
+    step = 1 / 15 if fmt == "q4_1" else 1 / 127  # half a quantization step of the widest group, relative
+    assert (dense - w).abs().max() <= (w.abs().max() * 2) * step / 2 + 1e-6
+    with torch.inference_mode():
+        for m in ROWS:
+            x = torch.randn(m, k)
+            torch.testing.assert_close(lin(x), F.linear(x, dense, b), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", [lambda w: PanelLinear(w, None), lambda w: BlockLinear("q4_1", w, None),
+                                  lambda w: BlockLinear("q8_0", w, None)], ids=["f32", "q4_1", "q8_0"])
+def test_a_row_gives_the_same_bits_alone_and_in_any_batch(make) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    lin = make(torch.randn(200, 256))
+    x = torch.randn(33, 256)
+    with torch.inference_mode():
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(33)])
+        for m in (2, 8, 9, 33):
+            assert torch.equal(lin(x[:m]), alone[:m])
+
+
+def test_quantizers_follow_llama_cpp_reference_rounding() -> None:
+    group = torch.linspace(-1.0, 2.0, 32)[None, :]  # (1, 32): min -1, max 2
+    q, d, m = quantize_q4_1(group)
+    assert d.item() == pytest.approx(3 / 15, rel=1e-3) and m.item() == -1.0
+    assert q.min().item() == 0 and q.max().item() == 15  # the group's ends map to the ends of the code range
+    expected = ((group - group.min()) / (3 / 15) + 0.5).floor().clamp(0, 15)
+    assert torch.equal(q.float(), expected)
+    q8, d8 = quantize_q8_0(torch.tensor([[0.5, -1.0, 0.25] + [0.0] * 29]))
+    assert d8.item() == pytest.approx(1 / 127, rel=1e-3) and q8[0, :3].tolist() == [64, -127, 32]  # 63.5 -> 64
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_requantizing_dequantized_blocks_gives_the_same_blocks(fmt: str) -> None:
+    """What lets `quantize: q4_1` serve a Q4_1 GGUF with exactly its weights: the file's blocks,
+    dequantized to float by our importer, quantize back to themselves."""
+    torch.manual_seed(1)
+    w = torch.randn(64, 128)
+    if fmt == "q4_1":
+        q, d, m = quantize_q4_1(w)
+        again = quantize_q4_1(dequantize(fmt, q, d, m))
+        original = (q, d, m)
+    else:
+        q, d = quantize_q8_0(w)
+        again = quantize_q8_0(dequantize(fmt, q, d))
+        original = (q, d)
+    assert all(torch.equal(a, b) for a, b in zip(original, again, strict=True))
+
+
+def test_the_blocks_come_back_out_of_the_panels() -> None:
+    torch.manual_seed(2)
+    w = torch.randn(70, 96)
+    q, d, m = quantize_q4_1(w)
+    back = BlockLinear("q4_1", w, None).blocks()
+    assert torch.equal(back[0], q) and torch.equal(back[1], d) and torch.equal(back[2], m)
+
+
+def test_wrong_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        BlockLinear("q4_1", torch.randn(8, 48), None)
+    with pytest.raises(ValueError, match="unknown block format"):
+        BlockLinear("q5_0", torch.randn(8, 64), None)
+    lin = PanelLinear(torch.randn(8, 64), None)
+    with pytest.raises(RuntimeError, match="wrong dtype, layout or shape"):
+        torch.ops.ts_panels.linear_f32(torch.randn(2, 63), lin.panels, None, 8)
