@@ -39,6 +39,7 @@ from .layers import Block
 log = logging.getLogger("models.compiled")
 # Guards kept on module state: what tells one kind of block from another (a submodule's type, a
 # None, a flag, a head count), not the parameters' tensors or the hook dictionaries
+RECOMPILE_LIMIT = 64
 MODULE_GUARDS = frozenset({"TYPE_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH"})
 
 
@@ -55,6 +56,9 @@ def compile_blocks(model: nn.Module) -> int:
     # no "duck sizing": sizes that happen to be equal while tracing (a cache of 8 slots and a head
     # dim of 8, 2 kv heads and a 2-token prompt) would otherwise be assumed equal and recompile later
     torch.fx.experimental._config.use_duck_shape = False
+    # graphs are kept per code object, and every Block shares one: a translator's encoder and decoder
+    # blocks and their 1-row / n-row, first-step / later-step variants pass torch's default of 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
         block.compile(dynamic=True, options=OPTIONS)

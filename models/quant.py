@@ -153,9 +153,12 @@ def quantize_blocks(fmt: str, head_fmt: str) -> Callable[[nn.Module, Callable[[n
         if not native.available():
             raise ValueError(f"quantize: {fmt} runs on this project's CPU kernels, which are not available here "
                              "(they need AVX-512 and a C++ compiler; see the log for the reason)")
-        if next(model.parameters()).device.type != "cpu":
-            raise ValueError(f"quantize: {fmt} has CPU kernels only; use int8 or a float dtype on "
-                             f"{next(model.parameters()).device.type}")
+        weight = next(model.parameters())
+        if weight.device.type != "cpu":
+            raise ValueError(f"quantize: {fmt} has CPU kernels only; use int8 or a float dtype on {weight.device.type}")
+        if weight.dtype != torch.float32:  # blocks of bf16-rounded weights would not be the file's own
+            raise ValueError(f"quantize: {fmt} computes in float32; the model was cast to {weight.dtype} "
+                             "(set dtype: float32)")
         keep = BLOCK_FLOAT_LAYERS.get(type(model).__name__, ())
         for name, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):

@@ -8,7 +8,8 @@ Work is {"kind": "encode", "ids": [[...]]}  (or "batches": [ids, ids, ...]: one 
 come from our tokenizer, so every engine gets the same input ({"kind": "tokenize" | "detokenize"} asks
 our worker for them).
 
-Engines: ours (MODE fp32 | int8) for encoder / translator / generator, onnxruntime (MODE fp32 | int8,
+Engines: ours (MODE fp32 | int8 | q8_0 | q4_1, "+compiled" for compiled blocks) for encoder /
+translator / generator, onnxruntime (MODE fp32 | int8,
 PATH = the .onnx file), ctranslate2 (MODE = its compute type, PATH = the converted model folder).
 """
 
@@ -42,7 +43,9 @@ def ours(model_kind: str, mode: str) -> Callable[[dict[str, Any]], Any]:
     from models.inputs import PaddedBatch
 
     torch.set_num_threads(_threads())
-    spec = dataclasses.replace(DEFAULT_SPECS[model_kind], quantize=None if mode == "fp32" else mode)
+    precision, *flags = mode.split("+")  # e.g. "q4_1+compiled": quantize q4_1, compiled blocks
+    spec = dataclasses.replace(DEFAULT_SPECS[model_kind], quantize=None if precision == "fp32" else precision,
+                               compile="compiled" in flags)
     lm = load_model(spec, zoo.default_cache_dir())
     model, cfg = lm.model, lm.model.cfg
     banned = sorted({t for t in (cfg.pad_token_id, getattr(cfg, "decoder_start_token_id", None)) if t is not None}

@@ -42,12 +42,12 @@ def test_peers_smoke_converts_checks_and_tabulates(tmp_path: Path) -> None:
     assert n >= 8 and tr["identical"]["beam 4"]["ctranslate2 fp32"] == n
     assert tr["identical"]["beam 1"]["ctranslate2 fp32"] == n
     for table, unit in ((enc["texts_per_s"], "batch"), (tr["sentences_per_s"], "batch")):
-        assert set(table) >= {"ours fp32", "ours int8"}
+        assert set(table) >= {"ours fp32", "ours int8", "ours q8_0"}
         assert all(v > 0 and unit in k for per in table.values() for k, v in per.items())
     assert result["versions"]["ctranslate2"] and result["versions"]["onnxruntime"]
     text = docs.read_text()
     assert "not ours to touch" in text and text.count("bench-peers:begin") == 1
-    assert "| 1 |" in text and "ours / ORT" in text and "ours / CT2" in text
+    assert "| 1 |" in text and "best float / ORT fp32" in text and "best 8-bit / CT2 int8" in text
     # a rerun replaces the block instead of adding a second one
     update_docs(docs, markdown(result, "a rerun"), marker="bench-peers")
     text = docs.read_text()
