@@ -18,6 +18,7 @@ Loaders are looked up in a registry dict by scheme.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,13 +30,16 @@ from . import zoo
 from .architectures import BUILTIN_DIR
 from .calibration import calibration_run
 from .checkpoints.format import load_checkpoint, load_state_strict
-from .compiled import compile_blocks, warm_up
+from .compiled import compile_blocks, uncompile_blocks, warm_up
 from .dense import pack_dense
 from .fuse import fuse_projections
+from .kernels import native
+from .panels import BLOCK_FORMATS
 from .quant import keeps_fusion, quantize
 from .spec import DEFAULT_SPECS, ModelSpec
 from .text import TextTokenizer
 
+log = logging.getLogger("models.catalog")
 __all__ = ["DEFAULT_SPECS", "LOADERS", "LoadedModel", "ModelSpec", "load_model", "resolve_dir"]
 
 
@@ -52,6 +56,7 @@ class LoadedModel:
     load_seconds: float = 0.0
     kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/dense.py)
     compile_seconds: float = 0.0  # of load_seconds, compiling and warming up the blocks (spec.compile)
+    quantize: str | None = None  # the quantization in effect (spec.quantize, unless it could not run here)
 
     @property
     def device(self) -> torch.device:
@@ -154,16 +159,26 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
     if spec.tokenizer is not None:
         tokenizer = TextTokenizer.from_file(resolve_dir(spec.tokenizer, cache_dir))
     model = model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
-    if spec.fuse and keeps_fusion(spec.quantize, model):
+    mode = spec.quantize
+    if mode in BLOCK_FORMATS and torch.device(device).type == "cpu" and not native.available():
+        # a machine without AVX-512 or g++: the float32 weights (for a GGUF of these blocks, the same values)
+        log.warning("%s: quantize %s needs this project's CPU kernels, which are not available here (see the "
+                    "log above); serving its float32 weights instead", spec.name, mode)
+        mode = None
+    if spec.fuse and keeps_fusion(mode, model):
         model = fuse_projections(model)
-    if spec.quantize is not None:  # after the cast (the scales stay float32), calibrated on sample text
-        model = quantize(model, spec.quantize, calibration_run(model, tokenizer))
+    if mode is not None:  # after the cast (the scales stay float32), calibrated on sample text
+        model = quantize(model, mode, calibration_run(model, tokenizer))
     kernels = pack_dense(model, spec.dense_kernel)  # float32 CPU layers only
     compile_seconds = 0.0
     if spec.compile:  # last: the compiled blocks do not re-check their layers (models/compiled.py)
         compile_blocks(model)
-        compile_seconds = warm_up(model)
+        try:
+            compile_seconds = warm_up(model)
+        except Exception as e:  # noqa: BLE001 - no C++ compiler for inductor, an unsupported op: run eager
+            uncompile_blocks(model)
+            log.warning("%s: compiling its blocks failed, serving them eager: %s", spec.name, str(e)[:300])
     longest = getattr(model.cfg, "max_tokens", model.cfg.max_positions)  # encoders: positions past an offset
     limit = min(spec.max_input_tokens or longest, longest)
     return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started, kernels,
-                       compile_seconds)
+                       compile_seconds, mode)

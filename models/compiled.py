@@ -65,6 +65,13 @@ def compile_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
+def uncompile_blocks(model: nn.Module) -> None:
+    """Undo compile_blocks: every Block runs eager again."""
+    for m in model.modules():
+        if isinstance(m, Block):
+            m._compiled_call_impl = None
+
+
 @torch.inference_mode()
 def warm_up(model: nn.Module) -> float:
     """Run the shapes serving meets (1 and 2 rows; prefill and decode steps on a KV cache; an

@@ -107,3 +107,18 @@ def test_load_model_compiles_when_the_spec_says_so() -> None:
                for b in loaded.model.stack.blocks)
     assert load_model(ModelSpec(name="g", tasks=("generate",), source="tiny:decoder"),
                       Path("/nonexistent")).compile_seconds == 0.0
+
+
+def test_a_model_whose_blocks_fail_to_compile_is_served_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    import models.catalog
+
+    def broken(model) -> float:  # noqa: ANN001 - as when inductor finds no C++ compiler
+        raise RuntimeError("no working C++ compiler found")
+
+    monkeypatch.setattr(models.catalog, "warm_up", broken)
+    loaded = load_model(ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", compile=True),
+                        Path("/nonexistent"))
+    assert loaded.compile_seconds == 0.0
+    assert all(b._compiled_call_impl is None for b in loaded.model.stack.blocks)
+    eager, _ = tiny_model("decoder")
+    torch.testing.assert_close(decode_steps(loaded.model, [[5, 6]], 2), decode_steps(eager, [[5, 6]], 2), **CLOSE)

@@ -196,3 +196,14 @@ def test_block_modes_say_why_they_cannot_run(monkeypatch: pytest.MonkeyPatch) ->
     model, _ = tiny_model("decoder")
     with pytest.raises(ValueError, match="quantize: q4_1 runs on this project's CPU kernels"):
         quantize(model, "q4_1")
+
+
+def test_load_model_serves_float_weights_where_the_block_kernels_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine without AVX-512 or g++ still serves the model (for a GGUF of these blocks: the same
+    weight values), and says which quantization is in effect."""
+    monkeypatch.setattr(native, "available", lambda: False)
+    loaded = load_model(ModelSpec(name="q", tasks=("generate",), source="tiny:decoder", quantize="q4_1"),
+                        Path("/nonexistent"))
+    assert loaded.quantize is None and not any(isinstance(m, BlockLinear) for m in loaded.model.modules())
+    assert load_model(ModelSpec(name="q", tasks=("generate",), source="tiny:decoder", quantize="int8"),
+                      Path("/nonexistent")).quantize == "int8"
