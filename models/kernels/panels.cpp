@@ -14,7 +14,8 @@
 //         d, mn (P, K / 32, 32) float16: w = q * d + mn per group of 32 inputs (GGUF's Q4_1)
 //   q8_0  q (P, K, 32) int8, d (P, K / 32, 32) float16: w = q * d per group of 32 (GGUF's Q8_0)
 // Activations stay float32; the AVX-512 code is compiled for that target only and called only where
-// the CPU has it (models/kernels/native.py checks).
+// the CPU has it (models/kernels/native.py checks). A block format at more rows than one pass decodes
+// each panel to float32 once per call and runs the float passes on it (same values, same bits).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -79,6 +81,24 @@ struct Q41 {
   const uint8_t* q;
   const uint16_t* d;
   const uint16_t* mn;
+  // panel p decoded to float32 (K, 32) into out: for many rows, decoded once instead of once per pass
+  TS_AVX512 void decode(int64_t p, int64_t K, float* out) const {
+    const uint8_t* qp = q + p * K * 16;
+    const uint16_t* dp = d + p * K;
+    const uint16_t* mp = mn + p * K;
+    const __m512i low = _mm512_set1_epi32(0xF);
+    for (int64_t g = 0; g < K / GROUP; ++g) {
+      const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * NR)));
+      const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * NR + 16)));
+      const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + g * NR)));
+      const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + g * NR + 16)));
+      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k * 16)));
+        _mm512_storeu_ps(out + k * NR, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d0, m0));
+        _mm512_storeu_ps(out + k * NR + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1));
+      }
+    }
+  }
   template <int R>
   TS_AVX512 void tile(int64_t p, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy, const float* bias,
                       int64_t nvalid) const {
@@ -107,6 +127,20 @@ struct Q41 {
 struct Q80 {
   const int8_t* q;
   const uint16_t* d;
+  TS_AVX512 void decode(int64_t p, int64_t K, float* out) const {
+    const int8_t* qp = q + p * K * NR;
+    const uint16_t* dp = d + p * K;
+    for (int64_t g = 0; g < K / GROUP; ++g) {
+      const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * NR)));
+      const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * NR + 16)));
+      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
+        _mm512_storeu_ps(out + k * NR, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k * NR)))), d0));
+        _mm512_storeu_ps(out + k * NR + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k * NR + 16)))), d1));
+      }
+    }
+  }
   template <int R>
   TS_AVX512 void tile(int64_t p, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy, const float* bias,
                       int64_t nvalid) const {
@@ -135,7 +169,30 @@ void pass(const Kernel& kernel, int64_t p, const float* x, int64_t K, float* y, 
   kernel.template tile<R>(p, x, K, K, y, N, bias, nvalid);
 }
 
-// y (M, N) = x (M, K) against P panels; parallel over panels, rows in passes of up to MR.
+template <typename Kernel>
+void panel_rows(const Kernel& kernel, int64_t p, const float* xp, int64_t M, int64_t K, float* yo, int64_t N,
+                const float* bp, int64_t nvalid) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) pass<MR>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid);
+  switch (M - m) {
+    case 7: pass<7>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
+    case 6: pass<6>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
+    case 5: pass<5>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
+    case 4: pass<4>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
+    case 3: pass<3>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
+    case 2: pass<2>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
+    case 1: pass<1>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
+    default: break;
+  }
+}
+
+template <typename Kernel>
+constexpr bool has_decode = !std::is_same_v<Kernel, F32>;
+
+// y (M, N) = x (M, K) against P panels; parallel over panels, rows in passes of up to MR. A block
+// format with more rows than one pass decodes each panel to float32 once (into a buffer that stays in
+// L2) and runs the float passes on it: the same products in the same order, so the same bits as
+// decoding inside every pass.
 template <typename Kernel>
 at::Tensor run(const Kernel& kernel, const at::Tensor& x, int64_t P, int64_t N, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous float32 matrix");
@@ -150,22 +207,19 @@ at::Tensor run(const Kernel& kernel, const at::Tensor& x, int64_t P, int64_t N, 
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> decoded;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t nvalid = std::min<int64_t>(NR, N - p * NR);
       const float* bp = b == nullptr ? nullptr : b + p * NR;
-      float* yo = yp + p * NR;
-      int64_t m = 0;
-      for (; m + MR <= M; m += MR) pass<MR>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid);
-      switch (M - m) {
-        case 7: pass<7>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
-        case 6: pass<6>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
-        case 5: pass<5>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
-        case 4: pass<4>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
-        case 3: pass<3>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
-        case 2: pass<2>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
-        case 1: pass<1>(kernel, p, xp + m * K, K, yo + m * N, N, bp, nvalid); break;
-        default: break;
+      if constexpr (has_decode<Kernel>) {
+        if (M > MR) {
+          decoded.resize(K * NR);
+          kernel.decode(p, K, decoded.data());
+          panel_rows(F32{decoded.data()}, 0, xp, M, K, yp + p * NR, N, bp, nvalid);
+          continue;
+        }
       }
+      panel_rows(kernel, p, xp, M, K, yp + p * NR, N, bp, nvalid);
     }
   });
   return y;
