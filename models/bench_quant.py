@@ -1,8 +1,10 @@
-"""fp32 vs 8-bit (models/quant.py) on the default models, side by side in one run: speed and loss.
+"""fp32 vs the quantized modes (models/quant.py) on the default models, side by side in one run.
 
-    python -m models.bench_quant [--quick] [--threads 2] [--json out.json]     (make bench-quant)
+    python -m models.bench_quant [--modes int8,q8_0,q4_1] [--quick] [--threads 2] [--json out.json]
+                                                                                  (make bench-quant)
 
-Each model is loaded twice (fp32, and with `quantize: int8`); timed runs alternate between the two.
+Each model is loaded in fp32 and in every mode (`quantize: int8` / `q8_0` / `q4_1`, eager, as the
+default specs otherwise are); timed runs alternate between them. Quality is each mode against fp32.
 - SmolLM2-135M: greedy decoding tokens/s at batch 1 / 8 / 32 (models.generate, 32 new tokens);
   perplexity on held-out English text (the running text of the translator's 1,000 test sentences,
   which no model here was trained on); the greedy answer to "What is the capital of France?".
@@ -40,7 +42,7 @@ from .train.eval_translator import read_test, translate_all
 
 log = logging.getLogger("bench.quant")
 TEST_SET = BUILTIN_DIR / "translator-en-es" / "test.tsv"
-MODES = (None, "int8")
+MODES = ("int8", "q8_0", "q4_1")  # against fp32
 
 
 def _name(mode: str | None) -> str:
@@ -60,12 +62,15 @@ def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, f
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
-def load_pair(name: str, cache_dir: Path) -> dict[str, LoadedModel]:
-    return {_name(m): load_model(dataclasses.replace(DEFAULT_SPECS[name], quantize=m), cache_dir) for m in MODES}
+def load_pair(name: str, cache_dir: Path, modes: tuple[str, ...] = MODES) -> dict[str, LoadedModel]:
+    """fp32 and each mode of `modes`, by name."""
+    return {_name(m): load_model(dataclasses.replace(DEFAULT_SPECS[name], quantize=m), cache_dir)
+            for m in (None, *modes)}
 
 
-def bench_generator(cache_dir: Path, sentences: list[str], quick: bool, rng: random.Random) -> dict[str, Any]:
-    lms = load_pair("generator", cache_dir)
+def bench_generator(cache_dir: Path, sentences: list[str], quick: bool, rng: random.Random,
+                    modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+    lms = load_pair("generator", cache_dir, modes)
     tok = lms["fp32"].tokenizer
     rows = []
     new = 8 if quick else 32
@@ -102,8 +107,9 @@ def perplexity(lm: LoadedModel, ids: list[int], window: int) -> float:
     return math.exp(nll / n)
 
 
-def bench_encoder(cache_dir: Path, sentences: list[str], quick: bool, rng: random.Random) -> dict[str, Any]:
-    lms = load_pair("encoder", cache_dir)
+def bench_encoder(cache_dir: Path, sentences: list[str], quick: bool, rng: random.Random,
+                  modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+    lms = load_pair("encoder", cache_dir, modes)
     tok, pad = lms["fp32"].tokenizer, lms["fp32"].model.cfg.pad_token_id or 0
     rows = []
     for b in (1, 8, 32):
@@ -124,17 +130,20 @@ def bench_encoder(cache_dir: Path, sentences: list[str], quick: bool, rng: rando
                 vecs.append(v)
                 labs += lm.model.head(v).argmax(-1).tolist()
             pooled[k], labels[k] = torch.cat(vecs), labs
-    cos = torch.nn.functional.cosine_similarity(pooled["fp32"], pooled["int8"], dim=-1)
-    same = sum(a == b for a, b in zip(labels["fp32"], labels["int8"], strict=True)) / len(texts)
-    log.info("encoder: same label %.4f, min cosine %.4f", same, cos.min().item())
-    return {"speed_texts_per_s": rows, "texts": len(texts), "same_label": same, "min_cosine": cos.min().item(),
-            "mean_cosine": cos.mean().item()}
+    quality = {}
+    for k in lms:
+        cos = torch.nn.functional.cosine_similarity(pooled["fp32"], pooled[k], dim=-1)
+        same = sum(a == b for a, b in zip(labels["fp32"], labels[k], strict=True)) / len(texts)
+        quality[k] = {"same_label": same, "min_cosine": cos.min().item(), "mean_cosine": cos.mean().item()}
+        log.info("encoder %s: same label %.4f, min cosine %.4f", k, same, cos.min().item())
+    return {"speed_texts_per_s": rows, "texts": len(texts), "quality": quality}
 
 
-def bench_translator(cache_dir: Path, quick: bool, rng: random.Random) -> dict[str, Any]:
+def bench_translator(cache_dir: Path, quick: bool, rng: random.Random,
+                     modes: tuple[str, ...] = MODES) -> dict[str, Any]:
     import sacrebleu
 
-    lms = load_pair("translator", cache_dir)
+    lms = load_pair("translator", cache_dir, modes)
     tok, cfg = lms["fp32"].tokenizer, lms["fp32"].model.cfg
     banned = sorted({t for t in (cfg.pad_token_id, cfg.decoder_start_token_id) if t is not None} - {cfg.eos_token_id})
     sources, refs = read_test(TEST_SET)
@@ -158,26 +167,34 @@ def bench_translator(cache_dir: Path, quick: bool, rng: random.Random) -> dict[s
 
 
 def render(result: dict[str, Any]) -> str:
+    modes = [m for m in result["generator"]["quality"] if m != "fp32"]
     lines = [f"CPU: {result['cpu']}; torch {result['torch']}, {result['threads']} threads", "",
-             "| model | work | batch | fp32 | int8 | int8 / fp32 |", "|---|---|---:|---:|---:|---:|"]
+             "| model | work | batch | fp32 | " + " | ".join(modes) + " | " + " | ".join(f"{m} / fp32" for m in modes)
+             + " |", "|---|---|---:|" + "---:|" * (1 + 2 * len(modes))]
     for model, key, unit in (("SmolLM2-135M", "generator", "greedy decode, tokens/s"),
                              ("MiniLM + head", "encoder", "forward, texts/s"),
                              ("translator", "translator", "beam 4, sentences/s")):
         speed = next(v for k, v in result[key].items() if k.startswith("speed"))
         for r in speed:
-            lines.append(f"| {model} | {unit} | {r['batch']} | {r['fp32']:.1f} | {r['int8']:.1f} | "
-                         f"{r['int8'] / r['fp32']:.2f}x |")
+            lines.append(f"| {model} | {unit} | {r['batch']} | {r['fp32']:.1f} | "
+                         + " | ".join(f"{r[m]:.1f}" for m in modes) + " | "
+                         + " | ".join(f"{r[m] / r['fp32']:.2f}x" for m in modes) + " |")
     g, e, t = result["generator"], result["encoder"], result["translator"]
-    lines += ["", "| model | quality measure | fp32 | int8 |", "|---|---|---:|---:|",
-              f"| SmolLM2-135M | perplexity, {g['tokens_scored']} held-out tokens | "
-              f"{g['quality']['fp32']['perplexity']:.3f} | {g['quality']['int8']['perplexity']:.3f} |",
-              f"| SmolLM2-135M | capital of France (greedy) | {g['quality']['fp32']['capital_answer']!r} | "
-              f"{g['quality']['int8']['capital_answer']!r} |",
-              f"| MiniLM + head | same label as fp32, {e['texts']} texts | 1.000 | {e['same_label']:.3f} |",
-              f"| MiniLM + head | embedding cosine to fp32 (min / mean) | 1 | {e['min_cosine']:.4f} / "
-              f"{e['mean_cosine']:.4f} |",
-              f"| translator | chrF, beam 4, {t['sentences']} test sentences | {t['chrf_beam4']['fp32']:.2f} | "
-              f"{t['chrf_beam4']['int8']:.2f} |"]
+
+    def row(name: str, measure: str, cell: Callable[[str], str]) -> str:
+        return f"| {name} | {measure} | " + " | ".join(cell(m) for m in ["fp32", *modes]) + " |"
+
+    lines += ["", "| model | quality measure | fp32 | " + " | ".join(modes) + " |",
+              "|---|---|---:|" + "---:|" * len(modes),
+              row("SmolLM2-135M", f"perplexity, {g['tokens_scored']} held-out tokens",
+                  lambda m: f"{g['quality'][m]['perplexity']:.3f}"),
+              row("SmolLM2-135M", "capital of France (greedy)", lambda m: repr(g["quality"][m]["capital_answer"])),
+              row("MiniLM + head", f"same label as fp32, {e['texts']} texts",
+                  lambda m: f"{e['quality'][m]['same_label']:.3f}"),
+              row("MiniLM + head", "embedding cosine to fp32 (min / mean)",
+                  lambda m: f"{e['quality'][m]['min_cosine']:.4f} / {e['quality'][m]['mean_cosine']:.4f}"),
+              row("translator", f"chrF, beam 4, {t['sentences']} test sentences",
+                  lambda m: f"{t['chrf_beam4'][m]:.2f}")]
     return "\n".join(lines)
 
 
@@ -186,7 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="fewer repeats, tokens and texts (a smoke run)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    p.add_argument("--modes", default=",".join(MODES), help="quantized modes to compare with fp32")
     args = p.parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -195,9 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info()
     cpu = f"{machine.get('cpu_model', platform.processor())} ({', '.join(machine.get('cpu_flags', [])) or 'no listed flags'})"
     result = {"cpu": cpu, "machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "generator": bench_generator(cache_dir, sentences, args.quick, rng),
-              "encoder": bench_encoder(cache_dir, sentences, args.quick, rng),
-              "translator": bench_translator(cache_dir, args.quick, rng)}
+              "generator": bench_generator(cache_dir, sentences, args.quick, rng, modes),
+              "encoder": bench_encoder(cache_dir, sentences, args.quick, rng, modes),
+              "translator": bench_translator(cache_dir, args.quick, rng, modes)}
     print(render(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
