@@ -83,24 +83,24 @@ def warm_up(model: nn.Module) -> float:
 
     started = time.perf_counter()
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    if isinstance(model, Seq2Seq):  # through beam search itself: its cache rows and reordered cross keys
+        from .beam_search import BeamParams, translate_ids
+
+        source = [3, 3, model.cfg.eos_token_id]
+        for rows in (1, 2):
+            for beam in (1, 4):
+                translate_ids(model, [source] * rows, BeamParams(beam, 3))
     for rows in (1, 2):
         src = torch.full((rows, 3), 3, dtype=torch.long, device=device)  # (B, 3)
         keep = torch.ones_like(src, dtype=torch.bool)  # (B, 3)
         keep[-1, -1] = rows == 1  # with two rows, one padded
         if isinstance(model, EncoderModel):
             model.embed(src, keep)
-            continue
-        cache = KVCache.for_model(model.cfg, rows, 8, dtype=dtype, device=device)
-        cross = model.cross_cache(model.encode(src, keep), keep) if isinstance(model, Seq2Seq) else None
-        # a decoder: a prefill on an empty cache (S = T >= 2), then decode steps (T = 1, S > 1);
-        # a translator: decode steps from the start token (S = 1, then S > 1)
-        for t in (1, 1, 1) if cross is not None else (2, 1, 1):
-            ids = torch.full((rows, t), 3, dtype=torch.long, device=device)  # (B, T)
-            if isinstance(model, DecoderLM):
-                model(ids, cache=cache.view())
-            elif cross is not None:
-                model.decode(ids, cross, cache=cache.view())
-            cache.advance(t)
+        elif isinstance(model, DecoderLM):
+            cache = KVCache.for_model(model.cfg, rows, 8, dtype=dtype, device=device)
+            for t in (2, 1, 1):  # a prefill on an empty cache (S = T >= 2), then decode steps (T = 1, S > 1)
+                model(torch.full((rows, t), 3, dtype=torch.long, device=device), cache=cache.view())
+                cache.advance(t)
     seconds = time.perf_counter() - started
     log.info("compiled blocks warmed up in %.1f s", seconds)
     return seconds

@@ -118,7 +118,7 @@ def test_models_report_the_dense_kernels_their_config_chose(server: Server) -> N
     if onednn_available():  # the translator's config says onednn: every float shape packed
         assert cards["translator"]["kernels"] and set(cards["translator"]["kernels"].values()) == {"onednn"}
     auto = cards["encoder"]["kernels"] or {}  # auto: whatever this CPU measured, with the measured ratio
-    assert all(v.split()[0] in ("onednn", "aten") and v.endswith("x") for v in auto.values())
+    assert all(v.split()[0] in ("onednn", "aten", "panels") and v.endswith("x") for v in auto.values())
 
 
 def test_a_quantized_deployment_serves_its_int8_model(server: Server) -> None:
