@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from .kernels import native
 from .panels import PanelLinear
-from .projections import tied_embedding
+from .projections import RepackedLinear, tied_embedding
 from .spec import DenseKernel
 
 log = logging.getLogger("models.dense")
@@ -48,17 +48,12 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-class PackedLinear(nn.Module):
-    """nn.Linear with its weight held in oneDNN's blocked layout (CPU, float32). state_dict() gives
-    the dense `weight` back, so exporters and checkpoints see an ordinary Linear; a `copy` (a tied
-    head's packed copy of the embedding matrix) adds nothing to the state_dict."""
+class PackedLinear(RepackedLinear):
+    """nn.Linear with its weight held in oneDNN's blocked layout (CPU, float32); see RepackedLinear."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, copy: bool = False) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.copy = copy
+        super().__init__(weight, bias, copy)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), PACK_ROWS)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., K) -> (..., N)."""
@@ -68,16 +63,6 @@ class PackedLinear(nn.Module):
     def weight(self) -> Tensor:
         """The dense (N, K) weight (a copy)."""
         return self.packed.to_dense()
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # noqa: ANN001
-        if self.copy:
-            return
-        destination[prefix + "weight"] = self.weight
-        if self.bias is not None:
-            destination[prefix + "bias"] = self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 Shape = tuple[int, int]  # (N, K)

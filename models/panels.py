@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .projections import RepackedLinear
+
 PANEL = 32  # outputs per panel (the kernels' NR)
 GROUP = 32  # inputs per quantization group (Q4_1 and Q8_0)
 BLOCK_FORMATS = ("q4_1", "q8_0")
@@ -70,16 +72,12 @@ def dequantize(fmt: str, q: Tensor, d: Tensor, m: Tensor | None = None) -> Tenso
     return w.reshape(n, k)
 
 
-class PanelLinear(nn.Module):
-    """nn.Linear with float32 weights in panels (CPU). state_dict() gives the dense `weight` back; a
-    `copy` (a tied head's panel copy of the embedding matrix) adds nothing to the state_dict."""
+class PanelLinear(RepackedLinear):
+    """nn.Linear with float32 weights in panels (CPU); see RepackedLinear."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, copy: bool = False) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.copy = copy
+        super().__init__(weight, bias, copy)
         self.register_buffer("panels", _panels(weight.detach().float()), persistent=False)  # (P, K, 32)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., K) -> (..., N) in x's dtype."""
@@ -90,16 +88,6 @@ class PanelLinear(nn.Module):
     def weight(self) -> Tensor:
         """The dense (N, K) weight (a copy)."""
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].clone()
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # noqa: ANN001
-        if self.copy:
-            return
-        destination[prefix + "weight"] = self.weight
-        if self.bias is not None:
-            destination[prefix + "bias"] = self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class BlockLinear(nn.Module):

@@ -1,5 +1,6 @@
-"""Stacking Linears that read the same input into one (models/fuse.py fuses q/k/v and gate/up), and
-finding the embedding matrix a tied output head reuses (models/quant.py, models/dense.py)."""
+"""Stacking Linears that read the same input into one (models/fuse.py fuses q/k/v and gate/up),
+finding the embedding matrix a tied output head reuses (models/quant.py, models/dense.py), and the
+base of the float layers whose weight lives in another layout (models/dense.py, models/panels.py)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,29 @@ def tied_embedding(model: nn.Module) -> Tensor | None:
         return None
     stack = getattr(model, "stack", None) or getattr(model, "decoder", None)  # DecoderLM, Seq2Seq
     return stack.embed.tokens.weight if stack is not None else None
+
+
+class RepackedLinear(nn.Module):
+    """A float Linear whose weight is held in a kernel's own layout. state_dict() gives the dense
+    `weight` back (subclasses define the property), so exporters and checkpoints see an ordinary
+    Linear; a `copy` (a tied head's packed copy of the embedding matrix) adds nothing to it."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, copy: bool = False) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.copy = copy
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+
+    @property
+    def weight(self) -> Tensor:
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # noqa: ANN001
+        if self.copy:
+            return
+        destination[prefix + "weight"] = self.weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -76,27 +76,34 @@ def test_a_quantized_classifier_keeps_its_head_dense_and_head_in_float() -> None
     assert isinstance(model.stack.blocks[0].self_attn.q_proj, Int8Linear)  # the rest is int8
 
 
+def assert_cached_equals_uncached_and_batched_equals_alone(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The serving invariants on a quantized decoder; returns its uncached logits (1, T, V) of ids."""
+    with torch.inference_mode():
+        full = model(ids)  # (1, T, V)
+        cache = KVCache.for_model(model.cfg, 1, 16)
+        steps = []
+        for t in range(ids.size(1)):
+            steps.append(model(ids[:, t:t + 1], cache=cache.view())[:, 0])
+            cache.advance(1)
+        torch.testing.assert_close(torch.stack(steps, 1), full, atol=1e-5, rtol=1e-5)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    together = generate(model, prompts, params)
+    alone = [generate(model, [p], params)[0] for p in prompts]
+    assert [g.tokens for g in together] == [g.tokens for g in alone]
+    return full
+
+
 def test_quantized_decoder_keeps_cached_equal_uncached_and_batched_equal_alone() -> None:
     torch.manual_seed(0)
     fp32, _ = tiny_model("decoder")
     model, _ = tiny_model("decoder")
     quantize_int8(model)
     ids = torch.randint(3, 200, (1, 9))
+    full = assert_cached_equals_uncached_and_batched_equals_alone(model, ids)
     with torch.inference_mode():
-        full = model(ids)  # (1, 9, V)
-        cache = KVCache.for_model(model.cfg, 1, 16)
-        steps = []
-        for t in range(9):
-            steps.append(model(ids[:, t:t + 1], cache=cache.view())[:, 0])
-            cache.advance(1)
-        assert torch.allclose(torch.stack(steps, 1), full, atol=1e-5)
         ref = fp32(ids)
-        assert ((full - ref).abs().max() / ref.abs().max()) < 0.05
-    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    together = generate(model, prompts, params)
-    alone = [generate(model, [p], params)[0] for p in prompts]
-    assert [g.tokens for g in together] == [g.tokens for g in alone]
+    assert ((full - ref).abs().max() / ref.abs().max()) < 0.05
 
 
 def test_smoothing_moves_an_outlier_channel_into_the_weights() -> None:
@@ -167,20 +174,7 @@ def test_block_modes_swap_every_projection_and_stay_close_to_float(mode: str, fa
 def test_a_block_quantized_decoder_keeps_cached_equal_uncached_and_batched_equal_alone(mode: str) -> None:
     model, _ = tiny_model("decoder")
     quantize(model, mode)
-    ids = torch.randint(3, 200, (1, 9))
-    with torch.inference_mode():
-        full = model(ids)  # (1, 9, V)
-        cache = KVCache.for_model(model.cfg, 1, 16)
-        steps = []
-        for t in range(9):
-            steps.append(model(ids[:, t:t + 1], cache=cache.view())[:, 0])
-            cache.advance(1)
-        torch.testing.assert_close(torch.stack(steps, 1), full, atol=1e-5, rtol=1e-5)
-    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    together = generate(model, prompts, params)
-    alone = [generate(model, [p], params)[0] for p in prompts]
-    assert [g.tokens for g in together] == [g.tokens for g in alone]
+    assert_cached_equals_uncached_and_batched_equals_alone(model, torch.randint(3, 200, (1, 9)))
 
 
 @needs_kernels
