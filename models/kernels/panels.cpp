@@ -55,14 +55,29 @@ TS_AVX512 inline void store(__m512 (&acc)[R][2], float* y, int64_t ldy, const fl
   }
 }
 
+// Weights walked in panel order, 32 at a time (w0: outputs 0-15, w1: 16-31), handed to a sink: the
+// outer-product passes over up to R rows (OuterSink) or a float32 buffer (StoreSink).
 template <int R>
-TS_AVX512 inline void outer(__m512 (&acc)[R][2], __m512 w0, __m512 w1, const float* x, int64_t ldx, int64_t k) {
-  for (int m = 0; m < R; ++m) {
-    const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-    acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
-    acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
+struct OuterSink {
+  __m512 (*acc)[2];
+  const float* x;
+  int64_t ldx;
+  TS_AVX512 void operator()(int64_t k, __m512 w0, __m512 w1) const {
+    for (int m = 0; m < R; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
+    }
   }
-}
+};
+
+struct StoreSink {
+  float* out;
+  TS_AVX512 void operator()(int64_t k, __m512 w0, __m512 w1) const {
+    _mm512_storeu_ps(out + k * NR, w0);
+    _mm512_storeu_ps(out + k * NR + 16, w1);
+  }
+};
 
 struct F32 {
   const float* w;
@@ -72,94 +87,72 @@ struct F32 {
     __m512 acc[R][2];
     for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     const float* wp = w + p * K * NR;
-    for (int64_t k = 0; k < K; ++k) outer<R>(acc, _mm512_loadu_ps(wp + k * NR), _mm512_loadu_ps(wp + k * NR + 16), x, ldx, k);
+    const OuterSink<R> sink{acc, x, ldx};
+    for (int64_t k = 0; k < K; ++k) sink(k, _mm512_loadu_ps(wp + k * NR), _mm512_loadu_ps(wp + k * NR + 16));
     store<R>(acc, y, ldy, bias, nvalid);
   }
 };
 
-struct Q41 {
-  const uint8_t* q;
-  const uint16_t* d;
-  const uint16_t* mn;
-  // panel p decoded to float32 (K, 32) into out: for many rows, decoded once instead of once per pass
-  TS_AVX512 void decode(int64_t p, int64_t K, float* out) const {
-    const uint8_t* qp = q + p * K * 16;
-    const uint16_t* dp = d + p * K;
-    const uint16_t* mp = mn + p * K;
-    const __m512i low = _mm512_set1_epi32(0xF);
-    for (int64_t g = 0; g < K / GROUP; ++g) {
-      const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * NR)));
-      const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * NR + 16)));
-      const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + g * NR)));
-      const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + g * NR + 16)));
-      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k * 16)));
-        _mm512_storeu_ps(out + k * NR, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d0, m0));
-        _mm512_storeu_ps(out + k * NR + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1));
-      }
-    }
-  }
+// A block format: Derived::walk decodes its codes and hands the weights to a sink.
+template <typename Derived>
+struct Blocks {
   template <int R>
   TS_AVX512 void tile(int64_t p, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy, const float* bias,
                       int64_t nvalid) const {
     __m512 acc[R][2];
     for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    static_cast<const Derived*>(this)->walk(p, K, OuterSink<R>{acc, x, ldx});
+    store<R>(acc, y, ldy, bias, nvalid);
+  }
+  // panel p decoded to float32 (K, 32) into out: for many rows, decoded once instead of once per pass
+  TS_AVX512 void decode(int64_t p, int64_t K, float* out) const {
+    static_cast<const Derived*>(this)->walk(p, K, StoreSink{out});
+  }
+};
+
+TS_AVX512 inline __m512 halves(const uint16_t* h) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));  // 16 float16 -> float32
+}
+
+struct Q41 : Blocks<Q41> {
+  const uint8_t* q;
+  const uint16_t* d;
+  const uint16_t* mn;
+  Q41(const uint8_t* q_, const uint16_t* d_, const uint16_t* mn_) : q(q_), d(d_), mn(mn_) {}
+  template <typename Sink>
+  TS_AVX512 void walk(int64_t p, int64_t K, const Sink& sink) const {
     const uint8_t* qp = q + p * K * 16;
     const uint16_t* dp = d + p * K;  // (K / 32) groups x 32 outputs
     const uint16_t* mp = mn + p * K;
     const __m512i low = _mm512_set1_epi32(0xF);
     for (int64_t g = 0; g < K / GROUP; ++g) {
-      const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * NR)));
-      const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * NR + 16)));
-      const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + g * NR)));
-      const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + g * NR + 16)));
+      const __m512 d0 = halves(dp + g * NR), d1 = halves(dp + g * NR + 16);
+      const __m512 m0 = halves(mp + g * NR), m1 = halves(mp + g * NR + 16);
       for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k * 16)));
-        const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d0, m0);
-        const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1);
-        outer<R>(acc, w0, w1, x, ldx, k);
+        sink(k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d0, m0),
+             _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1));
       }
     }
-    store<R>(acc, y, ldy, bias, nvalid);
   }
 };
 
-struct Q80 {
+struct Q80 : Blocks<Q80> {
   const int8_t* q;
   const uint16_t* d;
-  TS_AVX512 void decode(int64_t p, int64_t K, float* out) const {
+  Q80(const int8_t* q_, const uint16_t* d_) : q(q_), d(d_) {}
+  template <typename Sink>
+  TS_AVX512 void walk(int64_t p, int64_t K, const Sink& sink) const {
     const int8_t* qp = q + p * K * NR;
     const uint16_t* dp = d + p * K;
     for (int64_t g = 0; g < K / GROUP; ++g) {
-      const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * NR)));
-      const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * NR + 16)));
+      const __m512 d0 = halves(dp + g * NR), d1 = halves(dp + g * NR + 16);
       for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
-        _mm512_storeu_ps(out + k * NR, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k * NR)))), d0));
-        _mm512_storeu_ps(out + k * NR + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k * NR + 16)))), d1));
+        const __m512i b0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k * NR)));
+        const __m512i b1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k * NR + 16)));
+        sink(k, _mm512_mul_ps(_mm512_cvtepi32_ps(b0), d0), _mm512_mul_ps(_mm512_cvtepi32_ps(b1), d1));
       }
     }
-  }
-  template <int R>
-  TS_AVX512 void tile(int64_t p, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy, const float* bias,
-                      int64_t nvalid) const {
-    __m512 acc[R][2];
-    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    const int8_t* qp = q + p * K * NR;
-    const uint16_t* dp = d + p * K;
-    for (int64_t g = 0; g < K / GROUP; ++g) {
-      const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * NR)));
-      const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + g * NR + 16)));
-      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
-        const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k * NR)))), d0);
-        const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k * NR + 16)))), d1);
-        outer<R>(acc, w0, w1, x, ldx, k);
-      }
-    }
-    store<R>(acc, y, ldy, bias, nvalid);
   }
 };
 
