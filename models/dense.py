@@ -148,23 +148,19 @@ def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = me
         log.warning("dense kernel %r is not available here (%s); measuring the others", kernel, here)
         kernel = "auto"
     slots = _slots(model)
-    built: Candidates = {}
+    names = here if kernel == "auto" else [kernel]
+    candidates = {name: [BUILDERS[name](s.weight, s.bias, copy=s.copy) for s in slots] for name in names}
     if kernel != "auto":
         use = {slot.shape: kernel for slot in slots}
         report = {f"{n}x{k}": kernel for n, k in use}
     else:
-        candidates = {name: [BUILDERS[name](s.weight, s.bias, copy=s.copy) for s in slots] for name in here}
-        times = timer(slots, candidates)
         use, report = {}, {}
-        for (n, k), seconds in times.items():
+        for (n, k), seconds in timer(slots, candidates).items():
             ranked = sorted(seconds, key=seconds.__getitem__)
             use[(n, k)] = ranked[0]
             report[f"{n}x{k}"] = f"{ranked[0]} {seconds[ranked[1]] / seconds[ranked[0]]:.2f}x"
-        built = candidates
     for i, slot in enumerate(slots):
-        choice = use[slot.shape]
-        if choice != "aten":
-            module = built[choice][i] if built else BUILDERS[choice](slot.weight, slot.bias, copy=slot.copy)
-            setattr(slot.parent, slot.name, module)
+        if use[slot.shape] != "aten":
+            setattr(slot.parent, slot.name, candidates[use[slot.shape]][i])
     log.info("dense kernels (%s): %s", kernel, report)
     return report

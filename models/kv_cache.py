@@ -37,7 +37,7 @@ class KVCache:
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # (R, K, L, D)
             self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # (R, K, L, D)
             self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # (R,)
-        self.rows, self.max_len = rows, max_len
+        self.rows, self.max_len, self.kv_heads = rows, max_len, kv_heads
 
     @classmethod
     def for_model(cls, cfg, rows: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
@@ -110,8 +110,7 @@ class CacheView:
         step's one host synchronisation), and where its keys go in every layer."""
         self.step_len = self.key_len(t)
         positions = self.positions(t)  # (B, T)
-        kv_heads = self.cache.k[0].size(1) if self.cache.k else 1
-        self._slots = self._slot_index(positions, kv_heads)
+        self._slots = self._slot_index(positions, self.cache.kv_heads)
         return positions, self.step_len
 
     def _slot_index(self, positions: Tensor, kv_heads: int) -> Tensor:
