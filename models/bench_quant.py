@@ -1,10 +1,11 @@
 """fp32 vs the quantized modes (models/quant.py) on the default models, side by side in one run.
 
-    python -m models.bench_quant [--modes int8,q8_0,q4_1] [--quick] [--threads 2] [--json out.json]
+    python -m models.bench_quant [--modes int8,q8_0,q4_1,q4_1+a8] [--quick] [--threads 2] [--json out.json]
                                                                                   (make bench-quant)
 
-Each model is loaded in fp32 and in every mode (`quantize: int8` / `q8_0` / `q4_1`, eager, as the
-default specs otherwise are); timed runs alternate between them. Quality is each mode against fp32.
+Each model is loaded in fp32 and in every mode (`quantize: int8` / `q8_0` / `q4_1`; "+a8": the
+block formats with 8-bit activations, `block_activation_bits: 8`; eager, as the default specs
+otherwise are); timed runs alternate between them. Quality is each mode against fp32.
 - SmolLM2-135M: greedy decoding tokens/s at batch 1 / 8 / 32 (models.generate, 32 new tokens);
   perplexity on held-out English text (the running text of the translator's 1,000 test sentences,
   which no model here was trained on); the greedy answer to "What is the capital of France?".
@@ -17,7 +18,6 @@ default specs otherwise are); timed runs alternate between them. Quality is each
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
@@ -38,15 +38,12 @@ from .decoding import SamplingParams
 from .generate import generate
 from .inputs import PaddedBatch
 from .machine import machine_info
+from .spec import variant
 from .train.eval_translator import read_test, translate_all
 
 log = logging.getLogger("bench.quant")
 TEST_SET = BUILTIN_DIR / "translator-en-es" / "test.tsv"
 MODES = ("int8", "q8_0", "q4_1")  # against fp32
-
-
-def _name(mode: str | None) -> str:
-    return mode or "fp32"
 
 
 def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -63,9 +60,8 @@ def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, f
 
 
 def load_pair(name: str, cache_dir: Path, modes: tuple[str, ...] = MODES) -> dict[str, LoadedModel]:
-    """fp32 and each mode of `modes`, by name."""
-    return {_name(m): load_model(dataclasses.replace(DEFAULT_SPECS[name], quantize=m), cache_dir)
-            for m in (None, *modes)}
+    """fp32 and each mode of `modes` (models.spec.variant's names, e.g. "q4_1+a8"), by name."""
+    return {m: load_model(variant(DEFAULT_SPECS[name], m), cache_dir) for m in ("fp32", *modes)}
 
 
 def bench_generator(cache_dir: Path, sentences: list[str], quick: bool, rng: random.Random,

@@ -34,7 +34,7 @@ from .compiled import compile_blocks, uncompile_blocks, warm_up
 from .dense import pack_dense
 from .fuse import fuse_projections
 from .kernels import native
-from .panels import BLOCK_FORMATS
+from .panels import BLOCK_FORMATS, set_activation_bits
 from .quant import keeps_fusion, quantize
 from .spec import DEFAULT_SPECS, ModelSpec
 from .text import TextTokenizer
@@ -169,6 +169,7 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
         model = fuse_projections(model)
     if mode is not None:  # after the cast (the scales stay float32), calibrated on sample text
         model = quantize(model, mode, calibration_run(model, tokenizer))
+        set_activation_bits(model, spec.block_activation_bits)
     kernels = pack_dense(model, spec.dense_kernel)  # float32 CPU layers only
     compile_seconds = 0.0
     if spec.compile:  # last: the compiled blocks do not re-check their layers (models/compiled.py)

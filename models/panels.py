@@ -1,18 +1,22 @@
 """Projections through our own CPU kernels (models/kernels/panels.cpp), weights packed once in panels.
 
-Three weight formats, all with float32 activations:
-- `PanelLinear`: float32 weights. At one row it streams the weights at ~2x the rate of oneDNN's
-  packed path on the AMD EPYC this was measured on (docs/benchmarks.md); `dense_kernel: auto` times
-  it against MKL and oneDNN at load (models/dense.py) and keeps the fastest per weight shape.
-- `BlockLinear("q4_1")`: GGUF's Q4_1, 4-bit codes with a float16 scale and minimum per group of 32
-  inputs: w = q * d + m. `BlockLinear("q8_0")`: GGUF's Q8_0, 8-bit codes with a float16 scale per
-  group of 32: w = q * d. The quantizers below are llama.cpp's reference ones, so re-quantizing a
-  GGUF's dequantized Q4_1 / Q8_0 weights gives back the file's own blocks (tests check this on the
-  shipped SmolLM2), and serving `quantize: q4_1` from that file computes with exactly its weights.
+Three weight formats:
+- `PanelLinear`: float32 weights and activations. At one row it streams the weights at ~2x the rate
+  of oneDNN's packed path on the AMD EPYC this was measured on (docs/benchmarks.md);
+  `dense_kernel: auto` times it against MKL and oneDNN at load (models/dense.py) and keeps the
+  fastest per weight shape.
+- `BlockLinear("q8_0")`: GGUF's Q8_0, 8-bit codes with a float16 scale per group of 32 inputs:
+  w = q * d. `BlockLinear("q4_1")`: GGUF's Q4_1, 4-bit codes with a float16 scale and minimum per
+  group of 32: w = q * d + m. Their activations are quantized per row and group of 32 inputs in two
+  8-bit parts (`quantize_rows`: llama.cpp's Q8_1 / Q8_0 of x, then the same of what it leaves; one
+  part alone flips close calls of the float model, such as SmolLM2's answer to "the capital of
+  France", two carry ~16 bits) and the products summed exactly in int32 by 8-bit dot-product
+  instructions; `reference` is the same arithmetic in float64 (tests compare). The weight quantizers are llama.cpp's reference ones, so
+  re-quantizing a GGUF's dequantized Q4_1 / Q8_0 weights gives back the file's own blocks (tests
+  check this on the shipped SmolLM2): `quantize: q4_1` on that file computes with exactly its weights.
 
-Each output is summed over the inputs in one fixed order whatever the number of rows, so results
-are bitwise the same alone and in a batch; against F.linear on the same (dequantized) weights they
-differ in summation order only (~1e-6 relative).
+Each output is summed over the inputs in one fixed order whatever the number of rows, and a row's
+activations are quantized on their own, so results are bitwise the same alone and in a batch.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from .projections import RepackedLinear
 PANEL = 32  # outputs per panel (the kernels' NR)
 GROUP = 32  # inputs per quantization group (Q4_1 and Q8_0)
 BLOCK_FORMATS = ("q4_1", "q8_0")
+ACTIVATION_BITS = (16, 8)  # the block formats' activations: two 8-bit parts per group (default), or one
 
 
 def _panels(t: Tensor) -> Tensor:
@@ -33,6 +38,50 @@ def _panels(t: Tensor) -> Tensor:
     p = -(-n // PANEL)
     padded = torch.cat([t, t.new_zeros(p * PANEL - n, x)]) if p * PANEL != n else t
     return padded.view(p, PANEL, x).transpose(1, 2).contiguous()  # (P, X, 32)
+
+
+STEP = 4  # inputs per step of an 8-bit dot product
+
+
+def _records(fmt: str, q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
+    """Codes (N, K), d and m (N, K / 32) float16 -> (P, K / 32, record) uint8, the block kernels'
+    order: per panel and group of 32 inputs, 8 steps of 4 inputs (byte 4 j + i of a step: input i of
+    output j), then the group's 32 scales (and minima), so that a pass reads one stream. Q8_0 codes
+    are stored + 128 (unsigned), outputs 0-15 then 16-31 per step; Q4_1 packs output j in the low
+    nibble and output 16 + j in the high one."""
+    codes = _panels(q.to(torch.int16) + 128 if fmt == "q8_0" else q).to(torch.uint8)  # (P, K, 32)
+    p, k, _ = codes.shape
+    g = k // GROUP
+    steps = codes.reshape(p, g, GROUP // STEP, STEP, 2, 16)  # (P, G, step, input, half, output)
+    if fmt == "q4_1":
+        steps = steps[..., 0, :] | (steps[..., 1, :] << 4)  # (P, G, step, input, output)
+        steps = steps.transpose(-1, -2)  # (P, G, step, output, input)
+    else:
+        steps = steps.permute(0, 1, 2, 4, 5, 3)  # (P, G, step, half, output, input)
+    scales = [_panels(d)] + ([_panels(m)] if fmt == "q4_1" else [])  # (P, G, 32) float16 each
+    tail = torch.stack(scales, dim=2).reshape(p, g, -1).contiguous().view(torch.uint8)  # (P, G, 64 or 128)
+    return torch.cat([steps.reshape(p, g, -1), tail], dim=-1).contiguous()
+
+
+def _unrecord(fmt: str, rec: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """_records undone: (N, K) codes, (N, K / 32) scales and minima (None for q8_0)."""
+    p, g, size = rec.shape
+    code_bytes = GROUP * PANEL // (2 if fmt == "q4_1" else 1)
+    steps, tail = rec.split([code_bytes, size - code_bytes], dim=-1)
+    if fmt == "q4_1":
+        packed = steps.reshape(p, g, GROUP // STEP, 16, STEP).transpose(-1, -2)  # (P, G, step, input, output)
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=-2)  # (P, G, step, input, half, output)
+    else:
+        codes = steps.reshape(p, g, GROUP // STEP, 2, 16, STEP).permute(0, 1, 2, 5, 3, 4)
+    codes = codes.reshape(p, g * GROUP, PANEL)  # (P, K, 32)
+    if fmt == "q8_0":
+        codes = (codes.to(torch.int16) - 128).to(torch.int8)
+    scales = tail.contiguous().view(torch.float16).reshape(p, g, -1, PANEL)  # (P, G, 1 or 2, 32)
+
+    def unpanel(t: Tensor) -> Tensor:
+        return t.transpose(1, 2).reshape(-1, t.size(1))[:n]
+
+    return unpanel(codes), unpanel(scales[:, :, 0]), unpanel(scales[:, :, 1]) if fmt == "q4_1" else None
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -63,6 +112,42 @@ def quantize_q8_0(w: Tensor) -> tuple[Tensor, Tensor]:
     return q.reshape(n, k), d.half()
 
 
+def _part(g: Tensor) -> tuple[Tensor, Tensor]:
+    """(M, G, 32) float32 -> codes round(g / d), halves to even, and d = max|g| / 127 per group (M, G)."""
+    d = g.abs().amax(dim=-1) / 127  # (M, G)
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return torch.round(g * inv[..., None]), d  # (M, G, 32), (M, G)
+
+
+def quantize_rows(x: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """Activations (M, K) float32 -> their two 8-bit parts per row and group of 32, as the block
+    kernels make them: ((q, dx), (r, dr)), codes (M, K) int8 and steps (M, K / 32) float32, with
+    x = dx q + dr r + a remainder below dr / 2. q is llama.cpp's Q8_1 / Q8_0 of x (float32 step);
+    r the same of x - dx q (computed with one rounding, as the kernels' fused multiply-add)."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // GROUP, GROUP)  # (M, G, 32)
+    q, dx = _part(g)
+    rest = (g.double() - q.double() * dx.double()[..., None]).float()  # (M, G, 32): one rounding
+    r, dr = _part(rest)
+    return ((q.to(torch.int8).reshape(m, k), dx), (r.to(torch.int8).reshape(m, k), dr))
+
+
+def reference(fmt: str, x: Tensor, q: Tensor, d: Tensor, m: Tensor | None = None, activation_bits: int = 16) -> Tensor:
+    """What the `fmt` kernel computes, in float64: x (M, K) against the (N, K) codes and (N, K / 32)
+    scales (and minima) -> (M, N), each group adding d sum(w x8) (+ m sum(x8)) for x8 = dx q + dr r
+    (or dx q alone at 8 activation bits)."""
+    n, k = q.shape
+    w = q.double().reshape(n, k // GROUP, GROUP)  # (N, G, 32)
+    y = torch.zeros(x.size(0), n, dtype=torch.float64)
+    for codes, step in quantize_rows(x)[: activation_bits // 8]:
+        c = codes.double().reshape(-1, k // GROUP, GROUP)  # (M, G, 32)
+        dots = torch.einsum("mgi,ngi->mng", c, w)  # (M, N, G): exact integers
+        y = y + (dots * d.double()[None] * step.double()[:, None]).sum(-1)
+        if fmt == "q4_1":
+            y = y + (m.double()[None] * (step.double() * c.sum(-1))[:, None]).sum(-1)
+    return y
+
+
 def dequantize(fmt: str, q: Tensor, d: Tensor, m: Tensor | None = None) -> Tensor:
     """Codes and scales as above -> the (N, K) float32 weights they stand for."""
     n, k = q.shape
@@ -91,50 +176,32 @@ class PanelLinear(RepackedLinear):
 
 
 class BlockLinear(nn.Module):
-    """A Linear with GGUF-style block-quantized weights (`fmt` in BLOCK_FORMATS) and float32
-    activations; see the module docstring. `weight` (N, K), K a multiple of 32, is quantized here."""
+    """A Linear with GGUF-style block-quantized weights (`fmt` in BLOCK_FORMATS); see the module
+    docstring. `weight` (N, K), K a multiple of 32, is quantized here."""
 
-    def __init__(self, fmt: str, weight: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, fmt: str, weight: Tensor, bias: Tensor | None, activation_bits: int = 16) -> None:
         super().__init__()
         if fmt not in BLOCK_FORMATS:
             raise ValueError(f"unknown block format {fmt!r}; known: {list(BLOCK_FORMATS)}")
         self.out_features, self.in_features = weight.shape
         if self.in_features % GROUP:
             raise ValueError(f"{fmt} needs an input size that is a multiple of {GROUP}, got {self.in_features}")
-        self.fmt = fmt
-        if fmt == "q4_1":
-            q, d, m = quantize_q4_1(weight)
-            codes = _panels(q)  # (P, K, 32) in 0..15
-            self.register_buffer("codes", codes[..., :16] | (codes[..., 16:] << 4))  # (P, K, 16)
-            self.register_buffer("mins", _panels(m))  # (P, K / 32, 32) float16
-        else:
-            q, d = quantize_q8_0(weight)
-            self.register_buffer("codes", _panels(q))  # (P, K, 32) int8
-            self.mins = None
-        self.register_buffer("scales", _panels(d))  # (P, K / 32, 32) float16
+        if activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS}, got {activation_bits}")
+        self.fmt, self.activation_bits = fmt, activation_bits
+        blocks = quantize_q4_1(weight) if fmt == "q4_1" else (*quantize_q8_0(weight), None)
+        self.register_buffer("records", _records(fmt, *blocks))  # (P, K / 32, 640 or 1088) uint8
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())  # (N,)
+        self._op = getattr(torch.ops.ts_panels, f"linear_{fmt}")
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., K) -> (..., N) in x's dtype."""
-        flat = _flat(x)  # (M, K)
-        if self.fmt == "q4_1":
-            y = torch.ops.ts_panels.linear_q4_1(flat, self.codes, self.scales, self.mins, self.bias,
-                                                self.out_features)  # (M, N)
-        else:
-            y = torch.ops.ts_panels.linear_q8_0(flat, self.codes, self.scales, self.bias, self.out_features)
+        y = self._op(_flat(x), self.records, self.bias, self.out_features, self.activation_bits // 8)  # (M, N)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def blocks(self) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The (N, K) codes and the (N, K / 32) scales (and minima) back out of the panels."""
-        n = self.out_features
-
-        def unpanel(t: Tensor) -> Tensor:
-            return t.transpose(1, 2).reshape(-1, t.size(1))[:n]
-
-        if self.fmt == "q4_1":
-            codes = torch.cat([self.codes & 0xF, self.codes >> 4], dim=-1)  # (P, K, 32)
-            return unpanel(codes), unpanel(self.scales), unpanel(self.mins)
-        return unpanel(self.codes), unpanel(self.scales), None
+        """The (N, K) codes and the (N, K / 32) scales (and minima) back out of the records."""
+        return _unrecord(self.fmt, self.records, self.out_features)
 
     @property
     def weight(self) -> Tensor:
@@ -142,4 +209,14 @@ class BlockLinear(nn.Module):
         return dequantize(self.fmt, *self.blocks())
 
     def extra_repr(self) -> str:
-        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+        return (f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"activation_bits={self.activation_bits}")
+
+
+def set_activation_bits(model: nn.Module, bits: int) -> None:
+    """Every BlockLinear of `model` quantizes its activations to `bits` (16: two 8-bit parts; 8: one)."""
+    if bits not in ACTIVATION_BITS:
+        raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS}, got {bits}")
+    for m in model.modules():
+        if isinstance(m, BlockLinear):
+            m.activation_bits = bits

@@ -1,8 +1,9 @@
 """Quantized weights for every family. `quantize(model, mode)`:
 - "int8": `quantize_int8(model)` swaps each `nn.Linear` for an `Int8Linear` (below);
-- "q8_0" / "q4_1": GGUF's weight-only block formats on our CPU kernels (models/panels.py): float
-  activations, 8-bit or 4-bit weights in groups of 32 inputs; a model loaded from a GGUF file with
-  those blocks is served with exactly its own weights.
+- "q8_0" / "q4_1": GGUF's block formats on our CPU kernels (models/panels.py): 8-bit or 4-bit
+  weights in groups of 32 inputs, activations quantized to 8 bits per row and group of 32 inside the
+  kernels (as llama.cpp computes these formats); a model loaded from a GGUF file with those blocks is
+  served with exactly its own weights.
 
 int8 in detail:
 
@@ -147,7 +148,8 @@ BLOCK_FLOAT_LAYERS: dict[str, tuple[str, ...]] = {"EncoderModel": ("head", "head
 def quantize_blocks(fmt: str, head_fmt: str) -> Callable[[nn.Module, Callable[[nn.Module], object] | None], nn.Module]:
     """A quantizer that swaps every nn.Linear whose input size is a multiple of 32 for a
     BlockLinear(fmt), the output head (an `lm_head`, or a tied embedding's copy: the lookup stays
-    float) for a BlockLinear(head_fmt). Activations stay float, so no calibration: weight-only."""
+    float) for a BlockLinear(head_fmt). The kernels quantize activations per group of 32 inputs, fine
+    enough to need no calibration."""
 
     def run(model: nn.Module, calibrate: Callable[[nn.Module], object] | None = None) -> nn.Module:
         if not native.available():

@@ -8,7 +8,7 @@ ingress, which never imports torch, routes by it. Source URIs are listed in cata
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 Task = Literal["classify", "embed", "rerank", "translate", "generate"]
@@ -36,8 +36,13 @@ class ModelSpec:
     max_input_tokens: int | None = None  # default: the model's max_positions
     defaults: Mapping[str, Any] = field(default_factory=dict)  # decoding defaults for this model
     # "int8": 8-bit weights and per-token 8-bit activations; "q8_0" / "q4_1": GGUF's 8-bit / 4-bit
-    # weight blocks with float activations, on our CPU kernels (models/quant.py, models/panels.py)
+    # weight blocks with activations quantized per group of 32, on our CPU kernels (models/quant.py,
+    # models/panels.py)
     quantize: Quantization | None = None
+    # q8_0 / q4_1: activations quantized per group of 32 to 16 bits (two 8-bit parts: the float
+    # model's results to ~1e-5, its greedy answers kept) or 8 (one part, llama.cpp's arithmetic:
+    # up to 2x faster at 8-32 rows, the same at one row; flips the float model's close calls)
+    block_activation_bits: Literal[16, 8] = 16
     fuse: bool = True  # q/k/v and gate/up as one projection each (models/fuse.py): the same results, faster
     # float projections on CPU: "auto" measures MKL, oneDNN and our panel kernels per weight shape at
     # load and keeps the fastest; "panels" / "onednn" packs all with that kernel, "aten" none (models/dense.py)
@@ -70,6 +75,8 @@ class ModelSpec:
             problems.append("it translates but names no languages: [source, target]")
         if self.quantize is not None and self.quantize not in get_args(Quantization):
             problems.append(f"quantize must be one of {list(get_args(Quantization))} or null, got {self.quantize!r}")
+        if self.block_activation_bits not in (16, 8):
+            problems.append(f"block_activation_bits must be 16 or 8, got {self.block_activation_bits!r}")
         if self.dense_kernel not in get_args(DenseKernel):
             problems.append(f"dense_kernel must be one of {list(get_args(DenseKernel))}, got {self.dense_kernel!r}")
         dims = self.defaults.get("dimensions")
@@ -86,6 +93,17 @@ class ModelSpec:
     def kind(self) -> Kind:
         return TASK_KIND[self.tasks[0]]
 
+
+
+def variant(spec: ModelSpec, mode: str) -> ModelSpec:
+    """`spec` in a benchmark's mode: "fp32" or a quantization, then "+"-separated flags: "compiled"
+    (compile: true), "a8" (block_activation_bits: 8). E.g. "q4_1+a8+compiled"."""
+    precision, *flags = mode.split("+")
+    unknown = set(flags) - {"compiled", "a8"}
+    if unknown:
+        raise ValueError(f"unknown flags {sorted(unknown)} in mode {mode!r}; known: compiled, a8")
+    return replace(spec, quantize=None if precision == "fp32" else precision, compile="compiled" in flags,
+                   block_activation_bits=8 if "a8" in flags else 16)
 
 
 # The defaults `make serve` uses: one encoder for classification and embeddings, our translator,

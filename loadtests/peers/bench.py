@@ -43,11 +43,12 @@ TEST_SET = BUILTIN_DIR / "translator-en-es" / "test.tsv"
 # call, which would steal the cores from the next engine; a pause lets them go to sleep.
 SETTLE_S = 0.3
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
-# our variants per model (worker.py modes): float ones face the peer's fp32, the rest its int8
-# (the translator's compiled blocks measured slower than eager: its per-step cost is outside them)
-OURS = {"encoder": ("fp32", "fp32+compiled", "int8", "q8_0", "q8_0+compiled"),
-        "translator": ("fp32", "int8", "q8_0"),
-        "generator": ("fp32", "fp32+compiled", "q8_0+compiled", "q4_1+compiled")}
+# our variants per model (worker.py modes, models.spec.variant): float ones face the peer's fp32, the
+# rest its int8; "+a8": the block formats with 8-bit activations, llama.cpp's arithmetic (the
+# translator's compiled blocks measured slower than eager: its per-step cost is outside them)
+OURS = {"encoder": ("fp32", "fp32+compiled", "int8", "q8_0+compiled", "q8_0+a8+compiled"),
+        "translator": ("fp32", "int8", "q8_0", "q8_0+a8"),
+        "generator": ("fp32", "fp32+compiled", "q4_1+compiled", "q4_1+a8+compiled")}
 
 
 def _ours_workers(kind: str) -> dict[str, Worker]:

@@ -15,7 +15,6 @@ PATH = the .onnx file), ctranslate2 (MODE = its compute type, PATH = the convert
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
@@ -41,11 +40,10 @@ def ours(model_kind: str, mode: str) -> Callable[[dict[str, Any]], Any]:
     from models.decoding import SamplingParams
     from models.generate import generate
     from models.inputs import PaddedBatch
+    from models.spec import variant
 
     torch.set_num_threads(_threads())
-    precision, *flags = mode.split("+")  # e.g. "q4_1+compiled": quantize q4_1, compiled blocks
-    spec = dataclasses.replace(DEFAULT_SPECS[model_kind], quantize=None if precision == "fp32" else precision,
-                               compile="compiled" in flags)
+    spec = variant(DEFAULT_SPECS[model_kind], mode)  # e.g. "q4_1+compiled": quantize q4_1, compiled blocks
     lm = load_model(spec, zoo.default_cache_dir())
     model, cfg = lm.model, lm.model.cfg
     banned = sorted({t for t in (cfg.pad_token_id, getattr(cfg, "decoder_start_token_id", None)) if t is not None}

@@ -9,7 +9,10 @@ ahead, and the Docker image does so at build time.
 
 `available()` is False, and the callers keep torch's own kernels, when the CPU lacks AVX-512
 (F, BW, VL, DQ: torch reports "AVX512"), when TS_NATIVE_KERNELS=0, or when the build fails (no
-compiler): each reason is logged once.
+compiler): each reason is logged once. Where the CPU also has AVX512-VNNI the 8-bit dot products use
+it (TS_VNNI; a separate build, so a cache shared between machines never runs it where it is
+missing); TS_NATIVE_VNNI=0 builds and runs the AVX512-BW form instead (the same integers: tests
+compare the two).
 """
 
 from __future__ import annotations
@@ -26,9 +29,15 @@ import torch
 log = logging.getLogger("models.kernels")
 
 SOURCE = Path(__file__).with_name("panels.cpp")
-NAME = "ts_panels"
+NAME = "ts_panels"  # the ops' namespace: torch.ops.ts_panels
 DISABLE_ENV = "TS_NATIVE_KERNELS"
+VNNI_ENV = "TS_NATIVE_VNNI"
 FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+
+
+def uses_vnni() -> bool:
+    """Whether the build for this CPU uses AVX512-VNNI (the CPU has it and TS_NATIVE_VNNI is not 0)."""
+    return bool(torch.cpu.get_capabilities().get("avx512_vnni")) and os.environ.get(VNNI_ENV, "1") != "0"
 
 
 def cpu_supported() -> bool:
@@ -48,22 +57,25 @@ def available() -> bool:
     from torch.utils.cpp_extension import load
 
     started = time.perf_counter()
+    vnni = uses_vnni()
     try:
-        load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        load(name=NAME + ("_vnni" if vnni else "_bw"), sources=[str(SOURCE)],
+             extra_cflags=FLAGS + (["-DTS_VNNI"] if vnni else []), extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: keep torch's kernels, say why
         log.warning("native kernels off: building %s failed (%s)", SOURCE.name, str(e).splitlines()[-1][:300])
         return False
     _register_fakes()
-    log.info("native kernels loaded in %.1f s", time.perf_counter() - started)
+    log.info("native kernels loaded in %.1f s (8-bit dot products: %s)", time.perf_counter() - started,
+             "AVX512-VNNI" if vnni else "AVX512-BW")
     return True
 
 
 def _register_fakes() -> None:
     """Shapes for torch.compile / meta tensors: each op maps x (M, K) to (M, n)."""
 
-    def fake(x: torch.Tensor, *args: object) -> torch.Tensor:
-        return x.new_empty(x.size(0), int(args[-1]))
+    def fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int, *parts: int) -> torch.Tensor:
+        return x.new_empty(x.size(0), n)
 
     for op in ("linear_f32", "linear_q4_1", "linear_q8_0"):
         torch.library.register_fake(f"{NAME}::{op}", fake)

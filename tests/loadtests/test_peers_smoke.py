@@ -42,7 +42,7 @@ def test_peers_smoke_converts_checks_and_tabulates(tmp_path: Path) -> None:
     assert n >= 8 and tr["identical"]["beam 4"]["ctranslate2 fp32"] == n
     assert tr["identical"]["beam 1"]["ctranslate2 fp32"] == n
     for table, unit in ((enc["texts_per_s"], "batch"), (tr["sentences_per_s"], "batch")):
-        assert set(table) >= {"ours fp32", "ours int8", "ours q8_0"}
+        assert set(table) >= {"ours fp32", "ours int8"} and {"ours q8_0+a8", "ours q8_0+a8+compiled"} & set(table)
         assert all(v > 0 and unit in k for per in table.values() for k, v in per.items())
     assert result["versions"]["ctranslate2"] and result["versions"]["onnxruntime"]
     text = docs.read_text()

@@ -95,8 +95,12 @@ def test_blocks_of_another_structure_in_the_same_process_get_their_own_graphs() 
     float_eager, float_model = compiled("decoder")
     q4_eager, q4_model = compiled("decoder", "q4_1")
     prompts = [[5, 6, 7], [8, 9]]
-    for eager, model in ((float_eager, float_model), (q4_eager, q4_model), (float_eager, float_model)):
-        torch.testing.assert_close(decode_steps(model, prompts, 4), decode_steps(eager, prompts, 4), **CLOSE)
+    # the 4-bit blocks quantize activations: fp32 rounding that differs can move one across a step of
+    # its 16-bit (two-part) codes, ~1e-5 of the group's largest input
+    quantized = {**CLOSE, "atol": 1e-4}
+    for eager, model, close in ((float_eager, float_model, CLOSE), (q4_eager, q4_model, quantized),
+                                (float_eager, float_model, CLOSE)):
+        torch.testing.assert_close(decode_steps(model, prompts, 4), decode_steps(eager, prompts, 4), **close)
 
 
 def test_load_model_compiles_when_the_spec_says_so() -> None:

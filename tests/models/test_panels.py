@@ -1,10 +1,15 @@
-"""Our CPU projection kernels (models/kernels/panels.cpp, models/panels.py): the products F.linear
-computes on the same (dequantized) weights, bitwise the same for a row alone and in any batch, and
-GGUF's Q4_1 / Q8_0 blocks exactly as llama.cpp's reference quantizers make them."""
+"""Our CPU projection kernels (models/kernels/panels.cpp, models/panels.py): float32 panels give the
+products F.linear computes; the block formats compute exactly their reference arithmetic (8-bit
+activations per group of 32, exact integer sums), with the VNNI and the AVX512-BW builds giving the
+same bits; every format is bitwise the same for a row alone and in any batch, and GGUF's Q4_1 / Q8_0
+blocks come out exactly as llama.cpp's reference quantizers make them."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.kernels import native
-from models.panels import BlockLinear, PanelLinear, dequantize, quantize_q4_1, quantize_q8_0
+from models.panels import BlockLinear, PanelLinear, dequantize, quantize_q4_1, quantize_q8_0, reference
 
 # CI sets REQUIRE_NATIVE_KERNELS=1 (.ci/run): there a missing build fails instead of skipping
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
@@ -45,23 +50,59 @@ def test_float_panels_match_linear_and_give_the_weight_back(n: int, k: int, bias
     assert torch.equal(fresh.weight, lin.weight)
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_block_formats_compute_with_their_dequantized_weights(fmt: str, n: int, k: int) -> None:
+def test_block_formats_compute_their_reference_arithmetic(fmt: str, n: int, k: int, bits: int) -> None:
     torch.manual_seed(n * k)
     w, b = torch.randn(n, k), torch.randn(n)
-    lin = BlockLinear(fmt, w, b)
+    lin = BlockLinear(fmt, w, b, activation_bits=bits)
     dense = lin.weight  # (N, K): what the blocks stand for
     step = 1 / 15 if fmt == "q4_1" else 1 / 127  # half a quantization step of the widest group, relative
     assert (dense - w).abs().max() <= (w.abs().max() * 2) * step / 2 + 1e-6
     with torch.inference_mode():
         for m in ROWS:
-            x = torch.randn(m, k)
-            torch.testing.assert_close(lin(x), F.linear(x, dense, b), atol=1e-4, rtol=1e-5)
+            x = torch.randn(m, k) * 3
+            y = lin(x)
+            exact = reference(fmt, x, *lin.blocks(), activation_bits=bits) + b.double()  # (M, N) float64
+            scale = exact.abs().amax()
+            assert ((y.double() - exact).abs() <= 1e-6 * scale).all()  # float32 rounding only
+            # against the float product on the same weights: 16-bit activations ~1e-5, 8-bit ~1e-2
+            assert (y - F.linear(x, dense, b)).abs().max() <= (1e-4 if bits == 16 else 0.02) * scale
+
+
+def test_the_avx512_bw_build_gives_the_same_bits_as_this_one(tmp_path) -> None:  # noqa: ANN001
+    """TS_NATIVE_VNNI=0 builds the kernels without AVX512-VNNI (what a CPU lacking it runs): its
+    integer sums must be the very ones vpdpbusd gives here."""
+    script = (
+        "import json, sys, torch\n"
+        "from models.kernels import native\n"
+        "assert native.available()\n"
+        "from models.panels import BlockLinear\n"
+        "torch.manual_seed(0)\n"
+        "out = {}\n"
+        "for fmt in ('q4_1', 'q8_0'):\n"
+        "    for bits in (16, 8):\n"
+        "        lin = BlockLinear(fmt, torch.randn(100, 256), torch.randn(100), activation_bits=bits)\n"
+        "        with torch.inference_mode():\n"
+        "            out[f'{fmt} {bits}'] = lin(torch.randn(9, 256) * 3).tolist()\n"
+        "print(json.dumps([native.uses_vnni(), out]))\n")
+    runs = {}
+    for vnni in ("1", "0"):
+        env = {**os.environ, native.VNNI_ENV: vnni}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                              check=True)
+        runs[vnni] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs["0"][0] is False  # the fallback build really ran
+    assert runs["1"][0] == bool(torch.cpu.get_capabilities().get("avx512_vnni"))
+    assert runs["1"][1] == runs["0"][1]  # bit for bit (float lists compare exactly)
 
 
 @pytest.mark.parametrize("make", [lambda w: PanelLinear(w, None), lambda w: BlockLinear("q4_1", w, None),
-                                  lambda w: BlockLinear("q8_0", w, None)], ids=["f32", "q4_1", "q8_0"])
+                                  lambda w: BlockLinear("q8_0", w, None),
+                                  lambda w: BlockLinear("q4_1", w, None, activation_bits=8),
+                                  lambda w: BlockLinear("q8_0", w, None, activation_bits=8)],
+                         ids=["f32", "q4_1", "q8_0", "q4_1-a8", "q8_0-a8"])
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch(make) -> None:  # noqa: ANN001
     torch.manual_seed(0)
     lin = make(torch.randn(200, 256))
@@ -100,12 +141,13 @@ def test_requantizing_dequantized_blocks_gives_the_same_blocks(fmt: str) -> None
     assert all(torch.equal(a, b) for a, b in zip(original, again, strict=True))
 
 
-def test_the_blocks_come_back_out_of_the_panels() -> None:
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_the_blocks_come_back_out_of_the_records(fmt: str) -> None:
     torch.manual_seed(2)
     w = torch.randn(70, 96)
-    q, d, m = quantize_q4_1(w)
-    back = BlockLinear("q4_1", w, None).blocks()
-    assert torch.equal(back[0], q) and torch.equal(back[1], d) and torch.equal(back[2], m)
+    expected = quantize_q4_1(w) if fmt == "q4_1" else (*quantize_q8_0(w), None)
+    back = BlockLinear(fmt, w, None).blocks()
+    assert all(a is None and e is None or torch.equal(a, e) for a, e in zip(back, expected, strict=True))
 
 
 def test_wrong_shapes_are_refused() -> None:
@@ -113,6 +155,11 @@ def test_wrong_shapes_are_refused() -> None:
         BlockLinear("q4_1", torch.randn(8, 48), None)
     with pytest.raises(ValueError, match="unknown block format"):
         BlockLinear("q5_0", torch.randn(8, 64), None)
+    with pytest.raises(ValueError, match="activation_bits must be one of"):
+        BlockLinear("q4_1", torch.randn(8, 64), None, activation_bits=4)
     lin = PanelLinear(torch.randn(8, 64), None)
     with pytest.raises(RuntimeError, match="wrong dtype, layout or shape"):
         torch.ops.ts_panels.linear_f32(torch.randn(2, 63), lin.panels, None, 8)
+    q8 = BlockLinear("q8_0", torch.randn(8, 64), None)
+    with pytest.raises(RuntimeError, match="wrong dtype, layout or shape"):
+        torch.ops.ts_panels.linear_q4_1(torch.randn(2, 64), q8.records, None, 8, 2)  # q8_0 records as q4_1

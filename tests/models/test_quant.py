@@ -5,6 +5,7 @@ invariants of the serving paths kept on quantized tiny models."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -76,8 +77,11 @@ def test_a_quantized_classifier_keeps_its_head_dense_and_head_in_float() -> None
     assert isinstance(model.stack.blocks[0].self_attn.q_proj, Int8Linear)  # the rest is int8
 
 
-def assert_cached_equals_uncached_and_batched_equals_alone(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The serving invariants on a quantized decoder; returns its uncached logits (1, T, V) of ids."""
+def assert_cached_equals_uncached_and_batched_equals_alone(model: nn.Module, ids: torch.Tensor,
+                                                           atol: float = 1e-5) -> torch.Tensor:
+    """The serving invariants on a quantized decoder; returns its uncached logits (1, T, V) of ids.
+    Cached and uncached attention round differently, which can move an activation across a
+    quantization step: `atol` bounds what that costs."""
     with torch.inference_mode():
         full = model(ids)  # (1, T, V)
         cache = KVCache.for_model(model.cfg, 1, 16)
@@ -85,7 +89,7 @@ def assert_cached_equals_uncached_and_batched_equals_alone(model: nn.Module, ids
         for t in range(ids.size(1)):
             steps.append(model(ids[:, t:t + 1], cache=cache.view())[:, 0])
             cache.advance(1)
-        torch.testing.assert_close(torch.stack(steps, 1), full, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.stack(steps, 1), full, atol=atol, rtol=1e-5)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     together = generate(model, prompts, params)
@@ -174,7 +178,8 @@ def test_block_modes_swap_every_projection_and_stay_close_to_float(mode: str, fa
 def test_a_block_quantized_decoder_keeps_cached_equal_uncached_and_batched_equal_alone(mode: str) -> None:
     model, _ = tiny_model("decoder")
     quantize(model, mode)
-    assert_cached_equals_uncached_and_batched_equals_alone(model, torch.randint(3, 200, (1, 9)))
+    # 16-bit activations: a step of the second part is ~1e-5 of a group's largest input
+    assert_cached_equals_uncached_and_batched_equals_alone(model, torch.randint(3, 200, (1, 9)), atol=1e-4)
 
 
 @needs_kernels
@@ -183,6 +188,18 @@ def test_a_spec_selects_a_block_mode_and_keeps_fusion() -> None:
     model = load_model(spec, Path("/nonexistent")).model
     attn = model.stack.blocks[0].self_attn
     assert attn.qkv is not None and isinstance(attn.qkv, BlockLinear)  # fused first: groups are per output row
+
+
+@needs_kernels
+def test_a_spec_chooses_the_block_formats_activation_bits() -> None:
+    spec = ModelSpec(name="q", tasks=("generate",), source="tiny:decoder", quantize="q8_0")
+    blocks = [m for m in load_model(spec, Path("/nonexistent")).model.modules() if isinstance(m, BlockLinear)]
+    assert blocks and all(m.activation_bits == 16 for m in blocks)  # default: two 8-bit parts
+    fast = dataclasses.replace(spec, block_activation_bits=8)
+    assert all(m.activation_bits == 8 for m in load_model(fast, Path("/nonexistent")).model.modules()
+               if isinstance(m, BlockLinear))
+    with pytest.raises(ValueError, match="block_activation_bits must be 16 or 8"):
+        dataclasses.replace(spec, block_activation_bits=4)
 
 
 def test_block_modes_say_why_they_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
