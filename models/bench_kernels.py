@@ -3,8 +3,9 @@
 All 121 projections of one SmolLM2-135M decode step (30 layers of fused q/k/v 960x576, o 576x576,
 gate/up 3072x576, down 576x1536, and the 49152x576 head), random weights, swept in model order as a
 forward pass runs them, at 1 / 8 / 32 / 64 rows: torch's F.linear (MKL), oneDNN prepacked, our float32
-panels, and our Q8_0 / Q4_1 blocks (models/panels.py). Medians of the sweeps; the float weights' GB/s
-is what one row reads (540 MB of float32) over the time. Prints a markdown table.
+panels, and our Q8_0 / Q4_1 blocks (models/panels.py) with 16-bit and ("+a8") 8-bit activations.
+The kernels take turns sweep by sweep; medians of the sweeps; the float weights' GB/s is what one
+row reads (540 MB of float32) over the time. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def main(argv: list[str] | None = None) -> None:
         kernels["oneDNN packed"] = [PackedLinear(w, None) for w in weights]
     if native.available():
         kernels["ours f32"] = [PanelLinear(w, None) for w in weights]
-        kernels["ours q8_0"] = [BlockLinear("q8_0", w, None) for w in weights]
-        kernels["ours q4_1"] = [BlockLinear("q4_1", w, None) for w in weights]
+        for fmt in ("q8_0", "q4_1"):  # 16-bit activations (the default), then 8-bit (block_activation_bits)
+            kernels[f"ours {fmt}"] = [BlockLinear(fmt, w, None) for w in weights]
+            kernels[f"ours {fmt}+a8"] = [BlockLinear(fmt, w, None, activation_bits=8) for w in weights]
     nbytes = sum(w.numel() * 4 for w in weights)
     m = machine_info()
     print(f"CPU: {m.get('cpu_model')} ({', '.join(m.get('cpu_flags', []))}); torch {torch.__version__}, "
@@ -49,16 +51,15 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         for rows in map(int, args.rows.split(",")):
             xs = {k: torch.randn(rows, k) for k in (576, 1536)}
-            ms = {}
-            for name, fns in kernels.items():
-                times = []
-                for sweep in range(args.sweeps + 1):
+            times: dict[str, list[float]] = {name: [] for name in kernels}
+            for sweep in range(args.sweeps + 1):  # the kernels take turns, so a slow spell hits them all
+                for name, fns in kernels.items():
                     start = time.perf_counter()
                     for (_, k), fn in zip(SHAPES, fns, strict=True):
                         fn(xs[k])
                     if sweep:  # the first warms up
-                        times.append(time.perf_counter() - start)
-                ms[name] = statistics.median(times) * 1e3
+                        times[name].append(time.perf_counter() - start)
+            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
             rates = " / ".join(f"{nbytes / ms[k] / 1e6:.1f}" for k in ("F.linear (MKL)", "oneDNN packed", "ours f32")
                                if k in ms)
             print(f"| {rows} | " + " | ".join(f"{v:.1f}" for v in ms.values()) + f" | {rates} |", flush=True)

@@ -39,7 +39,6 @@ namespace {
 constexpr int64_t NR = 32;  // outputs per panel
 constexpr int64_t GROUP = 32;  // inputs per quantization group
 constexpr int64_t STEPS = GROUP / 4;  // steps of 4 inputs per group
-constexpr int64_t PREFETCH = 8;  // records ahead that an 8-bit pass prefetches
 constexpr int MR = 8;  // rows per pass (float activations)
 constexpr int MR8 = 4;  // rows per pass (8-bit activations: 4 accumulators a row)
 
@@ -231,9 +230,6 @@ struct Blocks {
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* rec = q + (p * G + g) * Format::RECORD;
-      for (int64_t line = 0; line < Format::RECORD; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH * Format::RECORD + line), _MM_HINT_T0);
-      }
       Sums coarse[R], fine[R];  // the activations' two parts
       for (int i = 0; i < R; ++i) coarse[i].dot[0] = coarse[i].dot[1] = fine[i].dot[0] = fine[i].dot[1] = _mm512_setzero_si512();
       const int64_t at = m * G + g;
