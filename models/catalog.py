@@ -66,6 +66,16 @@ class LoadedModel:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    @property
+    def compiled(self) -> bool:
+        """Whether its blocks run compiled (spec.compile, unless compiling failed here)."""
+        return self.compile_seconds > 0
+
+    @property
+    def block_activation_bits(self) -> int | None:
+        """The block formats' activation width in effect (spec.block_activation_bits); None otherwise."""
+        return self.spec.block_activation_bits if self.quantize in BLOCK_FORMATS else None
+
 
 def _split(uri: str) -> tuple[str, str]:
     scheme, sep, rest = uri.partition(":")

@@ -65,8 +65,10 @@ class ModelInfo:
     load_seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)  # generators: the engine's resolved limits
-    quantize: str | None = None  # "int8": 8-bit weights and activations (models/quant.py)
+    quantize: str | None = None  # in effect: "int8", "q8_0", "q4_1" (models/quant.py) or None
     kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/dense.py)
+    compiled: bool = False  # its blocks run compiled (models/compiled.py)
+    block_activation_bits: int | None = None  # q8_0 / q4_1: 16 or 8 (models/panels.py)
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,12 @@ class ModelCard(BaseModel):
     stats: dict[str, Any] | None = Field(None, description="Batching (or, for a generator, engine) counters of "
                                                               "the replica that answered.")
     limits: dict[str, Any] | None = Field(None, description="Generators: the engine's limits (rows, tokens, queue).")
-    quantize: str | None = Field(None, description="Quantization of the weights (int8), or null for the float dtype.")
+    quantize: str | None = Field(None, description="Quantization in effect (int8, q8_0, q4_1), or null for the "
+                                                   "float dtype (also where a block format's CPU kernels cannot run).")
+    block_activation_bits: int | None = Field(None, description="q8_0 / q4_1: the activations' width inside the "
+                                                                "kernels, 16 (two 8-bit parts) or 8.")
+    compiled: bool | None = Field(None, description="Whether its transformer blocks run compiled (torch.compile); "
+                                                    "null until loaded.")
     kernels: dict[str, str] | None = Field(None, description="Float projections: the kernel chosen per weight shape "
                                                              "at load (`onednn 1.6x`: oneDNN, 1.6x faster than "
                                                              "MKL as measured), when `dense_kernel` packed any.")

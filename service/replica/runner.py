@@ -89,7 +89,8 @@ class ModelRunner:
             dtype=str(loaded.dtype).removeprefix("torch."), max_input_tokens=self.max_input_tokens,
             labels=tuple(loaded.labels), languages=spec.languages, defaults=dict(spec.defaults),
             loaded_at=self.loaded_at, load_seconds=loaded.load_seconds, stats=self.stats(), limits=self.limits(),
-            quantize=loaded.quantize, kernels=dict(loaded.kernels))
+            quantize=loaded.quantize, kernels=dict(loaded.kernels), compiled=loaded.compiled,
+            block_activation_bits=loaded.block_activation_bits)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop serving: requests still open fail or are cancelled."""

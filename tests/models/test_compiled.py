@@ -106,11 +106,11 @@ def test_blocks_of_another_structure_in_the_same_process_get_their_own_graphs() 
 def test_load_model_compiles_when_the_spec_says_so() -> None:
     spec = ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", compile=True)
     loaded = load_model(spec, Path("/nonexistent"))
-    assert 0 < loaded.compile_seconds <= loaded.load_seconds
+    assert 0 < loaded.compile_seconds <= loaded.load_seconds and loaded.compiled
     assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None
                for b in loaded.model.stack.blocks)
-    assert load_model(ModelSpec(name="g", tasks=("generate",), source="tiny:decoder"),
-                      Path("/nonexistent")).compile_seconds == 0.0
+    eager = load_model(ModelSpec(name="g", tasks=("generate",), source="tiny:decoder"), Path("/nonexistent"))
+    assert eager.compile_seconds == 0.0 and not eager.compiled
 
 
 def test_a_model_whose_blocks_fail_to_compile_is_served_eager(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,7 +122,7 @@ def test_a_model_whose_blocks_fail_to_compile_is_served_eager(monkeypatch: pytes
     monkeypatch.setattr(models.catalog, "warm_up", broken)
     loaded = load_model(ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", compile=True),
                         Path("/nonexistent"))
-    assert loaded.compile_seconds == 0.0
+    assert loaded.compile_seconds == 0.0 and not loaded.compiled  # /v1/models says so
     assert all(b._compiled_call_impl is None for b in loaded.model.stack.blocks)
     eager, _ = tiny_model("decoder")
     torch.testing.assert_close(decode_steps(loaded.model, [[5, 6]], 2), decode_steps(eager, [[5, 6]], 2), **CLOSE)

@@ -193,8 +193,10 @@ def test_a_spec_selects_a_block_mode_and_keeps_fusion() -> None:
 @needs_kernels
 def test_a_spec_chooses_the_block_formats_activation_bits() -> None:
     spec = ModelSpec(name="q", tasks=("generate",), source="tiny:decoder", quantize="q8_0")
-    blocks = [m for m in load_model(spec, Path("/nonexistent")).model.modules() if isinstance(m, BlockLinear)]
+    loaded = load_model(spec, Path("/nonexistent"))
+    blocks = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
     assert blocks and all(m.activation_bits == 16 for m in blocks)  # default: two 8-bit parts
+    assert loaded.block_activation_bits == 16  # what /v1/models reports
     fast = dataclasses.replace(spec, block_activation_bits=8)
     assert all(m.activation_bits == 8 for m in load_model(fast, Path("/nonexistent")).model.modules()
                if isinstance(m, BlockLinear))
@@ -216,5 +218,6 @@ def test_load_model_serves_float_weights_where_the_block_kernels_cannot_run(monk
     loaded = load_model(ModelSpec(name="q", tasks=("generate",), source="tiny:decoder", quantize="q4_1"),
                         Path("/nonexistent"))
     assert loaded.quantize is None and not any(isinstance(m, BlockLinear) for m in loaded.model.modules())
+    assert loaded.block_activation_bits is None
     assert load_model(ModelSpec(name="q", tasks=("generate",), source="tiny:decoder", quantize="int8"),
                       Path("/nonexistent")).quantize == "int8"

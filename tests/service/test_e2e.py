@@ -129,6 +129,7 @@ def test_a_quantized_deployment_serves_its_int8_model(server: Server) -> None:
     with server.client() as c:
         cards = {m["deployment"]: m for m in c.get("/v1/models").json()["data"]}
         assert cards["gated"]["quantize"] == "int8" and cards["encoder"]["quantize"] is None
+        assert cards["gated"]["block_activation_bits"] is None and cards["encoder"]["compiled"] is False
         int8 = [d["embedding"] for d in c.post("/v1/embeddings", json={
             "input": texts, "model": "tiny-encoder-gated"}).json()["data"]]
         fp32 = [d["embedding"] for d in c.post("/v1/embeddings", json={"input": texts}).json()["data"]]
