@@ -40,7 +40,7 @@ constexpr int64_t NR = 32;  // outputs per panel
 constexpr int64_t GROUP = 32;  // inputs per quantization group
 constexpr int64_t STEPS = GROUP / 4;  // steps of 4 inputs per group
 constexpr int MR = 8;  // rows per pass (float activations)
-constexpr int MR8 = 4;  // rows per pass (8-bit activations: 4 accumulators a row)
+constexpr int MR8 = 4;  // rows per pass (block formats: up to 6 accumulators a row)
 
 #ifdef TS_VNNI
 #define TS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512vnni")))
@@ -169,7 +169,7 @@ TS_AVX512 inline __m512i dot4(__m512i acc, __m512i u, __m512i s) {
 #endif
 }
 
-// One part's integer sums for a group: dot (int32, per output) and the codes' sum, with its step
+// One activation part's integer sums over a group: sum(w q) per output, in int32
 struct Sums {
   __m512i dot[2];  // outputs 0-15, 16-31
 };
