@@ -8,11 +8,12 @@ Three weight formats:
 - `BlockLinear("q8_0")`: GGUF's Q8_0, 8-bit codes with a float16 scale per group of 32 inputs:
   w = q * d. `BlockLinear("q4_1")`: GGUF's Q4_1, 4-bit codes with a float16 scale and minimum per
   group of 32: w = q * d + m. Their activations are quantized per row and group of 32 inputs in two
-  8-bit parts (`quantize_rows`: llama.cpp's Q8_1 / Q8_0 of x, then the same of what it leaves; one
-  part alone flips close calls of the float model, such as SmolLM2's answer to "the capital of
-  France", two carry ~16 bits) and the products summed exactly in int32 by 8-bit dot-product
-  instructions; `reference` is the same arithmetic in float64 (tests compare). The weight quantizers are llama.cpp's reference ones, so
-  re-quantizing a GGUF's dequantized Q4_1 / Q8_0 weights gives back the file's own blocks (tests
+  8-bit parts (`quantize_activations`: llama.cpp's Q8_1 / Q8_0 of x, then the same of what it
+  leaves; one part alone, `activation_bits=8`, flips close calls of the float model, such as
+  SmolLM2's answer to "the capital of France"; two carry ~16 bits) and the products summed exactly
+  in int32 by 8-bit dot-product instructions; `reference` is the same arithmetic in float64 (tests
+  compare). The weight quantizers are llama.cpp's reference ones, so re-quantizing a GGUF's
+  dequantized Q4_1 / Q8_0 weights gives back the file's own blocks (tests
   check this on the shipped SmolLM2): `quantize: q4_1` on that file computes with exactly its weights.
 
 Each output is summed over the inputs in one fixed order whatever the number of rows, and a row's
@@ -119,7 +120,7 @@ def _part(g: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(g * inv[..., None]), d  # (M, G, 32), (M, G)
 
 
-def quantize_rows(x: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+def quantize_activations(x: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """Activations (M, K) float32 -> their two 8-bit parts per row and group of 32, as the block
     kernels make them: ((q, dx), (r, dr)), codes (M, K) int8 and steps (M, K / 32) float32, with
     x = dx q + dr r + a remainder below dr / 2. q is llama.cpp's Q8_1 / Q8_0 of x (float32 step);
@@ -139,7 +140,7 @@ def reference(fmt: str, x: Tensor, q: Tensor, d: Tensor, m: Tensor | None = None
     n, k = q.shape
     w = q.double().reshape(n, k // GROUP, GROUP)  # (N, G, 32)
     y = torch.zeros(x.size(0), n, dtype=torch.float64)
-    for codes, step in quantize_rows(x)[: activation_bits // 8]:
+    for codes, step in quantize_activations(x)[: activation_bits // 8]:
         c = codes.double().reshape(-1, k // GROUP, GROUP)  # (M, G, 32)
         dots = torch.einsum("mgi,ngi->mng", c, w)  # (M, N, G): exact integers
         y = y + (dots * d.double()[None] * step.double()[:, None]).sum(-1)
@@ -186,9 +187,7 @@ class BlockLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         if self.in_features % GROUP:
             raise ValueError(f"{fmt} needs an input size that is a multiple of {GROUP}, got {self.in_features}")
-        if activation_bits not in ACTIVATION_BITS:
-            raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS}, got {activation_bits}")
-        self.fmt, self.activation_bits = fmt, activation_bits
+        self.fmt, self.activation_bits = fmt, _checked_bits(activation_bits)
         blocks = quantize_q4_1(weight) if fmt == "q4_1" else (*quantize_q8_0(weight), None)
         self.register_buffer("records", _records(fmt, *blocks))  # (P, K / 32, 640 or 1088) uint8
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())  # (N,)
@@ -215,8 +214,13 @@ class BlockLinear(nn.Module):
 
 def set_activation_bits(model: nn.Module, bits: int) -> None:
     """Every BlockLinear of `model` quantizes its activations to `bits` (16: two 8-bit parts; 8: one)."""
-    if bits not in ACTIVATION_BITS:
-        raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS}, got {bits}")
+    bits = _checked_bits(bits)
     for m in model.modules():
         if isinstance(m, BlockLinear):
             m.activation_bits = bits
+
+
+def _checked_bits(bits: int) -> int:
+    if bits not in ACTIVATION_BITS:
+        raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS}, got {bits}")
+    return bits

@@ -17,10 +17,11 @@
 //         input 4 t + i of output j), then the group's 32 float16 scales (and, for q4_1, 32 minima).
 //         A q8_0 step is 128 bytes, outputs 0-15 then 16-31, each code stored + 128 (unsigned); a
 //         q4_1 step is 64 bytes, output j in the low nibble and output 16 + j in the high one.
-//         Activations are quantized per row and group of 32 to 8 bits, as llama.cpp computes these
-//         formats (its Q8_1 / Q8_0): x = dx * qx; the products are summed exactly in int32
-//         (AVX512-VNNI's vpdpbusd where the CPU has it, AVX512-BW multiply-adds otherwise: the same
-//         integers) and each group adds d dx sum(q qx) (+ mn dx sum(qx) for q4_1).
+//         Activations are quantized per row and group of 32 in two 8-bit parts (or, parts = 1, in
+//         one, as llama.cpp computes these formats: its Q8_1 / Q8_0): x = dx qx + dr rx; the
+//         products are summed exactly in int32 (AVX512-VNNI's vpdpbusd where the CPU has it,
+//         AVX512-BW multiply-adds otherwise: the same integers) and each group adds, per part,
+//         d dx sum(q qx) (+ mn dx sum(qx) for q4_1).
 // The AVX-512 code is compiled for that target only and called only where the CPU has it
 // (models/kernels/native.py checks, and defines TS_VNNI where it has AVX512-VNNI).
 
@@ -97,8 +98,8 @@ TS_AVX512 inline __m512 halves(const uint8_t* h) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));  // 16 float16 -> float32
 }
 
-// Activations in two 8-bit parts per group of 32 inputs: x = dx q + dr r + (a remainder below
-// 1/254 of dr's step): q = round(x / dx) to nearest even with dx = max |x| / 127 (llama.cpp's Q8_1 /
+// Activations in two 8-bit parts per group of 32 inputs: x = dx q + dr r + (a remainder of at most
+// dr / 2): q = round(x / dx) to nearest even with dx = max |x| / 127 (llama.cpp's Q8_1 /
 // Q8_0), then r the same of what q leaves, x - dx q. One part alone flips close calls that the
 // float model makes (SmolLM2's greedy answer to "the capital of France", as llama.cpp's Q4_1 does);
 // two carry ~16 bits, and the second costs little where the weights stream from memory.
@@ -137,7 +138,7 @@ TS_AVX512 void quantize_group(const float* x, bool fine, int8_t* q, int8_t* r, f
 }
 
 // x (M, K) -> the calling thread's scratch, group by group (no allocation per call; a pass only reads it)
-Rows8 quantize_rows(const float* x, int64_t M, int64_t K, bool fine) {
+Rows8 quantize_activations(const float* x, int64_t M, int64_t K, bool fine) {
   thread_local std::vector<int8_t> codes;  // q, then r
   thread_local std::vector<float> steps;  // dx, then dr
   thread_local std::vector<int32_t> sums;  // sum(q), then sum(r)
@@ -145,16 +146,18 @@ Rows8 quantize_rows(const float* x, int64_t M, int64_t K, bool fine) {
   codes.resize(2 * M * K);
   steps.resize(2 * groups);
   sums.resize(2 * groups);
-  const Rows8 rows{codes.data(), codes.data() + M * K, steps.data(), steps.data() + groups, sums.data(),
-                   sums.data() + groups};
+  int8_t* q = codes.data();
+  int8_t* r = q + M * K;
+  float* dx = steps.data();
+  float* dr = dx + groups;
+  int32_t* sq = sums.data();
+  int32_t* sr = sq + groups;
   at::parallel_for(0, groups, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      quantize_group(x + i * GROUP, fine, const_cast<int8_t*>(rows.q) + i * GROUP, const_cast<int8_t*>(rows.r) + i * GROUP,
-                     const_cast<float*>(rows.dx) + i, const_cast<float*>(rows.dr) + i,
-                     const_cast<int32_t*>(rows.sq) + i, const_cast<int32_t*>(rows.sr) + i);
+      quantize_group(x + i * GROUP, fine, q + i * GROUP, r + i * GROUP, dx + i, dr + i, sq + i, sr + i);
     }
   });
-  return rows;
+  return {q, r, dx, dr, sq, sr};
 }
 
 // acc += sum over i < 4 of u[4 j + i] * s[4 j + i] in each int32 lane j (unsigned x signed bytes)
@@ -319,7 +322,7 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const c10::op
   TORCH_CHECK(K % GROUP == 0, "block formats need the input size to be a multiple of 32");
   TORCH_CHECK(parts == 1 || parts == 2, "activations come in 1 or 2 parts of 8 bits");
   check_panels(q, K / GROUP, at::kByte, Format::RECORD, "q");
-  const Rows8 rows = quantize_rows(x.data_ptr<float>(), x.size(0), K, parts == 2);
+  const Rows8 rows = quantize_activations(x.data_ptr<float>(), x.size(0), K, parts == 2);
   if (parts == 2) return run(Blocks<Format, true>{q.data_ptr<uint8_t>(), rows, K}, x, q.size(0), n, bias);
   return run(Blocks<Format, false>{q.data_ptr<uint8_t>(), rows, K}, x, q.size(0), n, bias);
 }
