@@ -113,6 +113,10 @@ class GeneratorDeployment(ModelDeployment):
     async def generate(self, request: GenerationRequest) -> GenerationDone:
         return await self.runner.generate(request)
 
+    async def generate_group(self, requests: list[GenerationRequest]) -> list[GenerationDone]:
+        """Several generations submitted together (n > 1 siblings share their prompt's prefill)."""
+        return await self.runner.generate_group(requests)
+
     async def tokenize(self, request: GenerationRequest, add_special_tokens: bool) -> Tokenized:
         return self.runner.tokenize(request, add_special_tokens)
 
@@ -125,6 +129,15 @@ class GeneratorDeployment(ModelDeployment):
             async for event in events:
                 yield event
         finally:  # Serve throws CancelledError in here when the caller goes away: close the inner stream now
+            await events.aclose()
+
+    async def generate_group_stream(self, requests: list[GenerationRequest]
+                                    ) -> AsyncIterator[tuple[int, GenerationEvent]]:
+        events = self.runner.stream_group(requests)
+        try:
+            async for item in events:
+                yield item
+        finally:
             await events.aclose()
 
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .tool_calls import Tool, ToolCall
+from .tool_calls import Tool, ToolCall, call_grammar
 
 AnswerFinish = Literal["stop", "length"]  # how an answer a client receives ended
 # ... and how a request can end inside the engine: its client went away, or it failed
@@ -102,6 +102,11 @@ class GrammarSpec:
     source: str = ""
     field: str = "response_format"
 
+    @classmethod
+    def tool_call(cls, tools: tuple[Tool, ...], only: str | None = None) -> GrammarSpec:
+        """One call block of one of `tools` (or of the tool named `only`), its arguments valid."""
+        return cls("grammar", call_grammar(tools, only), "tools")
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -148,7 +153,7 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class GenerationStarted:
-    """First event of a stream: the request was accepted by the engine (queued or running)."""
+    """First event of a stream: the engine admitted the request and sampled its first token."""
 
     request_id: str
     prompt_tokens: int

@@ -156,3 +156,4 @@ def call_grammar(tools: Sequence[Tool], only: str | None = None) -> str:
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
     return f"start: {json.dumps(OPEN)} call {json.dumps(CLOSE)}\ncall: %json {json.dumps(schema)}"
+

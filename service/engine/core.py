@@ -28,6 +28,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +49,18 @@ from .limits import EngineLimits
 from .sequence import SeqState
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One request for submit_many: as submit()'s arguments."""
+
+    prompt_ids: Sequence[int]
+    params: SamplingParams | None = None
+    request_id: str | None = None
+    grammar: Any = None
+
+
 # select_batch's fixed cost of one prefill forward pass, in padded prompt tokens: prompts of very
 # different lengths are prefilled in separate passes when the padding would cost more than this.
 PREFILL_OVERHEAD_TOKENS = 64
@@ -108,29 +121,43 @@ class GenerationEngine:
         Raises InvalidRequest / RequestTooLarge (naming the limit) for a request over the limits,
         EngineOverloaded when max_queued requests wait, EngineClosed after shutdown().
         """
-        params = params or SamplingParams()
-        prompt = [int(t) for t in prompt_ids]
-        self.limits.check(prompt, params)
+        return self.submit_many([Submission(prompt_ids, params, request_id, grammar)])[0]
+
+    def submit_many(self, submissions: Sequence[Submission]) -> list[RequestHandle]:
+        """Queue several requests at once, all or none (n > 1 siblings, a list of prompts): they stand
+        together in the queue, so they are admitted in one step whenever rows and the prefill budget
+        allow, and siblings with one prompt share its prefill (RunningBatch.prefill). Raises as
+        submit() does; EngineOverloaded when the queue has no room for all of them."""
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        request_id = request_id or uuid.uuid4().hex
-        handle = RequestHandle(request_id, self.cancel, loop)
-        matcher = self.grammars.matcher(grammar) if grammar is not None else None
-        seq = SeqState(request_id, prompt, params, handle, self.tokenizer, self._eos, time.perf_counter(), matcher)
+        seqs, handles = [], []
+        for sub in submissions:
+            params = sub.params or SamplingParams()
+            prompt = [int(t) for t in sub.prompt_ids]
+            self.limits.check(prompt, params)
+            request_id = sub.request_id or uuid.uuid4().hex
+            handle = RequestHandle(request_id, self.cancel, loop)
+            matcher = self.grammars.matcher(sub.grammar) if sub.grammar is not None else None
+            seqs.append(SeqState(request_id, prompt, params, handle, self.tokenizer, self._eos, time.perf_counter(),
+                                 matcher))
+            handles.append(handle)
+        ids = [seq.request_id for seq in seqs]
         with self._cond:
             if self._closed:
                 raise EngineClosed("the generation engine is shut down")
-            if request_id in self._live:
-                raise InvalidRequest(f"request_id {request_id!r} is already in use", "request_id")
-            if len(self._waiting) >= self.limits.max_queued:
+            taken = [i for i in ids if i in self._live] or [i for i in ids if ids.count(i) > 1]
+            if taken:
+                raise InvalidRequest(f"request_id {taken[0]!r} is already in use", "request_id")
+            if len(self._waiting) + len(seqs) > self.limits.max_queued:
                 raise EngineOverloaded(f"{len(self._waiting)} generation requests are waiting (max_queued="
                                        f"{self.limits.max_queued}); retry later")
-            self._waiting.append(seq)
-            self._live[request_id] = seq
+            for seq in seqs:
+                self._waiting.append(seq)
+                self._live[seq.request_id] = seq
             self._cond.notify()
-        return handle
+        return handles
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request (its client went away). A waiting one is finished here and never

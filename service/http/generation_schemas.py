@@ -26,7 +26,7 @@ from pydantic import (
 
 from ..errors import InvalidRequest
 from ..messages import AnswerFinish, ChatMessage, GrammarSpec
-from ..tool_calls import Tool, ToolCall, call_grammar
+from ..tool_calls import Tool, ToolCall
 from .logprobs import ChatLogprobs, CompletionLogprobs
 from .schemas import Texts, _Request
 
@@ -299,6 +299,18 @@ class ToolDef(_Request):
     function: FunctionDef
 
 
+def tools_of(defs: list[ToolDef] | None) -> tuple[Tool, ...]:
+    """The tools as a chat prompt shows them (service/tool_calls.py); a 422 naming tools when two
+    functions share a name."""
+    tools = tuple(Tool(t.function.name, t.function.description or "",
+                       json.dumps(t.function.parameters if t.function.parameters is not None else {"type": "object"}))
+                  for t in defs or ())
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("tools have duplicate function names", "tools")
+    return tools
+
+
 class NamedFunction(_Request):
     name: StrictStr = Field(pattern=TOOL_NAME)
 
@@ -326,13 +338,8 @@ class ChatCompletionRequest(OpenAISampling):
     def tool_plan(self) -> tuple[tuple[Tool, ...], str | None, GrammarSpec | None]:
         """(the tools the prompt shows, the tool a call is forced to (or "" for any), the grammar forcing
         it); checks names are unique and a named choice exists."""
-        tools = tuple(Tool(t.function.name, t.function.description or "",
-                           json.dumps(t.function.parameters if t.function.parameters is not None
-                                      else {"type": "object"}))
-                      for t in self.tools or ())
+        tools = tools_of(self.tools)
         names = [t.name for t in tools]
-        if len(set(names)) != len(names):
-            raise InvalidRequest("tools have duplicate function names", "tools")
         choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
         if choice != "none" and not tools:
             raise InvalidRequest(f"tool_choice={choice!r} needs tools", "tool_choice")
@@ -343,7 +350,7 @@ class ChatCompletionRequest(OpenAISampling):
             raise InvalidRequest(f"tool_choice names {only!r}, which is not among the tools", "tool_choice")
         if self.response_format is not None and not isinstance(self.response_format, TextFormat):
             raise InvalidRequest("response_format cannot be combined with a forced tool call", "response_format")
-        grammar = GrammarSpec("grammar", call_grammar(tools, only), "tools")
+        grammar = GrammarSpec.tool_call(tools, only)
         return tools, only or "", grammar
 
     def logprobs_k(self) -> int | None:

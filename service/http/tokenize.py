@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from ..messages import ChatMessage, GenerationRequest
-from .generation_schemas import ChatMessageIn
+from ..messages import GenerationRequest
+from .generation_schemas import MAX_TOOLS, ChatMessageIn, ToolDef, tools_of
 from .routing import Backend, ModelRoutes
 from .schemas import _Request
 
@@ -22,6 +22,9 @@ class TokenizeRequest(_Request):
     prompt: StrictStr | None = Field(None, description="A text; or send `messages`.")
     messages: list[ChatMessageIn] | None = Field(None, min_length=1,
                                                  description="A chat, rendered with the model's template.")
+    tools: list[ToolDef] | None = Field(None, min_length=1, max_length=MAX_TOOLS,
+                                        description="With messages: the functions, shown to the model as "
+                                                    "/v1/chat/completions shows them (tool_choice other than none).")
     add_special_tokens: StrictBool = Field(True, description="A prompt with the model's special tokens (as "
                                                              "/v1/completions sends it).")
     return_token_strs: StrictBool = Field(False, description="Also each token's text.")
@@ -30,6 +33,8 @@ class TokenizeRequest(_Request):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt and messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools need messages (a chat)")
         return self
 
 
@@ -56,8 +61,9 @@ def tokenize_router(routes: ModelRoutes, backend: Backend, errors: dict[int | st
     async def tokenize(body: TokenizeRequest) -> Any:
         """Token ids of a prompt, or of a chat rendered with the model's chat template (vLLM's shape)."""
         route = routes.resolve("generate", body.model)
-        messages = None if body.messages is None else tuple(ChatMessage(m.role, m.text()) for m in body.messages)
-        request = GenerationRequest(request_id="tokenize", prompt=body.prompt, messages=messages)
+        messages = None if body.messages is None else tuple(m.message() for m in body.messages)
+        request = GenerationRequest(request_id="tokenize", prompt=body.prompt, messages=messages,
+                                    tools=tools_of(body.tools))
         out = await backend.call(route.deployment, "tokenize", request, body.add_special_tokens)
         return TokenizeResponse(count=len(out.tokens), max_model_len=out.max_model_len, tokens=list(out.tokens),
                                 token_strs=list(out.token_strs) if body.return_token_strs else None)

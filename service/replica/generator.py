@@ -13,14 +13,14 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from models.catalog import LoadedModel
 from models.decoding import SamplingParams
 
 from ..engine.config import EngineConfig
-from ..engine.core import GenerationEngine
+from ..engine.core import GenerationEngine, Submission
 from ..engine.events import Delta, Finished, RequestHandle
 from ..errors import InternalError, InvalidRequest, RequestTooLarge
 from ..messages import (
@@ -32,6 +32,7 @@ from ..messages import (
     TextDelta,
     Tokenized,
 )
+from ..streams import interleaved
 from ..telemetry.hooks import EngineObserver
 from ..telemetry.metrics import ServiceMetrics
 from ..telemetry.observers import PrometheusEngineObserver
@@ -144,60 +145,102 @@ class GeneratorRunner(ModelRunner):
             raise InvalidRequest(str(e)) from None
 
     async def submit(self, request: GenerationRequest) -> tuple[RequestHandle, int]:
-        """Queue the request in the engine; its handle and its prompt length. The cheap checks come
-        first (prompt, parameters, limits), then a structured output's grammar is compiled off the
-        event loop (tens of ms; cached by source), then the request is queued. Raises InvalidRequest /
-        RequestTooLarge naming the field (as the client called it) and the limit, EngineOverloaded when
-        the queue is full."""
-        ids = self.prompt_ids(request)
-        params = self.params(request, len(ids))
-        grammar = None
+        """Queue one request in the engine: its handle and its prompt length (submit_group of one)."""
+        (handle, prompt_tokens), = await self.submit_group([request])
+        return handle, prompt_tokens
+
+    async def submit_group(self, requests: Sequence[GenerationRequest]) -> list[tuple[RequestHandle, int]]:
+        """Queue requests in the engine together, all or none (n > 1 siblings, a list of prompts: they
+        are admitted in one step and siblings share their prompt's prefill); each one's handle and
+        prompt length. Prompts are tokenized off the event loop, once per prompt the siblings share.
+        The cheap checks come first (prompt, parameters, limits), then a structured output's grammar
+        is compiled off the event loop (tens of ms; cached by source), then the requests are queued.
+        Raises InvalidRequest / RequestTooLarge naming the field (as the client called it) and the
+        limit, EngineOverloaded when the queue has no room for all of them."""
+        request = requests[0]
         try:
-            if request.grammar is not None:
-                self.engine.limits.check(ids, params)  # before the compile; engine.submit checks the rest
-                if params.ignore_eos:
-                    raise InvalidRequest("ignore_eos cannot be combined with a structured output (it ends the "
-                                         "text)", "ignore_eos")
-                if params.stop:
-                    raise InvalidRequest("stop strings cannot be combined with a structured output (a cut text "
-                                         "would not match it)", "stop")
-                grammar = await asyncio.to_thread(self.engine.grammars.compile, request.grammar)
-            return self.engine.submit(ids, params, request.request_id, grammar), len(ids)
+            prompts: dict[tuple[int, int, int], list[int]] = {}  # siblings share their prompt's objects
+            submissions = []
+            for request in requests:
+                key = (id(request.prompt), id(request.messages), id(request.tools))
+                if key not in prompts:
+                    prompts[key] = await asyncio.to_thread(self.prompt_ids, request)
+                ids = prompts[key]
+                params = self.params(request, len(ids))
+                grammar = None
+                if request.grammar is not None:
+                    self.engine.limits.check(ids, params)  # before the compile; engine.submit checks the rest
+                    if params.ignore_eos:
+                        raise InvalidRequest("ignore_eos cannot be combined with a structured output (it ends "
+                                             "the text)", "ignore_eos")
+                    if params.stop:
+                        raise InvalidRequest("stop strings cannot be combined with a structured output (a cut "
+                                             "text would not match it)", "stop")
+                    grammar = await asyncio.to_thread(self.engine.grammars.compile, request.grammar)
+                elif request.tools:  # an unforced call: its schemas are checked as a forced one's would be
+                    await asyncio.to_thread(self.engine.grammars.compile, GrammarSpec.tool_call(request.tools))
+                submissions.append(Submission(ids, params, request.request_id, grammar))
+            handles = self.engine.submit_many(submissions)
         except RequestTooLarge as e:
             raise RequestTooLarge(e.message, request.param(e.param), e.limit) from None
         except InvalidRequest as e:
             raise InvalidRequest(e.message, request.param(e.param)) from None
+        return [(handle, len(sub.prompt_ids)) for handle, sub in zip(handles, submissions, strict=True)]
 
     async def generate(self, request: GenerationRequest) -> GenerationDone:
         """The whole answer. Cancelling the awaiting task cancels the request in the engine."""
-        handle, _ = await self.submit(request)
-        try:
-            finished = await handle.result()
-        except asyncio.CancelledError:
-            handle.cancel()
-            raise
-        done = _done(finished)
-        if done.error is not None:
-            raise InternalError(f"{self.deployment}: the generation failed; see the server log")
+        done, = await self.generate_group([request])
         return done
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        """GenerationStarted once the engine accepted the request, a TextDelta per piece of text, then
-        GenerationDone (finish_reason "error" if the engine failed it). Closing the generator early,
-        or cancelling the task reading it, cancels the request in the engine."""
-        handle, prompt_tokens = await self.submit(request)
-        finished = False
+    async def generate_group(self, requests: Sequence[GenerationRequest]) -> list[GenerationDone]:
+        """Every request's whole answer, submitted together (submit_group). Cancelling the awaiting task
+        cancels them all in the engine; so does one that fails."""
+        handles = [handle for handle, _ in await self.submit_group(requests)]
         try:
-            yield GenerationStarted(handle.request_id, prompt_tokens)
-            async for event in handle:
-                if isinstance(event, Delta):
-                    yield TextDelta(event.text, event.logprobs)
-                else:
-                    finished = True
-                    yield _done(event)
-        finally:
-            if not finished:
+            finished = await asyncio.gather(*(handle.result() for handle in handles))
+        except asyncio.CancelledError:
+            for handle in handles:
                 handle.cancel()
+            raise
+        dones = [_done(event) for event in finished]
+        if any(done.error is not None for done in dones):
+            raise InternalError(f"{self.deployment}: the generation failed; see the server log")
+        return dones
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """GenerationStarted once the engine sampled the request's first token, a TextDelta per piece
+        of text, then GenerationDone (finish_reason "error" if the engine failed it). Closing the
+        generator early, or cancelling the task reading it, cancels the request in the engine."""
+        events = self.stream_group([request])
+        try:
+            async for _, event in events:
+                yield event
+        finally:
+            await events.aclose()
+
+    async def stream_group(self, requests: Sequence[GenerationRequest]
+                           ) -> AsyncIterator[tuple[int, GenerationEvent]]:
+        """(index of the request, event) for requests submitted together (submit_group), interleaved as
+        their events come; each request's events as stream() gives them. Closing the generator early,
+        or cancelling the task reading it, cancels every unfinished request in the engine."""
+        submitted = await self.submit_group(requests)
+        handles = [handle for handle, _ in submitted]
+        started, finished = [False] * len(handles), [False] * len(handles)
+        try:
+            async for i, event in interleaved(handles):
+                if not started[i]:  # the first event comes with the first token (engine/events.py)
+                    started[i] = True
+                    yield i, GenerationStarted(handles[i].request_id, submitted[i][1])
+                if isinstance(event, Delta):
+                    if event.text or event.logprobs:
+                        yield i, TextDelta(event.text, event.logprobs)
+                else:
+                    finished[i] = True
+                    yield i, _done(event)
+        finally:
+            for handle, done in zip(handles, finished, strict=True):
+                if not done:
+                    handle.cancel()
 
     # -- life cycle ------------------------------------------------------------------------------
 

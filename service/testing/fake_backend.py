@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from ..errors import InvalidItem, InvalidRequest, RequestTooLarge
 from ..http.api import create_api
+from ..http.routing import probed_readiness
 from ..messages import (
     Classification,
     Embeddings,
@@ -97,6 +98,9 @@ class EchoBackend:
         text, prompt_tokens = self._check(request)
         return GenerationDone(request.request_id, text, "length", Usage(prompt_tokens, len(text)))
 
+    def _generate_group(self, requests: list[GenerationRequest]) -> list[GenerationDone]:
+        return [self._generate(r) for r in requests]
+
     def _check(self, request: GenerationRequest) -> tuple[str, int]:
         if request.max_new_tokens is not None and request.max_new_tokens > MAX_NEW:
             raise RequestTooLarge(f"max_new_tokens is {request.max_new_tokens}; at most {MAX_NEW}",
@@ -117,15 +121,29 @@ class EchoBackend:
                 raise InvalidRequest(f"token id {t} is outside the vocabulary (size 256)", f"tokens[{i}]")
         return bytes(tokens).decode("utf-8", "replace")
 
-    async def stream(self, deployment: str, method: str, request: GenerationRequest) -> AsyncIterator[Any]:
+    async def stream(self, deployment: str, method: str, request: Any) -> AsyncIterator[Any]:
+        """generate_stream (one request's events) or generate_group_stream ((index, event) of several)."""
         self.calls[method] = self.calls.get(method, 0) + 1
-        text, prompt_tokens = self._check(request)
-        yield GenerationStarted(request.request_id, prompt_tokens)
-        for piece in (text[:2], text[2:]):
-            if piece:
-                await asyncio.sleep(0)
-                yield TextDelta(piece)
-        yield GenerationDone(request.request_id, text, "length", Usage(prompt_tokens, len(text)))
+        if method == "generate_stream":
+            async for _, event in self._events([request]):
+                yield event
+        else:
+            async for item in self._events(request):
+                yield item
+
+    async def _events(self, requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, Any]]:
+        checked = [self._check(r) for r in requests]
+        for i, (r, (_, prompt_tokens)) in enumerate(zip(requests, checked, strict=True)):
+            yield i, GenerationStarted(r.request_id, prompt_tokens)
+        for i, (r, (text, prompt_tokens)) in enumerate(zip(requests, checked, strict=True)):
+            for piece in (text[:2], text[2:]):
+                if piece:
+                    await asyncio.sleep(0)
+                    yield i, TextDelta(piece)
+            yield i, GenerationDone(r.request_id, text, "length", Usage(prompt_tokens, len(text)))
+
+    async def readiness(self, deployments: list[str], timeout_s: float) -> dict[str, str]:
+        return await probed_readiness(self, deployments, timeout_s)
 
     async def info(self, deployment: str, timeout_s: float) -> ModelInfo:
         by_deployment = {

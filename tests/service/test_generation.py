@@ -4,6 +4,7 @@ chat templates, defaults, errors naming fields, cancellation of a whole answer a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -136,3 +137,52 @@ def test_whole_answers_streams_and_cancellation() -> None:
     finally:
         r.close()
     assert not r.alive
+
+
+def test_siblings_are_submitted_together_and_share_one_prefill_on_an_idle_engine() -> None:
+    """A group (n > 1 siblings) reaches the running engine in one submission: the engine admits all of
+    them in one step and computes the shared prompt once (one prefill row), where separate submissions
+    on an idle engine let the first one be admitted alone. A full queue refuses the whole group."""
+    r = runner(EngineConfig(max_total_tokens=None, max_running=8, max_queued=8))
+    prefill_rows: list[int] = []
+    model = r.engine._batch.model
+    forward = model.forward
+
+    def spy(ids, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if ids.size(1) > 1:
+            prefill_rows.append(ids.size(0))
+        return forward(ids, *args, **kwargs)
+
+    model.forward = spy  # type: ignore[method-assign]
+    r.warm_up()
+    prefill_rows.clear()
+    r.start()
+    try:
+        async def main() -> tuple[list[GenerationDone], list[GenerationDone], list[str]]:
+            messages = (ChatMessage("user", "three ways to say hello"),)
+            group = [GenerationRequest(f"s{i}", messages=messages, max_new_tokens=8, temperature=0.9, seed=7 + i,
+                                       ignore_eos=True) for i in range(4)]
+            together = await r.generate_group(group)
+            alone = [await r.generate(GenerationRequest(f"a{i}", messages=messages, max_new_tokens=8,
+                                                        temperature=0.9, seed=7 + i, ignore_eos=True))
+                     for i in range(4)]
+            streamed: list[str] = ["", "", "", ""]
+            stream = r.stream_group([dataclasses.replace(g, request_id=f"t{i}") for i, g in enumerate(group)])
+            async for i, event in stream:
+                if isinstance(event, TextDelta):
+                    streamed[i] += event.text
+            return together, alone, streamed
+
+        together, alone, streamed = asyncio.run(main())
+        assert [d.text for d in together] == [d.text for d in alone] == streamed  # seeded: same alone
+        assert len({d.text for d in together}) > 1  # four seeds, not one answer copied
+        assert prefill_rows == [1] * 6, prefill_rows  # the group once, each alone once, the streamed group once
+
+        async def refused() -> None:
+            await r.submit_group([GenerationRequest(f"q{i}", prompt="go") for i in range(9)])
+
+        with pytest.raises(EngineOverloaded):
+            asyncio.run(refused())
+        assert r.engine.stats().waiting == 0  # none of the nine was queued
+    finally:
+        r.close()

@@ -592,6 +592,24 @@ def test_tools_reach_the_prompt_and_tool_messages_come_back(tools_server: Cluste
     prompt = tok.apply_chat_template(render_in_prompt(ours, tools))
     assert out.usage is not None and out.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
     assert out.choices[0].finish_reason in ("stop", "length")  # auto: the tiny model writes no call block
+    with tools_server.client("/tools") as c:  # /tokenize renders the same chat, tools included
+        counted = c.post("/tokenize", json={"model": TINY, "messages": history, "tools": TOOLS}).json()
+        plain = c.post("/tokenize", json={"model": TINY, "messages": history}).json()
+        assert counted["count"] == out.usage.prompt_tokens > plain["count"]
+        assert_error(c.post("/tokenize", json={"prompt": "x", "tools": TOOLS}), 422, "invalid_request_error")
+
+
+def test_a_tool_schema_the_library_refuses_is_a_422_whether_forced_or_not(tools_server: Cluster) -> None:
+    broken = [{"type": "function", "function": {"name": "broken", "parameters": {"type": "nope"}}}]
+    with tools_server.client("/tools") as c:
+        for choice in (None, "auto", "required"):
+            body = {"model": TINY, "messages": CHAT, "max_tokens": 4, "tools": broken}
+            error = assert_error(c.post("/v1/chat/completions", json={**body, "tool_choice": choice}), 422,
+                                 "invalid_request_error", "tools")
+            assert "cannot be compiled" in error["message"], error
+        ok = c.post("/v1/chat/completions", json={"model": TINY, "messages": CHAT, "max_tokens": 4, "tools": broken,
+                                                  "tool_choice": "none"})
+        assert ok.status_code == 200, ok.text  # none: the tools are neither shown nor used
 
 
 def test_a_streamed_tool_call_arrives_whole(tools_server: Cluster) -> None:
