@@ -1,7 +1,9 @@
 """What a generation request streams back, and the handle a caller reads it from.
 
 Every request yields zero or more `Delta` events (text pieces, safe to show) and then exactly one
-`Finished`; the concatenation of the Delta texts equals `Finished.text`. The engine thread produces
+`Finished`; the concatenation of the Delta texts equals `Finished.text`. The first event comes with
+the first token: when that token shows no text yet (part of a character, a possible stop string),
+it is an empty Delta, so a caller knows the request started (time to first token, its deadline). The engine thread produces
 events; the handle delivers them to the caller's asyncio loop (call_soon_threadsafe into an
 asyncio.Queue made on that loop) or, for a caller without a loop (tests, scripts), to a
 thread-safe queue read by blocking calls.

@@ -90,6 +90,8 @@ class SeqState:
         if safe > self.sent:
             self._emit(Delta(self.text[self.sent:safe], self.n_sampled, self._new_logprobs(safe)))
             self.sent = safe
+        elif self.n_sampled == 1:  # the first token, with no text to show yet: say it was sampled
+            self._emit(Delta("", self.n_sampled))
 
     def _piece(self, token: int) -> str:
         """A token's own text (special tokens shown), as OpenAI lists tokens with their log-probabilities."""

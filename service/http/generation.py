@@ -12,7 +12,6 @@ replica's errors name the client's fields and pass through unchanged. No Ray and
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -23,7 +22,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ..errors import InvalidRequest
-from ..messages import ChatMessage, GenerationDone, GenerationRequest, GrammarSpec
+from ..messages import (
+    ChatMessage,
+    GenerationDone,
+    GenerationEvent,
+    GenerationRequest,
+    GenerationStarted,
+    GrammarSpec,
+)
 from ..settings import Settings
 from ..tool_calls import Tool
 from ..tool_calls import parse as parse_tool_calls
@@ -53,7 +59,6 @@ from .sse import (
     ChatFormat,
     CompletionFormat,
     GenerateFormat,
-    Opened,
     StreamFormat,
     sse,
     sse_body,
@@ -72,45 +77,51 @@ class GenerationCalls:
         self.backend = backend
 
     async def complete(self, route: Route, requests: list[GenerationRequest], timeout: float) -> list[GenerationDone]:
-        """Every request's answer; the first failure cancels the others and is raised. On the deadline the
-        calls are cancelled: the replica cancels the requests in its engine."""
-        calls = [asyncio.ensure_future(within(self.backend.call(route.deployment, "generate", r), timeout))
-                 for r in requests]
-        try:
-            return list(await asyncio.gather(*calls))
-        except BaseException:
-            for call in calls:
-                call.cancel()
-            await asyncio.gather(*calls, return_exceptions=True)
-            raise
+        """Every request's answer, from one replica call (several are submitted to the engine together,
+        so siblings share their prompt's prefill). On the deadline the call is cancelled: the replica
+        cancels the requests in its engine."""
+        if len(requests) == 1:
+            return [await within(self.backend.call(route.deployment, "generate", requests[0]), timeout)]
+        return list(await within(self.backend.call(route.deployment, "generate_group", requests), timeout))
 
     async def stream(self, route: Route, requests: list[GenerationRequest], timeout: float,
                      formats: Sequence[StreamFormat],
                      usage: Callable[[list[tuple[int, GenerationDone]]], dict[str, Any]] | None = None,
                      ) -> StreamingResponse:
-        """Wait (under the deadline) until the engine accepted every request, then stream. The deadline
-        does not limit the stream itself: the client reads as long as it wants, and may hang up."""
+        """Wait (under the deadline) until every request has its first token (the replica's
+        GenerationStarted): a stream still queued in the engine at its deadline is a 504 like a whole
+        answer, not a 200 that stays silent. Then stream; the deadline does not limit the rest: the
+        client reads as long as it wants, and may hang up. One replica call, as in complete()."""
+        if len(requests) == 1:
+            events = indexed(self.backend.stream(route.deployment, "generate_stream", requests[0]))
+        else:
+            events = self.backend.stream(route.deployment, "generate_group_stream", requests)
 
-        async def open_one(request: GenerationRequest) -> Opened:
-            events = self.backend.stream(route.deployment, "generate_stream", request)
-            try:
-                return await within(anext(events), timeout, "the generation did not start"), events
-            except BaseException:
-                await events.aclose()
-                raise
+        async def started() -> list[tuple[int, GenerationEvent]]:  # what came until every first token
+            read, waiting = [], set(range(len(requests)))
+            while waiting:
+                i, event = await anext(events)
+                read.append((i, event))
+                if isinstance(event, GenerationStarted):
+                    waiting.discard(i)
+            return read
 
-        opening = [asyncio.ensure_future(open_one(r)) for r in requests]
         try:
-            opened = list(await asyncio.gather(*opening))
+            first = await within(started(), timeout, "the generation did not start")
         except BaseException:
-            for task in opening:
-                task.cancel()
-            for result in await asyncio.gather(*opening, return_exceptions=True):
-                if isinstance(result, tuple):
-                    await result[1].aclose()
+            await events.aclose()
             raise
-        return StreamingResponse(sse_body(opened, formats, usage), media_type="text/event-stream",
+        return StreamingResponse(sse_body(first, events, formats, usage), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
+
+
+async def indexed(events: AsyncIterator[GenerationEvent]) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """One request's stream in a group stream's shape: (0, event). Closing this closes it."""
+    try:
+        async for event in events:
+            yield 0, event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = None,

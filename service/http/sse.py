@@ -3,8 +3,6 @@ and chat chunks) and the body that writes them. Described in docs/serving.md."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -111,67 +109,26 @@ class ChatFormat(_OpenAIFormat):
         return last + ([self.chunk([], event.usage.as_dict())] if self.include_usage and self.final_usage else [])
 
 
-Opened = tuple[GenerationEvent, AsyncIterator[GenerationEvent]]  # a stream's first event, and the rest
-
-
-async def merged(streams: Sequence[Opened]) -> AsyncIterator[tuple[int, GenerationEvent]]:
-    """(choice index, event) of every stream, each stream in order, the streams interleaved as their
-    events arrive. Closing this closes (cancels) every stream still open."""
-    if len(streams) == 1:
-        first, events = streams[0]
-        try:
-            yield 0, first
-            async for event in events:
-                yield 0, event
-        finally:
-            await events.aclose()
-        return
-    queue: asyncio.Queue[tuple[int, GenerationEvent | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, events: AsyncIterator[GenerationEvent]) -> None:
-        try:
-            async for event in events:
-                await queue.put((i, event))
-            await queue.put((i, None))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # handed to the reader, which ends the response with it
-            await queue.put((i, exc))
-        finally:
-            await events.aclose()
-
-    tasks = [asyncio.create_task(pump(i, events)) for i, (_, events) in enumerate(streams)]
-    try:
-        for i, (first, _) in enumerate(streams):
-            yield i, first
-        open_streams = len(streams)
-        while open_streams:
-            i, item = await queue.get()
-            if item is None:
-                open_streams -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
-
-
-async def sse_body(streams: Sequence[Opened], formats: Sequence[StreamFormat],
+async def sse_body(first: Sequence[tuple[int, GenerationEvent]], rest: AsyncIterator[tuple[int, GenerationEvent]],
+                   formats: Sequence[StreamFormat],
                    usage: Callable[[list[tuple[int, GenerationDone]]], dict[str, Any]] | None = None
                    ) -> AsyncIterator[bytes]:
-    """The event stream of a response: one or several choices (formats[i] renders stream i), then
+    """The event stream of a response: (choice index, event) items, `first` already read from the
+    replica and then `rest`, for one or several choices (formats[i] renders choice i), then
     `usage(every choice's Done)` as a last payload when given. An error after the stream started
     (the replica died, the engine failed the request) is a last `{"error": {...}}` event: the
-    status is already sent."""
-    items = merged(streams)
+    status is already sent. Closing the body (the client went away) closes `rest`, which cancels
+    the model call."""
+
+    async def items() -> AsyncIterator[tuple[int, GenerationEvent]]:
+        for item in first:
+            yield item
+        async for item in rest:
+            yield item
+
     done: list[tuple[int, GenerationDone]] = []
     try:
-        async for i, event in items:
+        async for i, event in items():
             if isinstance(event, GenerationDone):
                 if event.error is not None:
                     yield sse(InternalError("the generation failed; see the server log").body())
@@ -189,4 +146,4 @@ async def sse_body(streams: Sequence[Opened], formats: Sequence[StreamFormat],
         log.exception("generation stream failed")
         yield sse(InternalError("internal error; see the server log").body())
     finally:  # also when the client went away: closing the stream cancels the model calls
-        await items.aclose()
+        await rest.aclose()  # type: ignore[attr-defined]

@@ -64,9 +64,10 @@ async def kill_under_load(live: Live, deployment: str, path: str, body: dict[str
     async with live.async_client() as client:
         workers = [asyncio.create_task(keep_busy(client, path, body, stop, outage.outcomes)) for _ in range(6)]
         await asyncio.sleep(1.0)
-        extra = asyncio.create_task(while_killing(client)) if while_killing else None
-        if extra is not None:
-            await asyncio.sleep(0.5)  # the streams are open
+        opened = asyncio.Event()
+        extra = asyncio.create_task(while_killing(client, opened)) if while_killing else None
+        if extra is not None:  # the streams have their first tokens
+            await asyncio.wait_for(opened.wait(), DEADLINE_S)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         while time.monotonic() - killed < WHOLE_WITHIN_S:
@@ -111,14 +112,21 @@ def test_a_killed_encoder_replica_is_replaced_and_no_request_hangs(live: Live) -
         assert c.post("/v1/classify", json={"inputs": "after"}).status_code == 200
 
 
-async def streams_across_the_kill(client: httpx.AsyncClient, n: int = 4) -> list[tuple[str, float]]:
-    """n long streams, each read to its end: how each ended ('error:<type>', 'closed', 'done') and when."""
+async def streams_across_the_kill(client: httpx.AsyncClient, opened: asyncio.Event,
+                                  n: int = 4) -> list[tuple[str, float]]:
+    """n long streams, each read to its end: how each ended ('error:<type>', 'closed', 'done') and when;
+    `opened` is set once every stream's response started."""
+    opening = 0
 
     async def one() -> tuple[str, float]:
+        nonlocal opening
         body = {"prompt": "stream on", "max_new_tokens": 500, "ignore_eos": True, "stream": True}
         try:
             async with client.stream("POST", "/v1/generate", json=body) as r:
-                assert r.status_code == 200
+                assert r.status_code == 200  # the response starts once the first token is out
+                opening += 1
+                if opening == n:
+                    opened.set()
                 last = None
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):
@@ -136,8 +144,8 @@ async def streams_across_the_kill(client: httpx.AsyncClient, n: int = 4) -> list
 def test_a_killed_engine_ends_its_streams_and_comes_back(live: Live) -> None:
     ends: list[tuple[str, float]] = []
 
-    async def during(client: httpx.AsyncClient) -> None:
-        ends.extend(await streams_across_the_kill(client))
+    async def during(client: httpx.AsyncClient, opened: asyncio.Event) -> None:
+        ends.extend(await streams_across_the_kill(client, opened))
 
     started = time.monotonic()
     outage = run(kill_under_load(live, "generator", "/v1/generate", {"prompt": "busy", "max_new_tokens": 30,

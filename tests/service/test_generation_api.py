@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -160,3 +161,37 @@ def test_refusals_are_json_errors_with_the_route_field_names(stream: bool) -> No
     assert r.json()["error"]["param"] == "max_completion_tokens"
     r = post(FakeBackend([], refuse=Overloaded("full")), "/v1/generate", {"prompt": "hi", "stream": stream})
     assert r.status_code == 503 and r.headers["Retry-After"] == "3" and r.json()["error"]["type"] == "overloaded_error"
+
+
+class QueuedBackend(FakeBackend):
+    """The request waits `wait_s` in the engine's queue before its first token (GenerationStarted)."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(EVENTS)
+        self.wait_s = wait_s
+
+    async def stream(self, deployment: str, method: str, request: GenerationRequest) -> AsyncIterator[Any]:
+        try:
+            await asyncio.sleep(self.wait_s)
+            for event in self.events:
+                yield event
+        finally:
+            self.closed += 1
+
+
+def test_a_stream_keeps_its_deadline_until_its_first_token() -> None:
+    app = create_api(Settings.build({"deployments": {"generator": {"model": GEN}}}, env={}), QueuedBackend(5.0))
+
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/generate", json={"prompt": "hi", "stream": True},
+                                     headers={"X-Request-Timeout": "0.2"})
+
+    started = time.monotonic()
+    r = asyncio.run(main())
+    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error", r.text
+    assert time.monotonic() - started < 2
+    slow_but_in_time = QueuedBackend(0.05)
+    assert payloads(post(slow_but_in_time, "/v1/generate", {"prompt": "hi", "stream": True}))[0] == {"text": "Hé"}
+    assert slow_but_in_time.closed == 1
