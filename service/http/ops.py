@@ -62,8 +62,9 @@ def ops_router(settings: Settings, routes: ModelRoutes, backend: Backend, metric
 
     @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
     async def readyz() -> Any:
-        """Readiness: 200 only when every model deployment has a loaded, warmed-up replica."""
-        states = {name: "ready" if isinstance(r, ModelInfo) else str(r) for name, r in (await probe_all()).items()}
+        """Readiness: 200 only when every model deployment has a loaded, warmed-up replica. Cached for
+        about a second; it does not queue behind model requests (service/ingress.py)."""
+        states = await backend.readiness(list(settings.deployments), settings.readiness_timeout_s)
         ready = all(s == "ready" for s in states.values())
         body = Readiness(status="ready" if ready else "not_ready", deployments=states)
         if ready:

@@ -6,7 +6,8 @@ targets without code changes here; a task no configured model serves answers 404
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +40,17 @@ class Backend(Protocol):
     async def info(self, deployment: str, timeout_s: float) -> ModelInfo:
         """One replica's ModelInfo; NotReady when no loaded replica answers within timeout_s."""
         ...
+
+    async def readiness(self, deployments: list[str], timeout_s: float) -> dict[str, str]:
+        """deployment -> "ready", or why not. Cheap enough for a probe every second, and never takes a
+        model replica's request slot while the deployment is serving (service/ingress.py)."""
+        ...
+
+
+async def probed_readiness(backend: Backend, deployments: Sequence[str], timeout_s: float) -> dict[str, str]:
+    """Readiness from one info() call per deployment: "ready", or the error's text."""
+    results = await asyncio.gather(*(backend.info(n, timeout_s) for n in deployments), return_exceptions=True)
+    return {n: "ready" if isinstance(r, ModelInfo) else str(r) for n, r in zip(deployments, results, strict=True)}
 
 
 class ModelRoutes:

@@ -14,6 +14,7 @@ import pytest
 
 from service.errors import Overloaded
 from service.http.api import create_api
+from service.http.routing import probed_readiness
 from service.messages import Classification, ModelInfo
 from service.settings import Settings
 
@@ -42,6 +43,9 @@ class FakeBackend:
     async def info(self, deployment: str, timeout_s: float) -> ModelInfo:
         return ModelInfo(name="enc", deployment=deployment, tasks=("classify", "embed"), device="cpu",
                          dtype="float32", max_input_tokens=8)
+
+    async def readiness(self, deployments: list[str], timeout_s: float) -> dict[str, str]:
+        return await probed_readiness(self, deployments, timeout_s)
 
 
 def request(backend: FakeBackend, method: str, path: str, settings: dict[str, Any] | None = None,

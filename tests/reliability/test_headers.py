@@ -1,0 +1,60 @@
+"""Headers Ray Serve's HTTP servers would act on themselves (service/http/proxy_headers.py), live over
+HTTP: a client can neither shorten or switch off Serve's timeout nor its disconnect handling, and a
+request id comes back once, valid."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from service.http.proxy_headers import safe_headers
+from service.telemetry.logs import valid_request_id
+from tests.reliability.conftest import Live, engine_idle
+
+pytestmark = pytest.mark.e2e
+LONG = {"prompt": "go on", "max_new_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+def test_safe_headers_keep_one_valid_id_and_drop_serves_own() -> None:
+    raw = [(b"X-Request-ID", b"not valid!"), (b"x-request-id", b"ok-2"), (b"x-request-timeout-seconds", b"0"),
+           (b"X-Request-Disconnect-Disabled", b"?1"), (b"content-type", b"application/json")]
+    out = safe_headers(raw)
+    assert out == [(b"content-type", b"application/json"), (b"x-request-id", b"ok-2")]
+    fresh = safe_headers([(b"x-request-id", b"<script>")])
+    assert len(fresh) == 1 and fresh[0][1] != b"<script>" and valid_request_id(fresh[0][1].decode())
+
+
+def test_a_client_cannot_switch_off_disconnect_handling(live: Live) -> None:
+    before = live.wait_stats("generator", engine_idle)
+    with live.client() as c, c.stream("POST", "/v1/generate", json=LONG,
+                                      headers={"x-request-disconnect-disabled": "?1"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # the first event, then hang up
+    after = live.wait_stats("generator", lambda s: engine_idle(s) and s["finished"].get("cancelled", 0)
+                            > before["finished"].get("cancelled", 0), timeout_s=10)
+    assert after["generated_tokens"] - before["generated_tokens"] < LONG["max_new_tokens"], after
+
+
+def test_a_client_cannot_set_serves_timeout(live: Live) -> None:
+    """`x-request-timeout-seconds` would replace Serve's timeout (and <= 0 turn it off): here it is
+    ignored, so a request that takes longer than it asks for still gets its answer."""
+    with live.client() as c:
+        started = time.monotonic()
+        r = c.post("/v1/generate", json={**LONG, "stream": False, "max_new_tokens": 200},
+                   headers={"x-request-timeout-seconds": "0.05"})
+        assert r.status_code == 200 and time.monotonic() - started > 0.05, r.text
+
+
+@pytest.mark.parametrize("sent", ["bad id with spaces", "<script>", "x" * 200, "ok-id.1"])
+def test_the_request_id_comes_back_once_and_valid(live: Live, sent: str) -> None:
+    with live.client() as c:
+        r = c.get("/healthz", headers={"X-Request-ID": sent})
+        ids = r.headers.get_list("x-request-id")
+        assert r.status_code == 200 and len(ids) == 1, ids
+        assert valid_request_id(ids[0]) == ids[0]
+        assert (ids[0] == sent) == (valid_request_id(sent) is not None)
+        e = c.post("/v1/classify", json={}, headers={"X-Request-ID": sent})
+        assert e.status_code == 422 and len(e.headers.get_list("x-request-id")) == 1

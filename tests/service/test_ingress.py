@@ -1,0 +1,83 @@
+"""The ingress's ServeBackend without Ray Serve running: /readyz's readiness from the controller's
+replica counts and what the ingress has seen, probing a replica only when it has not seen one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+from service import ingress
+from service.messages import ModelInfo
+
+
+class FakeResponse:
+    def __init__(self, handle: FakeHandle) -> None:
+        self.handle = handle
+
+    def __await__(self) -> Generator[Any, None, ModelInfo]:
+        yield from asyncio.sleep(0).__await__()
+        if self.handle.dead:
+            raise ingress.RayActorError()
+        return ModelInfo("m", "enc", ("classify",), "cpu", "float32", 8)
+
+    def cancel(self) -> None:
+        pass
+
+
+class FakeHandle:
+    """A DeploymentHandle's info.remote(), counted; `dead` fails it as a killed replica does."""
+
+    def __init__(self) -> None:
+        self.info_calls, self.dead = 0, False
+
+    def options(self, **_: Any) -> FakeHandle:
+        return self
+
+    @property
+    def info(self) -> FakeHandle:
+        return self
+
+    def remote(self) -> FakeResponse:
+        self.info_calls += 1
+        return FakeResponse(self)
+
+
+def test_readiness_probes_a_replica_only_until_it_has_seen_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    running = {"enc": 1}
+    lookups = []
+
+    def replicas() -> dict[str, int]:
+        lookups.append(1)
+        return dict(running)
+
+    monkeypatch.setattr(ingress, "_running_replicas", replicas)
+    handle = FakeHandle()
+    backend = ingress.ServeBackend({"enc": handle}, readiness_timeout_s=1.0)
+
+    async def main() -> list[dict[str, str]]:
+        out = [await backend.readiness(["enc"], 1.0)]  # not seen yet: one info() call
+        out += await asyncio.gather(*(backend.readiness(["enc"], 1.0) for _ in range(5)))  # cached
+        assert handle.info_calls == 1 and len(lookups) == 1
+        monkeypatch.setattr(ingress, "READINESS_CACHE_S", 0.0)
+        for _ in range(3):  # seen: no replica call, however often it is asked
+            out.append(await backend.readiness(["enc"], 1.0))
+        assert handle.info_calls == 1 and len(lookups) == 4
+        running["enc"] = 0  # the controller lost the replica
+        out.append(await backend.readiness(["enc"], 1.0))
+        running["enc"] = 1
+        backend._failed("enc", ingress.RayActorError())  # a request found it dead: probe again
+        handle.dead = True
+        out.append(await backend.readiness(["enc"], 1.0))
+        handle.dead = False
+        monkeypatch.setattr(ingress, "_running_replicas", lambda: 1 / 0)  # no controller: ask the replica
+        out.append(await backend.readiness(["enc"], 1.0))
+        return out
+
+    states = [s["enc"] for s in asyncio.run(main())]
+    assert states[:9] == ["ready"] * 9
+    assert states[9] == "enc: no running replica"
+    assert states[10] != "ready" and "died" in states[10]
+    assert states[11] == "ready"
