@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .text_limits import max_input_chars
 from .tool_calls import Tool, ToolCall, call_grammar
 
 AnswerFinish = Literal["stop", "length"]  # how an answer a client receives ended
@@ -69,6 +70,11 @@ class ModelInfo:
     kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/dense.py)
     compiled: bool = False  # its blocks run compiled (models/compiled.py)
     block_activation_bits: int | None = None  # q8_0 / q4_1: 16 or 8 (models/panels.py)
+
+    @property
+    def max_input_chars(self) -> int:
+        """A text (a prompt, a chat's contents) over this many characters is never tokenized."""
+        return max_input_chars(self.max_input_tokens)
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,16 @@ class GenerationRequest:
     ignore_eos: bool | None = None
     # field of this request -> the name the client used (OpenAI's max_tokens for max_new_tokens)
     names: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def prompt_chars(self) -> int:
+        """Characters this request brings to its prompt: the prompt, or the chat's contents, tool calls
+        and tools (service/text_limits.py caps them before anything is rendered or tokenized)."""
+        if self.messages is None:
+            return len(self.prompt or "")
+        return (sum(len(m.content) + sum(len(c.arguments) + len(c.name) for c in m.tool_calls)
+                    for m in self.messages)
+                + sum(len(t.name) + len(t.description) + len(t.parameters) for t in self.tools))
 
     @property
     def prompt_field(self) -> str:

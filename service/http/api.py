@@ -22,7 +22,7 @@ from .generation import generation_router
 from .inference import inference_router
 from .observability import Observability
 from .ops import METRICS_PATH, ops_router
-from .routing import Backend, ModelRoutes
+from .routing import Backend, InputLimits, ModelRoutes
 from .schemas import ErrorResponse
 from .tokenize import tokenize_router
 
@@ -53,10 +53,11 @@ def create_api(settings: Settings, backend: Backend, metrics: ServiceMetrics | N
     app.add_middleware(Observability, metrics=metrics, endpoints=lambda: _paths(app),  # outermost
                        retry_after_s=settings.retry_after_s, access_log=settings.access_log,
                        proxy_echoes_id=proxy_echoes_id)
-    app.include_router(inference_router(settings, routes, backend, ERRORS))
+    limits = InputLimits(backend, settings.readiness_timeout_s)
+    app.include_router(inference_router(settings, routes, backend, limits, ERRORS))
     app.include_router(ops_router(settings, routes, backend, metrics))
-    app.include_router(generation_router(settings, routes, backend, ERRORS))
-    app.include_router(tokenize_router(routes, backend, ERRORS))
+    app.include_router(generation_router(settings, routes, backend, limits, ERRORS))
+    app.include_router(tokenize_router(routes, backend, limits, ERRORS))
     return app
 
 

@@ -52,7 +52,7 @@ from .generation_schemas import (
     grammar_of,
 )
 from .logprobs import chat_logprobs, completion_logprobs
-from .routing import Backend, ModelRoutes, Route
+from .routing import Backend, InputLimits, ModelRoutes, Route
 from .sse import (
     DONE,
     SSE_HEADERS,
@@ -73,13 +73,14 @@ class GenerationCalls:
     """The two ways to call a generator deployment, for one choice or several at once (n > 1, a list
     of prompts): whole answers, or streams opened before the response starts."""
 
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
+    def __init__(self, backend: Backend, limits: InputLimits) -> None:
+        self.backend, self.limits = backend, limits
 
     async def complete(self, route: Route, requests: list[GenerationRequest], timeout: float) -> list[GenerationDone]:
         """Every request's answer, from one replica call (several are submitted to the engine together,
         so siblings share their prompt's prefill). On the deadline the call is cancelled: the replica
         cancels the requests in its engine."""
+        await self.limits.check_prompts(route.deployment, requests)
         if len(requests) == 1:
             return [await within(self.backend.call(route.deployment, "generate", requests[0]), timeout)]
         return list(await within(self.backend.call(route.deployment, "generate_group", requests), timeout))
@@ -92,6 +93,7 @@ class GenerationCalls:
         GenerationStarted): a stream still queued in the engine at its deadline is a 504 like a whole
         answer, not a 200 that stays silent. Then stream; the deadline does not limit the rest: the
         client reads as long as it wants, and may hang up. One replica call, as in complete()."""
+        await self.limits.check_prompts(route.deployment, requests)
         if len(requests) == 1:
             events = indexed(self.backend.stream(route.deployment, "generate_stream", requests[0]))
         else:
@@ -202,14 +204,14 @@ def check_choices(settings: Settings, route: Route, prompts: int, per_prompt: in
                              f"at most {limit} per request", field)
 
 
-def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
+def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend, limits: InputLimits,
                       errors: dict[int | str, dict[str, Any]]) -> APIRouter:
     router = APIRouter(tags=["generation"])
 
     def deadline(request: Request) -> float:
         return request_timeout(request, settings)
 
-    calls = GenerationCalls(backend)
+    calls = GenerationCalls(backend, limits)
 
     def log_user(body: Any, request_id: str) -> None:
         if getattr(body, "user", None) is not None:  # an opaque id, logged escaped

@@ -17,7 +17,7 @@ from ..messages import Classification as ClassificationResult
 from ..messages import Embeddings, TranslateOptions
 from ..settings import Settings
 from .deadline import request_timeout, within
-from .routing import Backend, ModelRoutes, Route
+from .routing import Backend, InputLimits, ModelRoutes, Route
 from .schemas import (
     Classification,
     ClassifyRequest,
@@ -43,7 +43,7 @@ def truncated(vector: list[float], size: int) -> list[float]:
     return (head / norm if norm > 0 else head).tolist()
 
 
-def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend,
+def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, limits: InputLimits,
                      errors: dict[int | str, dict[str, Any]]) -> APIRouter:
     router = APIRouter(tags=["inference"])
 
@@ -60,6 +60,7 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         """Label probabilities per text: `{"inputs": str | [str], "model"?: str}`."""
         texts = check_texts(body.inputs, "inputs", settings.max_inputs)
         route = routes.resolve("classify", body.model)
+        texts = await limits.fit(route.deployment, texts, body.truncate, "inputs")
         results: list[ClassificationResult] = await call(route, "classify", "inputs", request, texts, body.truncate)
         return ClassifyResponse(model=route.model, results=[
             Classification(label=r.label, score=r.score, scores=r.scores) for r in results])
@@ -69,6 +70,7 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         """OpenAI-compatible sentence embeddings."""
         texts = check_texts(body.input, "input", settings.max_inputs)
         route = routes.resolve("embed", body.model)
+        texts = await limits.fit(route.deployment, texts, body.truncate, "input")
         if body.dimensions is not None:  # refused before any work when the model cannot be cut there
             spec = settings.deployments[route.deployment].model
             sizes = tuple((spec.defaults if spec is not None else {}).get("dimensions") or ())
@@ -94,7 +96,9 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend,
             raise InvalidRequest("query is an empty string", "query")
         texts = check_texts(body.texts, "texts", settings.max_inputs)
         route = routes.resolve("rerank", body.model)
-        scores: list[float] = await call(route, "rerank", "texts", request, body.query, texts, body.truncate,
+        texts = await limits.fit(route.deployment, texts, body.truncate, "texts")
+        query = await limits.fit_one(route.deployment, body.query, body.truncate, "query")
+        scores: list[float] = await call(route, "rerank", "texts", request, query, texts, body.truncate,
                                          body.raw_scores)
         order = sorted(range(len(texts)), key=lambda i: -scores[i])  # stable: ties keep request order
         return [Rank(index=i, score=scores[i], text=texts[i] if body.return_text else None) for i in order]
@@ -104,6 +108,7 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         """Beam-search translation; beam_size and max_new_tokens apply to this request only."""
         texts = check_texts(body.inputs, "inputs", settings.max_inputs)
         route = routes.resolve_translation(body.source_lang, body.target_lang, body.model)
+        texts = await limits.fit(route.deployment, texts, body.truncate, "inputs")
         options = TranslateOptions(body.beam_size, body.max_new_tokens, body.truncate)
         out: list[str] = await call(route, "translate", "inputs", request, texts, options)
         return TranslateResponse(model=route.model, translations=out)

@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import InvalidRequest, NotFound
-from ..messages import ModelInfo
+from ..errors import InvalidItem, InvalidRequest, NotFound
+from ..messages import GenerationRequest, ModelInfo
 from ..settings import Settings
+from ..text_limits import check_prompt_chars, fit_chars, max_input_chars
 
 
 @dataclass(frozen=True)
@@ -90,3 +91,38 @@ class ModelRoutes:
         pairs = ", ".join(f"{r.languages[0]}->{r.languages[1]}" for r in routes if r.languages)
         param = "target_lang" if any(r.languages and r.languages[0] == source for r in routes) else "source_lang"
         raise InvalidRequest(f"no model translates {source!r} -> {target!r}; supported: {pairs}", param)
+
+
+class InputLimits:
+    """Each deployment's token limit on an input (ModelInfo.max_input_tokens), asked once, so the edge
+    refuses or cuts an oversized text by its characters (service/text_limits.py) before it reaches a
+    replica."""
+
+    def __init__(self, backend: Backend, timeout_s: float) -> None:
+        self.backend, self.timeout_s = backend, timeout_s
+        self._tokens: dict[str, int] = {}
+
+    async def max_tokens(self, deployment: str) -> int:
+        if deployment not in self._tokens:
+            self._tokens[deployment] = (await self.backend.info(deployment, self.timeout_s)).max_input_tokens
+        return self._tokens[deployment]
+
+    async def fit(self, deployment: str, texts: list[str], truncate: bool, field: str) -> list[str]:
+        """`texts` within the deployment's character cap: cut with `truncate`, else a 422 naming field[i]."""
+        try:
+            return fit_chars(texts, max_input_chars(await self.max_tokens(deployment)), truncate)
+        except InvalidItem as e:
+            raise InvalidRequest(f"{field}[{e.index}]: {e.message}", f"{field}[{e.index}]") from None
+
+    async def fit_one(self, deployment: str, text: str, truncate: bool, field: str) -> str:
+        """One text, as fit() does; the 422 names `field`."""
+        try:
+            return fit_chars([text], max_input_chars(await self.max_tokens(deployment)), truncate)[0]
+        except InvalidItem as e:
+            raise InvalidRequest(f"{field}: {e.message}", field) from None
+
+    async def check_prompts(self, deployment: str, requests: Sequence[GenerationRequest]) -> None:
+        """A 422 for a generation whose prompt is over the deployment's character cap."""
+        limit = await self.max_tokens(deployment)
+        for r in requests:
+            check_prompt_chars(r.prompt_chars, limit, r.param(r.prompt_field))

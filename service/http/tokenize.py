@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr, model_v
 
 from ..messages import GenerationRequest
 from .generation_schemas import MAX_TOOLS, ChatMessageIn, ToolDef, tools_of
-from .routing import Backend, ModelRoutes
+from .routing import Backend, InputLimits, ModelRoutes
 from .schemas import _Request
 
 MAX_DETOKENIZE = 131_072  # token ids per request
@@ -54,7 +54,8 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def tokenize_router(routes: ModelRoutes, backend: Backend, errors: dict[int | str, dict[str, Any]]) -> APIRouter:
+def tokenize_router(routes: ModelRoutes, backend: Backend, limits: InputLimits,
+                    errors: dict[int | str, dict[str, Any]]) -> APIRouter:
     router = APIRouter(tags=["generation"])
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=errors)
@@ -64,6 +65,7 @@ def tokenize_router(routes: ModelRoutes, backend: Backend, errors: dict[int | st
         messages = None if body.messages is None else tuple(m.message() for m in body.messages)
         request = GenerationRequest(request_id="tokenize", prompt=body.prompt, messages=messages,
                                     tools=tools_of(body.tools))
+        await limits.check_prompts(route.deployment, [request])
         out = await backend.call(route.deployment, "tokenize", request, body.add_special_tokens)
         return TokenizeResponse(count=len(out.tokens), max_model_len=out.max_model_len, tokens=list(out.tokens),
                                 token_strs=list(out.token_strs) if body.return_token_strs else None)

@@ -17,7 +17,7 @@ from ..messages import Classification, Embeddings
 from ..telemetry.hooks import BatchObserver
 from .config import BatchLimits
 from .heap import HeapTrimmer
-from .runner import BatchedRunner, deadline
+from .runner import BatchedRunner, chars, deadline, off_loop
 from .tokenize import tokenize, tokenize_pairs
 
 Task = Literal["classify", "embed", "rerank"]
@@ -53,12 +53,14 @@ class EncoderRunner(BatchedRunner):
         self.use_types = cfg.type_vocab_size > 1  # one type (RoBERTa) or none (DistilBERT): ids are all zero
 
     async def classify(self, texts: Sequence[str], truncate: bool, timeout_s: float | None) -> list[Classification]:
-        ids = tokenize(self.loaded.tokenizer, texts, self.loaded.max_input_tokens, truncate)
+        ids = await off_loop(chars(texts), tokenize, self.loaded.tokenizer, texts, self.loaded.max_input_tokens,
+                             truncate)
         return await self.batcher.submit_many([EncodeItem(x, "classify") for x in ids], [len(x) for x in ids],
                                               deadline(timeout_s))
 
     async def embed(self, texts: Sequence[str], truncate: bool, timeout_s: float | None) -> Embeddings:
-        ids = tokenize(self.loaded.tokenizer, texts, self.loaded.max_input_tokens, truncate)
+        ids = await off_loop(chars(texts), tokenize, self.loaded.tokenizer, texts, self.loaded.max_input_tokens,
+                             truncate)
         vectors = await self.batcher.submit_many([EncodeItem(x, "embed") for x in ids], [len(x) for x in ids],
                                                  deadline(timeout_s))
         return Embeddings(vectors, sum(len(x) for x in ids))
@@ -67,7 +69,8 @@ class EncoderRunner(BatchedRunner):
                      timeout_s: float | None) -> list[float]:
         """One relevance score per text, in input order: the head's score of the (query, text) pair's
         logit (a cross-encoder's: its sigmoid), or the logit itself with raw_scores."""
-        pairs = tokenize_pairs(self.loaded.tokenizer, query, texts, self.loaded.max_input_tokens, truncate)
+        pairs = await off_loop(chars(texts) + len(texts) * len(query), tokenize_pairs, self.loaded.tokenizer, query,
+                               texts, self.loaded.max_input_tokens, truncate)
         return await self.batcher.submit_many([EncodeItem(p.ids, "rerank", p.types, raw_scores) for p in pairs],
                                               [len(p.ids) for p in pairs], deadline(timeout_s))
 

@@ -36,9 +36,10 @@ from ..streams import interleaved
 from ..telemetry.hooks import EngineObserver
 from ..telemetry.metrics import ServiceMetrics
 from ..telemetry.observers import PrometheusEngineObserver
+from ..text_limits import check_prompt_chars
 from ..tool_calls import hf_messages, render_in_prompt, template_knows_tools
 from .heap import HeapTrimmer
-from .runner import ModelRunner
+from .runner import ModelRunner, off_loop
 
 if TYPE_CHECKING:
     from ..settings import DeploymentSettings
@@ -77,6 +78,8 @@ class GeneratorRunner(ModelRunner):
         """Token ids of the prompt or of the chat rendered with the model's template; a 422 naming
         the field when the template or the tokenizer refuses it."""
         tok, field = self.loaded.tokenizer, request.prompt_field
+        # refused for the cost of len(), never rendered or tokenized
+        check_prompt_chars(request.prompt_chars, self.engine.limits.max_prompt_tokens, request.param(field))
         if request.messages is None:
             assert request.prompt is not None, "a GenerationRequest has a prompt or messages"
             text, special = request.prompt, True
@@ -109,6 +112,7 @@ class GeneratorRunner(ModelRunner):
         """The prompt's (or the rendered chat's) token ids, as a generation would see them; with
         add_special_tokens False a prompt is tokenized without the model's special tokens."""
         if request.messages is None and not add_special_tokens:
+            check_prompt_chars(request.prompt_chars, self.engine.limits.max_prompt_tokens, "prompt")
             ids = self.loaded.tokenizer.encode(request.prompt or "", add_special_tokens=False)
         else:
             ids = self.prompt_ids(request)
@@ -164,7 +168,7 @@ class GeneratorRunner(ModelRunner):
             for request in requests:
                 key = (id(request.prompt), id(request.messages), id(request.tools))
                 if key not in prompts:
-                    prompts[key] = await asyncio.to_thread(self.prompt_ids, request)
+                    prompts[key] = await off_loop(request.prompt_chars, self.prompt_ids, request)
                 ids = prompts[key]
                 params = self.params(request, len(ids))
                 grammar = None

@@ -11,9 +11,11 @@ service/deployments.py wraps one runner per Ray Serve replica; the tests drive r
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from models.catalog import LoadedModel
 
@@ -27,6 +29,24 @@ from .heap import HeapTrimmer
 
 if TYPE_CHECKING:
     from ..settings import DeploymentSettings
+
+T = TypeVar("T")
+
+
+# Texts up to this many characters in all are tokenized on the event loop (tens of microseconds);
+# longer ones in a worker thread, so a long text never stalls the replica's other requests.
+INLINE_TOKENIZE_CHARS = 4096
+
+
+async def off_loop(chars: int, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) (tokenization of `chars` characters) on the event loop when small, else in a thread."""
+    if chars <= INLINE_TOKENIZE_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def chars(texts: Sequence[str]) -> int:
+    return sum(len(t) for t in texts)
 
 
 def deadline(timeout_s: float | None) -> float | None:

@@ -10,14 +10,17 @@ from tokenizers import Encoding
 from models.text import TextTokenizer
 
 from ..errors import InvalidItem, InvalidRequest
+from ..text_limits import fit_chars, max_input_chars
 
 
 def tokenize(tokenizer: TextTokenizer, texts: Sequence[str], limit: int, truncate: bool) -> list[list[int]]:
     """Token ids (with the model's special tokens) per text, each at most `limit` long.
 
     Raises InvalidItem(index) for a text that is empty, breaks the tokenizer, or is too long
-    without `truncate`. Truncation cuts the text's tokens and keeps the special tokens.
+    without `truncate`. Truncation cuts the text's tokens and keeps the special tokens. A text over
+    the character cap (service/text_limits.py) is refused or cut before it is tokenized.
     """
+    texts = fit_chars(texts, max_input_chars(limit), truncate)
     out: list[list[int]] = []
     for i, text in enumerate(texts):
         try:
@@ -61,6 +64,11 @@ def tokenize_pairs(tokenizer: TextTokenizer, query: str, texts: Sequence[str], l
     """
     tok = tokenizer.tok
     special = tok.num_special_tokens_to_add(True)
+    try:
+        query, = fit_chars([query], max_input_chars(limit), truncate)
+    except InvalidItem as e:
+        raise InvalidRequest(f"query: {e.message}", "query") from None
+    texts = fit_chars(texts, max_input_chars(limit), truncate)
     try:
         q = tok.encode(query, add_special_tokens=False)
     except Exception as e:

@@ -20,7 +20,7 @@ from ..messages import TranslateOptions
 from ..telemetry.hooks import BatchObserver
 from .config import BatchLimits
 from .heap import HeapTrimmer
-from .runner import BatchedRunner, deadline
+from .runner import BatchedRunner, chars, deadline, off_loop
 from .tokenize import tokenize
 
 
@@ -74,8 +74,9 @@ class TranslatorRunner(BatchedRunner):
     async def translate(self, texts: Sequence[str], options: TranslateOptions,
                         timeout_s: float | None) -> list[str]:
         params = self.params(options)
-        ids = tokenize(self.loaded.tokenizer, [self.prefix + t for t in texts], self.loaded.max_input_tokens,
-                       options.truncate)
+        prefixed = [self.prefix + t for t in texts]
+        ids = await off_loop(chars(prefixed), tokenize, self.loaded.tokenizer, prefixed,
+                             self.loaded.max_input_tokens, options.truncate)
         return await self.batcher.submit_many([TranslateItem(x, params) for x in ids], [len(x) for x in ids],
                                               deadline(timeout_s))
 

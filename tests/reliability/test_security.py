@@ -42,6 +42,16 @@ OVER_LIMITS = [
     ("/v1/completions", {"prompt": ["a"] * 9}, "prompt"),  # a list of prompts: one per choice, max_inputs 8
     ("/v1/completions", {"prompt": "a", "n": 9}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 10**7}, "max_tokens"),
+    # texts over 16 characters per token of the model's limit (fake: 64 tokens, 1024 characters), never tokenized
+    ("/v1/classify", {"inputs": ["ok", "x" * 1025]}, "inputs[1]"),
+    ("/v1/embeddings", {"input": "x" * 5000}, "input[0]"),
+    ("/v1/rerank", {"query": "q", "texts": ["x" * 1025]}, "texts[0]"),
+    ("/v1/rerank", {"query": "q" * 1025, "texts": ["a"]}, "query"),
+    ("/v1/translate", {"inputs": "x" * 1025, "source_lang": "en", "target_lang": "es"}, "inputs[0]"),
+    ("/v1/generate", {"prompt": "x" * 5000}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "x" * 1025]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 600}] * 2}, "messages"),
+    ("/tokenize", {"prompt": "x" * 1025}, "prompt"),
 ]
 
 
@@ -51,6 +61,16 @@ def test_limits_at_the_edge_are_checked_before_any_model_call(path: str, body: d
     r = send(fake_app(backend=backend), "POST", path, json=body)
     assert r.status_code == 422 and r.json()["error"]["param"] == param
     assert backend.calls == {}
+
+
+def test_truncate_cuts_an_oversized_text_at_the_edge() -> None:
+    backend = EchoBackend()
+    seen: list[list[str]] = []
+    classify = backend._classify
+    backend._classify = lambda texts, truncate, timeout_s: seen.append(texts) or classify(texts, truncate, timeout_s)  # type: ignore[method-assign]
+    r = send(fake_app(backend=backend), "POST", "/v1/classify", json={"inputs": ["x" * 5000, "ok"], "truncate": True})
+    assert r.status_code == 200, r.text
+    assert [len(t) for t in seen[0]] == [1024, 2]  # the first 1024 characters
 
 
 def test_a_body_over_the_limit_is_refused_unread() -> None:
@@ -86,6 +106,34 @@ def test_encoder_and_translator_refuse_before_batching() -> None:
     for runner in (encoder, translator):
         assert runner.batcher.stats.batches == 0 and runner.batcher.stats.items == 0
         assert runner.batcher.queued == 0
+
+
+def test_an_oversized_text_is_never_tokenized_by_a_replica() -> None:
+    """Over 16 characters per token of the limit (32 tokens: 512 characters), a text is refused (or cut
+    with truncate) for the cost of len(): the tokenizer never sees more than the cap."""
+    encoder = EncoderRunner(_load("encoder", ("classify", "embed")), "encoder", BatchLimits(max_wait_ms=10))
+    generator = GeneratorRunner(_load("decoder", ("generate",)), "generator", EngineConfig(max_total_tokens=None))
+    for loaded in (encoder.loaded, generator.loaded):
+        encode = loaded.tokenizer.encode
+
+        def bounded(text: str, add_special_tokens: bool = True, encode: Any = encode) -> list[int]:
+            assert len(text) <= 16 * 512, len(text)  # the generator's cap is by its prompt limit (511)
+            return encode(text, add_special_tokens)
+
+        loaded.tokenizer.encode = bounded  # type: ignore[method-assign]
+
+    async def main() -> None:
+        with pytest.raises(InvalidItem, match="characters") as too_long:
+            await encoder.embed(["fine", "x" * 10**6], truncate=False, timeout_s=5)
+        assert too_long.value.index == 1
+        cut = await encoder.embed(["x" * 10**6], truncate=True, timeout_s=5)
+        assert cut.prompt_tokens <= 32
+        with pytest.raises(RequestTooLarge, match="characters") as prompt:
+            await generator.submit(GenerationRequest("big", prompt="x" * 10**6))
+        assert prompt.value.param == "prompt" and prompt.value.limit == "max_prompt_tokens"
+
+    asyncio.run(main())
+    generator.close()
 
 
 def test_the_generator_refuses_before_the_engine() -> None:
