@@ -142,6 +142,7 @@ class GenerationRequest:
     ignore_eos: bool | None = None
     # field of this request -> the name the client used (OpenAI's max_tokens for max_new_tokens)
     names: Mapping[str, str] = field(default_factory=dict)
+    timeout_s: float | None = None  # seconds left of its deadline when the ingress sent it (admission)
 
     @property
     def prompt_chars(self) -> int:

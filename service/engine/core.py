@@ -41,6 +41,7 @@ from models.text import TextTokenizer
 
 from ..errors import EngineClosed, EngineOverloaded, InvalidRequest
 from ..telemetry.hooks import EngineObserver, EngineStats
+from .admission import WaitEstimator
 from .batch import Picked, RunningBatch
 from .config import EngineConfig
 from .events import Finished, RequestHandle
@@ -59,6 +60,7 @@ class Submission:
     params: SamplingParams | None = None
     request_id: str | None = None
     grammar: Any = None
+    deadline: float | None = None  # time.perf_counter() seconds: refused at once if it cannot start before
 
 
 # select_batch's fixed cost of one prefill forward pass, in padded prompt tokens: prompts of very
@@ -97,6 +99,7 @@ class GenerationEngine:
         self._counts = Counter({"prompt_tokens": 0, "generated_tokens": 0, "steps": 0})
         self._finished: Counter[str] = Counter()
         self._snapshot = (0, 0.0)  # running, cache usage after the last step
+        self._wait = WaitEstimator()  # admission: how long a new request would wait for a row
 
     # -- front (any thread) --------------------------------------------------------------------
 
@@ -111,23 +114,25 @@ class GenerationEngine:
         return self
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-               request_id: str | None = None, grammar: Any = None) -> RequestHandle:
+               request_id: str | None = None, grammar: Any = None, deadline: float | None = None) -> RequestHandle:
         """Queue a request and return at once (it runs once start() was called, or on step()).
         Called on an event loop, the handle is an async iterator on that loop; otherwise read it
         with handle.events() / result_sync().
 
-        `grammar`: a grammar compiled by self.grammars: the output must match it.
+        `grammar`: a grammar compiled by self.grammars: the output must match it. `deadline`
+        (time.perf_counter() seconds): refused at once when the wait for a row would outlast it.
 
         Raises InvalidRequest / RequestTooLarge (naming the limit) for a request over the limits,
         EngineOverloaded when max_queued requests wait, EngineClosed after shutdown().
         """
-        return self.submit_many([Submission(prompt_ids, params, request_id, grammar)])[0]
+        return self.submit_many([Submission(prompt_ids, params, request_id, grammar, deadline)])[0]
 
     def submit_many(self, submissions: Sequence[Submission]) -> list[RequestHandle]:
         """Queue several requests at once, all or none (n > 1 siblings, a list of prompts): they stand
         together in the queue, so they are admitted in one step whenever rows and the prefill budget
         allow, and siblings with one prompt share its prefill (RunningBatch.prefill). Raises as
-        submit() does; EngineOverloaded when the queue has no room for all of them."""
+        submit() does; EngineOverloaded when the queue has no room for all of them, or when the wait for
+        a row (engine/admission.py) would outlast the earliest of their deadlines."""
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -151,8 +156,18 @@ class GenerationEngine:
             if taken:
                 raise InvalidRequest(f"request_id {taken[0]!r} is already in use", "request_id")
             if len(self._waiting) + len(seqs) > self.limits.max_queued:
+                self._observe("on_admission", None, "queue_full")
                 raise EngineOverloaded(f"{len(self._waiting)} generation requests are waiting (max_queued="
                                        f"{self.limits.max_queued}); retry later")
+            rows = self.limits.rows
+            wait = self._wait.wait_s(len(self._waiting) + len(seqs), rows - self._snapshot[0], rows,
+                                     [seq.params.max_new_tokens for seq in seqs])
+            deadlines = [sub.deadline for sub in submissions if sub.deadline is not None]
+            if deadlines and wait > min(deadlines) - time.perf_counter():
+                self._observe("on_admission", wait, "deadline")
+                raise EngineOverloaded(f"{len(self._waiting)} generation requests are waiting: about {wait:.1f} s "
+                                       f"before this one would start, past its deadline; retry later")
+            self._observe("on_admission", wait, None)
             for seq in seqs:
                 self._waiting.append(seq)
                 self._live[seq.request_id] = seq
@@ -249,11 +264,13 @@ class GenerationEngine:
                     self._fail(seq, exc, traceback=False)
             self._admitting = []
         usage = self._batch.usage()
+        seconds, generated = time.perf_counter() - started, self._counts["generated_tokens"] - before
         with self._cond:
             self._counts["steps"] += 1
             self._snapshot = (len(self._batch), usage)
-        self._observe("on_step", self.stats(), self._counts["generated_tokens"] - before,
-                      time.perf_counter() - started)
+            if generated:
+                self._wait.on_step(seconds)
+        self._observe("on_step", self.stats(), generated, seconds)
 
     def _admit(self) -> None:
         """Prefill the waiting requests that fit on fresh rows, in groups of similar prompt lengths
@@ -362,6 +379,8 @@ class GenerationEngine:
         with self._cond:
             self._live.pop(event.request_id, None)
             self._finished[event.finish_reason] += 1
+            if event.finish_reason in ("stop", "length"):
+                self._wait.on_finished(event.usage.completion_tokens)
         self._observe("on_finished", event)
 
     def _abort_all(self, message: str) -> None:

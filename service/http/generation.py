@@ -12,6 +12,7 @@ replica's errors name the client's fields and pass through unchanged. No Ray and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -81,6 +82,7 @@ class GenerationCalls:
         so siblings share their prompt's prefill). On the deadline the call is cancelled: the replica
         cancels the requests in its engine."""
         await self.limits.check_prompts(route.deployment, requests)
+        requests = [dataclasses.replace(r, timeout_s=timeout) for r in requests]  # the engine's admission
         if len(requests) == 1:
             return [await within(self.backend.call(route.deployment, "generate", requests[0]), timeout)]
         return list(await within(self.backend.call(route.deployment, "generate_group", requests), timeout))
@@ -94,6 +96,7 @@ class GenerationCalls:
         answer, not a 200 that stays silent. Then stream; the deadline does not limit the rest: the
         client reads as long as it wants, and may hang up. One replica call, as in complete()."""
         await self.limits.check_prompts(route.deployment, requests)
+        requests = [dataclasses.replace(r, timeout_s=timeout) for r in requests]
         if len(requests) == 1:
             events = indexed(self.backend.stream(route.deployment, "generate_stream", requests[0]))
         else:

@@ -14,7 +14,9 @@ a loop forms batches and runs them, one at a time, in the replica's single infer
 - an item whose computation fails fails alone (a failing batch is split and re-run in halves);
 - cancelled items (the client went away) and expired items are dropped before compute and never
   block the loop (cf. ray-project/ray#50046);
-- past `max_queued` waiting items a request is refused at once with `Overloaded`.
+- past `max_queued` waiting items a request is refused at once with `Overloaded`; so is a request
+  whose wait before its first batch, estimated as the queued work (padded tokens) times the measured
+  seconds per padded token, would outlast its deadline (it could only end in a 504).
 
 Contract of `run_batch(payloads) -> results`: exactly one result per payload, in order; a result
 may be an Exception instance, which fails only that item.
@@ -33,6 +35,7 @@ from typing import Any, Generic, TypeVar
 
 from models.inputs import select_batch
 
+from ..engine.admission import ewma
 from ..errors import DeadlineExceeded, Overloaded
 from ..telemetry.hooks import BatchObserver
 from .config import BatchLimits
@@ -102,6 +105,9 @@ class DynamicBatcher(Generic[P, R]):
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._running: list[_Item[P]] = []  # the batch being computed
+        self._running_since = 0.0
+        self._seconds_per_token: float | None = None  # moving average over batches, per padded token
+        self._padding = 1.0  # moving average of padded / real tokens per batch
 
     # -- submitting ----------------------------------------------------------------------------
     async def submit(self, payload: P, length: int, deadline: float | None = None) -> R:
@@ -117,6 +123,7 @@ class DynamicBatcher(Generic[P, R]):
             return []
         self._ensure_started()
         self._make_room(len(payloads))
+        self._admit(deadline)
         loop = asyncio.get_running_loop()
         items = [_Item(p, n, loop.create_future(), deadline) for p, n in zip(payloads, lengths, strict=True)]
         self._queue.extend(items)
@@ -141,8 +148,31 @@ class DynamicBatcher(Generic[P, R]):
         if len(self._queue) + n > self.limits.max_queued:
             self.stats.rejected += n
             self._observe("on_dropped", "rejected", n)
+            self._observe("on_admission", None, "queue_full")
             raise Overloaded(f"{self.name}: {len(self._queue)} inputs are queued (limit "
                              f"{self.limits.max_queued}); retry later")
+
+    def wait_estimate(self) -> float:
+        """Seconds before a request queued now would start computing: the batch running now, then the
+        queued inputs' padded tokens at the measured seconds per padded token (0 until measured)."""
+        per_token = self._seconds_per_token
+        if per_token is None:
+            return 0.0
+        queued = sum(it.length for it in self._queue if not it.future.done())
+        running = 0.0
+        if self._running:
+            work = len(self._running) * max(it.length for it in self._running) * per_token
+            running = max(0.0, work - (time.monotonic() - self._running_since))
+        return running + queued * self._padding * per_token
+
+    def _admit(self, deadline: float | None) -> None:
+        """Refuse (Overloaded) a request whose estimated wait outlasts its deadline."""
+        wait = self.wait_estimate()
+        if deadline is not None and wait > 0 and wait > deadline - time.monotonic():
+            self._observe("on_admission", wait, "deadline")
+            raise Overloaded(f"{self.name}: about {wait:.1f} s of queued work before this request would start, "
+                             "past its deadline; retry later")
+        self._observe("on_admission", wait, None)
 
     @property
     def queued(self) -> int:
@@ -227,7 +257,7 @@ class DynamicBatcher(Generic[P, R]):
 
     async def _run(self, batch: list[_Item[P]]) -> None:
         self._running = batch
-        started = time.monotonic()
+        started = self._running_since = time.monotonic()
         waits = [started - it.enqueued for it in batch]
         try:
             results: list[R | BaseException] = await asyncio.get_running_loop().run_in_executor(
@@ -239,7 +269,10 @@ class DynamicBatcher(Generic[P, R]):
         s = self.stats
         real, computed = sum(it.length for it in batch), len(batch) * max(it.length for it in batch)
         s.record(len(batch), real, computed)
-        self._observe("on_batch", len(batch), real, computed, time.monotonic() - started, waits)
+        seconds = time.monotonic() - started
+        self._seconds_per_token = ewma(self._seconds_per_token, seconds / max(computed, 1))
+        self._padding = ewma(self._padding, computed / max(real, 1))
+        self._observe("on_batch", len(batch), real, computed, seconds, waits)
         for it, result in zip(batch, results, strict=True):
             if isinstance(result, BaseException):
                 s.failed += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -161,7 +162,7 @@ class GeneratorRunner(ModelRunner):
         is compiled off the event loop (tens of ms; cached by source), then the requests are queued.
         Raises InvalidRequest / RequestTooLarge naming the field (as the client called it) and the
         limit, EngineOverloaded when the queue has no room for all of them."""
-        request = requests[0]
+        request, arrived = requests[0], time.perf_counter()
         try:
             prompts: dict[tuple[int, int, int], list[int]] = {}  # siblings share their prompt's objects
             submissions = []
@@ -183,7 +184,8 @@ class GeneratorRunner(ModelRunner):
                     grammar = await asyncio.to_thread(self.engine.grammars.compile, request.grammar)
                 elif request.tools:  # an unforced call: its schemas are checked as a forced one's would be
                     await asyncio.to_thread(self.engine.grammars.compile, GrammarSpec.tool_call(request.tools))
-                submissions.append(Submission(ids, params, request.request_id, grammar))
+                deadline = None if request.timeout_s is None else arrived + request.timeout_s
+                submissions.append(Submission(ids, params, request.request_id, grammar, deadline))
             handles = self.engine.submit_many(submissions)
         except RequestTooLarge as e:
             raise RequestTooLarge(e.message, request.param(e.param), e.limit) from None

@@ -27,6 +27,10 @@ class BatchObserver:
     def on_dropped(self, reason: str, items: int) -> None:
         """Items that never reached the model: reason is "rejected" (queue full), "cancelled" or "expired"."""
 
+    def on_admission(self, wait_s: float | None, refused: str | None) -> None:
+        """A request was queued (refused None) or refused ("queue_full", "deadline"); wait_s: the
+        estimated wait before its first batch starts (None: not estimated)."""
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -62,3 +66,7 @@ class EngineObserver:
 
     def on_finished(self, event: Finished) -> None:
         """A request ended (any finish_reason); its usage and timing are in the event."""
+
+    def on_admission(self, wait_s: float | None, refused: str | None) -> None:
+        """A submission was admitted to the queue (refused None) or refused ("queue_full", "deadline");
+        wait_s: the estimated wait for a row (None: not estimated). On the submitting thread."""

@@ -95,6 +95,12 @@ SPECS: dict[str, Spec] = {
                                     COMPUTE_BUCKETS),
     "batch_dropped_items_total": Spec("counter", ("model", "reason"),
                                       "Inputs that never reached the model (rejected, cancelled, expired)"),
+    "admission_wait_estimate_seconds": Spec(
+        "histogram", ("model",), "A replica's estimate, when a request arrives, of its wait before computation "
+                                 "starts (queued work x measured batch or step time)", WAIT_BUCKETS),
+    "admission_refused_total": Spec(
+        "counter", ("model", "reason"), "Requests a replica refused at once with 503 (reason: queue_full, or "
+                                        "deadline: the estimated wait outlasts the request's deadline)"),
     # generator replicas
     "generation_time_to_first_token_seconds": Spec(
         "histogram", ("model",), "Time from a request's submission to its first token", LATENCY_BUCKETS),

@@ -14,7 +14,20 @@ if TYPE_CHECKING:
     from ..engine.events import Finished
 
 
-class PrometheusBatchObserver(BatchObserver):
+class AdmissionMetrics:
+    """on_admission of both observers: the wait estimate, and the refusals by reason."""
+
+    metrics: ServiceMetrics
+    model: str
+
+    def on_admission(self, wait_s: float | None, refused: str | None) -> None:
+        if wait_s is not None:
+            self.metrics["admission_wait_estimate_seconds"].labels(self.model).observe(wait_s)
+        if refused is not None:
+            self.metrics["admission_refused_total"].labels(self.model, refused).inc()
+
+
+class PrometheusBatchObserver(AdmissionMetrics, BatchObserver):
     """A DynamicBatcher's hooks -> the batch and queue metrics of one model."""
 
     def __init__(self, metrics: ServiceMetrics, model: str) -> None:
@@ -48,7 +61,7 @@ class PrometheusBatchObserver(BatchObserver):
         self.metrics["batch_dropped_items_total"].labels(self.model, reason).inc(items)
 
 
-class PrometheusEngineObserver(EngineObserver):
+class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
     """A GenerationEngine's hooks -> the generation metrics of one model (and its queue and steps
     in the shared queue/batch metrics)."""
 

@@ -322,3 +322,45 @@ def test_limits_are_validated() -> None:
         BatchLimits(max_wait_ms=-1)
     with pytest.raises(ValueError, match="overhead_tokens"):
         BatchLimits(overhead_tokens=-1)
+
+
+# -- admission that knows the deadline --------------------------------------------------------------
+
+class Admissions:
+    """A BatchObserver recording on_admission calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float | None, str | None]] = []
+
+    def on_admission(self, wait_s: float | None, refused: str | None) -> None:
+        self.calls.append((wait_s, refused))
+
+    def __getattr__(self, name: str) -> Any:  # the other hooks: nothing
+        return lambda *args: None
+
+
+def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once() -> None:
+    """Queued work x measured seconds per padded token: a request whose wait would outlast its deadline
+    is a 503 at submit, not a 504 later; one with time enough (or no deadline) is queued and served."""
+    admissions = Admissions()
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-inference")
+    batcher = DynamicBatcher(Recorder(delay_s=0.1), BatchLimits(max_batch_size=2, max_wait_ms=0, max_queued=64),
+                             executor, name="test", observer=admissions)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        assert await batcher.submit(1, length=4) == 10  # measures ~0.1 s per batch of 4 padded tokens
+        queued = [asyncio.ensure_future(batcher.submit(i, length=4)) for i in range(8)]  # ~4 batches of work
+        await asyncio.sleep(0.01)
+        assert batcher.wait_estimate() > 0.3
+        started = time.monotonic()
+        with pytest.raises(Overloaded, match="deadline"):
+            await batcher.submit(99, length=4, deadline=time.monotonic() + 0.1)
+        assert time.monotonic() - started < 0.05  # refused at once
+        assert await batcher.submit(7, length=4, deadline=time.monotonic() + 10) == 70
+        assert await asyncio.gather(*queued) == [i * 10 for i in range(8)]
+
+    run(main())
+    refused = [c for c in admissions.calls if c[1] is not None]
+    assert refused == [(pytest.approx(refused[0][0]), "deadline")] and refused[0][0] > 0.1
+    assert admissions.calls[0] == (0.0, None)  # nothing measured yet: never refused
+    assert batcher.stats.rejected == 0 and batcher.stats.items == 10

@@ -565,3 +565,51 @@ def test_logprobs_follow_the_text_a_stop_string_cuts_and_carry_each_tokens_bytes
         sent += len(d.text)
         assert all(e.offset < max(sent, 1) for e in d.logprobs)
     assert [e for d in deltas for e in d.logprobs] == list(cut.logprobs)
+
+
+# -- admission that knows the deadline --------------------------------------------------------------
+
+class AdmissionLog(EngineObserver):
+    def __init__(self) -> None:
+        self.calls: list[tuple[float | None, str | None]] = []
+
+    def on_admission(self, wait_s: float | None, refused: str | None) -> None:
+        self.calls.append((wait_s, refused))
+
+
+def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once(
+        tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """The wait for a row (requests ahead x tokens per request x measured step time / rows) against the
+    request's deadline: refused with EngineOverloaded at submit instead of queued into a 504."""
+    model, tok = tiny
+    log = AdmissionLog()
+    engine = make(model, tok, log, max_running=1)
+    long = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    first = engine.submit([5, 6, 7], long, deadline=time.perf_counter() + 0.001)  # a cold engine admits it
+    for _ in range(5):
+        engine.step()  # the step time is measured
+    queued = engine.submit([5, 6], long)  # waits for the only row: ~100 steps
+    wait = engine._wait.wait_s(2, 0, 1, [100])
+    assert wait > 0
+    with pytest.raises(EngineOverloaded, match="deadline"):
+        engine.submit([5], long, deadline=time.perf_counter() + wait / 4)
+    late = engine.submit([5], long, deadline=time.perf_counter() + 1000 * wait)  # time enough: queued
+    assert engine.stats().waiting == 2
+    assert [refused for _, refused in log.calls] == [None, None, "deadline", None]
+    assert log.calls[0][0] == 0.0 and log.calls[2][0] > wait / 4
+    run_until_idle(engine)
+    for handle in (first, queued, late):
+        assert read(handle)[1].finish_reason == "length"
+
+
+def test_the_wait_estimate_follows_rows_tokens_and_step_time() -> None:
+    from service.engine.admission import WaitEstimator
+
+    est = WaitEstimator()
+    assert est.wait_s(10, 0, 4, [50]) == 0.0  # no step measured: never refuse
+    est.on_step(0.02)
+    assert est.wait_s(3, 4, 4, [50]) == 0.0  # a free row for each
+    assert est.wait_s(6, 4, 4, [50, 50]) == pytest.approx(2 * 50 * 0.02 / 4)  # two rows must free up
+    for _ in range(50):
+        est.on_finished(10)
+    assert est.wait_s(6, 4, 4, [50]) == pytest.approx(2 * 10 * 0.02 / 4)  # measured tokens win

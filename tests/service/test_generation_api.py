@@ -98,7 +98,7 @@ def test_generate_answers_whole_or_as_events() -> None:
                         {"model": "gen", "text": "", "finish_reason": "length", "usage": USAGE}]
     first, second = backend.requests
     assert first == GenerationRequest(first.request_id, prompt="hi", max_new_tokens=3, temperature=0.5, top_k=4,
-                                      top_p=0.9, repetition_penalty=1.1, seed=7, stop=("x",))
+                                      top_p=0.9, repetition_penalty=1.1, seed=7, stop=("x",), timeout_s=30.0)
     assert second.request_id != first.request_id and backend.closed == 1
 
 
