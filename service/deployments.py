@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any, ClassVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, ClassVar, TypeVar
 
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
+from .errors import ServiceError
 from .messages import (
     Classification,
     Embeddings,
@@ -37,6 +38,29 @@ from .telemetry.logs import serve_logging_config
 from .telemetry.metrics import process_metrics, replica_actor_options
 
 log = logging.getLogger("ray.serve")
+T = TypeVar("T")
+
+
+async def answered(call: Awaitable[T]) -> T | ServiceError:
+    """A refusal (overloaded, over a limit, bad input) is returned as a value, not raised: Serve would
+    log each raised error with its traceback and wrap it in a RayTaskError, which under a burst of
+    refusals starved the replica's event loop (503s after 2-4 s instead of at once). The ingress
+    (service/ingress.py) raises it again."""
+    try:
+        return await call
+    except ServiceError as e:
+        return e
+
+
+async def answered_stream(events: AsyncIterator[T]) -> AsyncIterator[T | ServiceError]:
+    """A stream's items; a ServiceError raised before or during it is its last item (as answered())."""
+    try:
+        async for event in events:
+            yield event
+    except ServiceError as e:
+        yield e
+    finally:  # Serve throws CancelledError in here when the caller goes away: close the inner stream now
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 class ModelDeployment:
@@ -79,15 +103,16 @@ class EncoderDeployment(ModelDeployment):
     runner_class = EncoderRunner
     runner: EncoderRunner
 
-    async def classify(self, texts: list[str], truncate: bool, timeout_s: float | None) -> list[Classification]:
-        return await self.runner.classify(texts, truncate, timeout_s)
+    async def classify(self, texts: list[str], truncate: bool, timeout_s: float | None
+                       ) -> list[Classification] | ServiceError:
+        return await answered(self.runner.classify(texts, truncate, timeout_s))
 
-    async def embed(self, texts: list[str], truncate: bool, timeout_s: float | None) -> Embeddings:
-        return await self.runner.embed(texts, truncate, timeout_s)
+    async def embed(self, texts: list[str], truncate: bool, timeout_s: float | None) -> Embeddings | ServiceError:
+        return await answered(self.runner.embed(texts, truncate, timeout_s))
 
     async def rerank(self, query: str, texts: list[str], truncate: bool, raw_scores: bool,
-                     timeout_s: float | None) -> list[float]:
-        return await self.runner.rerank(query, texts, truncate, raw_scores, timeout_s)
+                     timeout_s: float | None) -> list[float] | ServiceError:
+        return await answered(self.runner.rerank(query, texts, truncate, raw_scores, timeout_s))
 
 
 @serve.deployment
@@ -97,8 +122,9 @@ class TranslatorDeployment(ModelDeployment):
     runner_class = TranslatorRunner
     runner: TranslatorRunner
 
-    async def translate(self, texts: list[str], options: TranslateOptions, timeout_s: float | None) -> list[str]:
-        return await self.runner.translate(texts, options, timeout_s)
+    async def translate(self, texts: list[str], options: TranslateOptions, timeout_s: float | None
+                        ) -> list[str] | ServiceError:
+        return await answered(self.runner.translate(texts, options, timeout_s))
 
 
 @serve.deployment
@@ -110,12 +136,12 @@ class GeneratorDeployment(ModelDeployment):
     runner_class = GeneratorRunner
     runner: GeneratorRunner
 
-    async def generate(self, request: GenerationRequest) -> GenerationDone:
-        return await self.runner.generate(request)
+    async def generate(self, request: GenerationRequest) -> GenerationDone | ServiceError:
+        return await answered(self.runner.generate(request))
 
-    async def generate_group(self, requests: list[GenerationRequest]) -> list[GenerationDone]:
+    async def generate_group(self, requests: list[GenerationRequest]) -> list[GenerationDone] | ServiceError:
         """Several generations submitted together (n > 1 siblings share their prompt's prefill)."""
-        return await self.runner.generate_group(requests)
+        return await answered(self.runner.generate_group(requests))
 
     async def tokenize(self, request: GenerationRequest, add_special_tokens: bool) -> Tokenized:
         return self.runner.tokenize(request, add_special_tokens)
@@ -123,22 +149,14 @@ class GeneratorDeployment(ModelDeployment):
     async def detokenize(self, tokens: list[int]) -> str:
         return self.runner.detokenize(tokens)
 
-    async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        events = self.runner.stream(request)
-        try:
-            async for event in events:
-                yield event
-        finally:  # Serve throws CancelledError in here when the caller goes away: close the inner stream now
-            await events.aclose()
+    async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent | ServiceError]:
+        async for event in answered_stream(self.runner.stream(request)):
+            yield event
 
     async def generate_group_stream(self, requests: list[GenerationRequest]
-                                    ) -> AsyncIterator[tuple[int, GenerationEvent]]:
-        events = self.runner.stream_group(requests)
-        try:
-            async for item in events:
-                yield item
-        finally:
-            await events.aclose()
+                                    ) -> AsyncIterator[tuple[int, GenerationEvent] | ServiceError]:
+        async for item in answered_stream(self.runner.stream_group(requests)):
+            yield item
 
 
 # deployment kind (models.spec.TASK_KIND) -> deployment

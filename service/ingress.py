@@ -65,7 +65,7 @@ class ServeBackend:
             await self.info(deployment, self.readiness_timeout_s)
         response = getattr(self.handles[deployment], method).remote(*args)
         try:
-            return await response
+            result = await response
         except asyncio.CancelledError:  # deadline or client gone: cancel the model call too
             response.cancel()
             raise
@@ -73,6 +73,9 @@ class ServeBackend:
             raise asyncio.CancelledError() from None
         except Exception as e:
             raise self._failed(deployment, e) from None
+        if isinstance(result, ServiceError):  # a refusal, returned as a value (service/deployments.py)
+            raise self._failed(deployment, result)
+        return result
 
     async def stream(self, deployment: str, method: str, *args: Any) -> AsyncIterator[Any]:
         """Items of a generator method, through Serve's streaming responses."""
@@ -82,6 +85,9 @@ class ServeBackend:
         ended = False
         try:
             async for item in response:
+                if isinstance(item, ServiceError):  # a refusal, the stream's last item
+                    ended = True
+                    raise item
                 yield item
             ended = True
         except RequestCancelledError:
