@@ -10,7 +10,7 @@ hypotheses cannot be beaten by its best running beam (early_stopping=False heuri
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,7 @@ class _Request:
     finished: list[tuple[float, list[int]]]  # (score, tokens incl. eos), best first, at most n
     done: bool = False
     result: list[int] | None = None
+    cancelled: bool = False
 
 
 def _step_request(req: _Request, logp: Tensor, eos: int, step: int) -> Tensor:
@@ -94,8 +95,13 @@ def translate_ids(
     sources: Sequence[Sequence[int]],
     params: BeamParams | Sequence[BeamParams],
     banned_ids: Sequence[int] = (),
-) -> list[list[int]]:
-    """Decode every source (token ids ending with eos). Returns generated ids without start/eos."""
+    cancelled: Callable[[int], bool] | None = None,
+) -> list[list[int] | None]:
+    """Decode every source (token ids ending with eos). Returns generated ids without start/eos.
+
+    `cancelled(i)`, asked once per step for each source still decoding: True drops source i's rows
+    from the next step on (its caller went away or its deadline passed); its result is None. The
+    others' results are the same as without it (each request's beams are its own)."""
     if isinstance(params, BeamParams):
         params = [params] * len(sources)
     cfg = model.cfg
@@ -127,6 +133,11 @@ def translate_ids(
         offset = 0
         for r in live:
             req = requests[r]
+            if cancelled is not None and cancelled(r):
+                req.done, req.result, req.cancelled = True, None, True
+                offset += req.rows
+                req.rows = 0
+                continue
             logp_r = logp[offset: offset + req.rows]  # (rows, V)
             if step + 1 >= req.params.max_new_tokens:  # force eos at the length limit
                 logp_r = torch.full_like(logp_r, float("-inf"))
@@ -146,8 +157,8 @@ def translate_ids(
         cache.reorder(index)
         cross = cross.select(index)
         tokens = torch.tensor(new_tokens, dtype=torch.long, device=device)[:, None]  # (R', 1)
-    out = []
+    out: list[list[int] | None] = []
     for req in requests:
         result = req.result or []
-        out.append([t for t in result if t != eos])
+        out.append(None if req.cancelled else [t for t in result if t != eos])
     return out

@@ -19,7 +19,9 @@ a loop forms batches and runs them, one at a time, in the replica's single infer
   seconds per padded token, would outlast its deadline (it could only end in a 504).
 
 Contract of `run_batch(payloads) -> results`: exactly one result per payload, in order; a result
-may be an Exception instance, which fails only that item.
+may be an Exception instance, which fails only that item, or STOPPED for an input whose work
+run_batch stopped because `still_wanted(payload)` said it was no longer wanted (its caller went
+away, or its deadline passed: a DeadlineExceeded then).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ..telemetry.hooks import BatchObserver
 from .config import BatchLimits
 
 log = logging.getLogger(__name__)
+STOPPED = object()  # a run_batch result: the input's work was stopped because still_wanted() was False
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -106,6 +109,7 @@ class DynamicBatcher(Generic[P, R]):
         self._task: asyncio.Task | None = None
         self._running: list[_Item[P]] = []  # the batch being computed
         self._running_since = 0.0
+        self._running_by_payload: dict[int, _Item[P]] = {}
         self._seconds_per_token: float | None = None  # moving average over batches, per padded token
         self._padding = 1.0  # moving average of padded / real tokens per batch
 
@@ -173,6 +177,15 @@ class DynamicBatcher(Generic[P, R]):
             raise Overloaded(f"{self.name}: about {wait:.1f} s of queued work before this request would start, "
                              "past its deadline; retry later")
         self._observe("on_admission", wait, None)
+
+    def still_wanted(self, payload: P) -> bool:
+        """Whether an input of the batch being computed is still wanted: its caller has not gone away
+        and its deadline has not passed. For run_batch (in the inference thread) to stop the work of
+        an input between steps of a long computation (beam search)."""
+        item = self._running_by_payload.get(id(payload))
+        if item is None:
+            return True
+        return not item.future.done() and (item.deadline is None or time.monotonic() < item.deadline)
 
     @property
     def queued(self) -> int:
@@ -257,6 +270,7 @@ class DynamicBatcher(Generic[P, R]):
 
     async def _run(self, batch: list[_Item[P]]) -> None:
         self._running = batch
+        self._running_by_payload = {id(it.payload): it for it in batch}
         started = self._running_since = time.monotonic()
         waits = [started - it.enqueued for it in batch]
         try:
@@ -265,7 +279,7 @@ class DynamicBatcher(Generic[P, R]):
         except Exception as e:  # the executor itself failed (e.g. shut down): fail the batch, keep going
             results = [e] * len(batch)
         finally:
-            self._running = []
+            self._running, self._running_by_payload = [], {}
         s = self.stats
         real, computed = sum(it.length for it in batch), len(batch) * max(it.length for it in batch)
         s.record(len(batch), real, computed)
@@ -277,6 +291,10 @@ class DynamicBatcher(Generic[P, R]):
             if isinstance(result, BaseException):
                 s.failed += 1
             if it.future.done():  # cancelled while computing
+                continue
+            if result is STOPPED:  # run_batch stopped it (still_wanted): its deadline passed
+                s.expired += 1
+                it.future.set_exception(DeadlineExceeded(f"{self.name}: deadline passed while computing"))
                 continue
             if isinstance(result, BaseException):
                 it.future.set_exception(result)

@@ -18,6 +18,7 @@ from models.catalog import LoadedModel
 from ..errors import InvalidRequest
 from ..messages import TranslateOptions
 from ..telemetry.hooks import BatchObserver
+from .batcher import STOPPED
 from .config import BatchLimits
 from .heap import HeapTrimmer
 from .runner import BatchedRunner, chars, deadline, off_loop
@@ -80,10 +81,13 @@ class TranslatorRunner(BatchedRunner):
         return await self.batcher.submit_many([TranslateItem(x, params) for x in ids], [len(x) for x in ids],
                                               deadline(timeout_s))
 
-    def run_batch(self, payloads: list[TranslateItem]) -> list[str]:
+    def run_batch(self, payloads: list[TranslateItem]) -> list[str | object]:
+        """One beam search over the batch; an input no longer wanted (its client went away, its deadline
+        passed) leaves the search at the next step (STOPPED), freeing its rows for the others."""
         out = translate_ids(self.loaded.model, [p.ids for p in payloads], [p.params for p in payloads],
-                            banned_ids=self.banned)
-        return self.loaded.tokenizer.decode_batch(out)
+                            banned_ids=self.banned, cancelled=lambda i: not self.batcher.still_wanted(payloads[i]))
+        texts = iter(self.loaded.tokenizer.decode_batch([ids for ids in out if ids is not None]))
+        return [STOPPED if ids is None else next(texts) for ids in out]
 
     def warm_up(self) -> None:
         ids = tokenize(self.loaded.tokenizer, [self.prefix + "warm up", self.prefix + "warm up the translator"],

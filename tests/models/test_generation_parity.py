@@ -220,3 +220,22 @@ def test_marian_beam_sizes_per_request_match_transformers(marian_pair, hf_marian
     mine = translate_ids(ours, SOURCES, params, banned_ids=(PAD,))
     assert mine == [hf_marian(n)[i] for i, n in enumerate(sizes)]
     assert hf_marian(1) != hf_marian(4)  # beam search really searches here
+
+
+def test_a_cancelled_source_leaves_the_search_and_the_others_are_unchanged(marian_pair, hf_marian) -> None:
+    """cancelled(i) drops source i's beams from the next step on: its result is None, its rows stop being
+    decoded, and every other source's result is what it is without it (and what transformers gives)."""
+    _, ours = marian_pair
+    asked: list[int] = []
+
+    def cancelled(i: int) -> bool:
+        asked.append(i)
+        return i == 1 and asked.count(1) >= 3  # source 1 is cancelled at its third step
+
+    params = BeamParams(beam_size=4, max_new_tokens=MT_NEW)
+    mine = translate_ids(ours, SOURCES, params, banned_ids=(PAD,), cancelled=cancelled)
+    expected = hf_marian(4)
+    assert mine[1] is None
+    assert [m for i, m in enumerate(mine) if i != 1] == [e for i, e in enumerate(expected) if i != 1]
+    assert asked.count(1) == 3  # never asked again: its rows left the batch
+    assert max(asked.count(i) for i in range(len(SOURCES)) if i != 1) > 3

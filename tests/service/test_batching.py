@@ -16,7 +16,7 @@ import torch
 
 from models.inputs import PaddedBatch, select_batch
 from service.errors import DeadlineExceeded, Overloaded
-from service.replica.batcher import DynamicBatcher
+from service.replica.batcher import STOPPED, DynamicBatcher
 from service.replica.config import BatchLimits
 
 
@@ -364,3 +364,28 @@ def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once() ->
     assert refused == [(pytest.approx(refused[0][0]), "deadline")] and refused[0][0] > 0.1
     assert admissions.calls[0] == (0.0, None)  # nothing measured yet: never refused
     assert batcher.stats.rejected == 0 and batcher.stats.items == 10
+
+
+def test_run_batch_can_stop_an_input_whose_deadline_passed_mid_computation() -> None:
+    """still_wanted() during a computation: False once an input's deadline passed (or its caller went
+    away); run_batch returns STOPPED for it, and its caller gets DeadlineExceeded, the others results."""
+    batcher: DynamicBatcher | None = None
+    seen: list[bool] = []
+
+    def run_batch(payloads: list[Any]) -> list[Any]:
+        assert batcher is not None
+        time.sleep(0.2)  # one long step
+        wanted = [batcher.still_wanted(p) for p in payloads]
+        seen.extend(wanted)
+        return [p * 10 if w else STOPPED for p, w in zip(payloads, wanted, strict=True)]
+
+    batcher = make(run_batch, max_batch_size=4, max_wait_ms=20)
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(batcher.submit(1, 1, deadline=time.monotonic() + 0.1),  # passes mid-batch
+                                    batcher.submit(2, 1, deadline=time.monotonic() + 10), batcher.submit(3, 1),
+                                    return_exceptions=True)
+
+    first, second, third = run(main())
+    assert isinstance(first, DeadlineExceeded) and (second, third) == (20, 30)
+    assert seen == [False, True, True] and batcher.stats.expired == 1

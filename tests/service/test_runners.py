@@ -18,6 +18,7 @@ from models.tiny import EOS
 from service.errors import InvalidItem, InvalidRequest
 from service.messages import TranslateOptions
 from service.replica import device
+from service.replica.batcher import STOPPED
 from service.replica.config import BatchLimits
 from service.replica.device import resolve_device
 from service.replica.encoder import EncodeItem, EncoderRunner
@@ -230,3 +231,16 @@ def test_a_multi_label_head_scores_each_label_by_its_sigmoid() -> None:
             probs = loaded.model.classify(torch.tensor([x]))[0].sigmoid()
             assert list(result.scores.values()) == pytest.approx(probs.tolist(), abs=1e-5)
             assert result.score == max(result.scores.values()) and sum(result.scores.values()) != pytest.approx(1.0)
+
+
+def test_translator_stops_an_input_no_longer_wanted(translator: TranslatorRunner,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_batch asks the batcher whether each input is still wanted at every step; one that is not
+    (client gone, deadline passed) is STOPPED and the others are translated as alone."""
+    tok, model = translator.loaded.tokenizer, translator.loaded.model
+    items = [TranslateItem(tok.encode(t), BeamParams(2, 6)) for t in TEXTS[:3]]
+    monkeypatch.setattr(translator.batcher, "still_wanted", lambda payload: payload is not items[1])
+    out = translator.run_batch(items)
+    assert out[1] is STOPPED
+    for i in (0, 2):
+        assert out[i] == tok.decode(translate_ids(model, [items[i].ids], items[i].params, banned_ids=[0])[0])
