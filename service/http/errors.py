@@ -54,6 +54,8 @@ def from_validation_error(exc: RequestValidationError) -> InvalidRequest:
     message = first.get("msg", "invalid value")
     if first.get("type") == "extra_forbidden":
         message = "unknown field"
+    elif first.get("type") == "value_error" and "error" in first.get("ctx", {}):
+        message = str(first["ctx"]["error"])  # our validator's own words, without pydantic's "Value error, "
     return InvalidRequest(f"{param}: {message}" if param else f"request body: {message}", param)
 
 

@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("service.access")
 
 
+def printable(path: str) -> str:
+    """A request path as it may appear in a log line: control and non-ASCII characters escaped
+    (`\\n`, `\\x1b`, `\\u00e9`), so a client cannot forge log lines or terminal escapes."""
+    return path.encode("unicode_escape").decode("ascii")
+
+
 def _error_type(body: bytes) -> str:
     """The `error.type` of a JSON error body, or "unknown"."""
     try:
@@ -85,7 +91,7 @@ class Observability:
         try:
             await self.app(scope, receive, observed_send)
         except Exception:
-            log.exception("unexpected error on %s %s", scope["method"], scope["path"])
+            log.exception("unexpected error on %s %s", scope["method"], printable(scope["path"]))
             if response_started:
                 raise
             await error_response(InternalError("internal error; see the server log"), self.retry_after_s)(
@@ -95,7 +101,8 @@ class Observability:
             refused = reject_reason if status == 503 and endpoint.startswith("/v1/") else None
             self.metrics.request_finished(endpoint, status, seconds, refused)
             if self.access_log:
-                access_log.info("%s %s %d %.1f ms", scope["method"], scope["path"], status, seconds * 1000,
-                                extra={"request_id": rid, "method": scope["method"], "path": scope["path"],
+                path = printable(scope["path"])
+                access_log.info("%s %s %d %.1f ms", scope["method"], path, status, seconds * 1000,
+                                extra={"request_id": rid, "method": scope["method"], "path": path,
                                        "status": status, "duration_ms": round(seconds * 1000, 3)})
             REQUEST_ID.reset(token)

@@ -70,6 +70,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
+class PlainFormatter(logging.Formatter):
+    """`<time> <level> <logger> [<request_id>]: <message>`; `[-]` outside a request."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.request_id = getattr(record, "request_id", None) or current_request_id() or "-"
+        return super().format(record)
+
+
 class _OurHandler(logging.StreamHandler):
     """Marks the handler configure_logging installed, so a second call replaces it."""
 
@@ -80,8 +91,7 @@ def configure_logging(json_logs: bool = True, level: int | str = logging.INFO) -
     for handler in [h for h in root.handlers if isinstance(h, _OurHandler)]:
         root.removeHandler(handler)
     handler = _OurHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if json_logs else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if json_logs else PlainFormatter())
     root.addHandler(handler)
     root.setLevel(level)
 

@@ -255,3 +255,14 @@ def test_metrics_never_carry_request_content() -> None:
     assert metrics.status_code == 200 and "# TYPE" in metrics.text
     assert marker not in metrics.text and "zq-distinctive" not in metrics.text
     assert ServiceMetrics is not None
+
+
+@pytest.mark.parametrize(("path", "body", "words"), [
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "x"}]}, "exactly one of prompt and messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "needs the tool_call_id"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias keys are token ids"),
+])
+def test_422_bodies_carry_our_messages_not_the_librarys_wrapping(path: str, body: dict[str, Any], words: str) -> None:
+    r = send(fake_app(), "POST", path, json=body)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 422 and words in message and "Value error" not in message, message

@@ -214,7 +214,8 @@ def test_embeddings_are_cut_only_to_the_sizes_the_model_lists(server: Server) ->
 def test_translate_honours_per_request_beam_size_and_length(server: Server) -> None:
     model, tok = tiny_model("seq2seq")
     text = "the cat sat on the mat"
-    cases = [(1, 4), (3, 10), (None, None)]
+    cases = [(1, 4), (3, 7), (None, None)]
+    seen: list[str] = []
     with server.client() as c:
         for beam, max_new in cases:
             body = {"inputs": [text], "source_lang": "en", "target_lang": "es"}
@@ -224,6 +225,8 @@ def test_translate_honours_per_request_beam_size_and_length(server: Server) -> N
             params = BeamParams(beam or 2, max_new or 10)  # None: the model's defaults
             expected = tok.decode(translate_ids(model, [tok.encode(text)], params, banned_ids=[0])[0])
             assert r.json() == {"model": "tiny-en-es", "translations": [expected]}
+            seen.append(expected)
+    assert len(set(seen)) == len(cases)  # each case its own translation: a mixed-up answer fails
 
 
 # -- batching invariance and isolation ---------------------------------------------------------
@@ -244,6 +247,9 @@ def test_results_are_the_same_alone_and_among_concurrent_requests(server: Server
         solo_tr = {(t, b): c.post("/v1/translate", json={"inputs": t, "source_lang": "en", "target_lang": "es",
                                                           "beam_size": b, "max_new_tokens": 4 + b}).json()
                    ["translations"][0] for t in texts[:6] for b in beams}
+    # the tiny translator's outputs depend on the text and the beam size (models/tiny.py), so a request
+    # answered with another's translation, or with another beam size, fails the comparisons below
+    assert len(set(solo_tr.values())) >= 8  # of 24 (6 texts x 4 beam sizes; 12 as the tiny model is now)
 
     async def client_session(i: int, ac: httpx.AsyncClient) -> None:
         rng = random.Random(100 + i)

@@ -36,7 +36,7 @@ from service.messages import Classification, ModelInfo
 from service.replica.batcher import DynamicBatcher
 from service.replica.config import BatchLimits
 from service.settings import Settings
-from service.telemetry.logs import REQUEST_ID, JsonFormatter, valid_request_id
+from service.telemetry.logs import REQUEST_ID, JsonFormatter, PlainFormatter, valid_request_id
 from service.telemetry.memory import resident_bytes
 from service.telemetry.metrics import PREFIX, SPECS, ServiceMetrics, clean_dead_processes, render
 from service.telemetry.observers import PrometheusBatchObserver, PrometheusEngineObserver
@@ -349,3 +349,16 @@ def test_every_replica_gets_the_metrics_dir_and_quiet_serve_logs(tmp_path: Path)
     loud = Settings.build({**args, "access_log": True, "log_json": False}, env={})
     assert deployment_options(loud.deployments["encoder"], loud, 0)["logging_config"] == {
         "encoding": "TEXT", "enable_access_log": True}
+
+
+def test_access_lines_escape_the_path_and_plain_logs_carry_the_request_id(
+        metrics: ServiceMetrics, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="service.access"):
+        call_api(metrics, [("GET", "/v1/x%0Afake line%1B[31m", {"headers": {"X-Request-ID": "rid-8"}})],
+                 settings={"access_log": True})
+    (line,) = [r for r in caplog.records if r.name == "service.access"]
+    text = PlainFormatter().format(line)
+    assert "\n" not in text and "\x1b" not in text and "\\n" in text and "\\x1b" in text
+    assert "[rid-8]" in text and line.path == "/v1/x\\nfake line\\x1b[31m"  # type: ignore[attr-defined]
+    outside = logging.LogRecord("service.x", logging.INFO, __file__, 1, "no request", None, None)
+    assert "[-]: no request" in PlainFormatter().format(outside)
