@@ -1,0 +1,49 @@
+"""The continuous-batching engine on the shipped SmolLM2 (slow): a request gives the same tokens alone
+and among others admitted in the same steps, in float32 and in bfloat16, greedy and seeded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import zoo
+from models.catalog import DEFAULT_SPECS, load_model
+from models.decoding import SamplingParams
+from service.engine.config import EngineConfig
+from service.engine.core import GenerationEngine
+
+pytestmark = pytest.mark.slow
+OTHERS = ["Write a haiku about the sea.", "List three prime numbers.",
+          "Explain what a transformer model is in one sentence, please, for a child of ten.", "Hi!",
+          "Translate 'good morning' into French.", "What is 12 times 7?", "Name a colour."]
+
+
+def run(engine: GenerationEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    handles = [engine.submit(ids, params) for ids, params in requests]
+    for _ in range(1000):
+        engine.step()
+        stats = engine.stats()
+        if stats.running == 0 and stats.waiting == 0:
+            break
+    return [list(h.result_sync(timeout=5).token_ids) for h in handles]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_smollm2_tokens_are_the_same_alone_and_among_others(dtype: torch.dtype) -> None:
+    lm = load_model(DEFAULT_SPECS["generator"], zoo.default_cache_dir(), dtype=dtype)
+    tok = lm.tokenizer
+    engine = GenerationEngine(lm.model, tok, EngineConfig(max_total_tokens=256, max_running=8, kv_cache_mib=512))
+
+    def chat(text: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+    prompt = chat("What is the capital of France?")
+    greedy = SamplingParams(max_new_tokens=24)
+    seeded = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.95, seed=11)
+    with torch.inference_mode():
+        alone = [run(engine, [(prompt, params)])[0] for params in (greedy, seeded)]
+        mixed = run(engine, [(chat(t), greedy) for t in OTHERS[:3]] + [(prompt, greedy)]
+                    + [(chat(t), seeded) for t in OTHERS[3:6]] + [(prompt, seeded)] + [(chat(OTHERS[6]), greedy)])
+    assert mixed[3] == alone[0] and "Paris" in tok.decode(alone[0])
+    assert mixed[7] == alone[1]
+    assert len({tuple(m) for m in mixed}) >= 6  # the others really are other requests
