@@ -86,6 +86,20 @@ class _Item(Generic[P]):
     future: asyncio.Future
     deadline: float | None  # time.monotonic() seconds
     enqueued: float = field(default_factory=time.monotonic)
+    work: int = 0  # its share of BatchLimits.max_batch_work (a translation: beam_size x max_new_tokens)
+
+
+def within_work(chosen: Sequence[int], work: Sequence[int], budget: int | None) -> list[int]:
+    """The chosen items (indices, oldest first) whose work adds up to at most `budget`: always the
+    first one (an input over the budget runs alone), then each later one that still fits."""
+    if budget is None:
+        return list(chosen)
+    kept, total = [], 0
+    for i in sorted(chosen):
+        if not kept or total + work[i] <= budget:
+            kept.append(i)
+            total += work[i]
+    return kept
 
 
 class DynamicBatcher(Generic[P, R]):
@@ -118,9 +132,10 @@ class DynamicBatcher(Generic[P, R]):
         return (await self.submit_many([payload], [length], deadline))[0]
 
     async def submit_many(self, payloads: Sequence[P], lengths: Sequence[int],
-                          deadline: float | None = None) -> list[R]:
+                          deadline: float | None = None, work: Sequence[int] | None = None) -> list[R]:
         """Queue one item per payload; return their results in order, or raise the first failure
-        (by input index). On failure or cancellation the request's other items are cancelled."""
+        (by input index). On failure or cancellation the request's other items are cancelled.
+        `work`: each item's share of `max_batch_work` (none: 0)."""
         if len(payloads) != len(lengths):
             raise ValueError(f"{len(payloads)} payloads but {len(lengths)} lengths")
         if not payloads:
@@ -129,7 +144,9 @@ class DynamicBatcher(Generic[P, R]):
         self._make_room(len(payloads))
         self._admit(deadline)
         loop = asyncio.get_running_loop()
-        items = [_Item(p, n, loop.create_future(), deadline) for p, n in zip(payloads, lengths, strict=True)]
+        shares = work if work is not None else [0] * len(payloads)
+        items = [_Item(p, n, loop.create_future(), deadline, work=w)
+                 for p, n, w in zip(payloads, lengths, shares, strict=True)]
         self._queue.extend(items)
         self._observe("on_queue", len(self._queue))
         assert self._wakeup is not None
@@ -254,11 +271,13 @@ class DynamicBatcher(Generic[P, R]):
                 await self._wakeup.wait()
                 continue
             queued = len(self._queue)
-            full = queued >= lim.max_batch_size or queued * max(it.length for it in self._queue) > lim.max_batch_tokens
+            full = (queued >= lim.max_batch_size or queued * max(it.length for it in self._queue) > lim.max_batch_tokens
+                    or (lim.max_batch_work is not None and sum(it.work for it in self._queue) >= lim.max_batch_work))
             wait = self._queue[0].enqueued + lim.max_wait_s - time.monotonic()
             if full or wait <= 0:
-                chosen = select_batch([it.length for it in self._queue], lim.max_batch_size,
-                                      lim.max_batch_tokens, lim.overhead_tokens)
+                chosen = within_work(select_batch([it.length for it in self._queue], lim.max_batch_size,
+                                                  lim.max_batch_tokens, lim.overhead_tokens),
+                                     [it.work for it in self._queue], lim.max_batch_work)
                 picked = set(chosen)
                 batch = [self._queue[i] for i in chosen]
                 self._queue = [it for i, it in enumerate(self._queue) if i not in picked]

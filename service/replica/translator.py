@@ -79,7 +79,7 @@ class TranslatorRunner(BatchedRunner):
         ids = await off_loop(chars(prefixed), tokenize, self.loaded.tokenizer, prefixed,
                              self.loaded.max_input_tokens, options.truncate)
         return await self.batcher.submit_many([TranslateItem(x, params) for x in ids], [len(x) for x in ids],
-                                              deadline(timeout_s))
+                                              deadline(timeout_s), [params.beam_size * params.max_new_tokens] * len(ids))
 
     def run_batch(self, payloads: list[TranslateItem]) -> list[str | object]:
         """One beam search over the batch; an input no longer wanted (its client went away, its deadline

@@ -389,3 +389,21 @@ def test_run_batch_can_stop_an_input_whose_deadline_passed_mid_computation() -> 
     first, second, third = run(main())
     assert isinstance(first, DeadlineExceeded) and (second, third) == (20, 30)
     assert seen == [False, True, True] and batcher.stats.expired == 1
+
+
+def test_a_batch_holds_at_most_max_batch_work() -> None:
+    """Translations count beam_size x max_new_tokens each: a batch takes inputs, oldest first, while
+    their work fits max_batch_work (one over it runs alone), however many rows and tokens are left."""
+    rec = Recorder()
+    batcher = make(rec, max_batch_size=16, max_wait_ms=50, max_batch_work=1000)
+
+    async def main() -> list[Any]:
+        shares = [400, 400, 400, 2000, 100, 100]
+        return await asyncio.gather(*(batcher.submit_many([i], [3], None, [w]) for i, w in enumerate(shares)))
+
+    assert run(main()) == [[i * 10] for i in range(6)]
+    assert rec.batches[0] == [0, 1, 4, 5]  # 1000: a third 400 would be 1200, the two 100s still fit
+    assert [3] in rec.batches  # over the budget alone: runs alone
+    assert all(sum([400, 400, 400, 2000, 100, 100][i] for i in b) <= 1000 or len(b) == 1 for b in rec.batches)
+    with pytest.raises(ValueError, match="max_batch_work"):
+        BatchLimits(max_batch_work=0)
