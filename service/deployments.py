@@ -181,6 +181,8 @@ def deployment_options(dep: DeploymentSettings, settings: Settings, cluster_gpus
         options["autoscaling_config"] = dep.autoscaling_config
     else:
         options["num_replicas"] = dep.num_replicas
+    if dep.max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = dep.max_replicas_per_node
     return options
 
 

@@ -72,6 +72,8 @@ class DeploymentSettings(_Frozen):
     heap_trim_interval_s: float = Field(1.0, ge=0)
     max_ongoing_requests: int = Field(256, ge=1)  # requests in one replica at once (they batch there)
     max_queued_requests: int = Field(1024, ge=1)  # requests each caller queues for this deployment
+    # 1: at most one replica per node, so losing a node leaves the model served (with num_replicas >= 2)
+    max_replicas_per_node: int | None = Field(None, ge=1)
     startup_gate: str | None = None  # tests only: the replica waits for this file before loading
 
     @model_validator(mode="after")

@@ -13,15 +13,24 @@ headers itself (ray/serve/_private/proxy.py, replica.py, http_util.py in Ray 2.6
 middlewares of `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, which service/ray_env.py sets to
 `proxy_middlewares` before Ray starts): it drops the first two and keeps exactly one valid request
 id (the client's when valid, else a fresh one). Our own per-request deadline is `X-Request-Timeout`
-(service/http/deadline.py), which can only lower the configured one. No torch, no FastAPI here: this
-module runs in Serve's proxy process.
+(service/http/deadline.py), which can only lower the configured one.
+
+It also gives the errors Serve's proxy answers by itself our JSON error shape (service/errors.py):
+those never passed through our app, and are plain text. A 500 whose text is Ray's exception (the
+ingress replica died while answering, or its node was lost) becomes `503 model_not_ready` with
+Retry-After, without the internals; Serve's 503s become `overloaded_error` (with its Retry-After) or
+`model_not_ready`, its 408 timeout a `504 timeout_error`. No torch, no FastAPI here: this module runs in
+Serve's proxy process.
 """
 
 from __future__ import annotations
 
-from starlette.middleware import Middleware
-from starlette.types import ASGIApp, Receive, Scope, Send
+import json
 
+from starlette.middleware import Middleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..errors import RETRY_LATER, DeadlineExceeded, NotReady, Overloaded, ServiceError
 from ..telemetry.logs import new_request_id, valid_request_id
 
 REQUEST_ID = b"x-request-id"
@@ -42,16 +51,51 @@ def safe_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]
     return kept
 
 
-class ProxyHeaders:
-    """ASGI middleware: every HTTP request's headers through safe_headers (module docstring)."""
+def serve_error(status: int, retry_after: bool) -> ServiceError | None:
+    """Our error for a plain-text error Serve's proxy answered itself; None: pass it through."""
+    if status == 408:
+        return DeadlineExceeded("the request did not finish within the service's timeout")
+    if status == 503 and retry_after:
+        return Overloaded("the service is overloaded; retry later")
+    if status in (500, 502, 503):
+        return NotReady("the service's ingress stopped while answering (a replica or a node was lost); retry later")
+    return None
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+
+class ProxyHeaders:
+    """ASGI middleware: every HTTP request's headers through safe_headers, and Serve's own plain-text
+    errors as our JSON ones (module docstring)."""
+
+    def __init__(self, app: ASGIApp, retry_after_s: int = 1) -> None:
+        self.app, self.retry_after_s = app, retry_after_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope = {**scope, "headers": safe_headers(list(scope["headers"]))}
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope = {**scope, "headers": safe_headers(list(scope["headers"]))}
+        rid = dict(scope["headers"])[REQUEST_ID]
+        replaced: ServiceError | None = None
+
+        async def send_ours(message: Message) -> None:
+            nonlocal replaced
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                headers = {k.lower(): v for k, v in message.get("headers", [])}
+                if headers.get(b"content-type", b"").startswith(b"text/plain"):
+                    replaced = serve_error(message["status"], b"retry-after" in headers)
+            if replaced is None:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                body = json.dumps(replaced.body()).encode()
+                out = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"x-request-id", rid)]
+                if replaced.type in RETRY_LATER:
+                    out.append((b"retry-after", str(self.retry_after_s).encode()))
+                await send({"type": "http.response.start", "status": replaced.status, "headers": out})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+            # the rest of Serve's own body is dropped
+
+        await self.app(scope, receive, send_ours)
 
 
 def proxy_middlewares() -> list[Middleware]:

@@ -5,12 +5,15 @@ request id comes back once, valid."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import httpx
 import pytest
 
-from service.http.proxy_headers import safe_headers
+from service.http.proxy_headers import ProxyHeaders, safe_headers
 from service.telemetry.logs import valid_request_id
 from tests.reliability.conftest import Live, engine_idle
+from tests.service.http_checks import send as send_to
 
 pytestmark = pytest.mark.e2e
 LONG = {"prompt": "go on", "max_new_tokens": 400, "ignore_eos": True, "stream": True}
@@ -58,3 +61,30 @@ def test_the_request_id_comes_back_once_and_valid(live: Live, sent: str) -> None
         assert (ids[0] == sent) == (valid_request_id(sent) is not None)
         e = c.post("/v1/classify", json={}, headers={"X-Request-ID": sent})
         assert e.status_code == 422 and len(e.headers.get_list("x-request-id")) == 1
+
+
+def proxied(status: int, content_type: bytes, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+            ) -> httpx.Response:
+    """A request through ProxyHeaders in front of an app that answers as given (as Serve's proxy would)."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", content_type), *(headers or [])]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return send_to(ProxyHeaders(app), "GET", "/v1/anything", headers={"X-Request-ID": "rid-9"})
+
+
+def test_serves_own_plain_text_errors_get_our_json_shape_without_internals() -> None:
+    died = proxied(500, b"text/plain; charset=utf-8", b"ray.exceptions.ActorDiedError: The actor died ... secrets")
+    assert died.status_code == 503 and died.json()["error"]["type"] == "model_not_ready"
+    assert "ActorDied" not in died.text and died.headers["retry-after"] == "1"
+    assert died.headers.get_list("x-request-id") == ["rid-9"]
+    busy = proxied(503, b"text/plain", b"Request dropped due to backpressure", [(b"retry-after", b"1")])
+    assert busy.status_code == 503 and busy.json()["error"]["type"] == "overloaded_error"
+    late = proxied(408, b"text/plain", b"Request rid-9 timed out after 30s.")
+    assert late.status_code == 504 and late.json()["error"]["type"] == "timeout_error"
+    ours = proxied(500, b"application/json", b'{"error": {"type": "internal_error", "message": "m"}}')
+    assert ours.status_code == 500 and ours.json()["error"]["type"] == "internal_error"  # our app's own: untouched
+    metrics = proxied(200, b"text/plain; version=0.0.4", b"# TYPE x counter\n")
+    assert metrics.status_code == 200 and metrics.text.startswith("# TYPE")
