@@ -783,21 +783,38 @@ LONG_BODY = {"prompt": "go", "model": LONG, "max_new_tokens": 4000}
 
 
 def test_a_full_engine_answers_503_with_retry_after(server: Cluster) -> None:
-    with server.client() as c, server.client() as c2:
+    async def queued_stream() -> None:
+        """A stream that waits in the one queue slot (its response starts with its first token)."""
+        async with server.async_client() as ac, ac.stream("POST", "/v1/generate",
+                                                           json={**LONG_BODY, "stream": True}) as r:
+            async for _ in r.aiter_lines():
+                pass
+
+    with server.client() as c:
+        before = stats(c, "long")
         with c.stream("POST", "/v1/generate", json={**LONG_BODY, "stream": True}) as running:
             lines = running.iter_lines()  # kept: dropping a half-read iterator closes the connection
             next(lines)  # text arrives: it holds the only row
-            with c2.stream("POST", "/v1/generate", json={**LONG_BODY, "stream": True}) as queued:
-                assert queued.status_code == 200  # accepted into the one queue slot
-                with server.client() as c3:
-                    for body in (LONG_BODY, {**LONG_BODY, "stream": True}):
-                        r = c3.post("/v1/generate", json=body)
-                        assert_error(r, 503, "overloaded_error")
-                        assert r.headers["Retry-After"] == RETRY_AFTER and r.elapsed.total_seconds() < 2
+            loop = asyncio.new_event_loop()
+            waiting = loop.create_task(queued_stream())
+            deadline = time.monotonic() + 10
+            while stats(c, "long")["waiting"] < 1:  # accepted into the one queue slot
+                loop.run_until_complete(asyncio.sleep(0.05))
+                assert time.monotonic() < deadline, stats(c, "long")
+            with server.client() as c3:
+                for body in (LONG_BODY, {**LONG_BODY, "stream": True}):
+                    r = c3.post("/v1/generate", json=body)
+                    assert_error(r, 503, "overloaded_error")
+                    assert r.headers["Retry-After"] == RETRY_AFTER and r.elapsed.total_seconds() < 2
+            waiting.cancel()  # the queued client goes away
+            with contextlib.suppress(asyncio.CancelledError):
+                loop.run_until_complete(waiting)
+            loop.close()
         idle, _ = wait_idle(c, "long")
         ok = c.post("/v1/generate", json={**LONG_BODY, "max_new_tokens": 5})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
-    assert idle["finished"].get("cancelled", 0) >= 2  # both streams were cancelled when they closed
+    cancelled = idle["finished"].get("cancelled", 0) - before["finished"].get("cancelled", 0)
+    assert cancelled == 2  # the running stream and the queued one, each cancelled when its client left
 
 
 def test_a_client_that_disconnects_frees_its_row(server: Cluster) -> None:

@@ -105,7 +105,7 @@ def test_a_worker_node_killed_under_load(two_nodes: TwoNodes) -> None:
             return killed
 
     run_started = time.monotonic()
-    killed = asyncio.run(main())
+    killed = asyncio.run(main())  # time.monotonic() of the kill
     counts = Counter(status for status, _, _ in outcomes)
     slowest = max(seconds for _, seconds, _ in outcomes)
     log.info("two nodes, worker killed %.1f s into the load: %s; slowest %.2f s", killed - run_started,
@@ -114,7 +114,6 @@ def test_a_worker_node_killed_under_load(two_nodes: TwoNodes) -> None:
     assert counts[200] > 10 and slowest < DEADLINE_S + 2  # none hangs
     assert all(error in ("model_not_ready", "overloaded_error") for status, _, error in outcomes if status == 503)
     with httpx.Client(base_url=two_nodes.url, timeout=DEADLINE_S) as c:  # whole again, no restart
-        assert c.post("/v1/classify", json=BODY).status_code == 200
         assert wait_for(two_nodes.url, "/readyz", 200, timeout_s=30).json()["deployments"]["encoder"] == "ready"
-    for deployment in ("encoder", "Ingress"):  # the head's replicas serve; the lost ones have no node to go to
-        assert replica_nodes(deployment) == [head_id], deployment
+        assert all(c.post("/v1/classify", json=BODY).status_code == 200 for _ in range(20))
+    log.info("whole again %.1f s after the kill", time.monotonic() - killed)
