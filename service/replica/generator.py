@@ -157,7 +157,8 @@ class GeneratorRunner(ModelRunner):
     async def submit_group(self, requests: Sequence[GenerationRequest]) -> list[tuple[RequestHandle, int]]:
         """Queue requests in the engine together, all or none (n > 1 siblings, a list of prompts: they
         are admitted in one step and siblings share their prompt's prefill); each one's handle and
-        prompt length. Prompts are tokenized off the event loop, once per prompt the siblings share.
+        prompt length. A prompt is tokenized once for the siblings that share it (a long one off the
+        event loop, runner.off_loop).
         The cheap checks come first (prompt, parameters, limits), then a structured output's grammar
         is compiled off the event loop (tens of ms; cached by source), then the requests are queued.
         Raises InvalidRequest / RequestTooLarge naming the field (as the client called it) and the
@@ -200,7 +201,7 @@ class GeneratorRunner(ModelRunner):
 
     async def generate_group(self, requests: Sequence[GenerationRequest]) -> list[GenerationDone]:
         """Every request's whole answer, submitted together (submit_group). Cancelling the awaiting task
-        cancels them all in the engine; so does one that fails."""
+        cancels them all in the engine; if the engine failed any of them, InternalError once all ended."""
         handles = [handle for handle, _ in await self.submit_group(requests)]
         try:
             finished = await asyncio.gather(*(handle.result() for handle in handles))

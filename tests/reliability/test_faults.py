@@ -74,7 +74,10 @@ async def kill_under_load(live: Live, deployment: str, path: str, body: dict[str
             r = await client.get("/readyz", timeout=5)
             if r.status_code == 503:
                 outage.readyz_503 = True
-                assert r.headers["Retry-After"] == RETRY_AFTER and r.json()["deployments"][deployment] != "ready"
+                body = r.json()  # our readiness body; or, while no ingress answers, our JSON error
+                assert r.headers["Retry-After"] == RETRY_AFTER
+                assert (body["deployments"][deployment] != "ready" if "deployments" in body
+                        else body["error"]["type"] in RETRY_LATER), body
             elif outage.readyz_503 and (await client.post(path, json=body)).status_code == 200:
                 outage.whole_after_s = time.monotonic() - killed
                 break
@@ -103,6 +106,16 @@ def check(outage: Outage) -> None:
         assert o.seconds < DEADLINE_S + 2, o  # none hangs
         if o.status == 503:
             assert o.error in RETRY_LATER and o.retry_after == RETRY_AFTER, o
+
+
+def test_a_killed_ingress_replica_is_replaced_and_no_request_hangs(live: Live) -> None:
+    """The ingress (its HTTP server in throughput mode) SIGKILLed under load: Serve's proxy answered the
+    requests in flight with its own 500 and Ray's exception text; now a JSON 503 with Retry-After
+    (service/http/proxy_headers.py). /readyz is 503 while no ingress answers, and the service comes back."""
+    outage = run(kill_under_load(live, "Ingress", "/v1/classify", {"inputs": ["a text", "another one"]}))
+    check(outage)
+    with live.client() as c:
+        assert c.post("/v1/classify", json={"inputs": "after"}).status_code == 200
 
 
 def test_a_killed_encoder_replica_is_replaced_and_no_request_hangs(live: Live) -> None:
