@@ -16,9 +16,10 @@ id (the client's when valid, else a fresh one). Our own per-request deadline is 
 (service/http/deadline.py), which can only lower the configured one.
 
 It also gives the errors Serve's proxy answers by itself our JSON error shape (service/errors.py):
-those never passed through our app, and are plain text. A 500 whose text is Ray's exception (the
-ingress replica died while answering, or its node was lost) becomes `503 model_not_ready` with
-Retry-After, without the internals; Serve's 503s become `overloaded_error` (with its Retry-After) or
+those never passed through our app, and are plain text. When the ingress replica died while
+answering (or its node was lost) Serve's proxy answers nothing and the HTTP server sends a bare
+`500 Internal Server Error`: that becomes `503 model_not_ready` with Retry-After (so does a plain-text
+500 with Ray's exception text); Serve's 503s become `overloaded_error` (with its Retry-After) or
 `model_not_ready`, its 408 timeout a `504 timeout_error`. No torch, no FastAPI here: this module runs in
 Serve's proxy process.
 """
@@ -26,6 +27,7 @@ Serve's proxy process.
 from __future__ import annotations
 
 import json
+import logging
 
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,7 +35,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import RETRY_LATER, DeadlineExceeded, NotReady, Overloaded, ServiceError
 from ..telemetry.logs import new_request_id, valid_request_id
 
+log = logging.getLogger(__name__)
 REQUEST_ID = b"x-request-id"
+LOST = "the service's ingress stopped while answering (a replica or a node was lost); retry later"
 DROPPED = frozenset({b"x-request-timeout-seconds", b"x-request-disconnect-disabled"})
 
 
@@ -58,7 +62,7 @@ def serve_error(status: int, retry_after: bool) -> ServiceError | None:
     if status == 503 and retry_after:
         return Overloaded("the service is overloaded; retry later")
     if status in (500, 502, 503):
-        return NotReady("the service's ingress stopped while answering (a replica or a node was lost); retry later")
+        return NotReady(LOST)
     return None
 
 
@@ -76,26 +80,41 @@ class ProxyHeaders:
         scope = {**scope, "headers": safe_headers(list(scope["headers"]))}
         rid = dict(scope["headers"])[REQUEST_ID]
         replaced: ServiceError | None = None
+        started = False
+
+        async def answer(error: ServiceError) -> None:
+            body = json.dumps(error.body()).encode()
+            out = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"x-request-id", rid)]
+            if error.type in RETRY_LATER:
+                out.append((b"retry-after", str(self.retry_after_s).encode()))
+            await send({"type": "http.response.start", "status": error.status, "headers": out})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
 
         async def send_ours(message: Message) -> None:
-            nonlocal replaced
-            if message["type"] == "http.response.start" and message["status"] >= 400:
+            nonlocal replaced, started
+            if message["type"] == "http.response.start":
+                started = True
                 headers = {k.lower(): v for k, v in message.get("headers", [])}
-                if headers.get(b"content-type", b"").startswith(b"text/plain"):
+                if message["status"] >= 400 and headers.get(b"content-type", b"").startswith(b"text/plain"):
                     replaced = serve_error(message["status"], b"retry-after" in headers)
+                    if replaced is not None:
+                        await answer(replaced)
+                        return
             if replaced is None:
                 await send(message)
-            elif message["type"] == "http.response.start":
-                body = json.dumps(replaced.body()).encode()
-                out = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                       (b"x-request-id", rid)]
-                if replaced.type in RETRY_LATER:
-                    out.append((b"retry-after", str(self.retry_after_s).encode()))
-                await send({"type": "http.response.start", "status": replaced.status, "headers": out})
-                await send({"type": "http.response.body", "body": body, "more_body": False})
-            # the rest of Serve's own body is dropped
+            # else: the rest of Serve's own body is dropped
 
-        await self.app(scope, receive, send_ours)
+        try:
+            await self.app(scope, receive, send_ours)
+        except Exception:  # Serve's proxy itself failed: the HTTP server would answer a bare 500
+            if started:
+                raise
+            log.warning("Serve's proxy failed before answering %s", rid.decode("latin-1"), exc_info=True)
+            await answer(NotReady(LOST))
+            return
+        if not started:  # Serve's proxy answers nothing for a replica that died (its 500 is the server's)
+            await answer(NotReady(LOST))
 
 
 def proxy_middlewares() -> list[Middleware]:

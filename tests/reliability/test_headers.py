@@ -88,3 +88,22 @@ def test_serves_own_plain_text_errors_get_our_json_shape_without_internals() -> 
     assert ours.status_code == 500 and ours.json()["error"]["type"] == "internal_error"  # our app's own: untouched
     metrics = proxied(200, b"text/plain; version=0.0.4", b"# TYPE x counter\n")
     assert metrics.status_code == 200 and metrics.text.startswith("# TYPE")
+
+
+def test_a_proxy_that_fails_before_answering_gives_our_503() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("ray.exceptions.ActorDiedError: the ingress replica died (internals)")
+
+    r = send_to(ProxyHeaders(app), "GET", "/v1/anything", headers={"X-Request-ID": "rid-10"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "model_not_ready" and "internals" not in r.text
+    assert r.headers["retry-after"] == "1" and r.headers.get_list("x-request-id") == ["rid-10"]
+
+
+def test_a_proxy_that_answers_nothing_gives_our_503() -> None:
+    """Serve's proxy sends no response when the ingress replica died (Ray 2.60: only 408/429/503 get one),
+    and the HTTP server would answer a bare 500."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        return None
+
+    r = send_to(ProxyHeaders(app), "POST", "/v1/classify", json={"inputs": "a"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "model_not_ready"
