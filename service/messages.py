@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .text_limits import max_input_chars
 from .tool_calls import Tool, ToolCall, call_grammar
 
 AnswerFinish = Literal["stop", "length"]  # how an answer a client receives ended
@@ -70,11 +69,6 @@ class ModelInfo:
     kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/dense.py)
     compiled: bool = False  # its blocks run compiled (models/compiled.py)
     block_activation_bits: int | None = None  # q8_0 / q4_1: 16 or 8 (models/panels.py)
-
-    @property
-    def max_input_chars(self) -> int:
-        """A text (a prompt, a chat's contents) over this many characters is never tokenized."""
-        return max_input_chars(self.max_input_tokens)
 
 
 @dataclass(frozen=True)

@@ -34,12 +34,16 @@ class WaitEstimator:
     def on_finished(self, tokens: int) -> None:
         self.tokens_per_request = ewma(self.tokens_per_request, float(max(tokens, 1)))
 
-    def wait_s(self, ahead: int, free_rows: int, rows: int, max_new_tokens: list[int]) -> float:
+    def on_asked(self, max_new_tokens: list[int]) -> None:
+        """Requests arrived asking for these many tokens (L's stand-in until one finished)."""
+        if self.tokens_per_request is None:
+            self.asked = (self.asked + max_new_tokens)[-64:]
+
+    def wait_s(self, ahead: int, free_rows: int, rows: int) -> float:
         """Seconds until the last of `ahead` queued requests (the new ones included) gets a row."""
         if ahead <= free_rows or self.step_s is None or rows <= 0:
             return 0.0
         tokens = self.tokens_per_request
         if tokens is None:
-            self.asked = (self.asked + max_new_tokens)[-64:]
             tokens = sum(self.asked) / len(self.asked) if self.asked else 1.0
         return (ahead - free_rows) * tokens * self.step_s / rows

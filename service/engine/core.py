@@ -160,8 +160,8 @@ class GenerationEngine:
                 raise EngineOverloaded(f"{len(self._waiting)} generation requests are waiting (max_queued="
                                        f"{self.limits.max_queued}); retry later")
             rows = self.limits.rows
-            wait = self._wait.wait_s(len(self._waiting) + len(seqs), rows - self._snapshot[0], rows,
-                                     [seq.params.max_new_tokens for seq in seqs])
+            self._wait.on_asked([seq.params.max_new_tokens for seq in seqs])
+            wait = self._wait.wait_s(len(self._waiting) + len(seqs), rows - self._snapshot[0], rows)
             deadlines = [sub.deadline for sub in submissions if sub.deadline is not None]
             if deadlines and wait > min(deadlines) - time.perf_counter():
                 self._observe("on_admission", wait, "deadline")

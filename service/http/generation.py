@@ -77,12 +77,18 @@ class GenerationCalls:
     def __init__(self, backend: Backend, limits: InputLimits) -> None:
         self.backend, self.limits = backend, limits
 
+    async def prepared(self, route: Route, requests: list[GenerationRequest], timeout: float
+                       ) -> list[GenerationRequest]:
+        """The requests as the replica gets them: prompts within the character cap (else a 422), each
+        carrying the deadline's seconds for the engine's admission."""
+        await self.limits.check_prompts(route.deployment, requests)
+        return [dataclasses.replace(r, timeout_s=timeout) for r in requests]
+
     async def complete(self, route: Route, requests: list[GenerationRequest], timeout: float) -> list[GenerationDone]:
         """Every request's answer, from one replica call (several are submitted to the engine together,
         so siblings share their prompt's prefill). On the deadline the call is cancelled: the replica
         cancels the requests in its engine."""
-        await self.limits.check_prompts(route.deployment, requests)
-        requests = [dataclasses.replace(r, timeout_s=timeout) for r in requests]  # the engine's admission
+        requests = await self.prepared(route, requests, timeout)
         if len(requests) == 1:
             return [await within(self.backend.call(route.deployment, "generate", requests[0]), timeout)]
         return list(await within(self.backend.call(route.deployment, "generate_group", requests), timeout))
@@ -95,8 +101,7 @@ class GenerationCalls:
         GenerationStarted): a stream still queued in the engine at its deadline is a 504 like a whole
         answer, not a 200 that stays silent. Then stream; the deadline does not limit the rest: the
         client reads as long as it wants, and may hang up. One replica call, as in complete()."""
-        await self.limits.check_prompts(route.deployment, requests)
-        requests = [dataclasses.replace(r, timeout_s=timeout) for r in requests]
+        requests = await self.prepared(route, requests, timeout)
         if len(requests) == 1:
             events = indexed(self.backend.stream(route.deployment, "generate_stream", requests[0]))
         else:

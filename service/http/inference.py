@@ -97,7 +97,7 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
         texts = check_texts(body.texts, "texts", settings.max_inputs)
         route = routes.resolve("rerank", body.model)
         texts = await limits.fit(route.deployment, texts, body.truncate, "texts")
-        query = await limits.fit_one(route.deployment, body.query, body.truncate, "query")
+        query, = await limits.fit(route.deployment, [body.query], body.truncate, "query", each=False)
         scores: list[float] = await call(route, "rerank", "texts", request, query, texts, body.truncate,
                                          body.raw_scores)
         order = sorted(range(len(texts)), key=lambda i: -scores[i])  # stable: ties keep request order

@@ -107,19 +107,15 @@ class InputLimits:
             self._tokens[deployment] = (await self.backend.info(deployment, self.timeout_s)).max_input_tokens
         return self._tokens[deployment]
 
-    async def fit(self, deployment: str, texts: list[str], truncate: bool, field: str) -> list[str]:
-        """`texts` within the deployment's character cap: cut with `truncate`, else a 422 naming field[i]."""
+    async def fit(self, deployment: str, texts: list[str], truncate: bool, field: str,
+                  each: bool = True) -> list[str]:
+        """`texts` within the deployment's character cap: cut with `truncate`, else a 422 naming
+        `field[i]` (or `field` alone when `each` is False: a single text such as rerank's query)."""
         try:
             return fit_chars(texts, max_input_chars(await self.max_tokens(deployment)), truncate)
         except InvalidItem as e:
-            raise InvalidRequest(f"{field}[{e.index}]: {e.message}", f"{field}[{e.index}]") from None
-
-    async def fit_one(self, deployment: str, text: str, truncate: bool, field: str) -> str:
-        """One text, as fit() does; the 422 names `field`."""
-        try:
-            return fit_chars([text], max_input_chars(await self.max_tokens(deployment)), truncate)[0]
-        except InvalidItem as e:
-            raise InvalidRequest(f"{field}: {e.message}", field) from None
+            name = f"{field}[{e.index}]" if each else field
+            raise InvalidRequest(f"{name}: {e.message}", name) from None
 
     async def check_prompts(self, deployment: str, requests: Sequence[GenerationRequest]) -> None:
         """A 422 for a generation whose prompt is over the deployment's character cap."""

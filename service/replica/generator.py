@@ -169,10 +169,14 @@ class GeneratorRunner(ModelRunner):
             submissions = []
             for request in requests:
                 key = (id(request.prompt), id(request.messages), id(request.tools))
-                if key not in prompts:
+                first = key not in prompts
+                if first:
                     prompts[key] = await off_loop(request.prompt_chars, self.prompt_ids, request)
                 ids = prompts[key]
                 params = self.params(request, len(ids))
+                if first and request.tools and request.grammar is None:  # an unforced call: its schemas are
+                    # checked as a forced one's would be, once for the siblings that share them
+                    await asyncio.to_thread(self.engine.grammars.compile, GrammarSpec.tool_call(request.tools))
                 grammar = None
                 if request.grammar is not None:
                     self.engine.limits.check(ids, params)  # before the compile; engine.submit checks the rest
@@ -183,8 +187,6 @@ class GeneratorRunner(ModelRunner):
                         raise InvalidRequest("stop strings cannot be combined with a structured output (a cut "
                                              "text would not match it)", "stop")
                     grammar = await asyncio.to_thread(self.engine.grammars.compile, request.grammar)
-                elif request.tools:  # an unforced call: its schemas are checked as a forced one's would be
-                    await asyncio.to_thread(self.engine.grammars.compile, GrammarSpec.tool_call(request.tools))
                 deadline = None if request.timeout_s is None else arrived + request.timeout_s
                 submissions.append(Submission(ids, params, request.request_id, grammar, deadline))
             handles = self.engine.submit_many(submissions)

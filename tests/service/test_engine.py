@@ -589,7 +589,7 @@ def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once(
     for _ in range(5):
         engine.step()  # the step time is measured
     queued = engine.submit([5, 6], long)  # waits for the only row: ~100 steps
-    wait = engine._wait.wait_s(2, 0, 1, [100])
+    wait = engine._wait.wait_s(2, 0, 1)  # both asked for 100 tokens
     assert wait > 0
     with pytest.raises(EngineOverloaded, match="deadline"):
         engine.submit([5], long, deadline=time.perf_counter() + wait / 4)
@@ -606,10 +606,12 @@ def test_the_wait_estimate_follows_rows_tokens_and_step_time() -> None:
     from service.engine.admission import WaitEstimator
 
     est = WaitEstimator()
-    assert est.wait_s(10, 0, 4, [50]) == 0.0  # no step measured: never refuse
+    est.on_asked([50])
+    assert est.wait_s(10, 0, 4) == 0.0  # no step measured: never refuse
     est.on_step(0.02)
-    assert est.wait_s(3, 4, 4, [50]) == 0.0  # a free row for each
-    assert est.wait_s(6, 4, 4, [50, 50]) == pytest.approx(2 * 50 * 0.02 / 4)  # two rows must free up
+    assert est.wait_s(3, 4, 4) == 0.0  # a free row for each
+    est.on_asked([50, 50])
+    assert est.wait_s(6, 4, 4) == pytest.approx(2 * 50 * 0.02 / 4)  # two rows must free up
     for _ in range(50):
         est.on_finished(10)
-    assert est.wait_s(6, 4, 4, [50]) == pytest.approx(2 * 10 * 0.02 / 4)  # measured tokens win
+    assert est.wait_s(6, 4, 4) == pytest.approx(2 * 10 * 0.02 / 4)  # measured tokens win
