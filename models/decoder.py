@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -33,7 +34,10 @@ class DecoderLM(nn.Module):
         """ids (B, T) -> logits (B, T, V), or (B, 1, V) at index `last` (B,) of each row.
 
         With `cache`, the step's keys/values are written into it; the caller advances the
-        cache lengths by each row's real token count afterwards.
+        cache lengths by each row's real token count afterwards. The rows are right-padded there:
+        without `keep`, `last` marks each row's last real token (a windowed cache stores only those).
         """
+        if cache is not None and keep is None and last is not None:
+            keep = torch.arange(ids.size(1), device=ids.device)[None, :] <= last[:, None]  # (B, T)
         hidden = self.stack(ids, keep, cache)  # (B, T, C)
         return self.logits(gather_rows(hidden, last))

@@ -5,6 +5,15 @@ T new tokens writes them at slots lengths[r] .. lengths[r] + T - 1, so rows may 
 different steps. Right-padded prompts leave garbage after a row's real tokens; the caller
 advances each row by its real token count only, and the next step overwrites that garbage.
 
+Sliding window (Mistral, windowed Qwen): a query sees only its last W keys, so a row keeps only
+W slots, used as a ring: position p lives in slot p mod W, and a row's memory is W tokens
+whatever its length (`ring`: when the window is shorter than the row). A one-token step writes
+first, over the key that just left its window; a step of several tokens per row (a prefill) reads
+its rows' past slots first and attends them followed by its own keys, then stores only each row's
+last W real tokens (padding and older tokens go to a trash slot past the buffers).
+`key_positions()` says which position each key holds, so the one causal mask
+(attention.causal_mask) sees through the ring.
+
 Continuous batching keeps the live rows packed at the front: `move_row` fills the slot of a
 finished row, `view(start, stop)` hands a contiguous (copy-free) slice of rows to the model.
 """
@@ -16,9 +25,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# a key position no query reaches: marks a ring slot not written yet (masked by the causal mask)
+UNWRITTEN = torch.iinfo(torch.long).max
+
+
+def slots_per_row(max_len: int, window: int | None = None) -> int:
+    """L: slots a row needs for sequences of up to max_len tokens, W with a shorter window."""
+    return min(max_len, window) if window is not None else max_len
+
 
 class KVCache:
-    """Keys/values for every layer: (R, K, L, D) each, R rows, L = max tokens per row."""
+    """Keys/values for every layer: (R, K, L, D) each, R rows, L slots per row: max_len tokens, or
+    the window W when it is shorter (a ring, see the module docstring)."""
 
     def __init__(
         self,
@@ -29,25 +47,37 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        window: int | None = None,
     ) -> None:
-        shape = (rows, kv_heads, max_len, head_dim)
+        self.slots = slots_per_row(max_len, window)  # L
+        self.ring = self.slots < max_len
+        shape = (rows, kv_heads, self.slots, head_dim)
+        trash = rows * kv_heads * self.slots  # flat row index of the trash slot (after every real slot)
         # ordinary tensors even when built under inference_mode (generate, beam search): the engine
         # builds its cache outside it, and compiled blocks (models/compiled.py) see one kind only
         with torch.inference_mode(False):
-            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # (R, K, L, D)
-            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # (R, K, L, D)
+            # one flat (R*K*L + 1, D) buffer per layer and kind: the last row is the trash slot
+            self._flat_k = [torch.zeros(trash + 1, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+            self._flat_v = [torch.zeros(trash + 1, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
             self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # (R,)
-        self.rows, self.max_len, self.kv_heads = rows, max_len, kv_heads
+        self.k = [f[:trash].view(shape) for f in self._flat_k]  # (R, K, L, D) each
+        self.v = [f[:trash].view(shape) for f in self._flat_v]  # (R, K, L, D) each
+        self.rows, self.max_len, self.kv_heads, self.window, self.trash = rows, max_len, kv_heads, window, trash
 
     @classmethod
     def for_model(cls, cfg, rows: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
-        """A cache shaped for a decoder config (Seq2SeqConfig: its decoder stack)."""
+        """A cache shaped for a decoder config (Seq2SeqConfig: its decoder stack); a windowed model's
+        rows hold its window."""
         n_layers = getattr(cfg, "n_decoder_layers", cfg.n_layers)
         return cls(n_layers, rows, cfg.kv_heads, max_len or cfg.max_positions, cfg.head_dim,
-                   dtype or torch.float32, device or "cpu")
+                   dtype or torch.float32, device or "cpu", getattr(cfg, "sliding_window", None))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def held(self) -> Tensor:
+        """Tokens each row holds: its length, at most L (a ring keeps its last W). (R,)"""
+        return self.lengths.clamp(max=self.slots)  # (R,)
 
     def view(self, start: int = 0, stop: int | None = None) -> CacheView:
         return CacheView(self, start, self.rows if stop is None else stop)
@@ -65,15 +95,16 @@ class KVCache:
         if src == dst:
             return
         n = int(self.lengths[src])
+        held = min(n, self.slots)
         for buf in self.k + self.v:
-            buf[dst, :, :n] = buf[src, :, :n]
+            buf[dst, :, :held] = buf[src, :, :held]
         self.lengths[dst] = n
 
     def reorder(self, index: Tensor, start: int = 0) -> None:
         """Rows [start, start+len(index)) become rows start+index (beam search)."""
         stop = start + index.numel()
         src = index + start
-        n = int(self.lengths[src].max()) if stop > start else 0
+        n = min(int(self.lengths[src].max()), self.slots) if stop > start else 0
         for buf in self.k + self.v:
             buf[start:stop, :, :n] = buf[src, :, :n]
         self.lengths[start:stop] = self.lengths[src].clone()
@@ -87,6 +118,9 @@ class CacheView:
     start: int
     stop: int
     step_len: int | None = None  # S of the step in progress, set by begin()
+    # a ring step of several tokens: the S - T slots of the past it reads before writing (set by begin())
+    past: int | None = None
+    _positions: Tensor | None = None  # (B, T) of the step in progress, set by begin()
     _slots: Tensor | None = None  # flat slot index (B*K*T,) of the step in progress, set by begin()
 
     @property
@@ -98,40 +132,77 @@ class CacheView:
         lengths = self.lengths
         return lengths[:, None] + torch.arange(t, device=lengths.device)[None, :]  # (B, T)
 
-    def key_len(self, t: int) -> int:
-        """S: slots a step of T new tokens must look at (the longest row's past + T)."""
-        s = int(self.lengths.max()) + t
-        if s > self.cache.max_len:
-            raise ValueError(f"KV cache holds {self.cache.max_len} tokens per row; this step needs {s}")
-        return s
+    def _key_len(self, t: int) -> tuple[int, int | None]:
+        """S, the keys a step of T new tokens attends to, and in a ring with T > 1 how many of them
+        are past slots read before the step writes (its own T keys follow them; a step writing
+        first could overwrite keys its earlier queries still see). Reads the longest row: the
+        step's one host synchronisation."""
+        longest = int(self.lengths.max())
+        if longest + t > self.cache.max_len:
+            raise ValueError(f"KV cache holds {self.cache.max_len} tokens per row; this step needs {longest + t}")
+        if not self.cache.ring:
+            return longest + t, None
+        if t == 1:
+            return min(longest + 1, self.cache.slots), None
+        past = min(longest, self.cache.slots)
+        return past + t, past
 
-    def begin(self, t: int) -> tuple[Tensor, int]:
-        """Start a step of T new tokens per row: their positions (B, T) and S (checked once, the
-        step's one host synchronisation), and where its keys go in every layer."""
-        self.step_len = self.key_len(t)
-        positions = self.positions(t)  # (B, T)
-        self._slots = self._slot_index(positions, self.cache.kv_heads)
-        return positions, self.step_len
+    def begin(self, t: int, keep: Tensor | None = None) -> tuple[Tensor, int]:
+        """Start a step of T new tokens per row: their positions (B, T) and S (checked once), and
+        where its keys go in every layer. keep (B, T) bool marks real tokens (right padding); a ring
+        stores only those, and only each row's last L."""
+        self.step_len, self.past = self._key_len(t)
+        self._positions = self.positions(t)  # (B, T)
+        self._slots = self._slot_index(self._positions, self.cache.kv_heads, keep)
+        return self._positions, self.step_len
 
-    def _slot_index(self, positions: Tensor, kv_heads: int) -> Tensor:
-        """Where the step's keys go in a layer buffer seen as (R * K * L, D): row-major offsets of
-        (row, head, position) for every row, head and new token, (B * K * T,); the same for every
-        layer, so a step computes it once."""
-        max_len = self.cache.max_len
+    def key_positions(self) -> Tensor:
+        """The position held by each of the step's S keys, for causal_mask: (S,) when slot =
+        position, (B, S) in a ring (UNWRITTEN where a slot holds nothing yet)."""
+        if self.step_len is None or self._positions is None:
+            raise RuntimeError("CacheView.key_positions() before begin()")
+        if not self.cache.ring:
+            return torch.arange(self.step_len, device=self.cache.lengths.device)  # (S,): a key's slot is its position
+        if self.past is None:  # one new token per row, written first: it sits at position lengths
+            return self._held(self.lengths, self.step_len)  # (B, S)
+        return torch.cat([self._held(self.lengths - 1, self.past), self._positions], dim=1)  # (B, S)
+
+    def _held(self, last: Tensor, s: int) -> Tensor:
+        """The position in each of a row's first s ring slots when its newest stored token sits at
+        position last (B,): the latest p <= last with p = slot mod L; UNWRITTEN where p < 0. (B, s)"""
+        index = torch.arange(s, device=last.device)[None, :]  # (1, s)
+        held = last[:, None] - (last[:, None] - index) % self.cache.slots  # (B, s)
+        return held.masked_fill(held < 0, UNWRITTEN)  # (B, s)
+
+    def _slot_index(self, positions: Tensor, kv_heads: int, keep: Tensor | None) -> Tensor:
+        """Where the step's keys go in a layer buffer seen as (R * K * L + 1, D): row-major offsets of
+        (row, head, slot) for every row, head and new token, (B * K * T,); the same for every layer,
+        so a step computes it once. In a ring, slot = position mod L, and the tokens a row does not
+        keep (padding; a prompt's tokens before its last L) go to the trash slot."""
+        slots = self.cache.slots
         rows = torch.arange(self.start, self.stop, device=positions.device)  # (B,)
         heads = torch.arange(kv_heads, device=rows.device)  # (K,)
-        base = (rows[:, None] * kv_heads + heads[None, :]) * max_len  # (B, K)
-        return (base[:, :, None] + positions[:, None, :]).reshape(-1)  # (B * K * T,)
+        base = (rows[:, None] * kv_heads + heads[None, :]) * slots  # (B, K)
+        if not self.cache.ring:
+            return (base[:, :, None] + positions[:, None, :]).reshape(-1)  # (B * K * T,)
+        flat = base[:, :, None] + (positions % slots)[:, None, :]  # (B, K, T)
+        if keep is None:
+            keep = torch.ones_like(positions, dtype=torch.bool)  # (B, T)
+        real = keep.sum(-1, keepdim=True) + self.lengths[:, None]  # (B, 1): position after the row's last real token
+        stored = keep & (positions >= real - slots)  # (B, T): real and among the row's last L
+        return flat.masked_fill(~stored[:, None, :], self.cache.trash).reshape(-1)  # (B * K * T,)
 
     def layer(self, i: int) -> LayerCache:
         """Layer i's buffers for the step begin() started."""
         if self._slots is None or self.step_len is None:
             raise RuntimeError("CacheView.layer() before begin()")
-        return LayerCache(self.cache.k[i], self.cache.v[i], self._slots, self.start, self.stop, self.step_len)
+        c = self.cache
+        return LayerCache(c._flat_k[i], c._flat_v[i], self._slots, self.start, self.stop, self.step_len,
+                          c.slots, self.past)
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store new keys/values (B, K, T, D) of layer `layer` (starting the step if begin() was not
-        called); return the (B, K, S, D) views of past + new."""
+        called); return the (B, K, S, D) keys/values the step attends to."""
         if self._slots is None:
             self.begin(k.size(2))
         return self.layer(layer).write(k, v)
@@ -140,22 +211,38 @@ class CacheView:
 @dataclass(frozen=True)
 class LayerCache:
     """One layer's key/value buffers during a step: what attention reads and writes. Tensors and
-    plain ints only (no list indexing by layer), so one compiled block serves every layer."""
+    plain ints only (no list indexing by layer), so one compiled block serves every layer; the
+    flat buffers only (a compiled graph given two aliasing views of one buffer fails to build)."""
 
-    k: Tensor  # (R, K, L, D), contiguous
-    v: Tensor  # (R, K, L, D), contiguous
+    flat_k: Tensor  # (R * K * L + 1, D): every slot, row-major (row, head, slot), then the trash slot
+    flat_v: Tensor  # (R * K * L + 1, D)
     slots: Tensor  # (B * K * T,) flat offsets of the step's new keys (CacheView._slot_index)
     start: int
     stop: int
     step_len: int  # S
+    row_slots: int  # L
+    past: int | None = None  # a ring step of T > 1 tokens: past slots read before writing (CacheView.past)
+
+    def _rows(self, flat: Tensor, kv_heads: int) -> Tensor:
+        """The view's rows of a flat buffer: (B, K, L, D)."""
+        rows = flat[:-1].view(-1, kv_heads, self.row_slots, flat.size(-1))  # (R, K, L, D)
+        return rows[self.start:self.stop]  # (B, K, L, D)
 
     def write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store new keys/values (B, K, T, D) at each row's next slots; return (B, K, S, D) views."""
-        d = k.size(-1)
-        self.k.view(-1, d).index_copy_(0, self.slots, k.reshape(-1, d).to(self.k.dtype))  # (B*K*T, D) rows copied
-        self.v.view(-1, d).index_copy_(0, self.slots, v.reshape(-1, d).to(self.v.dtype))  # (B*K*T, D) rows copied
+        """Store new keys/values (B, K, T, D) at each row's next slots; return the (B, K, S, D) keys
+        and values the step attends to: views of the buffers, or (ring, T > 1) the past slots read
+        first with the new keys after them."""
+        d, heads = k.size(-1), k.size(1)
+        k_rows, v_rows = self._rows(self.flat_k, heads), self._rows(self.flat_v, heads)  # (B, K, L, D) each
+        if self.past is not None:
+            k_all = torch.cat([k_rows[:, :, :self.past], k.to(k_rows.dtype)], dim=2)  # (B, K, S, D)
+            v_all = torch.cat([v_rows[:, :, :self.past], v.to(v_rows.dtype)], dim=2)  # (B, K, S, D)
+        self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d).to(self.flat_k.dtype))  # (B*K*T, D) rows copied
+        self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d).to(self.flat_v.dtype))  # (B*K*T, D) rows copied
+        if self.past is not None:
+            return k_all, v_all
         s = self.step_len
-        return self.k[self.start:self.stop, :, :s], self.v[self.start:self.stop, :, :s]  # (B, K, S, D) each
+        return k_rows[:, :, :s], v_rows[:, :, :s]  # (B, K, S, D) each
 
 
 @dataclass

@@ -45,7 +45,8 @@ class CausalStack(nn.Module):
     """Embeddings + causal blocks (+ cross-attention) (+ final norm). Output (B, T, C).
 
     Without a cache, rows may be left- or right-padded (keep marks real tokens). With a cache,
-    inputs are right-padded: row b's T new tokens sit at positions lengths[b] .. lengths[b]+T-1.
+    inputs are right-padded: row b's T new tokens sit at positions lengths[b] .. lengths[b]+T-1,
+    and keep (when given) tells a windowed cache which of them to store.
     """
 
     def __init__(self, cfg: BlockConfig, n_layers: int, cross: bool = False,
@@ -69,8 +70,8 @@ class CausalStack(nn.Module):
         """ids: (B, T) long; keep: (B, T) bool; cache: rows to read/write; cross: encoder keys/values."""
         b, t = ids.shape
         if cache is not None:
-            positions, s = cache.begin(t)  # (B, T), S = longest past + T
-            k_pos = torch.arange(s, device=ids.device)  # (S,): a cached key's slot is its position
+            positions, _ = cache.begin(t, keep)  # (B, T); S = longest past + T (at most the cache's L)
+            k_pos = cache.key_positions()  # (S,) or (B, S): the position each key slot holds
             # every query sees at least its own key: no dead rows to look for (no host sync)
             mask = AttentionMask(causal_mask(positions, k_pos, self.window), None)  # (B, 1, T, S)
         else:

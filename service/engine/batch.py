@@ -70,7 +70,7 @@ class RunningBatch:
 
     def usage(self) -> float:
         """Tokens held in the cache / its capacity."""
-        return int(self.cache.lengths.sum()) / (self.cache.rows * self.cache.max_len)
+        return int(self.cache.held().sum()) / (self.cache.rows * self.cache.slots)
 
     def prefill(self, group: list[SeqState]) -> list[Picked]:
         """One forward over the right-padded prompts on rows [n, n + B), sampling each first token at

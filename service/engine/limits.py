@@ -12,6 +12,7 @@ import torch
 
 from models.config import DecoderConfig
 from models.decoding import SamplingParams
+from models.kv_cache import slots_per_row
 
 from ..errors import InvalidRequest, RequestTooLarge
 from .config import EngineConfig
@@ -22,7 +23,7 @@ class EngineLimits:
     """EngineConfig resolved for one model: cache rows and the token limits as plain ints."""
 
     rows: int
-    row_bytes: int  # bytes of keys + values of one cache row at max_total_tokens
+    row_bytes: int  # bytes of keys + values of one cache row: max_total_tokens (or the window) slots
     max_total_tokens: int
     max_prompt_tokens: int
     max_new_tokens: int
@@ -39,11 +40,12 @@ class EngineLimits:
         if total < 2:
             raise ValueError(f"max_total_tokens must leave room for a prompt and one token, got {total}")
         item = torch.empty((), dtype=dtype).element_size()
-        row_bytes = 2 * model_cfg.n_layers * model_cfg.kv_heads * total * model_cfg.head_dim * item
+        slots = slots_per_row(total, model_cfg.sliding_window)  # a windowed model's row holds its window
+        row_bytes = 2 * model_cfg.n_layers * model_cfg.kv_heads * slots * model_cfg.head_dim * item
         rows = min(config.max_running, config.kv_cache_bytes // row_bytes)
         if rows < 1:
             raise ValueError(f"EngineConfig.kv_cache_mib={config.kv_cache_mib} holds no cache row: one row "
-                             f"of {total} tokens needs {row_bytes} bytes (lower max_total_tokens or raise the budget)")
+                             f"of {slots} tokens needs {row_bytes} bytes (lower max_total_tokens or raise the budget)")
         prompt = min(config.max_prompt_tokens or max_input_tokens or total - 1, total - 1)
         new = min(config.max_new_tokens or total - 1, total - 1)
         return cls(rows, row_bytes, total, prompt, new, config.max_queued, config.prefill_tokens,

@@ -20,6 +20,7 @@ from models.checkpoints.registry import import_hf
 from models.config import RopeScaling
 from models.decoding import SamplingParams
 from models.generate import generate
+from models.kv_cache import KVCache
 from models.positions import RotaryPositions
 
 from .test_generation_parity import PROMPTS, hf_greedy, spread
@@ -91,6 +92,34 @@ def test_sliding_window_changes_the_output() -> None:
         a, b = ours(ids), unwindowed(ids)  # (1, T, V) each
     torch.testing.assert_close(a[:, :3], b[:, :3])  # the first 3 queries see at most 3 keys either way
     assert (a[:, 3:] - b[:, 3:]).abs().max() > 1e-3
+
+
+def test_a_windowed_cache_keeps_w_slots_and_matches_transformers_past_the_window() -> None:
+    """Mistral, window 3: a right-padded prefill of three prompts (7, 2 and 5 tokens) into a cache
+    whose rows hold 3 slots (a ring), then 10 one-token steps and a 3-token step: every step's
+    logits equal transformers' full forward over each row alone, within 1e-4."""
+    _, ref, ours = pair("mistral-window-3")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in (7, 2, 5)]
+    follow = torch.randint(3, VOCAB, (3, 13), generator=g)  # (B, 13): 10 single steps, then 3 at once
+    cache = KVCache.for_model(ours.cfg, rows=3, max_len=32)
+    assert cache.ring and cache.slots == 3 and cache.k[0].size(2) == 3
+    lengths = torch.tensor([len(p) for p in prompts])  # (B,)
+    ids = torch.zeros(3, 7, dtype=torch.long)  # (B, T) right-padded
+    for row, p in enumerate(prompts):
+        ids[row, :len(p)] = p
+    with torch.no_grad():
+        got = [ours(ids, cache=cache.view(), last=lengths - 1)]  # (B, 1, V)
+        cache.advance(lengths)
+        for i in range(10):
+            got.append(ours(follow[:, i:i + 1], cache=cache.view()))  # (B, 1, V)
+            cache.advance(1)
+        got.append(ours(follow[:, 10:], cache=cache.view()))  # (B, 3, V)
+        got_t = torch.cat(got, dim=1)  # (B, 14, V)
+        for row, p in enumerate(prompts):
+            alone = torch.cat([p, follow[row]])[None]  # (1, n + 13)
+            want = ref(alone).logits[0, len(p) - 1:]  # (14, V)
+            torch.testing.assert_close(got_t[row], want, atol=1e-4, rtol=1e-4)
 
 
 def test_dynamic_ntk_matches_transformers_row_by_row() -> None:

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import Tensor
 
+from models.attention import causal_mask
 from models.config import PRESETS
-from models.kv_cache import CrossCache, KVCache
+from models.kv_cache import UNWRITTEN, CrossCache, KVCache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
 
@@ -185,3 +186,84 @@ def test_cross_cache_select() -> None:
         assert k.shape == v.shape == (4, K, 5, D)
         assert torch.equal(k, k0[index]) and torch.equal(v, v0[index])
     assert torch.equal(cross.src_keep, src_keep)  # the original is unchanged
+
+
+# --- sliding window: a ring of W slots per row ------------------------------------------------------
+
+W = 3
+
+
+def ring_cache(rows: int = 2, max_len: int = 12) -> KVCache:
+    return KVCache(1, rows, K, max_len, D, window=W)
+
+
+def test_a_window_shorter_than_the_row_makes_a_ring_of_w_slots() -> None:
+    ring = ring_cache()
+    assert ring.ring and ring.slots == W and ring.k[0].shape == (2, K, W, D)
+    assert ring.nbytes() == 2 * 2 * K * W * D * 4  # the window's bytes, not max_len's
+    wide = KVCache(1, 2, K, 3, D, window=5)  # a window longer than the row changes nothing
+    assert not wide.ring and wide.slots == 3
+    llama = KVCache.for_model(PRESETS["tiny-llama"].replace(sliding_window=4), rows=1, max_len=10)
+    assert llama.ring and llama.slots == 4
+
+
+def test_a_prefill_stores_each_rows_last_w_real_tokens_and_attends_its_own() -> None:
+    ring = ring_cache()
+    keep = torch.tensor([[True] * 5, [True, True, False, False, False]])  # rows of 5 and 2 real tokens
+    view = ring.view()
+    positions, s = view.begin(5, keep)
+    assert s == 5 and torch.equal(view.key_positions(), positions)  # no past: its own keys only
+    k, v = tokens(2, 5, base=100)  # token t of row r: 100 + 10 r + t
+    k_all, _ = view.write(0, k, v)
+    assert torch.equal(k_all, k)  # attends its own 5 keys (the ring keeps only 3)
+    # row 0: positions 2, 3, 4 in slots 2, 0, 1; row 1: its 2 real tokens, its padding in the trash
+    assert torch.equal(slot_ids(ring)[0], torch.tensor([103.0, 104.0, 102.0]))
+    assert torch.equal(slot_ids(ring)[1, :2], torch.tensor([110.0, 111.0])) and slot_ids(ring)[1, 2] == 0
+    ring.advance(keep.sum(-1))
+    assert torch.equal(ring.held(), torch.tensor([3, 2]))
+
+
+def test_one_token_steps_overwrite_the_key_that_left_the_window() -> None:
+    ring = ring_cache()
+    ring.lengths[:] = torch.tensor([5, 1])
+    view = ring.view()
+    positions, s = view.begin(1)
+    assert torch.equal(positions, torch.tensor([[5], [1]])) and s == W
+    # row 0 (token at 5): slots hold 3, 4, 5; row 1 (token at 1): 0, 1 and nothing yet
+    assert torch.equal(view.key_positions(), torch.tensor([[3, 4, 5], [0, 1, UNWRITTEN]]))
+    view.write(0, *tokens(2, 1, base=200))
+    assert slot_ids(ring)[0, 5 % W] == 200 and slot_ids(ring)[1, 1] == 210
+    mask = causal_mask(positions, view.key_positions(), W)  # (B, 1, 1, S)
+    assert mask[:, 0, 0].tolist() == [[True, True, True], [True, True, False]]
+
+
+def test_several_tokens_after_a_past_read_the_ring_before_writing() -> None:
+    """A step of T > 1 tokens on rows with a past: its queries see the past slots as they were, then
+    its own keys (a write first would have overwritten keys its first queries still see)."""
+    ring = ring_cache(rows=1)
+    view = ring.view()
+    view.begin(4)
+    view.write(0, *tokens(1, 4, base=100))  # positions 0..3: slots hold 3, 1, 2
+    ring.advance(4)
+    view = ring.view()
+    positions, s = view.begin(2)
+    assert s == W + 2 and torch.equal(positions, torch.tensor([[4, 5]]))
+    assert torch.equal(view.key_positions(), torch.tensor([[3, 1, 2, 4, 5]]))
+    k_all, _ = view.write(0, *tokens(1, 2, base=300))
+    assert k_all[0, 0, :, 0].tolist() == [103.0, 101.0, 102.0, 300.0, 301.0]
+    assert slot_ids(ring)[0].tolist() == [103.0, 300.0, 301.0]  # now positions 3, 4, 5
+    mask = causal_mask(positions, view.key_positions(), W)  # (1, 1, 2, 5)
+    # position 4 sees 2, 3, 4; position 5 sees 3, 4, 5
+    assert mask[0, 0].tolist() == [[True, False, True, True, False], [True, False, False, True, True]]
+
+
+def test_a_ring_moves_and_reorders_its_w_slots() -> None:
+    ring = ring_cache(rows=3)
+    view = ring.view(0, 1)
+    view.begin(5)
+    view.write(0, *tokens(1, 5, base=100))
+    ring.advance(5, 0, 1)
+    ring.move_row(0, 2)
+    assert ring.lengths[2] == 5 and torch.equal(slot_ids(ring)[2], slot_ids(ring)[0])
+    ring.reorder(torch.tensor([2, 2]), start=0)
+    assert torch.equal(slot_ids(ring)[1], slot_ids(ring)[2]) and ring.lengths[1] == 5

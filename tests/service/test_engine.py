@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.generate import generate
 from models.kv_cache import CacheView
@@ -240,6 +241,37 @@ def test_same_tokens_alone_and_among_16_concurrent(tiny: tuple[nn.Module, TextTo
         together = [h.result_sync(timeout=20).token_ids for h in mine]
         assert all(h.result_sync(timeout=20).finish_reason in ("stop", "length") for h in others)
     assert together == alone
+
+
+def full_recomputation_greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens without a KV cache: the whole sequence through the model at every step."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_a_windowed_model_runs_on_rows_of_its_window(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """A sliding window of 4: cache rows hold 4 slots (so the same budget holds 32x the rows of
+    128-token rows), and requests longer than the window, packed and moved among others, give the
+    tokens of a full recomputation without a cache."""
+    base, tok = tiny
+    windowed = DecoderLM(base.cfg.replace(sliding_window=4)).eval()
+    windowed.load_state_dict(base.state_dict())
+    full = make(base, tok, max_total_tokens=128, max_running=1024, kv_cache_mib=1)
+    engine = make(windowed, tok, max_total_tokens=128, max_running=1024, kv_cache_mib=1)
+    assert engine.cache.ring and engine.cache.slots == 4
+    assert engine.limits.row_bytes * 32 == full.limits.row_bytes and engine.limits.rows == 32 * full.limits.rows
+    prompts = prompts_of(tok, 6)
+    assert min(len(p) for p in prompts) > 4
+    want = [full_recomputation_greedy(windowed, p, 10) for p in prompts]
+    assert want != [full_recomputation_greedy(base, p, 10) for p in prompts]  # the window changes the answer
+    engine = make(windowed, tok, max_total_tokens=128, max_running=3)  # rows free, move and refill
+    handles = [engine.submit(p, SamplingParams(max_new_tokens=10 - i % 3, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+    run_until_idle(engine)
+    assert [list(read(h)[1].token_ids) for h in handles] == [w[:10 - i % 3] for i, w in enumerate(want)]
 
 
 # -- cancellation ----------------------------------------------------------------------------------
