@@ -119,6 +119,10 @@ ARCHITECTURES: dict[str, Architecture] = {
 ROPE_FREQS = "rope_freqs.weight"  # not a weight: RoPE frequency factors, read into the config
 # GGUF rope.scaling.type -> transformers rope_type
 _ROPE_SCALING = {"linear": "linear", "yarn": "yarn"}
+# YaRN's ramp ends in GGUF metadata -> transformers' rope_parameters names
+_YARN_BETAS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+# YaRN attention-factor metadata llama.cpp may write, and the value that leaves the derived factor as is
+_YARN_ATTENTION = {"attn_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_log_multiplier": 0.0}
 
 
 def _rope_parameters(reader: gguf.GGUFReader, arch: str, theta: float) -> dict[str, Any]:
@@ -137,6 +141,15 @@ def _rope_parameters(reader: gguf.GGUFReader, arch: str, theta: float) -> dict[s
               "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
     if scaling == "yarn":
         params["original_max_position_embeddings"] = int(field(reader, f"{arch}.rope.scaling.original_context_length"))
+        for key, name in _YARN_BETAS.items():
+            value = field(reader, f"{arch}.rope.scaling.{key}", None)
+            if value is not None:
+                params[name] = float(value)
+        for key, neutral in _YARN_ATTENTION.items():  # we derive YaRN's attention factor from the scaling
+            value = field(reader, f"{arch}.rope.scaling.{key}", None)
+            if value is not None and float(value) != neutral:
+                raise CheckpointError(f"GGUF: {arch}.rope.scaling.{key}={value} is not supported (YaRN's attention "
+                                      f"factor is derived from the scaling factor, as transformers does by default)")
     return params
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -82,7 +83,7 @@ def tiny_llama(tie: bool, seed: int = 0, bias: bool = False) -> LlamaForCausalLM
 
 
 def write_gguf(path: Path, model: torch.nn.Module, qtype: gguf.GGMLQuantizationType, arch: str = "llama",
-               rope_freqs: np.ndarray | None = None) -> None:
+               rope_freqs: np.ndarray | None = None, metadata: dict[str, Any] | None = None) -> None:
     """Write `model` as llama.cpp would, and load the quantization round-trip back into `model`.
 
     Afterwards `model` holds exactly the weights the GGUF represents, so it is the reference. Only
@@ -112,6 +113,14 @@ def write_gguf(path: Path, model: torch.nn.Module, qtype: gguf.GGMLQuantizationT
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATE)
+    for key, value in (metadata or {}).items():  # "{arch}" in a key: the architecture
+        key = key.format(arch=arch)
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_float32(key, value)
     state = model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
@@ -230,6 +239,30 @@ def test_llama3_rope_factors_from_a_gguf_match_transformers(tmp_path: Path, ids:
                                                 "rope_theta": 500.0})).eval()
         plain.load_state_dict(ref.state_dict())
         assert rel_err(model(ids), plain(ids).logits) > 1e-3  # the factors matter at these positions
+
+
+def test_yarn_scaling_from_a_gguf_matches_transformers(tmp_path: Path, ids: torch.Tensor) -> None:
+    """YaRN's factor, context and ramp ends (yarn_beta_fast / _slow) come from the metadata; an
+    attention factor we would not apply is refused, naming the key."""
+    rope = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 16.0, "beta_slow": 2.0}
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(TOKENS), hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+        rope_parameters=rope, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)).eval()
+    yarn = {"{arch}.rope.scaling.type": "yarn", "{arch}.rope.scaling.factor": 4.0,
+            "{arch}.rope.scaling.original_context_length": 16, "{arch}.rope.scaling.yarn_beta_fast": 16.0,
+            "{arch}.rope.scaling.yarn_beta_slow": 2.0}
+    write_gguf(tmp_path / "tiny.gguf", ref, Q.F32, metadata=yarn)
+    model, _ = import_gguf(tmp_path / "tiny.gguf")
+    scaling = model.cfg.rope_scaling
+    assert (scaling.type, scaling.factor, scaling.beta_fast, scaling.beta_slow) == ("yarn", 4.0, 16.0, 2.0)
+    with torch.no_grad():
+        assert rel_err(model(ids), ref(ids).logits) <= 1e-4
+    write_gguf(tmp_path / "attn.gguf", ref, Q.F32, metadata={**yarn, "{arch}.rope.scaling.yarn_attn_factor": 0.8})
+    with pytest.raises(CheckpointError, match="yarn_attn_factor=0.8"):
+        import_gguf(tmp_path / "attn.gguf")
 
 
 def test_llama_q_k_biases_are_unpermuted_like_the_weights(tmp_path: Path, ids: torch.Tensor) -> None:
