@@ -5,6 +5,11 @@ Row r of the cache belongs to `rows[r]`, with its seen-token mask (repetition pe
 of rows, `remove` frees rows and moves the last live rows into the holes. A forward writes each
 row's next cache slots before its length advances, and lengths advance only after sampling
 succeeded, so a failed prefill or decode can be retried on the same rows.
+
+Chunked prefill: a prompt longer than the engine's chunk is prefilled a chunk per step on the
+cache's last row (`partial`, outside the decoding block), so the running rows keep decoding
+between its chunks; after its last chunk it samples its first token and joins the block, with
+the requests of the same prompt that wait right behind it (n > 1 siblings) on copies of its row.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class RunningBatch:
         self.seen = torch.zeros(cache.rows, vocab_size, dtype=torch.bool, device=self.device)  # (R, V)
         self.counts = torch.zeros(cache.rows, vocab_size, dtype=torch.int32, device=self.device)  # (R, V)
         self._params: tuple[BatchParams, list[RowSampler]] | None = None
+        self.partial: SeqState | None = None  # a long prompt prefilled chunk by chunk on the last row
+        self.partial_done = 0  # its prompt tokens in the cache
         self._masks = MaskBuilder(vocab_size)
         self._mask_thread: ThreadPoolExecutor | None = None  # structured outputs: masks beside the forward
 
@@ -65,8 +72,73 @@ class RunningBatch:
         return len(self.rows)
 
     @property
+    def busy(self) -> bool:
+        """Rows decode, or a prompt is being prefilled in chunks."""
+        return bool(self.rows) or self.partial is not None
+
+    @property
     def free(self) -> int:
-        return self.cache.rows - len(self.rows)
+        return self.cache.rows - len(self.rows) - (self.partial is not None)
+
+    @property
+    def partial_row(self) -> int:
+        return self.cache.rows - 1
+
+    def start_partial(self, seq: SeqState) -> None:
+        """Take `seq` (a prompt longer than a chunk) for chunked prefill on the last row."""
+        if self.partial is not None or self.free < 1:
+            raise ValueError("no free row for a chunked prefill")
+        row = self.partial_row
+        self.cache.reset(row, row + 1)
+        self.partial, self.partial_done = seq, 0
+
+    def drop_partial(self) -> SeqState | None:
+        """Forget the chunked prefill in progress (its request failed or was cancelled)."""
+        seq, self.partial, self.partial_done = self.partial, None, 0
+        self.cache.reset(self.partial_row, self.partial_row + 1)
+        return seq
+
+    def prefill_chunk(self, chunk: int, siblings: list[SeqState]) -> list[Picked]:
+        """The partial request's next chunk of at most `chunk` prompt tokens. After its last chunk it
+        samples its first token and joins the decoding rows, followed by `siblings` (waiting requests
+        with the same prompt, as many as rows allow) on copies of its row, each sampling its own
+        first token from the same logits. Returns their tokens ([] while chunks remain)."""
+        seq = self.partial
+        if seq is None:
+            raise RuntimeError("prefill_chunk() without a partial request")
+        row, done = self.partial_row, self.partial_done
+        piece = seq.prompt[done:done + chunk]
+        last = done + len(piece) == len(seq.prompt)
+        group = [seq, *siblings] if last else [seq]
+        masks = self._start_masks(group) if last else None
+        width = min(-(-len(piece) // PREFILL_MULTIPLE) * PREFILL_MULTIPLE, self.cache.max_len - done)
+        ids = torch.zeros(1, width, dtype=torch.long, device=self.device)  # (1, T): right-padded as prefill pads
+        ids[0, :len(piece)] = torch.tensor(piece, dtype=torch.long)
+        end = torch.tensor([len(piece) - 1], device=self.device)  # (1,)
+        logits = self.model(ids, cache=self.cache.view(row, row + 1), last=end)[:, 0]  # (1, V)
+        if not last:
+            self.cache.advance(len(piece), row, row + 1)
+            self.partial_done += len(piece)
+            return []
+        start, stop = len(self.rows), len(self.rows) + len(group)
+        if stop > self.cache.rows:  # the partial's own row is free once it joins (the last to fill)
+            raise ValueError(f"{len(group)} requests do not fit the free cache rows")
+        seen = torch.zeros(1, logits.size(-1), dtype=torch.bool, device=self.device)  # (1, V)
+        seen[0, torch.tensor(seq.prompt, device=self.device)] = True
+        self.seen[start:stop] = seen
+        counts = self.counts[start:stop].zero_()  # (B, V) view: no output yet
+        params = BatchParams.build([s.params for s in group], self.device)
+        choice = choose(logits.float().repeat(len(group), 1), params, [s.sampler for s in group],
+                        self.seen[start:stop], counts, self._allowed(masks))  # (B,)
+        self.cache.advance(len(piece), row, row + 1)
+        for dst in range(start, stop):
+            self.cache.move_row(row, dst)  # the prompt's keys and length
+        if row >= stop:
+            self.cache.reset(row, row + 1)
+        self.partial, self.partial_done = None, 0
+        self.rows.extend(group)
+        self._params = None
+        return self._took(choice, start, group)
 
     def usage(self) -> float:
         """Tokens held in the cache / its capacity."""
@@ -81,7 +153,7 @@ class RunningBatch:
         runs on those rows only, and the others get a copy of that row's cache and its logits (each
         still samples with its own generator)."""
         start, stop = len(self.rows), len(self.rows) + len(group)
-        if stop > self.cache.rows:
+        if len(group) > self.free:
             raise ValueError(f"{len(group)} requests do not fit the {self.free} free cache rows")
         firsts: dict[tuple[int, ...], int] = {}
         for i, seq in enumerate(group):
@@ -147,9 +219,11 @@ class RunningBatch:
         return removed
 
     def clear(self) -> list[SeqState]:
+        """Drop every row and the chunked prefill in progress; returns their requests."""
         removed, self.rows, self._params = self.rows, [], None
+        partial = self.drop_partial()
         self.cache.reset()
-        return removed
+        return removed + ([partial] if partial is not None else [])
 
     def _took(self, choice: Choice, start: int, seqs: list[SeqState]) -> list[Picked]:
         """Mark the sampled tokens (B,) as seen (and counted) by their rows; each row's token and,

@@ -22,11 +22,14 @@ class EngineConfig:
     max_new_tokens: int | None = 512  # output tokens per request; None: max_total_tokens - 1
     max_queued: int = 64  # requests waiting for a row; one more is refused (503 + Retry-After)
     prefill_tokens: int = 2048  # padded prompt tokens per admission step (one request is always admitted)
+    # a prompt longer than this is prefilled this many tokens per step while the running requests keep
+    # decoding (one such prompt at a time), so a long prompt does not stall every stream; None: whole
+    prefill_chunk: int | None = 256
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be a positive integer, got {getattr(self, name)!r}"
                     for name in ("max_running", "max_queued", "prefill_tokens", "max_prompt_tokens",
-                                 "max_new_tokens")
+                                 "max_new_tokens", "prefill_chunk")
                     if getattr(self, name) is not None and getattr(self, name) < 1]
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             problems.append(f"max_total_tokens must leave room for a prompt and one token, got {self.max_total_tokens}")

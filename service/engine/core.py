@@ -8,6 +8,8 @@ Every step, on the engine's one thread:
    budget), prefilled on fresh rows at the end of the live block in groups of similar prompt
    length (one right-padded forward per group, so little compute goes to padding), sampling each
    request's first token at its last prompt index;
+   a prompt longer than `prefill_chunk` is prefilled instead a chunk per step on the cache's last
+   row (one such prompt at a time), and joins the live rows after its last chunk;
 3. one decode step over all live rows [0, n) (each at its own cache position), one token per row;
 4. free the rows of requests that finished; the last live rows move into the holes, so the live
    rows stay packed at the front of the cache.
@@ -230,7 +232,7 @@ class GenerationEngine:
         try:
             while True:
                 with self._cond:
-                    while not self._closed and not self._waiting and not self._batch:
+                    while not self._closed and not self._waiting and not self._batch.busy:
                         self._cond.wait()  # idle: sleep until submit(), cancel() or shutdown()
                     if self._closed:
                         return
@@ -267,15 +269,17 @@ class GenerationEngine:
         seconds, generated = time.perf_counter() - started, self._counts["generated_tokens"] - before
         with self._cond:
             self._counts["steps"] += 1
-            self._snapshot = (len(self._batch), usage)
+            self._snapshot = (len(self._batch) + (self._batch.partial is not None), usage)
             if generated:
                 self._wait.on_step(seconds)
         self._observe("on_step", self.stats(), generated, seconds)
 
     def _admit(self) -> None:
-        """Prefill the waiting requests that fit on fresh rows, in groups of similar prompt lengths
-        (select_batch's cost model: padding against the fixed cost of a forward pass)."""
-        group = self._take_waiting()
+        """One chunk of the long prompt being prefilled in chunks (if any), then prefill the waiting
+        requests that fit on fresh rows and in the rest of the step's budget, in groups of similar
+        prompt lengths (select_batch's cost model: padding against the fixed cost of a forward pass)."""
+        chunked = self._chunk()
+        group = self._take_waiting(self.limits.prefill_tokens - chunked, first_fits=not chunked)
         while group:
             lengths = [len(seq.prompt) for seq in group]
             picked = set(select_batch(lengths, len(group), self.limits.prefill_tokens, PREFILL_OVERHEAD_TOKENS))
@@ -305,14 +309,65 @@ class GenerationEngine:
             self._observe("on_admitted", (seq.admitted or now) - seq.submitted, len(seq.prompt))
         self._accept(list(enumerate(tokens, start)), now)
 
-    def _take_waiting(self) -> list[SeqState]:
-        """FIFO while rows are free and (longest prompt) x (requests) fits the prefill budget."""
-        free, group, longest = self._batch.free, [], 0
+    def _chunk(self) -> int:
+        """Chunked prefill: the next chunk of the long prompt in progress, or of the waiting head when
+        it is longer than a chunk and a row is free. Returns the prompt tokens it computed."""
+        chunk, batch = self.limits.prefill_chunk, self._batch
+        if chunk is None:
+            return 0
+        if batch.partial is None:
+            with self._cond:
+                if not self._waiting or len(self._waiting[0].prompt) <= chunk or batch.free < 1:
+                    return 0
+                seq = self._waiting.popleft()
+                seq.admitted = time.perf_counter()
+            batch.start_partial(seq)
+        seq, start = batch.partial, len(batch.rows)
+        n = min(chunk, len(seq.prompt) - batch.partial_done)
+        last = batch.partial_done + n == len(seq.prompt)
+        siblings = self._take_siblings(seq) if last else []
+        self._admitting = siblings
+        try:
+            tokens = batch.prefill_chunk(chunk, siblings)
+        except Exception as exc:  # its siblings share its prompt and its fate
+            batch.drop_partial()
+            for failed in [seq, *siblings]:
+                self._fail(failed, exc)
+            self._admitting = []
+            return n
+        self._admitting = []
+        if tokens:
+            now = time.perf_counter()
+            for joined in batch.rows[start:]:
+                self._counts["prompt_tokens"] += len(joined.prompt)
+                self._observe("on_admitted", (joined.admitted or now) - joined.submitted, len(joined.prompt))
+            self._accept(list(enumerate(tokens, start)), now)
+        return n
+
+    def _take_siblings(self, seq: SeqState) -> list[SeqState]:
+        """Waiting requests right behind `seq` with its prompt (n > 1 siblings), as many as free rows
+        take: they join on copies of its row when its chunked prefill ends."""
+        siblings: list[SeqState] = []
+        with self._cond:
+            now = time.perf_counter()
+            while (self._waiting and len(siblings) < self._batch.free
+                   and self._waiting[0].prompt == seq.prompt):
+                sibling = self._waiting.popleft()
+                sibling.admitted = now
+                siblings.append(sibling)
+        return siblings
+
+    def _take_waiting(self, budget: int, first_fits: bool = True) -> list[SeqState]:
+        """FIFO while rows are free and (longest prompt) x (requests) fits the prefill budget (the
+        first one always, unless `first_fits` is False); stops at a prompt to prefill in chunks."""
+        free, group, longest, chunk = self._batch.free, [], 0, self.limits.prefill_chunk
         with self._cond:
             now = time.perf_counter()
             while self._waiting and len(group) < free:
+                if chunk is not None and len(self._waiting[0].prompt) > chunk:
+                    break  # _chunk takes it when the chunked prefill in progress is done
                 longest_next = max(longest, len(self._waiting[0].prompt))
-                if group and longest_next * (len(group) + 1) > self.limits.prefill_tokens:
+                if (group or not first_fits) and longest_next * (len(group) + 1) > budget:
                     break
                 seq = self._waiting.popleft()
                 seq.admitted, longest = now, longest_next
@@ -355,9 +410,12 @@ class GenerationEngine:
     def _evict(self) -> None:
         """Free the rows of finished, cancelled and failed requests, then send their Finished events."""
         dead = [i for i, s in enumerate(self._batch.rows) if s.done]
-        if not dead:
+        partial = self._batch.partial
+        if partial is not None and partial.done:
+            self._batch.drop_partial()
+        elif not dead:
             return
-        removed = self._batch.remove(dead)
+        removed = self._batch.remove(dead) + ([partial] if partial is not None and partial.done else [])
         with self._cond:  # running drops before the Finished events go out (usage follows at step end)
             self._snapshot = (len(self._batch), self._snapshot[1])
         now = time.perf_counter()

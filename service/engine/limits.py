@@ -30,6 +30,7 @@ class EngineLimits:
     max_queued: int
     prefill_tokens: int
     vocab_size: int
+    prefill_chunk: int | None = None  # prompts longer than this are prefilled in chunks of it
 
     @classmethod
     def resolve(cls, config: EngineConfig, model_cfg: DecoderConfig, dtype: torch.dtype,
@@ -48,8 +49,9 @@ class EngineLimits:
                              f"of {slots} tokens needs {row_bytes} bytes (lower max_total_tokens or raise the budget)")
         prompt = min(config.max_prompt_tokens or max_input_tokens or total - 1, total - 1)
         new = min(config.max_new_tokens or total - 1, total - 1)
+        chunk = min(config.prefill_chunk, config.prefill_tokens) if config.prefill_chunk is not None else None
         return cls(rows, row_bytes, total, prompt, new, config.max_queued, config.prefill_tokens,
-                   model_cfg.vocab_size)
+                   model_cfg.vocab_size, chunk)
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise InvalidRequest / RequestTooLarge (naming the limit) for a request the engine cannot run."""

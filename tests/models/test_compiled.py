@@ -64,7 +64,15 @@ def test_a_compiled_decoder_matches_eager_and_does_not_recompile_once_warm() -> 
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
     assert [g.tokens for g in generate(model, prompts, params)] == [g.tokens for g in generate(eager, prompts, params)]
-    assert graphs() == before  # batch sizes 1-5, prompts 2-6 tokens, caches up to 19: the warm-up's graphs
+    caches = {m: KVCache.for_model(m.cfg, 1, 32) for m in (model, eager)}
+    with torch.inference_mode():
+        for t in (7, 5, 1, 4):  # a prompt in chunks (the engine's chunked prefill), a step, a chunk again
+            ids = torch.arange(5, 5 + t)[None, :]  # (1, T)
+            got = {m: m(ids, cache=c.view()) for m, c in caches.items()}
+            torch.testing.assert_close(got[model], got[eager], **CLOSE)
+            for c in caches.values():
+                c.advance(t)
+    assert graphs() == before  # batch sizes 1-5, prompts 2-7 tokens, chunks after a past: the warm-up's graphs
 
 
 def test_a_compiled_translator_gives_the_same_beams() -> None:

@@ -1,0 +1,144 @@
+"""Chunked prefill in the engine: a prompt longer than `prefill_chunk` is prefilled a chunk per step
+on the cache's last row while the running requests keep decoding, then joins them.
+
+Each claim is checked against offline decoding (models.generate, one whole prefill) on the tiny
+decoder, whose answers depend on the prompt: the same tokens chunked or not, alone or among others.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from models.decoder import DecoderLM
+from models.decoding import SamplingParams
+from models.text import TextTokenizer
+from service.engine.batch import PREFILL_MULTIPLE
+
+from .test_engine import (
+    POISON,
+    FaultyLM,
+    full_recomputation_greedy,
+    make,
+    read,
+    reference,
+    run_until_idle,
+    tiny,  # noqa: F401  (the fixture)
+)
+
+CHUNK = 8
+
+
+def long_prompt(n: int, base: int = 3) -> list[int]:
+    return [base + (i * 7) % 90 for i in range(n)]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    spy = FaultyLM(model, lambda ids, cache: False)
+    engine = make(spy, tok, max_running=4, prefill_chunk=CHUNK, prefill_tokens=64)
+    short = [5, 6, 7]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    running = engine.submit(short, params)
+    engine.step()  # the short request runs
+    prompt = long_prompt(30)  # 4 chunks: 8 + 8 + 8 + 6
+    waiting = engine.submit(prompt, params)
+    spy.calls.clear()
+    for _ in range(3):
+        engine.step()
+        assert engine.stats().running == 2  # the chunked request holds its row
+    shapes = [tuple(ids.shape) for ids in spy.calls]
+    # each step: one chunk of the long prompt (one row, padded to PREFILL_MULTIPLE) and a decode step of the short one
+    assert shapes == [(1, PREFILL_MULTIPLE), (1, 1)] * 3, shapes
+    assert len(read_partial(engine)) == 0  # no token of the long request yet
+    run_until_idle(engine)
+    assert list(read(running)[1].token_ids) == reference(model, tok, short, params)[0]
+    assert list(read(waiting)[1].token_ids) == reference(model, tok, prompt, params)[0]
+
+
+def read_partial(engine) -> list[int]:
+    partial = engine._batch.partial
+    return [] if partial is None else partial.tokens
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_chunked_or_whole_alone_or_among_others_the_same_tokens(tiny: tuple[nn.Module, TextTokenizer],
+                                                                sampled: bool) -> None:
+    model, tok = tiny
+    params = (SamplingParams(max_new_tokens=10, temperature=0.05, seed=3, ignore_eos=True) if sampled
+              else SamplingParams(max_new_tokens=10, ignore_eos=True))
+    prompts = [long_prompt(n, base) for n, base in ((27, 3), (19, 11), (40, 5), (4, 9), (33, 2))]
+    want = [reference(model, tok, p, params)[0] for p in prompts]
+    assert len({tuple(w) for w in want}) == len(prompts)  # the answers depend on the prompt
+    alone = []
+    for p in prompts:
+        engine = make(model, tok, prefill_chunk=CHUNK)
+        handle = engine.submit(p, params)
+        run_until_idle(engine)
+        alone.append(list(read(handle)[1].token_ids))
+    engine = make(model, tok, max_running=3, prefill_chunk=CHUNK)  # rows free, move and refill
+    handles = [engine.submit(p, params) for p in prompts]
+    run_until_idle(engine)
+    assert [list(read(h)[1].token_ids) for h in handles] == alone == want
+
+
+def test_siblings_of_a_long_prompt_share_its_chunked_prefill(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    spy = FaultyLM(model, lambda ids, cache: False)
+    engine = make(spy, tok, max_running=8, prefill_chunk=CHUNK)
+    prompt = long_prompt(20)
+    params = [SamplingParams(max_new_tokens=8, temperature=0.9, seed=s, ignore_eos=True) for s in range(3)]
+    handles = [engine.submit(prompt, p) for p in params]
+    run_until_idle(engine)
+    prefills = [tuple(ids.shape) for ids in spy.calls if ids.size(1) > 1]
+    assert prefills == [(1, PREFILL_MULTIPLE)] * 3  # 8 + 8 + 4 tokens, once for the three
+    outputs = [list(read(h)[1].token_ids) for h in handles]
+    assert outputs == [reference(model, tok, prompt, p)[0] for p in params]
+    assert len({tuple(o) for o in outputs}) == 3
+
+
+def test_cancelling_a_chunked_prefill_frees_its_row(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    engine = make(model, tok, max_running=2, prefill_chunk=CHUNK)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    handle = engine.submit(long_prompt(40), params)
+    engine.step()
+    assert engine._batch.partial is not None
+    assert engine.cancel(handle.request_id)
+    engine.step()
+    assert engine._batch.partial is None and read(handle)[1].finish_reason == "cancelled"
+    after = engine.submit(long_prompt(12, 4), params)  # the row serves the next long prompt
+    run_until_idle(engine)
+    assert list(read(after)[1].token_ids) == reference(model, tok, long_prompt(12, 4), params)[0]
+
+
+def test_a_failing_chunk_fails_only_its_request(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    engine = make(FaultyLM(model, lambda ids, cache: bool((ids == POISON).any())), tok, max_running=4,
+                  prefill_chunk=CHUNK)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    poisoned = long_prompt(20)
+    poisoned[13] = POISON  # in the second chunk
+    prompts = [[30, 31, 32], poisoned, long_prompt(17, 6)]
+    handles = [engine.submit(p, params) for p in prompts]
+    run_until_idle(engine)
+    bad = read(handles[1])[1]
+    assert bad.finish_reason == "error" and "injected failure" in (bad.error or "")
+    for i in (0, 2):
+        assert list(read(handles[i])[1].token_ids) == reference(model, tok, prompts[i], params)[0]
+
+
+def test_a_windowed_model_prefills_in_chunks_through_its_ring(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """Chunks after a past in a ring of 6 slots: read before written, the tokens of a recomputation."""
+    base, tok = tiny
+    windowed = DecoderLM(base.cfg.replace(sliding_window=6)).eval()
+    windowed.load_state_dict(base.state_dict())
+    prompts = [long_prompt(n, b) for n, b in ((23, 3), (9, 8), (30, 4))]
+    engine = make(windowed, tok, max_running=2, prefill_chunk=CHUNK)
+    assert engine.cache.ring and engine.cache.slots == 6
+    handles = [engine.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+    run_until_idle(engine)
+    with torch.no_grad():
+        want = [full_recomputation_greedy(windowed, p, 8) for p in prompts]
+    assert [list(read(h)[1].token_ids) for h in handles] == want
