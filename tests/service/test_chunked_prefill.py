@@ -14,6 +14,7 @@ from torch import nn
 from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.text import TextTokenizer
+from models.tiny import tiny_model
 from service.engine.batch import PREFILL_MULTIPLE
 
 from .test_engine import (
@@ -24,10 +25,14 @@ from .test_engine import (
     read,
     reference,
     run_until_idle,
-    tiny,  # noqa: F401  (the fixture)
 )
 
 CHUNK = 8
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[nn.Module, TextTokenizer]:
+    return tiny_model("decoder")
 
 
 def long_prompt(n: int, base: int = 3) -> list[int]:
