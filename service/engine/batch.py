@@ -6,6 +6,10 @@ of rows, `remove` frees rows and moves the last live rows into the holes. A forw
 row's next cache slots before its length advances, and lengths advance only after sampling
 succeeded, so a failed prefill or decode can be retried on the same rows.
 
+Prefix caching (engine/prefix_cache.py): a prompt whose first blocks are cached gets their keys
+and values copied into its row and prefills only the rest (rows of one forward may start at
+different lengths); its full blocks are stored after its prefill.
+
 Chunked prefill: a prompt longer than the engine's chunk is prefilled a chunk per step on the
 cache's last row (`partial`, outside the decoding block), so the running rows keep decoding
 between its chunks; after its last chunk it samples its first token and joins the block, with
@@ -26,6 +30,7 @@ from models.inputs import PaddedBatch
 from models.kv_cache import KVCache
 
 from .grammar import MaskBuilder
+from .prefix_cache import PrefixCache
 from .sequence import SeqState
 
 # A prefill pads its prompts (T) so that B x T, the rows its Linears see, is a multiple of this
@@ -42,8 +47,8 @@ Picked = tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]
 class RunningBatch:
     """Owned by the engine thread."""
 
-    def __init__(self, model: DecoderLM, cache: KVCache, vocab_size: int) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: DecoderLM, cache: KVCache, vocab_size: int, prefix: PrefixCache | None = None) -> None:
+        self.model, self.cache, self.prefix = model, cache, prefix
         self.device = cache.lengths.device
         self.rows: list[SeqState] = []
         self.seen = torch.zeros(cache.rows, vocab_size, dtype=torch.bool, device=self.device)  # (R, V)
@@ -90,7 +95,7 @@ class RunningBatch:
             raise ValueError("no free row for a chunked prefill")
         row = self.partial_row
         self.cache.reset(row, row + 1)
-        self.partial, self.partial_done = seq, 0
+        self.partial, self.partial_done = seq, self._load_prefix(seq, row)
 
     def drop_partial(self) -> SeqState | None:
         """Forget the chunked prefill in progress (its request failed or was cancelled)."""
@@ -131,6 +136,10 @@ class RunningBatch:
         choice = choose(logits.float().repeat(len(group), 1), params, [s.sampler for s in group],
                         self.seen[start:stop], counts, self._allowed(masks))  # (B,)
         self.cache.advance(len(piece), row, row + 1)
+        if self.prefix is not None:
+            self.prefix.store(seq.prompt, row)
+        for sibling in siblings:
+            sibling.cached_tokens = len(sibling.prompt)  # nothing computed for it
         for dst in range(start, stop):
             self.cache.move_row(row, dst)  # the prompt's keys and length
         if row >= stop:
@@ -163,12 +172,20 @@ class RunningBatch:
         n_unique = len(firsts)
         masks = self._start_masks(group)
         self.cache.reset(start, stop)
+        uniques = group[:n_unique]
+        hits = [self.cached(seq) for seq in uniques]
+        if max(hits) + max(len(seq.prompt) - hit for seq, hit in zip(uniques, hits, strict=True)) > self.cache.max_len:
+            hits = [0] * n_unique  # one padded forward must fit every row: prefill these whole
+        hits = [self._load_prefix(seq, start + i, hit) for i, (seq, hit) in enumerate(zip(uniques, hits, strict=True))]
         multiple = PREFILL_MULTIPLE // math.gcd(n_unique, PREFILL_MULTIPLE)  # of T, for B x T
-        padded = PaddedBatch.from_token_lists([s.prompt for s in group[:n_unique]], device=self.device,
-                                              multiple=multiple, limit=self.cache.max_len)  # (U, T)
+        padded = PaddedBatch.from_token_lists([seq.prompt[hit:] for seq, hit in zip(uniques, hits, strict=True)],
+                                              device=self.device, multiple=multiple,
+                                              limit=self.cache.max_len - max(hits))  # (U, T): what is left
         last = padded.last_index()  # (U,)
         logits = self.model(padded.ids, cache=self.cache.view(start, start + n_unique), last=last)[:, 0]  # (U, V)
-        seen = padded.mark_seen(self.seen[start:start + n_unique].zero_())  # (U, V) view: the prompts' tokens
+        seen = self.seen[start:start + n_unique].zero_()  # (U, V) view
+        for i, seq in enumerate(uniques):
+            seen[i, torch.tensor(seq.prompt, device=self.device)] = True  # the prompt's tokens, cached ones too
         index = torch.tensor(source, device=self.device)  # (B,)
         if n_unique < len(group):
             logits = logits.index_select(0, index)  # (B, V)
@@ -179,11 +196,30 @@ class RunningBatch:
         choice = choose(logits.float(), params, [s.sampler for s in group], seen, counts,
                         self._allowed(masks))  # (B,)
         self.cache.advance(last + 1, start, start + n_unique)
+        for i, seq in enumerate(uniques):
+            if self.prefix is not None:
+                self.prefix.store(seq.prompt, start + i)
         for row in range(n_unique, len(group)):
             self.cache.move_row(start + source[row], start + row)  # the shared prompt's keys and length
+            group[row].cached_tokens = len(group[row].prompt)  # nothing computed for it
         self.rows.extend(group)
         self._params = None
         return self._took(choice, start, group)
+
+    def cached(self, seq: SeqState) -> int:
+        """Tokens of seq's prompt the prefix cache holds now (0 without one)."""
+        return self.prefix.lookup(seq.prompt) if self.prefix is not None else 0
+
+    def _load_prefix(self, seq: SeqState, row: int, hit: int | None = None) -> int:
+        """Copy the cached keys/values of the first `hit` tokens (default: the longest cached prefix)
+        of seq's prompt into `row` (just reset) and set its length; returns the tokens loaded (also
+        kept as seq.cached_tokens)."""
+        hit = self.cached(seq) if hit is None else hit
+        if hit:
+            self.prefix.load(seq.prompt, hit, row)
+            self.cache.lengths[row] = hit
+        seq.cached_tokens = hit
+        return hit
 
     def decode(self, start: int = 0, stop: int | None = None) -> list[Picked]:
         """One step for rows [start, stop): each row's pending token in, one sampled token out."""

@@ -25,6 +25,9 @@ class EngineConfig:
     # a prompt longer than this is prefilled this many tokens per step while the running requests keep
     # decoding (one such prompt at a time), so a long prompt does not stall every stream; None: whole
     prefill_chunk: int | None = 256
+    # prompt blocks' keys/values kept by content (engine/prefix_cache.py): a prompt that begins like an
+    # earlier one (a system prompt, a chat history) prefills only the rest; 0: off
+    prefix_cache_mib: float = 256.0
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be a positive integer, got {getattr(self, name)!r}"
@@ -35,6 +38,8 @@ class EngineConfig:
             problems.append(f"max_total_tokens must leave room for a prompt and one token, got {self.max_total_tokens}")
         if not self.kv_cache_mib > 0:
             problems.append(f"kv_cache_mib must be > 0, got {self.kv_cache_mib!r}")
+        if not self.prefix_cache_mib >= 0:
+            problems.append(f"prefix_cache_mib must be >= 0, got {self.prefix_cache_mib!r}")
         if problems:
             raise ValueError("EngineConfig: " + "; ".join(problems))
 

@@ -49,6 +49,7 @@ from .config import EngineConfig
 from .events import Finished, RequestHandle
 from .grammar import Grammars
 from .limits import EngineLimits
+from .prefix_cache import PrefixCache
 from .sequence import SeqState
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,10 @@ class GenerationEngine:
         self._observer = observer or EngineObserver()
         self._after_step = after_step  # the loop calls it after each step (the replica trims its heap there)
         # engine thread only: the live rows, and a group taken from the queue while it is prefilled
-        self._batch = RunningBatch(model, self.cache, model.cfg.vocab_size)
+        # prefix caching needs rows that keep every prompt token: not a sliding window's ring
+        prefix = (PrefixCache(self.cache, self.limits.prefix_cache_bytes)
+                  if self.limits.prefix_cache_bytes and not self.cache.ring else None)
+        self._batch = RunningBatch(model, self.cache, model.cfg.vocab_size, prefix)
         self._admitting: list[SeqState] = []
         # guarded by _cond
         self._cond = threading.Condition()
@@ -98,9 +102,10 @@ class GenerationEngine:
         self._live: dict[str, SeqState] = {}  # waiting and running, by request id
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._counts = Counter({"prompt_tokens": 0, "generated_tokens": 0, "steps": 0})
+        self._counts = Counter({"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0})
         self._finished: Counter[str] = Counter()
         self._snapshot = (0, 0.0)  # running, cache usage after the last step
+        self._prefix_bytes = 0  # the prefix cache's size after the last step
         self._wait = WaitEstimator()  # admission: how long a new request would wait for a row
 
     # -- front (any thread) --------------------------------------------------------------------
@@ -204,6 +209,8 @@ class GenerationEngine:
             return EngineStats(running=running, waiting=len(self._waiting), rows=self.limits.rows,
                                cache_usage=usage, cache_bytes=self.cache.nbytes(),
                                prompt_tokens=self._counts["prompt_tokens"],
+                               cached_prompt_tokens=self._counts["cached_tokens"],
+                               prefix_cache_bytes=self._prefix_bytes,
                                generated_tokens=self._counts["generated_tokens"],
                                steps=self._counts["steps"], finished=dict(self._finished))
 
@@ -270,6 +277,7 @@ class GenerationEngine:
         with self._cond:
             self._counts["steps"] += 1
             self._snapshot = (len(self._batch) + (self._batch.partial is not None), usage)
+            self._prefix_bytes = self._batch.prefix.nbytes if self._batch.prefix is not None else 0
             if generated:
                 self._wait.on_step(seconds)
         self._observe("on_step", self.stats(), generated, seconds)
@@ -281,7 +289,7 @@ class GenerationEngine:
         chunked = self._chunk()
         group = self._take_waiting(self.limits.prefill_tokens - chunked, first_fits=not chunked)
         while group:
-            lengths = [len(seq.prompt) for seq in group]
+            lengths = [len(seq.prompt) - self._batch.cached(seq) for seq in group]  # what is left to compute
             picked = set(select_batch(lengths, len(group), self.limits.prefill_tokens, PREFILL_OVERHEAD_TOKENS))
             self._prefill([seq for i, seq in enumerate(group) if i in picked],
                           rest=[seq for i, seq in enumerate(group) if i not in picked])
@@ -306,7 +314,8 @@ class GenerationEngine:
         now = time.perf_counter()
         for seq in self._batch.rows[start:]:
             self._counts["prompt_tokens"] += len(seq.prompt)
-            self._observe("on_admitted", (seq.admitted or now) - seq.submitted, len(seq.prompt))
+            self._counts["cached_tokens"] += seq.cached_tokens
+            self._observe("on_admitted", (seq.admitted or now) - seq.submitted, len(seq.prompt), seq.cached_tokens)
         self._accept(list(enumerate(tokens, start)), now)
 
     def _chunk(self) -> int:
@@ -317,7 +326,7 @@ class GenerationEngine:
             return 0
         if batch.partial is None:
             with self._cond:
-                if not self._waiting or len(self._waiting[0].prompt) <= chunk or batch.free < 1:
+                if not self._waiting or not self._long(self._waiting[0]) or batch.free < 1:
                     return 0
                 seq = self._waiting.popleft()
                 seq.admitted = time.perf_counter()
@@ -340,9 +349,16 @@ class GenerationEngine:
             now = time.perf_counter()
             for joined in batch.rows[start:]:
                 self._counts["prompt_tokens"] += len(joined.prompt)
-                self._observe("on_admitted", (joined.admitted or now) - joined.submitted, len(joined.prompt))
+                self._counts["cached_tokens"] += joined.cached_tokens
+                self._observe("on_admitted", (joined.admitted or now) - joined.submitted, len(joined.prompt),
+                              joined.cached_tokens)
             self._accept(list(enumerate(tokens, start)), now)
         return n
+
+    def _long(self, seq: SeqState) -> bool:
+        """Whether seq's prompt, less what the prefix cache holds, is prefilled in chunks."""
+        chunk = self.limits.prefill_chunk
+        return chunk is not None and len(seq.prompt) - self._batch.cached(seq) > chunk
 
     def _take_siblings(self, seq: SeqState) -> list[SeqState]:
         """Waiting requests right behind `seq` with its prompt (n > 1 siblings), as many as free rows
@@ -360,13 +376,13 @@ class GenerationEngine:
     def _take_waiting(self, budget: int, first_fits: bool = True) -> list[SeqState]:
         """FIFO while rows are free and (longest prompt) x (requests) fits the prefill budget (the
         first one always, unless `first_fits` is False); stops at a prompt to prefill in chunks."""
-        free, group, longest, chunk = self._batch.free, [], 0, self.limits.prefill_chunk
+        free, group, longest = self._batch.free, [], 0
         with self._cond:
             now = time.perf_counter()
             while self._waiting and len(group) < free:
-                if chunk is not None and len(self._waiting[0].prompt) > chunk:
+                if self._long(self._waiting[0]):
                     break  # _chunk takes it when the chunked prefill in progress is done
-                longest_next = max(longest, len(self._waiting[0].prompt))
+                longest_next = max(longest, len(self._waiting[0].prompt) - self._batch.cached(self._waiting[0]))
                 if (group or not first_fits) and longest_next * (len(group) + 1) > budget:
                     break
                 seq = self._waiting.popleft()

@@ -31,6 +31,7 @@ class EngineLimits:
     prefill_tokens: int
     vocab_size: int
     prefill_chunk: int | None = None  # prompts longer than this are prefilled in chunks of it
+    prefix_cache_bytes: int = 0  # 0: no prefix cache
 
     @classmethod
     def resolve(cls, config: EngineConfig, model_cfg: DecoderConfig, dtype: torch.dtype,
@@ -51,7 +52,7 @@ class EngineLimits:
         new = min(config.max_new_tokens or total - 1, total - 1)
         chunk = min(config.prefill_chunk, config.prefill_tokens) if config.prefill_chunk is not None else None
         return cls(rows, row_bytes, total, prompt, new, config.max_queued, config.prefill_tokens,
-                   model_cfg.vocab_size, chunk)
+                   model_cfg.vocab_size, chunk, int(config.prefix_cache_mib * 2**20))
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise InvalidRequest / RequestTooLarge (naming the limit) for a request the engine cannot run."""

@@ -43,6 +43,7 @@ class SeqState:
         self.sent = 0  # characters of `text` already streamed
         self.submitted = submitted
         self.admitted: float | None = None  # set (under the engine lock) when taken for prefill
+        self.cached_tokens = 0  # prompt tokens not computed for it: a prefix cache hit, or a sibling's row
         self.token_times: list[float] = []
         self.reason: FinishReason | None = None  # decided by accept(); sent by finish()
         self.cancelled = False

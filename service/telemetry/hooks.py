@@ -41,10 +41,12 @@ class EngineStats:
     rows: int  # cache rows (the most sequences that can run at once)
     cache_usage: float  # tokens held in the KV cache / its capacity (rows * max_total_tokens)
     cache_bytes: int
-    prompt_tokens: int  # prefilled
+    prompt_tokens: int  # prompts admitted
     generated_tokens: int  # sampled
     steps: int
     finished: Mapping[str, int] = field(default_factory=dict)  # finish_reason -> requests
+    cached_prompt_tokens: int = 0  # of prompt_tokens, not computed: prefix cache hits, siblings' shared rows
+    prefix_cache_bytes: int = 0  # keys/values the prefix cache holds
 
 
 class EngineObserver:
@@ -52,8 +54,9 @@ class EngineObserver:
     waiting is reported on the thread that cancelled it). Keep them cheap; an exception in a hook
     is logged and ignored."""
 
-    def on_admitted(self, queued_s: float, prompt_tokens: int) -> None:
-        """A request was prefilled after waiting `queued_s` seconds."""
+    def on_admitted(self, queued_s: float, prompt_tokens: int, cached_tokens: int = 0) -> None:
+        """A request was prefilled after waiting `queued_s` seconds; `cached_tokens` of its prompt came
+        from the prefix cache (or a sibling's row) instead of being computed."""
 
     def on_first_token(self, ttft_s: float) -> None:
         """Time from submit to a request's first token."""

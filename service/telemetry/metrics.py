@@ -106,7 +106,12 @@ SPECS: dict[str, Spec] = {
         "histogram", ("model",), "Time from a request's submission to its first token", LATENCY_BUCKETS),
     "generation_inter_token_latency_seconds": Spec(
         "histogram", ("model",), "Time between two consecutive tokens of one request", TOKEN_GAP_BUCKETS),
-    "generation_prompt_tokens_total": Spec("counter", ("model",), "Prompt tokens prefilled"),
+    "generation_prompt_tokens_total": Spec("counter", ("model",), "Prompt tokens admitted"),
+    "generation_prompt_cached_tokens_total": Spec(
+        "counter", ("model",), "Prompt tokens not computed: prefix cache hits and siblings' shared rows "
+                               "(hit rate = this / generation_prompt_tokens_total)"),
+    "generation_prefix_cache_bytes": Spec("gauge", ("model",), "Keys/values held by the prefix cache, the "
+                                                               "fullest live replica", mode="livemax"),
     "generation_generated_tokens_total": Spec("counter", ("model",), "Tokens generated"),
     "generation_running_requests": Spec("gauge", ("model",), "Requests decoding (holding a KV-cache row)"),
     "generation_waiting_requests": Spec("gauge", ("model",), "Requests waiting for a KV-cache row"),

@@ -74,15 +74,19 @@ class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
         self.ttft = metrics["generation_time_to_first_token_seconds"].labels(model)
         self.itl = metrics["generation_inter_token_latency_seconds"].labels(model)
         self.prompt = metrics["generation_prompt_tokens_total"].labels(model)
+        self.cached = metrics["generation_prompt_cached_tokens_total"].labels(model)
+        self.prefix_bytes = metrics["generation_prefix_cache_bytes"].labels(model)
         self.generated = metrics["generation_generated_tokens_total"].labels(model)
         self.running = metrics["generation_running_requests"].labels(model)
         self.waiting = metrics["generation_waiting_requests"].labels(model)
         self.cache = metrics["generation_kv_cache_usage_ratio"].labels(model)
         self.rss = metrics["replica_resident_memory_bytes"].labels(model)
 
-    def on_admitted(self, queued_s: float, prompt_tokens: int) -> None:
+    def on_admitted(self, queued_s: float, prompt_tokens: int, cached_tokens: int = 0) -> None:
         self.wait.observe(queued_s)
         self.prompt.inc(prompt_tokens)
+        if cached_tokens:
+            self.cached.inc(cached_tokens)
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
@@ -95,6 +99,7 @@ class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
         self.waiting.set(stats.waiting)
         self.depth.set(stats.waiting)
         self.cache.set(stats.cache_usage)
+        self.prefix_bytes.set(stats.prefix_cache_bytes)
         self.rss.set(resident_bytes())
         if generated:
             self.generated.inc(generated)

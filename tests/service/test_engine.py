@@ -205,7 +205,7 @@ def test_prefill_row_counts_are_multiples_of_32_within_the_cache_row(tiny: tuple
     except where the cache row ends first; the answers are those of unpadded offline decoding."""
     model, tok = tiny
     spy = FaultyLM(model, lambda ids, cache: False)
-    engine = make(spy, tok, max_running=8, max_total_tokens=40, prefill_tokens=64)
+    engine = make(spy, tok, max_running=8, max_total_tokens=40, prefill_tokens=64, prefix_cache_mib=0)  # shared prefixes
     prompts = [list(range(3, 3 + n)) for n in (5, 7, 6, 30, 1, 2, 3, 38)]
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     handles = [engine.submit(p, params) for p in prompts]
@@ -480,7 +480,7 @@ class Recorder(EngineObserver):
         self.generated = 0
         self.finished: list[Finished] = []
 
-    def on_admitted(self, queued_s: float, prompt_tokens: int) -> None:
+    def on_admitted(self, queued_s: float, prompt_tokens: int, cached_tokens: int = 0) -> None:
         self.admitted.append(prompt_tokens)
 
     def on_first_token(self, ttft_s: float) -> None:

@@ -1,0 +1,152 @@
+"""Automatic prefix caching (service/engine/prefix_cache.py) and the engine on it.
+
+The unit tests fill cache rows with recognisable keys, so every test checks exactly which slots a
+hit copies. The engine tests check that a request whose prompt begins like an earlier one
+computes only the rest of its prompt (the forwards the model sees) and still gives the tokens of
+offline decoding (models.generate: no cache shared with anyone), greedy and seeded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from models.decoding import SamplingParams
+from models.kv_cache import KVCache
+from models.text import TextTokenizer
+from models.tiny import tiny_model
+from service.engine.prefix_cache import BLOCK, PrefixCache
+
+from .test_engine import FaultyLM, make, read, reference, run_until_idle
+
+LAYERS, K, D = 2, 2, 3
+
+
+def filled(rows: int = 3, max_len: int = 64) -> KVCache:
+    """Slot s of row r, layer l holds 1000 l + 100 r + s in keys and its negative in values."""
+    cache = KVCache(LAYERS, rows, K, max_len, D)
+    for layer in range(LAYERS):
+        value = 1000 * layer + 100 * torch.arange(rows)[:, None] + torch.arange(max_len)[None, :]  # (R, L)
+        cache.k[layer].copy_(value[:, None, :, None].float().expand(rows, K, max_len, D))
+        cache.v[layer].copy_(-cache.k[layer])
+    return cache
+
+
+def test_a_stored_prefix_is_found_block_by_block_and_loaded_into_another_row() -> None:
+    cache = filled()
+    prefix = PrefixCache(cache, budget_bytes=2**20)
+    prompt = list(range(50, 50 + 3 * BLOCK + 5))  # 3 full blocks and 5 tokens
+    assert prefix.lookup(prompt) == 0
+    assert prefix.store(prompt, row=0) == 3 and len(prefix) == 3
+    assert prefix.store(prompt, row=0) == 0  # already there
+    other = prompt[:2 * BLOCK] + [7] * 30  # the same first two blocks, then something else
+    assert prefix.lookup(other) == 2 * BLOCK
+    assert prefix.lookup(prompt) == 3 * BLOCK
+    assert prefix.lookup(prompt[:3 * BLOCK]) == 2 * BLOCK  # its last token is always computed
+    assert prefix.lookup([7] * BLOCK + prompt[BLOCK:]) == 0  # a block only counts after the same prefix
+    prefix.load(other, 2 * BLOCK, row=2)
+    for layer in range(LAYERS):
+        want = 1000 * layer + torch.arange(2 * BLOCK).float()  # row 0's slots
+        assert torch.equal(cache.k[layer][2, 1, :2 * BLOCK, 0], want)
+        assert torch.equal(cache.v[layer][2, 0, :2 * BLOCK, 2], -want)
+        assert cache.k[layer][2, 0, 2 * BLOCK, 0] == 1000 * layer + 200 + 2 * BLOCK  # the rest untouched
+
+
+def test_eviction_takes_the_least_recent_prefix_tail_first() -> None:
+    cache = filled()
+    prefix = PrefixCache(cache, budget_bytes=0)
+    assert prefix.capacity == 0 and prefix.store(list(range(40)), 0) == 0 and prefix.lookup(list(range(40))) == 0
+    prefix = PrefixCache(cache, budget_bytes=3 * PrefixCache(cache, 0).block_bytes)
+    shared = list(range(100, 100 + BLOCK))
+    a, b = shared + list(range(BLOCK)) + [1], shared + list(range(50, 50 + BLOCK)) + [1]
+    prefix.store(a, 0)
+    prefix.store(b, 1)  # 3 blocks: the shared one, a's and b's second
+    assert (prefix.lookup(a), prefix.lookup(b)) == (2 * BLOCK, 2 * BLOCK)
+    c = list(range(200, 200 + BLOCK)) + [1]
+    prefix.store(c, 2)  # over the budget: a's tail (least recent) goes, not the shared first block
+    assert len(prefix) == 3 and prefix.nbytes == 3 * prefix.block_bytes
+    assert (prefix.lookup(a), prefix.lookup(b), prefix.lookup(c)) == (BLOCK, 2 * BLOCK, BLOCK)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[nn.Module, TextTokenizer]:
+    """The tiny decoder with its weights spread x3: attention then depends on which keys sit where,
+    so a prefix loaded into the wrong slots changes the tokens (at the default init it barely does)."""
+    model, tok = tiny_model("decoder")
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() >= 2:
+                weight.mul_(3.0)
+    return model, tok
+
+
+SYSTEM = list(range(3, 3 + 40))  # a 40-token "system prompt": 2 full blocks, 8 tokens more
+
+
+@pytest.mark.parametrize("chunk", [None, 8], ids=["whole", "chunked"])
+def test_a_shared_system_prompt_is_computed_once_and_the_tokens_do_not_change(
+        tiny: tuple[nn.Module, TextTokenizer], chunk: int | None) -> None:
+    model, tok = tiny
+    spy = FaultyLM(model, lambda ids, cache: False)
+    engine = make(spy, tok, max_running=4, prefill_chunk=chunk)
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=0),
+              SamplingParams(max_new_tokens=8, temperature=0.05, seed=1, ignore_eos=True)]
+    prompts = [SYSTEM + [60 + 7 * i, 90 - 3 * i, 62 + 5 * i] for i in range(4)]
+    handles = []
+    computed = []
+    for i, prompt in enumerate(prompts):  # one after another: each finds the blocks the first stored
+        handles.append(engine.submit(prompt, params[i % 2]))
+        spy.calls.clear()
+        run_until_idle(engine)
+        computed.append(sum(int(ids.size(1)) for ids in spy.calls if ids.size(1) > 1))
+    stats = engine.stats()
+    assert stats.prompt_tokens == sum(len(p) for p in prompts)
+    assert stats.cached_prompt_tokens == 3 * 2 * BLOCK and stats.prefix_cache_bytes > 0
+    # prefill widths (each forward padded to 32): the first computes its 43 tokens, in one forward or
+    # in 6 chunks of 8; the others only the 11 after the 32 cached, in one forward or in 2 chunks
+    assert computed == ([64, 32, 32, 32] if chunk is None else [192, 64, 64, 64]), computed
+    finals = [read(h)[1] for h in handles]
+    outputs = [list(f.token_ids) for f in finals]
+    assert outputs == [reference(model, tok, p, params[i % 2])[0] for i, p in enumerate(prompts)]
+    assert len({tuple(o) for o in outputs}) >= 3  # the answers depend on the prompt
+    for prompt, final in zip(prompts[::2], finals[::2], strict=True):  # greedy, with log-probabilities
+        want = teacher_forced_logprobs(model, prompt, list(final.token_ids))
+        got = torch.tensor([entry.logprob for entry in final.logprobs])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)  # a prefix in the wrong slots moves these
+
+
+def teacher_forced_logprobs(model: nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log p(token i | prompt + tokens[:i]) from one forward over the whole sequence, no cache: (n,)"""
+    ids = torch.tensor([prompt + tokens])  # (1, T)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids)[0].float(), dim=-1)  # (T, V)
+    rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))  # (n,)
+    return logp[rows, torch.tensor(tokens)]  # (n,)
+
+
+def test_requests_with_and_without_a_hit_in_one_prefill(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """Rows of one padded forward starting at different lengths: a hit, a miss and siblings."""
+    model, tok = tiny
+    engine = make(model, tok, max_running=8)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    warm = engine.submit(SYSTEM + [90], params)
+    run_until_idle(engine)
+    prompts = [SYSTEM + [70, 71], list(range(120, 150)), SYSTEM + [70, 71], SYSTEM[:20] + [5, 6, 7]]
+    handles = [engine.submit(p, params) for p in prompts]
+    run_until_idle(engine)
+    assert read(warm)[1].finish_reason == "length"
+    assert [list(read(h)[1].token_ids) for h in handles] == [reference(model, tok, p, params)[0] for p in prompts]
+    # the first: 32 from the cache; the third: its sibling's row (43); the last: one block (16)
+    assert engine.stats().cached_prompt_tokens == 2 * BLOCK + len(prompts[2]) + BLOCK
+
+
+def test_a_windowed_model_has_no_prefix_cache(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    from models.decoder import DecoderLM
+
+    base, tok = tiny
+    windowed = DecoderLM(base.cfg.replace(sliding_window=4)).eval()
+    windowed.load_state_dict(base.state_dict())
+    assert make(windowed, tok)._batch.prefix is None
+    assert make(base, tok, prefix_cache_mib=0)._batch.prefix is None
+    assert make(base, tok)._batch.prefix is not None
