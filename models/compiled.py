@@ -97,8 +97,10 @@ def warm_up(model: nn.Module) -> float:
         if isinstance(model, EncoderModel):
             model.embed(src, keep)
         elif isinstance(model, DecoderLM):
-            cache = KVCache.for_model(model.cfg, rows, 8, dtype=dtype, device=device)
-            for t in (2, 1, 1):  # a prefill on an empty cache (S = T >= 2), then decode steps (T = 1, S > 1)
+            cache = KVCache.for_model(model.cfg, rows, 8, dtype=dtype, device=device)  # 6 tokens fit
+            # a prefill on an empty cache (S = T >= 2), decode steps (T = 1, S > 1), then a prefill after a
+            # past (T >= 2, S > T: a prefix cache hit, a chunk of a long prompt)
+            for t in (2, 1, 1, 2):
                 model(torch.full((rows, t), 3, dtype=torch.long, device=device), cache=cache.view())
                 cache.advance(t)
     seconds = time.perf_counter() - started

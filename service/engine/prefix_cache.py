@@ -100,11 +100,11 @@ class PrefixCache:
         if not new:
             self._touch(chain)
             return 0
-        end = (new[-1][0] + 1) * BLOCK
-        kv = torch.stack([buf[row, :, :end] for buf in self.cache.k + self.cache.v])  # (2 * layers, K, end, D)
-        kv = kv.unflatten(2, (end // BLOCK, BLOCK))  # (2 * layers, K, blocks, BLOCK, D)
+        first, end = new[0][0] * BLOCK, (new[-1][0] + 1) * BLOCK  # the span of the new blocks only
+        kv = torch.stack([buf[row, :, first:end] for buf in self.cache.k + self.cache.v])  # (2 * layers, K, n, D)
+        kv = kv.unflatten(2, ((end - first) // BLOCK, BLOCK))  # (2 * layers, K, blocks, BLOCK, D)
         for i, key, parent, tokens in new:
-            self._entries[key] = _Entry(parent, tokens, kv[:, :, i].clone())  # (2 * layers, K, BLOCK, D)
+            self._entries[key] = _Entry(parent, tokens, kv[:, :, i - new[0][0]].clone())  # (2 * layers, K, BLOCK, D)
         self._touch(chain)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
