@@ -93,6 +93,25 @@ class ModelRoutes:
         raise InvalidRequest(f"no model translates {source!r} -> {target!r}; supported: {pairs}", param)
 
 
+@dataclass(frozen=True)
+class ItemName:
+    """How an error names one input of a model call: the request parameter and a label for the message
+    (e.g. inputs[2] and "inputs[2], sentence 5")."""
+
+    param: str
+    label: str
+
+
+def item_error(error: InvalidItem, field: str, each: bool = True,
+               names: Sequence[ItemName] | None = None) -> InvalidRequest:
+    """A 422 for the item InvalidItem names: `field[i]`, `field` alone, or names[i]."""
+    if names is not None:
+        name = names[error.index]
+        return InvalidRequest(f"{name.label}: {error.message}", name.param)
+    param = f"{field}[{error.index}]" if each else field
+    return InvalidRequest(f"{param}: {error.message}", param)
+
+
 class InputLimits:
     """Each deployment's token limit on an input (ModelInfo.max_input_tokens), asked once, so the edge
     refuses or cuts an oversized text by its characters (service/text_limits.py) before it reaches a
@@ -108,14 +127,14 @@ class InputLimits:
         return self._tokens[deployment]
 
     async def fit(self, deployment: str, texts: list[str], truncate: bool, field: str,
-                  each: bool = True) -> list[str]:
+                  each: bool = True, names: Sequence[ItemName] | None = None) -> list[str]:
         """`texts` within the deployment's character cap: cut with `truncate`, else a 422 naming
-        `field[i]` (or `field` alone when `each` is False: a single text such as rerank's query)."""
+        `field[i]` (or `field` alone when `each` is False: a single text such as rerank's query; or
+        names[i] when given: the sentences of documents)."""
         try:
             return fit_chars(texts, max_input_chars(await self.max_tokens(deployment)), truncate)
         except InvalidItem as e:
-            name = f"{field}[{e.index}]" if each else field
-            raise InvalidRequest(f"{name}: {e.message}", name) from None
+            raise item_error(e, field, each, names) from None
 
     async def check_prompts(self, deployment: str, requests: Sequence[GenerationRequest]) -> None:
         """A 422 for a generation whose prompt is over the deployment's character cap."""

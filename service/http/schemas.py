@@ -108,11 +108,17 @@ class TranslateRequest(_Request):
                                        description="Default: the model's; at most its max_positions - 1.")
     model: StrictStr | None = None
     truncate: StrictBool = False
+    split_sentences: StrictBool = Field(
+        True, description="Cut each text into sentences (a line break always ends one), translate them, and "
+                          "put them back with the text's own spaces, line breaks and paragraphs: documents up to "
+                          "the server's max_document_chars. false: each text is one input of the model.")
 
 
 class TranslateResponse(BaseModel):
     model: str
     translations: list[str]
+    sentences: list[int] = Field(description="Sentences translated in each text (1 per text without "
+                                             "split_sentences; 0 for a text of whitespace only).")
 
 
 class ModelCard(BaseModel):

@@ -224,7 +224,7 @@ def test_translate_honours_per_request_beam_size_and_length(server: Server) -> N
             assert r.status_code == 200, r.text
             params = BeamParams(beam or 2, max_new or 10)  # None: the model's defaults
             expected = tok.decode(translate_ids(model, [tok.encode(text)], params, banned_ids=[0])[0])
-            assert r.json() == {"model": "tiny-en-es", "translations": [expected]}
+            assert r.json() == {"model": "tiny-en-es", "translations": [expected], "sentences": [1]}
             seen.append(expected)
     assert len(set(seen)) == len(cases)  # each case its own translation: a mixed-up answer fails
 
@@ -427,3 +427,34 @@ def test_a_client_that_disconnects_never_wedges_the_batcher(server: Server) -> N
         after = gated_stats(c)
     assert after["cancelled"] == before["cancelled"] + 1  # dropped before compute, not computed
     assert after["items"] == before["items"] + 1
+
+
+@pytest.mark.slow
+def test_the_shipped_translator_translates_a_document_sentence_by_sentence(server: Server) -> None:
+    """The default en->es translator as a second app: a document of three paragraphs comes back with
+    its layout, each of its 5 sentences translated as it is alone (split_sentences false, one input each)."""
+    from ray import serve
+
+    from service.documents import split
+    from service.testing.cluster import deploy
+
+    document = ("The weather is nice today. We are going to the beach!\n\n"
+                "  My brother likes to read books.\nHe reads every night.\n\n"
+                "Where is the train station? ")
+    deploy({"device": "cpu", "deployments": {"translator": {"num_cpus": 0}}}, "shipped-translator", "/shipped")
+    try:
+        wait_for(f"{server.url}/shipped", "/readyz", 200, timeout_s=300)
+        with httpx.Client(base_url=f"{server.url}/shipped", timeout=120) as c:
+            body = {"source_lang": "en", "target_lang": "es", "beam_size": 4}
+            r = c.post("/v1/translate", json={"inputs": document, **body})
+            assert r.status_code == 200, r.text
+            sentences = split(document, "en").sentences
+            assert r.json()["sentences"] == [len(sentences)] == [5]
+            alone = c.post("/v1/translate", json={"inputs": list(sentences), **body, "split_sentences": False})
+            assert alone.status_code == 200, alone.text
+            assert r.json()["translations"] == [split(document, "en").join(alone.json()["translations"])]
+            translation = r.json()["translations"][0]
+            assert translation.count("\n\n") == 2 and translation.startswith(alone.json()["translations"][0])
+            assert "  " + alone.json()["translations"][2] in translation and translation.endswith("? ")
+    finally:
+        serve.delete("shipped-translator")
