@@ -54,7 +54,7 @@ def generate(
         seen = padded.mark_seen(torch.zeros(b, model.cfg.vocab_size, dtype=torch.bool, device=device))  # (B, V)
     last = padded.last_index()  # (B,)
     logits = model(padded.ids, cache=cache.view(), last=last)[:, 0]  # (B, V)
-    cache.advance(last + 1)
+    cache.advance(padded.lengths)  # the real tokens, known on the host
     out: list[list[int]] = [[] for _ in range(b)]
     reasons: list[str | None] = [None] * b
     while True:

@@ -20,10 +20,13 @@ finished row, `view(start, stop)` hands a contiguous (copy-free) slice of rows t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .attention import AttentionMask, padding_mask
 
 # a key position no query reaches: marks a ring slot not written yet (masked by the causal mask)
 UNWRITTEN = torch.iinfo(torch.long).max
@@ -60,6 +63,9 @@ class KVCache:
             self._flat_k = [torch.zeros(trash + 1, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
             self._flat_v = [torch.zeros(trash + 1, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
             self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # (R,)
+        # the same lengths on the host, kept by every method that changes them, so a step sizes its keys
+        # without reading the device (no host synchronisation inside a decode step)
+        self.host_lengths = [0] * rows
         self.k = [f[:trash].view(shape) for f in self._flat_k]  # (R, K, L, D) each
         self.v = [f[:trash].view(shape) for f in self._flat_v]  # (R, K, L, D) each
         self.rows, self.max_len, self.kv_heads, self.window, self.trash = rows, max_len, kv_heads, window, trash
@@ -84,30 +90,50 @@ class KVCache:
 
     def reset(self, start: int = 0, stop: int | None = None) -> None:
         """Empty rows [start, stop); their stale keys are masked out by lengths and overwritten."""
-        self.lengths[start:stop] = 0
+        self.set_lengths(0, start, stop)
 
-    def advance(self, n_new: Tensor | int, start: int = 0, stop: int | None = None) -> None:
-        """Count n_new (int or (B,) long) more tokens in rows [start, stop)."""
-        self.lengths[start:stop] += n_new
+    def set_lengths(self, n: int | Sequence[int], start: int = 0, stop: int | None = None) -> None:
+        """Rows [start, stop) hold n tokens (one int for all, or one per row): device and host."""
+        stop = self.rows if stop is None else stop
+        values = [n] * (stop - start) if isinstance(n, int) else [int(x) for x in n]
+        if len(values) != stop - start:
+            raise ValueError(f"{len(values)} lengths for rows [{start}, {stop})")
+        self.host_lengths[start:stop] = values
+        self.lengths[start:stop] = torch.tensor(values, dtype=torch.long) if values else 0
+
+    def advance(self, n_new: Tensor | Sequence[int] | int, start: int = 0, stop: int | None = None) -> None:
+        """Count n_new (an int, or one per row) more tokens in rows [start, stop). A tensor is read
+        back to the host once (prefills; a decode step advances by an int)."""
+        stop = self.rows if stop is None else stop
+        if isinstance(n_new, int):
+            self.lengths[start:stop] += n_new
+            self.host_lengths[start:stop] = [n + n_new for n in self.host_lengths[start:stop]]
+            return
+        added = n_new.tolist() if isinstance(n_new, Tensor) else [int(x) for x in n_new]
+        self.set_lengths([n + a for n, a in zip(self.host_lengths[start:stop], added, strict=True)], start, stop)
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy row src into row dst (to keep live rows packed); src keeps its data."""
         if src == dst:
             return
-        n = int(self.lengths[src])
+        n = self.host_lengths[src]
         held = min(n, self.slots)
         for buf in self.k + self.v:
             buf[dst, :, :held] = buf[src, :, :held]
-        self.lengths[dst] = n
+        self.set_lengths(n, dst, dst + 1)
 
-    def reorder(self, index: Tensor, start: int = 0) -> None:
+    def reorder(self, index: Tensor | Sequence[int], start: int = 0) -> None:
         """Rows [start, start+len(index)) become rows start+index (beam search)."""
-        stop = start + index.numel()
-        src = index + start
-        n = min(int(self.lengths[src].max()), self.slots) if stop > start else 0
+        rows = [start + int(i) for i in (index.tolist() if isinstance(index, Tensor) else index)]
+        stop = start + len(rows)
+        if not rows:
+            return
+        src = torch.tensor(rows, device=self.lengths.device)  # (B,)
+        lengths = [self.host_lengths[r] for r in rows]
+        n = min(max(lengths), self.slots)
         for buf in self.k + self.v:
             buf[start:stop, :, :n] = buf[src, :, :n]
-        self.lengths[start:stop] = self.lengths[src].clone()
+        self.set_lengths(lengths, start, stop)
 
 
 @dataclass
@@ -135,9 +161,9 @@ class CacheView:
     def _key_len(self, t: int) -> tuple[int, int | None]:
         """S, the keys a step of T new tokens attends to, and in a ring with T > 1 how many of them
         are past slots read before the step writes (its own T keys follow them; a step writing
-        first could overwrite keys its earlier queries still see). Reads the longest row: the
-        step's one host synchronisation."""
-        longest = int(self.lengths.max())
+        first could overwrite keys its earlier queries still see). From the host's lengths: no
+        device read."""
+        longest = max(self.cache.host_lengths[self.start:self.stop], default=0)
         if longest + t > self.cache.max_len:
             raise ValueError(f"KV cache holds {self.cache.max_len} tokens per row; this step needs {longest + t}")
         if not self.cache.ring:
@@ -249,13 +275,25 @@ class LayerCache:
 class CrossCache:
     """Encoder keys/values for every decoder layer, computed once per request.
 
-    kv[layer] = (k, v), each (B, K, S_src, D); src_keep: (B, S_src) bool, True = real token.
+    kv[layer] = (k, v), each (B, K, S_src, D); src_keep: (B, S_src) bool, True = real token; mask:
+    the cross-attention mask built from it once (AttentionMask.build reads the device; built here,
+    every decode step uses it without a host synchronisation), None = build it when used.
     """
 
     kv: list[tuple[Tensor, Tensor]]
     src_keep: Tensor
+    mask: AttentionMask | None = None
+
+    @classmethod
+    def build(cls, kv: list[tuple[Tensor, Tensor]], src_keep: Tensor) -> CrossCache:
+        keep = src_keep.bool()  # (B, S_src)
+        return cls(kv, keep, AttentionMask.build(padding_mask(keep)))
 
     def select(self, index: Tensor) -> CrossCache:
         """Rows in a new order (repeats allowed): beams, or dropping finished rows."""
         kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.kv]  # (B', K, S, D)
-        return CrossCache(kv, self.src_keep.index_select(0, index))  # (B', S_src)
+        mask = None
+        if self.mask is not None:
+            dead = self.mask.dead.index_select(0, index) if self.mask.dead is not None else None  # (B', 1, 1, 1)
+            mask = AttentionMask(self.mask.safe.index_select(0, index), dead)  # (B', 1, 1, S_src)
+        return CrossCache(kv, self.src_keep.index_select(0, index), mask)  # (B', S_src)

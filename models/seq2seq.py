@@ -34,7 +34,7 @@ class Seq2Seq(nn.Module):
     def cross_cache(self, memory: Tensor, src_keep: Tensor) -> CrossCache:
         """Encoder keys/values for every decoder layer, computed once per request."""
         kv = [block.cross_attn.project_kv(memory) for block in self.decoder.blocks]  # (B, K, S, D) x2
-        return CrossCache(kv, src_keep.bool())
+        return CrossCache.build(kv, src_keep)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """(B, T, C) -> (B, T, V)."""

@@ -86,7 +86,9 @@ class CausalStack(nn.Module):
         bias = self.relative_bias(positions, k_pos) if self.relative_bias is not None else None  # (B, H, T, S)
         x = self.embed(ids, positions)  # (B, T, C)
         rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2
-        cross_mask = AttentionMask.build(padding_mask(cross.src_keep)) if cross is not None else None  # (B,1,1,S)
+        cross_mask = None  # (B, 1, 1, S_src): built once per request with its CrossCache
+        if cross is not None:
+            cross_mask = cross.mask if cross.mask is not None else AttentionMask.build(padding_mask(cross.src_keep))
         for i, block in enumerate(self.blocks):
             kv = cross.kv[i] if cross is not None else None
             x = block(x, mask, rope, cache.layer(i) if cache is not None else None, kv, cross_mask, bias=bias)

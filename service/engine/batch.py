@@ -59,6 +59,13 @@ class RunningBatch:
         self._masks = MaskBuilder(vocab_size)
         self._mask_thread: ThreadPoolExecutor | None = None  # structured outputs: masks beside the forward
 
+    def _to_device(self, rows: list[list[int]]) -> Tensor:
+        """Token ids from the host on the engine's device; on CUDA through pinned memory without
+        blocking the host (the copy is queued before the kernels that read it)."""
+        if self.device.type != "cuda":
+            return torch.tensor(rows, dtype=torch.long, device=self.device)
+        return torch.tensor(rows, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+
     def _start_masks(self, seqs: list[SeqState]) -> Future[Tensor | None] | None:
         """Begin the allowed-token masks of the constrained rows among `seqs` on a worker thread, so
         they are computed while the forward pass runs; None when no row is constrained."""
@@ -151,7 +158,8 @@ class RunningBatch:
 
     def usage(self) -> float:
         """Tokens held in the cache / its capacity."""
-        return int(self.cache.held().sum()) / (self.cache.rows * self.cache.slots)
+        held = sum(min(n, self.cache.slots) for n in self.cache.host_lengths)  # no device read
+        return held / (self.cache.rows * self.cache.slots)
 
     def prefill(self, group: list[SeqState]) -> list[Picked]:
         """One forward over the right-padded prompts on rows [n, n + B), sampling each first token at
@@ -195,7 +203,7 @@ class RunningBatch:
         params = BatchParams.build([s.params for s in group], self.device)
         choice = choose(logits.float(), params, [s.sampler for s in group], seen, counts,
                         self._allowed(masks))  # (B,)
-        self.cache.advance(last + 1, start, start + n_unique)
+        self.cache.advance(padded.lengths, start, start + n_unique)  # the real tokens, known on the host
         for i, seq in enumerate(uniques):
             if self.prefix is not None:
                 self.prefix.store(seq.prompt, start + i)
@@ -217,7 +225,7 @@ class RunningBatch:
         hit = self.cached(seq) if hit is None else hit
         if hit:
             self.prefix.load(seq.prompt, hit, row)
-            self.cache.lengths[row] = hit
+            self.cache.set_lengths(hit, row, row + 1)
         seq.cached_tokens = hit
         return hit
 
@@ -225,7 +233,7 @@ class RunningBatch:
         """One step for rows [start, stop): each row's pending token in, one sampled token out."""
         stop = len(self.rows) if stop is None else stop
         seqs = self.rows[start:stop]
-        ids = torch.tensor([[s.pending] for s in seqs], dtype=torch.long, device=self.device)  # (B, 1)
+        ids = self._to_device([[s.pending] for s in seqs])  # (B, 1)
         masks = self._start_masks(seqs)
         logits = self.model(ids, cache=self.cache.view(start, stop))[:, 0]  # (B, V)
         if (start, stop) == (0, len(self.rows)):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from models.attention import causal_mask
+from models.attention import AttentionMask, causal_mask, padding_mask
 from models.config import PRESETS
 from models.kv_cache import UNWRITTEN, CrossCache, KVCache
 
@@ -54,7 +54,7 @@ def test_for_model_uses_the_decoder_stack() -> None:
 
 def test_write_at_per_row_positions_and_advance() -> None:
     cache = make_cache()
-    cache.lengths[:] = torch.tensor([0, 2, 5, 1])
+    cache.set_lengths([0, 2, 5, 1])
     view = cache.view()
     positions, s = view.begin(2)
     assert torch.equal(positions, torch.tensor([[0, 1], [2, 3], [5, 6], [1, 2]]))
@@ -86,7 +86,7 @@ def test_write_returns_views_of_the_buffer() -> None:
 
 def test_view_slices_rows() -> None:
     cache = make_cache()
-    cache.lengths[:] = torch.tensor([1, 3, 2, 4])
+    cache.set_lengths([1, 3, 2, 4])
     view = cache.view(1, 3)
     assert torch.equal(view.lengths, torch.tensor([3, 2]))
     positions, s = view.begin(1)
@@ -102,7 +102,7 @@ def test_view_slices_rows() -> None:
 
 def test_capacity_error_names_the_sizes() -> None:
     cache = make_cache()
-    cache.lengths[:] = torch.tensor([0, 6, 0, 0])
+    cache.set_lengths([0, 6, 0, 0])
     with pytest.raises(ValueError, match=f"KV cache holds {L} tokens per row; this step needs 9"):
         cache.view().begin(3)
     with pytest.raises(ValueError, match="this step needs 9"):
@@ -225,7 +225,7 @@ def test_a_prefill_stores_each_rows_last_w_real_tokens_and_attends_its_own() -> 
 
 def test_one_token_steps_overwrite_the_key_that_left_the_window() -> None:
     ring = ring_cache()
-    ring.lengths[:] = torch.tensor([5, 1])
+    ring.set_lengths([5, 1])
     view = ring.view()
     positions, s = view.begin(1)
     assert torch.equal(positions, torch.tensor([[5], [1]])) and s == W
@@ -267,3 +267,49 @@ def test_a_ring_moves_and_reorders_its_w_slots() -> None:
     assert ring.lengths[2] == 5 and torch.equal(slot_ids(ring)[2], slot_ids(ring)[0])
     ring.reorder(torch.tensor([2, 2]), start=0)
     assert torch.equal(slot_ids(ring)[1], slot_ids(ring)[2]) and ring.lengths[1] == 5
+
+
+# --- no device reads inside a step -----------------------------------------------------------------
+
+
+def test_host_lengths_follow_every_change() -> None:
+    cache = KVCache(LAYERS, ROWS, K, L, D)
+    cache.advance(torch.tensor([2, 1, 3, 0]))
+    cache.advance(1, start=1, stop=3)
+    cache.advance([1, 0], start=2)
+    cache.move_row(2, 0)
+    cache.reorder(torch.tensor([1, 1]), start=2)
+    cache.reset(3)
+    cache.set_lengths(5, 3, 4)
+    assert cache.host_lengths == cache.lengths.tolist() == [5, 2, 0, 5]
+
+
+@pytest.mark.parametrize("family", ["decoder", "windowed", "seq2seq"])
+def test_a_decode_step_reads_nothing_from_the_device(family: str) -> None:
+    """On the meta device a tensor has no value: any read of one on the host (int(), bool(), .item(),
+    .tolist()) raises, so a step that runs there never waits for the device (issue: a GPU step must
+    not synchronise). Rows at different lengths; the ring after it has wrapped."""
+    from models.tiny import tiny_model
+
+    model, _ = tiny_model("seq2seq" if family == "seq2seq" else "decoder")
+    if family == "windowed":
+        from models.decoder import DecoderLM
+
+        model = DecoderLM(model.cfg.replace(sliding_window=3)).eval()
+    model = model.to("meta")
+    cache = KVCache.for_model(model.cfg, rows=3, max_len=16, device="meta")
+    cache.set_lengths([5, 2, 7])
+    assert cache.ring == (family == "windowed")
+    ids = torch.zeros(3, 1, dtype=torch.long, device="meta")  # (B, 1)
+    with torch.inference_mode():
+        if family == "seq2seq":
+            heads, d = model.cfg.kv_heads, model.cfg.head_dim
+            kv = [(torch.zeros(3, heads, 4, d, device="meta"),) * 2 for _ in model.decoder.blocks]
+            keep = torch.ones(3, 4, dtype=torch.bool, device="meta")
+            cross = CrossCache(kv, keep, AttentionMask(padding_mask(keep), None))  # as CrossCache.build makes it
+            logits = model.decode(ids, cross.select(torch.tensor([2, 0, 1], device="meta")), cache=cache.view())
+        else:
+            logits = model(ids, cache=cache.view())
+        cache.advance(1)
+    assert logits.shape == (3, 1, model.cfg.vocab_size) and logits.device.type == "meta"
+    assert cache.host_lengths == [6, 3, 8]
