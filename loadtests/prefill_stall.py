@@ -18,15 +18,10 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from .engine_models import add_model_args, load_generator, percentile
+
 LONG_MAX_NEW = 1  # a long prompt asks for one token: its prefill is what it costs the others
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def inter_token(times: tuple[float, ...], start: float, stop: float) -> list[float]:
@@ -77,18 +72,6 @@ def measure(model, tok, chunk: int | None, args: argparse.Namespace) -> dict[str
             "ttft_p50": statistics.median([t for t in ttft if t is not None] or [float("nan")]), "longs": len(longs)}
 
 
-def shipped_generator():  # noqa: ANN201
-    """The generator's ModelSpec and dtype as deploy/serve_config.yaml deploys it."""
-    import yaml
-
-    from service.settings import Settings
-
-    (app,) = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())["applications"]
-    settings = Settings.build(app["args"], {})
-    dep = settings.deployments["generator"]
-    return dep.model, settings.device_for(dep)[1], settings.cache_path()
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", default="none,256,128", help="prefill_chunk values; none = whole prompts")
@@ -96,23 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--every", type=float, default=3.0, help="seconds between long prompts")
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each phase")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="the tiny random decoder (a smoke run)")
+    add_model_args(parser)
     args = parser.parse_args(argv)
-    import torch
-
-    from models.catalog import load_model
-    from models.tiny import tiny_model
-
-    torch.set_num_threads(args.threads)
-    if args.tiny:
-        model, tok = tiny_model("decoder")
-        label = "tiny decoder"
-    else:
-        spec, dtype, cache_dir = shipped_generator()
-        loaded = load_model(spec, cache_dir, dtype=None if dtype == "auto" else getattr(torch, dtype))
-        model, tok, label = loaded.model, loaded.tokenizer, f"{spec.name} ({spec.quantize or dtype}, compiled {spec.compile})"
+    model, tok, label = load_generator(args)
     rows = []
     for raw in args.chunks.split(","):
         chunk = None if raw.strip() == "none" else int(raw)

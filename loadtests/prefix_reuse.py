@@ -19,7 +19,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .prefill_stall import percentile, shipped_generator
+from .engine_models import add_model_args, load_generator, percentile
 
 
 def measure(model, tok, cache_mib: float, args: argparse.Namespace) -> dict[str, float]:  # noqa: ANN001
@@ -57,23 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="the tiny random decoder (a smoke run)")
+    add_model_args(parser)
     args = parser.parse_args(argv)
-    import torch
-
-    from models.catalog import load_model
-    from models.tiny import tiny_model
-
-    torch.set_num_threads(args.threads)
-    if args.tiny:
-        (model, tok), label = tiny_model("decoder"), "tiny decoder"
-    else:
-        spec, dtype, cache_dir = shipped_generator()
-        loaded = load_model(spec, cache_dir, dtype=None if dtype == "auto" else getattr(torch, dtype))
-        model, tok = loaded.model, loaded.tokenizer
-        label = f"{spec.name} ({spec.quantize or dtype}, compiled {spec.compile})"
+    model, tok, label = load_generator(args)
     rows = []
     for raw in args.cache_mib.split(","):
         print(f"prefix_cache_mib={raw.strip()} ...", file=sys.stderr, flush=True)

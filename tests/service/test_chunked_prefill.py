@@ -22,6 +22,7 @@ from .test_engine import (
     FaultyLM,
     full_recomputation_greedy,
     make,
+    only_the_poisoned_fails,
     read,
     reference,
     run_until_idle,
@@ -122,16 +123,9 @@ def test_a_failing_chunk_fails_only_its_request(tiny: tuple[nn.Module, TextToken
     model, tok = tiny
     engine = make(FaultyLM(model, lambda ids, cache: bool((ids == POISON).any())), tok, max_running=4,
                   prefill_chunk=CHUNK)
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     poisoned = long_prompt(20)
     poisoned[13] = POISON  # in the second chunk
-    prompts = [[30, 31, 32], poisoned, long_prompt(17, 6)]
-    handles = [engine.submit(p, params) for p in prompts]
-    run_until_idle(engine)
-    bad = read(handles[1])[1]
-    assert bad.finish_reason == "error" and "injected failure" in (bad.error or "")
-    for i in (0, 2):
-        assert list(read(handles[i])[1].token_ids) == reference(model, tok, prompts[i], params)[0]
+    only_the_poisoned_fails(engine, model, tok, [[30, 31, 32], poisoned, long_prompt(17, 6)])
 
 
 def test_a_windowed_model_prefills_in_chunks_through_its_ring(tiny: tuple[nn.Module, TextTokenizer]) -> None:

@@ -416,7 +416,13 @@ POISON = 250
 def test_a_failing_prefill_fails_only_its_request(tiny: tuple[nn.Module, TextTokenizer]) -> None:
     model, tok = tiny
     engine = make(FaultyLM(model, lambda ids, cache: bool((ids == POISON).any())), tok, max_running=4)
-    prompts = [[30, 31, 32], [40, POISON, 42, 43], [50, 51]]
+    only_the_poisoned_fails(engine, model, tok, [[30, 31, 32], [40, POISON, 42, 43], [50, 51]])
+
+
+def only_the_poisoned_fails(engine: GenerationEngine, model: nn.Module, tok: TextTokenizer,
+                            prompts: list[list[int]]) -> None:
+    """Run three prompts, the second holding POISON: it ends with the injected error, the others as
+    offline decoding gives them."""
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     handles = [engine.submit(p, params) for p in prompts]
     run_until_idle(engine)

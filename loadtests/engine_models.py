@@ -1,0 +1,49 @@
+"""What the in-process engine benchmarks (prefill_stall, prefix_reuse) share: the generator they load
+(as deploy/serve_config.yaml deploys it, or the tiny decoder for smoke runs) and their statistics."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="the tiny random decoder (a smoke run)")
+
+
+def shipped_generator() -> tuple[Any, str, Path]:
+    """The generator's ModelSpec, dtype and weights directory as deploy/serve_config.yaml deploys it."""
+    import yaml
+
+    from service.settings import Settings
+
+    (app,) = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())["applications"]
+    settings = Settings.build(app["args"], {})
+    dep = settings.deployments["generator"]
+    return dep.model, settings.device_for(dep)[1], settings.cache_path()
+
+
+def load_generator(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """(model, tokenizer, label) with torch set to args.threads: the shipped generator, or the tiny one."""
+    import torch
+
+    from models.catalog import load_model
+    from models.tiny import tiny_model
+
+    torch.set_num_threads(args.threads)
+    if args.tiny:
+        model, tok = tiny_model("decoder")
+        return model, tok, "tiny decoder"
+    spec, dtype, cache_dir = shipped_generator()
+    loaded = load_model(spec, cache_dir, dtype=None if dtype == "auto" else getattr(torch, dtype))
+    return loaded.model, loaded.tokenizer, f"{spec.name} ({spec.quantize or dtype}, compiled {spec.compile})"
