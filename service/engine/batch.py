@@ -84,6 +84,11 @@ class RunningBatch:
         return len(self.rows)
 
     @property
+    def held(self) -> int:
+        """Requests holding a cache row: the decoding ones and the one prefilled in chunks."""
+        return len(self.rows) + (self.partial is not None)
+
+    @property
     def busy(self) -> bool:
         """Rows decode, or a prompt is being prefilled in chunks."""
         return bool(self.rows) or self.partial is not None

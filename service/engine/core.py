@@ -276,7 +276,7 @@ class GenerationEngine:
         seconds, generated = time.perf_counter() - started, self._counts["generated_tokens"] - before
         with self._cond:
             self._counts["steps"] += 1
-            self._snapshot = (len(self._batch) + (self._batch.partial is not None), usage)
+            self._snapshot = (self._batch.held, usage)
             self._prefix_bytes = self._batch.prefix.nbytes if self._batch.prefix is not None else 0
             if generated:
                 self._wait.on_step(seconds)
@@ -433,7 +433,7 @@ class GenerationEngine:
             return
         removed = self._batch.remove(dead) + ([partial] if partial is not None and partial.done else [])
         with self._cond:  # running drops before the Finished events go out (usage follows at step end)
-            self._snapshot = (len(self._batch), self._snapshot[1])
+            self._snapshot = (self._batch.held, self._snapshot[1])
         now = time.perf_counter()
         for seq in removed:
             if seq.closed:

@@ -927,3 +927,37 @@ def test_smollm2_structured_outputs_tools_and_logprobs(smollm2: Cluster) -> None
     assert logged.choices[0].message.content == plain.choices[0].message.content
     entries = logged.choices[0].logprobs.content  # type: ignore[union-attr]
     assert b"".join(bytes(e.bytes or []) for e in entries).decode("utf-8", "replace") == plain.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_smollm2_a_long_shared_system_prompt_is_chunked_then_cached(smollm2: Cluster) -> None:
+    """On the shipped generator: a ~400-token system prompt seen for the first time is prefilled in
+    chunks (shipped prefill_chunk 256); the same conversation again finds its blocks in the prefix
+    cache (the card's cached_prompt_tokens grows by nearly the whole prompt) and answers the same,
+    token for token (greedy); a second question under the same system prompt reuses them too."""
+    client = smollm2.openai("/smollm2")
+    model = "smollm2-135m-instruct"
+    system = ("You are the help desk of the city library of Lyon. " * 3 +
+              "Opening hours: Monday to Friday 9 to 18, Saturday 10 to 17, closed on Sunday. " * 12)
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "When are you open on Saturday?"}]
+    second = [first[0], {"role": "user", "content": "Is the library open on Sunday?"}]
+
+    def cached() -> int:
+        with smollm2.client() as c:
+            (card,) = [m for m in c.get("/smollm2/v1/models").json()["data"] if m["deployment"] == "generator"]
+        return card["stats"]["cached_prompt_tokens"]
+
+    def ask(messages: list[dict[str, str]]) -> tuple[str, int]:
+        out = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)  # type: ignore[arg-type]
+        return out.choices[0].message.content or "", out.usage.prompt_tokens  # type: ignore[union-attr]
+
+    before = cached()
+    miss, prompt_tokens = ask(first)
+    assert prompt_tokens > 300 and cached() - before < 32  # the system prompt is new: nearly all computed
+    again = cached()
+    hit, _ = ask(first)
+    assert hit == miss
+    assert cached() - again >= prompt_tokens - 16  # all of its full blocks came from the cache
+    third = cached()
+    ask(second)
+    assert cached() - third >= len(system) // 8  # the shared system prompt's blocks (~4 characters a token)
