@@ -140,7 +140,8 @@ LOADERS: dict[str, Callable[[str, Path], tuple[nn.Module, TextTokenizer]]] = {
 
 
 def _attach_head(model: nn.Module, head_uri: str, cache_dir: Path) -> tuple[nn.Module, tuple[str, ...]]:
-    """Encoder + a classification head checkpoint (head.safetensors + head.json with its labels)."""
+    """Encoder + a classification head checkpoint (head.safetensors + head.json with its labels and,
+    optionally, how logits become scores)."""
     from safetensors.torch import load_file
 
     from .encoder import EncoderModel
@@ -148,7 +149,10 @@ def _attach_head(model: nn.Module, head_uri: str, cache_dir: Path) -> tuple[nn.M
     head_dir = resolve_dir(head_uri, cache_dir)
     meta = json.loads((head_dir / "head.json").read_text())
     labels = tuple(meta["labels"])
-    cfg = model.cfg.replace(labels=labels)
+    # "scores": "softmax" | "sigmoid"; left out: sigmoid for one output (a relevance score, as Hugging
+    # Face scores one-label heads, so it can serve rerank), softmax over several labels
+    scores = meta.get("scores", "sigmoid" if len(labels) == 1 else "softmax")
+    cfg = model.cfg.replace(labels=labels, head_scores=scores)
     with_head = EncoderModel(cfg)
     state = {k: v for k, v in model.state_dict().items()}
     state.update({f"head.{k}": v for k, v in load_file(head_dir / "head.safetensors").items()})

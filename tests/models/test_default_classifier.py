@@ -113,3 +113,25 @@ def test_default_classifier_labels_obvious_sentences() -> None:
     assert loaded.labels == LABELS
     assert [loaded.labels[i] for i in probs.argmax(-1).tolist()] == ["positive", "negative"]
     assert probs.max(-1).values.min() > 0.5
+
+
+@pytest.mark.parametrize(("labels", "scores", "want"), [(["relevant"], None, "sigmoid"), (["a", "b"], None, "softmax"),
+                                                        (["a", "b"], "sigmoid", "sigmoid")])
+def test_a_head_checkpoint_says_how_its_logits_become_scores(tmp_path: Path, labels: list[str],
+                                                             scores: str | None, want: str) -> None:
+    """One output scores by sigmoid (a reranker's relevance, as Hugging Face's one-label heads), several
+    by softmax, unless head.json says otherwise ("scores")."""
+    from safetensors.torch import save_file
+
+    head = tmp_path / "head"
+    head.mkdir()
+    meta = {"labels": labels} | ({"scores": scores} if scores else {})
+    (head / "head.json").write_text(json.dumps(meta))
+    save_file({"weight": torch.randn(len(labels), 8), "bias": torch.randn(len(labels))}, head / "head.safetensors")
+    cfg = EncoderConfig(vocab_size=50, d_model=8, n_heads=2, d_ff=16, n_layers=1, max_positions=16,
+                        prenorm=False, final_norm=False, embed_norm=True, pad_token_id=0)
+    model, _ = _attach_head(EncoderModel(cfg).eval(), f"dir:{head}", tmp_path)
+    assert model.cfg.head_scores == want
+    logits = torch.tensor([[0.5, -1.0][:len(labels)]])
+    expected = torch.sigmoid(logits) if want == "sigmoid" else logits.softmax(-1)
+    torch.testing.assert_close(model.scores(logits), expected)
