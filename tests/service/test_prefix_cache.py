@@ -150,3 +150,24 @@ def test_a_windowed_model_has_no_prefix_cache(tiny: tuple[nn.Module, TextTokeniz
     assert make(windowed, tok)._batch.prefix is None
     assert make(base, tok, prefix_cache_mib=0)._batch.prefix is None
     assert make(base, tok)._batch.prefix is not None
+
+
+def test_a_hit_that_would_not_fit_beside_a_long_prompt_is_prefilled_whole(
+        tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """One padded forward puts every row's rest at the longest cached length: a 32-token hit beside a
+    50-token miss needs 82 slots of a 64-token row, so both are computed whole, with the right tokens."""
+    model, tok = tiny
+    spy = FaultyLM(model, lambda ids, cache: False)
+    engine = make(spy, tok, max_running=4, max_total_tokens=64, prefill_chunk=None)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    warm = engine.submit(SYSTEM + [90], params)  # stores SYSTEM's two full blocks
+    run_until_idle(engine)
+    assert read(warm)[1].finish_reason == "length"
+    prompts = [SYSTEM + [70, 71], list(range(120, 170))]  # a 32-token hit, a 50-token miss
+    spy.calls.clear()
+    handles = [engine.submit(p, params) for p in prompts]
+    engine.step()
+    assert [tuple(ids.shape) for ids in spy.calls[:-1]] == [(2, 64)]  # whole prompts, padded to the row
+    assert engine.stats().cached_prompt_tokens == 0
+    run_until_idle(engine)
+    assert [list(read(h)[1].token_ids) for h in handles] == [reference(model, tok, p, params)[0] for p in prompts]
