@@ -81,9 +81,9 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def held(self) -> Tensor:
-        """Tokens each row holds: its length, at most L (a ring keeps its last W). (R,)"""
-        return self.lengths.clamp(max=self.slots)  # (R,)
+    def held(self) -> list[int]:
+        """Tokens each row holds: its length, at most L (a ring keeps its last W); from the host."""
+        return [min(n, self.slots) for n in self.host_lengths]
 
     def view(self, start: int = 0, stop: int | None = None) -> CacheView:
         return CacheView(self, start, self.rows if stop is None else stop)

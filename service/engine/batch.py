@@ -128,11 +128,9 @@ class RunningBatch:
         last = done + len(piece) == len(seq.prompt)
         group = [seq, *siblings] if last else [seq]
         masks = self._start_masks(group) if last else None
-        width = min(-(-len(piece) // PREFILL_MULTIPLE) * PREFILL_MULTIPLE, self.cache.max_len - done)
-        ids = torch.zeros(1, width, dtype=torch.long, device=self.device)  # (1, T): right-padded as prefill pads
-        ids[0, :len(piece)] = torch.tensor(piece, dtype=torch.long)
-        end = torch.tensor([len(piece) - 1], device=self.device)  # (1,)
-        logits = self.model(ids, cache=self.cache.view(row, row + 1), last=end)[:, 0]  # (1, V)
+        padded = PaddedBatch.from_token_lists([piece], device=self.device, multiple=PREFILL_MULTIPLE,
+                                              limit=self.cache.max_len - done)  # (1, T): padded as prefill pads
+        logits = self.model(padded.ids, cache=self.cache.view(row, row + 1), last=padded.last_index())[:, 0]  # (1, V)
         if not last:
             self.cache.advance(len(piece), row, row + 1)
             self.partial_done += len(piece)
@@ -140,9 +138,7 @@ class RunningBatch:
         start, stop = len(self.rows), len(self.rows) + len(group)
         if stop > self.cache.rows:  # the partial's own row is free once it joins (the last to fill)
             raise ValueError(f"{len(group)} requests do not fit the free cache rows")
-        seen = torch.zeros(1, logits.size(-1), dtype=torch.bool, device=self.device)  # (1, V)
-        seen[0, torch.tensor(seq.prompt, device=self.device)] = True
-        self.seen[start:stop] = seen
+        self._mark_prompts(start, group)
         counts = self.counts[start:stop].zero_()  # (B, V) view: no output yet
         params = BatchParams.build([s.params for s in group], self.device)
         choice = choose(logits.float().repeat(len(group), 1), params, [s.sampler for s in group],
@@ -163,8 +159,7 @@ class RunningBatch:
 
     def usage(self) -> float:
         """Tokens held in the cache / its capacity."""
-        held = sum(min(n, self.cache.slots) for n in self.cache.host_lengths)  # no device read
-        return held / (self.cache.rows * self.cache.slots)
+        return sum(self.cache.held()) / (self.cache.rows * self.cache.slots)
 
     def prefill(self, group: list[SeqState]) -> list[Picked]:
         """One forward over the right-padded prompts on rows [n, n + B), sampling each first token at
@@ -196,9 +191,7 @@ class RunningBatch:
                                               limit=self.cache.max_len - max(hits))  # (U, T): what is left
         last = padded.last_index()  # (U,)
         logits = self.model(padded.ids, cache=self.cache.view(start, start + n_unique), last=last)[:, 0]  # (U, V)
-        seen = self.seen[start:start + n_unique].zero_()  # (U, V) view
-        for i, seq in enumerate(uniques):
-            seen[i, torch.tensor(seq.prompt, device=self.device)] = True  # the prompt's tokens, cached ones too
+        seen = self._mark_prompts(start, uniques)  # (U, V) view
         index = torch.tensor(source, device=self.device)  # (B,)
         if n_unique < len(group):
             logits = logits.index_select(0, index)  # (B, V)
@@ -218,6 +211,14 @@ class RunningBatch:
         self.rows.extend(group)
         self._params = None
         return self._took(choice, start, group)
+
+    def _mark_prompts(self, start: int, seqs: list[SeqState]) -> Tensor:
+        """Rows [start, start + len(seqs)) of the seen-token mask: exactly their prompts' tokens (the
+        cached ones too, which no padded batch of this step holds). Returns the (B, V) view."""
+        seen = self.seen[start:start + len(seqs)].zero_()  # (B, V) view
+        for i, seq in enumerate(seqs):
+            seen[i, torch.tensor(seq.prompt, device=self.device)] = True
+        return seen
 
     def cached(self, seq: SeqState) -> int:
         """Tokens of seq's prompt the prefix cache holds now (0 without one)."""

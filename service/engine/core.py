@@ -289,7 +289,7 @@ class GenerationEngine:
         chunked = self._chunk()
         group = self._take_waiting(self.limits.prefill_tokens - chunked, first_fits=not chunked)
         while group:
-            lengths = [len(seq.prompt) - self._batch.cached(seq) for seq in group]  # what is left to compute
+            lengths = [self._rest(seq) for seq in group]
             picked = set(select_batch(lengths, len(group), self.limits.prefill_tokens, PREFILL_OVERHEAD_TOKENS))
             self._prefill([seq for i, seq in enumerate(group) if i in picked],
                           rest=[seq for i, seq in enumerate(group) if i not in picked])
@@ -311,6 +311,11 @@ class GenerationEngine:
                 except Exception as row_exc:
                     self._fail(seq, row_exc)
         self._admitting = []
+        self._joined(start, tokens)
+
+    def _joined(self, start: int, tokens: list[Picked]) -> None:
+        """Rows [start, ...) were just prefilled: count and report their prompts, then take their
+        first tokens."""
         now = time.perf_counter()
         for seq in self._batch.rows[start:]:
             self._counts["prompt_tokens"] += len(seq.prompt)
@@ -326,7 +331,7 @@ class GenerationEngine:
             return 0
         if batch.partial is None:
             with self._cond:
-                if not self._waiting or not self._long(self._waiting[0]) or batch.free < 1:
+                if not self._waiting or batch.free < 1 or not self._long(self._rest(self._waiting[0])):
                     return 0
                 seq = self._waiting.popleft()
                 seq.admitted = time.perf_counter()
@@ -346,19 +351,16 @@ class GenerationEngine:
             return n
         self._admitting = []
         if tokens:
-            now = time.perf_counter()
-            for joined in batch.rows[start:]:
-                self._counts["prompt_tokens"] += len(joined.prompt)
-                self._counts["cached_tokens"] += joined.cached_tokens
-                self._observe("on_admitted", (joined.admitted or now) - joined.submitted, len(joined.prompt),
-                              joined.cached_tokens)
-            self._accept(list(enumerate(tokens, start)), now)
+            self._joined(start, tokens)
         return n
 
-    def _long(self, seq: SeqState) -> bool:
-        """Whether seq's prompt, less what the prefix cache holds, is prefilled in chunks."""
-        chunk = self.limits.prefill_chunk
-        return chunk is not None and len(seq.prompt) - self._batch.cached(seq) > chunk
+    def _rest(self, seq: SeqState) -> int:
+        """Prompt tokens of seq to compute: less what the prefix cache holds."""
+        return len(seq.prompt) - self._batch.cached(seq)
+
+    def _long(self, rest: int) -> bool:
+        """Whether a prompt with `rest` tokens to compute is prefilled in chunks."""
+        return self.limits.prefill_chunk is not None and rest > self.limits.prefill_chunk
 
     def _take_siblings(self, seq: SeqState) -> list[SeqState]:
         """Waiting requests right behind `seq` with its prompt (n > 1 siblings), as many as free rows
@@ -380,9 +382,10 @@ class GenerationEngine:
         with self._cond:
             now = time.perf_counter()
             while self._waiting and len(group) < free:
-                if self._long(self._waiting[0]):
+                rest = self._rest(self._waiting[0])
+                if self._long(rest):
                     break  # _chunk takes it when the chunked prefill in progress is done
-                longest_next = max(longest, len(self._waiting[0].prompt) - self._batch.cached(self._waiting[0]))
+                longest_next = max(longest, rest)
                 if (group or not first_fits) and longest_next * (len(group) + 1) > budget:
                     break
                 seq = self._waiting.popleft()

@@ -122,8 +122,10 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
             return TranslateResponse(model=route.model, translations=out, sentences=[1] * len(out))
         try:
             texts = fit_chars(texts, settings.max_document_chars, body.truncate)
-        except InvalidItem as e:
-            raise item_error(e, "inputs") from None
+        except InvalidItem as e:  # fit_chars words its message for a model's limit: this is the document's
+            raise InvalidRequest(f"inputs[{e.index}]: the text has {len(texts[e.index])} characters; a document "
+                                 f"takes at most {settings.max_document_chars} (max_document_chars; send "
+                                 f"\"truncate\": true to cut it)", f"inputs[{e.index}]") from None
         split = functools.partial(documents.split_all, texts, body.source_lang)
         docs = await asyncio.to_thread(split) if sum(map(len, texts)) > OFF_LOOP_CHARS else split()
         sentences = [s for doc in docs for s in doc.sentences]
