@@ -6,18 +6,22 @@ requests leave the batch at once. Beam scoring follows `transformers` generate(n
 top 2n candidates per request, a finished hypothesis scores sum(logprob) / length**length_penalty
 (length counts generated tokens including the end token), and a request stops once its n finished
 hypotheses cannot be beaten by its best running beam (early_stopping=False heuristic).
+
+`BeamSearch` runs the search step by step over a set of sources that may change between steps
+(sources join a search in progress and leave as soon as they end); `translate_ids` is one such
+search over a fixed batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .inputs import PaddedBatch
-from .kv_cache import KVCache
+from .kv_cache import CrossCache, KVCache
 from .seq2seq import Seq2Seq
 
 NEG = -1.0e9
@@ -48,11 +52,13 @@ class _Request:
     done: bool = False
     result: list[int] | None = None
     cancelled: bool = False
+    key: Hashable = None  # the caller's name for it (BeamSearch)
+    step: int = 0  # tokens generated so far (its own: sources join a running search at any step)
 
 
-def _step_request(req: _Request, logp: Tensor, eos: int, step: int) -> Tensor:
+def _step_request(req: _Request, logp: Tensor, eos: int, step: int) -> list[int]:
     """Advance one request by one token. logp: (rows, V) log-probs. Returns the source beam of each
-    new running beam (n,) and updates req in place (its new last tokens are req.seqs[i][-1])."""
+    new running beam (n) and updates req in place (its new last tokens are req.seqs[i][-1])."""
     n, vocab = req.params.beam_size, logp.size(-1)
     last_step = step + 1 >= req.params.max_new_tokens
     if n == 1:  # greedy
@@ -60,7 +66,7 @@ def _step_request(req: _Request, logp: Tensor, eos: int, step: int) -> Tensor:
         req.seqs[0].append(tok)
         if tok == eos or last_step:
             req.done, req.result = True, req.seqs[0]
-        return torch.zeros(1, dtype=torch.long)
+        return [0]
     total = (logp + req.scores[:, None]).view(-1)  # (rows * V,)
     top_scores, top_idx = total.topk(2 * n)  # (2n,)
     src_beam, tokens = top_idx // vocab, top_idx % vocab  # (2n,) each
@@ -83,10 +89,161 @@ def _step_request(req: _Request, logp: Tensor, eos: int, step: int) -> Tensor:
         req.done = best_possible <= req.finished[-1][0]
     if req.done:
         req.result = req.finished[0][1] if req.finished else req.seqs[0]
-        return torch.zeros(0, dtype=torch.long)
+        return []
     req.seqs = [req.seqs[beam] + [tok] for _, beam, tok in running]
     req.scores = torch.tensor([s for s, _, _ in running])
-    return torch.tensor([beam for _, beam, _ in running], dtype=torch.long)
+    return [beam for _, beam, _ in running]
+
+
+@dataclass(frozen=True)
+class Translated:
+    """What a step says about one source: its new greedy token (`token`, streamed; None for a beam
+    search or an end token), or its end (`done`: `ids` without start/eos, None when cancelled)."""
+
+    key: Hashable
+    token: int | None = None
+    done: bool = False
+    ids: list[int] | None = None
+
+
+class BeamSearch:
+    """Greedy and beam search as a sequence of steps over a set of sources that may change between
+    steps (continuous batching for the encoder-decoder): `add` encodes new sources once (one padded
+    encoder pass) and gives them fresh rows after the live ones; every `step` advances all rows of
+    all sources by one token, in one decoder call; a source leaves as soon as its search ends or it is
+    cancelled, and its rows go to the next sources added. Each source's beams are its own rows, so
+    its result is the same whether it runs alone, among others, or joins later.
+
+    Cross-attention keys/values are kept one row per source (`_sources`) and spread to the decoder
+    rows only when the row layout changes (a source joins, widens from 1 row to its beams, or
+    leaves), not at every step. Rows are reserved for a source's full beam size when it is added."""
+
+    def __init__(self, model: Seq2Seq, rows: int, max_new_tokens: int, banned_ids: Sequence[int] = ()) -> None:
+        cfg = model.cfg
+        weight = next(model.parameters())
+        self.model, self.rows, self.max_new_tokens = model, rows, max_new_tokens
+        self.device = weight.device
+        self.eos, self.start = cfg.eos_token_id, cfg.decoder_start_token_id
+        self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+        self.cache = KVCache.for_model(cfg, rows, max_new_tokens + 1, dtype=weight.dtype, device=self.device)
+        self.banned = torch.as_tensor(list(banned_ids), dtype=torch.long, device=self.device)  # (N,)
+        self._live: list[_Request] = []  # sources with rows, in row order
+        self._sources: CrossCache | None = None  # one row per live source, in _live's order
+        self._cross: CrossCache | None = None  # one row per decoder row; None: rebuild from _sources
+        self._owners: list[int] = []  # index into _live of every decoder row
+        self._tokens: list[int] = []  # every row's next input token
+
+    def __len__(self) -> int:
+        """Sources still searching."""
+        return len(self._live)
+
+    @property
+    def free(self) -> int:
+        """Rows not reserved by a live source (each reserves its beam size)."""
+        return self.rows - sum(req.params.beam_size for req in self._live)
+
+    @property
+    def busy_rows(self) -> int:
+        """Decoder rows the next step computes."""
+        return len(self._tokens)
+
+    @torch.inference_mode()
+    def add(self, sources: Sequence[Sequence[int]], params: Sequence[BeamParams], keys: Sequence[Hashable]) -> None:
+        """Encode `sources` (token ids ending with eos) in one padded pass; they decode from the next
+        step on. ValueError when their beams do not fit the free rows or a limit exceeds the cache."""
+        if not sources:
+            return
+        if sum(p.beam_size for p in params) > self.free:
+            raise ValueError(f"{sum(p.beam_size for p in params)} beams do not fit {self.free} free rows")
+        longest = max(p.max_new_tokens for p in params)
+        if longest > self.max_new_tokens:
+            raise ValueError(f"max_new_tokens {longest} is over this search's {self.max_new_tokens}")
+        src = PaddedBatch.from_token_lists(sources, self.pad, self.device)  # (B, S)
+        cross = self.model.cross_cache(self.model.encode(src.ids, src.keep), src.keep)  # (B, K, S, D) per layer
+        n = len(self._tokens)
+        self.cache.reset(n, n + len(sources))
+        self._sources = cross if self._sources is None else self._sources.concat(cross)
+        self._owners += list(range(len(self._live), len(self._live) + len(sources)))
+        self._live += [_Request(p, 1, [[]], torch.zeros(1), [], key=k) for p, k in zip(params, keys, strict=True)]
+        self._tokens += [self.start] * len(sources)
+        self._cross = None
+
+    @torch.inference_mode()
+    def step(self, cancelled: Callable[[Hashable], bool] | None = None) -> list[Translated]:
+        """One token for every row. `cancelled(key)`, asked once per step for each live source: True
+        drops its rows from this step on (its result is None). Returns what happened to each source:
+        its greedy token, or its end."""
+        if not self._live:
+            return []
+        out: list[Translated] = []
+        gone = [i for i, req in enumerate(self._live) if cancelled(req.key)] if cancelled is not None else []
+        if gone:
+            out += self._drop(gone)
+            if not self._live:
+                return out
+        n_rows = len(self._tokens)
+        if self._cross is None:
+            self._cross = self._sources.select(torch.tensor(self._owners, device=self.device))  # (R, K, S, D) per layer
+        tokens = torch.tensor(self._tokens, dtype=torch.long, device=self.device)[:, None]  # (R, 1)
+        logits = self.model.decode(tokens, self._cross, cache=self.cache.view(0, n_rows))[:, -1].float()  # (R, V)
+        self.cache.advance(1, 0, n_rows)
+        logp = logits.log_softmax(-1)  # (R, V)
+        if self.banned.numel():
+            logp[:, self.banned] = float("-inf")
+        gather: list[int] = []
+        owners: list[int] = []
+        new_tokens: list[int] = []
+        still: list[int] = []
+        offset = 0
+        for i, req in enumerate(self._live):
+            logp_r = logp[offset: offset + req.rows]  # (rows, V)
+            if req.step + 1 >= req.params.max_new_tokens:  # force eos at the length limit
+                logp_r = torch.full_like(logp_r, float("-inf"))
+                logp_r[:, self.eos] = 0.0
+            src_beams = _step_request(req, logp_r, self.eos, req.step)
+            req.step += 1
+            if req.done:
+                out.append(Translated(req.key, done=True, ids=[t for t in req.result or [] if t != self.eos]))
+            else:
+                if req.params.beam_size == 1:
+                    out.append(Translated(req.key, token=req.seqs[0][-1]))
+                gather += [offset + b for b in src_beams]
+                owners += [len(still)] * len(src_beams)
+                new_tokens += [seq[-1] for seq in req.seqs]
+                still.append(i)
+            offset += req.rows
+            req.rows = len(req.seqs) if not req.done else 0
+        self._keep(still, gather, owners, new_tokens)
+        return out
+
+    def _drop(self, gone: list[int]) -> list[Translated]:
+        """Remove live sources `gone` (indices into _live, ascending) before a step: cancelled."""
+        still, gather, owners, tokens, offset = [], [], [], [], 0
+        for i, req in enumerate(self._live):
+            if i not in gone:
+                gather += range(offset, offset + req.rows)
+                owners += [len(still)] * req.rows
+                tokens += self._tokens[offset: offset + req.rows]
+                still.append(i)
+            offset += req.rows
+        dropped = [self._live[i] for i in gone]
+        self._keep(still, gather, owners, tokens)
+        for req in dropped:
+            req.done, req.cancelled = True, True
+        return [Translated(req.key, done=True, ids=None) for req in dropped]
+
+    def _keep(self, still: list[int], gather: list[int], owners: list[int], tokens: list[int]) -> None:
+        """The new row layout: live sources `still` (indices into _live), row i holding old row
+        gather[i] (beams reordered), owned by source owners[i] (index into the new _live)."""
+        if len(still) < len(self._live):
+            self._sources = (self._sources.select(torch.tensor(still, device=self.device)) if still
+                             else None)  # (N', K, S, D) per layer
+            self._live = [self._live[i] for i in still]
+        if owners != self._owners or self._sources is None:
+            self._cross = None
+        self._owners, self._tokens = owners, tokens
+        if gather != list(range(len(gather))):
+            self.cache.reorder(gather)
 
 
 @torch.inference_mode()
@@ -104,61 +261,11 @@ def translate_ids(
     others' results are the same as without it (each request's beams are its own)."""
     if isinstance(params, BeamParams):
         params = [params] * len(sources)
-    cfg = model.cfg
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    eos, start = cfg.eos_token_id, cfg.decoder_start_token_id
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else eos
-    src = PaddedBatch.from_token_lists(sources, pad, device)  # (B, S)
-    cross = model.cross_cache(model.encode(src.ids, src.keep), src.keep)  # (B, K, S, D) per layer
-    requests = [_Request(p, 1, [[]], torch.zeros(1), []) for p in params]
-    cross = cross.select(torch.arange(len(sources), device=device))
-    max_new = max(p.max_new_tokens for p in params)
-    rows_max = sum(p.beam_size for p in params)
-    cache = KVCache.for_model(cfg, rows_max, max_new + 1, dtype=dtype, device=device)
-    tokens = torch.full((len(sources), 1), start, dtype=torch.long, device=device)  # (R, 1)
-    banned = torch.as_tensor(list(banned_ids), dtype=torch.long, device=device)
-    live = list(range(len(requests)))  # requests with rows in the batch, in row order
-    step = 0
-    while live:
-        n_rows = tokens.size(0)
-        logits = model.decode(tokens, cross, cache=cache.view(0, n_rows))[:, -1].float()  # (R, V)
-        cache.advance(1, 0, n_rows)
-        logp = logits.log_softmax(-1)  # (R, V)
-        if banned.numel():
-            logp[:, banned] = float("-inf")
-        gather: list[Tensor] = []
-        new_tokens: list[int] = []
-        still: list[int] = []
-        offset = 0
-        for r in live:
-            req = requests[r]
-            if cancelled is not None and cancelled(r):
-                req.done, req.result, req.cancelled = True, None, True
-                offset += req.rows
-                req.rows = 0
-                continue
-            logp_r = logp[offset: offset + req.rows]  # (rows, V)
-            if step + 1 >= req.params.max_new_tokens:  # force eos at the length limit
-                logp_r = torch.full_like(logp_r, float("-inf"))
-                logp_r[:, eos] = 0.0
-            src_beams = _step_request(req, logp_r, eos, step)
-            if not req.done:
-                gather.append(src_beams + offset)
-                new_tokens.extend(seq[-1] for seq in req.seqs)
-                still.append(r)
-            offset += req.rows
-            req.rows = len(req.seqs) if not req.done else 0
-        live = still
-        step += 1
-        if not live:
-            break
-        index = torch.cat(gather).to(device)  # (R',): source row of every new row
-        cache.reorder(index)
-        cross = cross.select(index)
-        tokens = torch.tensor(new_tokens, dtype=torch.long, device=device)[:, None]  # (R', 1)
-    out: list[list[int] | None] = []
-    for req in requests:
-        result = req.result or []
-        out.append(None if req.cancelled else [t for t in result if t != eos])
+    search = BeamSearch(model, sum(p.beam_size for p in params), max(p.max_new_tokens for p in params), banned_ids)
+    search.add(sources, params, keys=range(len(sources)))
+    out: list[list[int] | None] = [None] * len(sources)
+    while search:
+        for event in search.step(cancelled):
+            if event.done:
+                out[event.key] = event.ids
     return out

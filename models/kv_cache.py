@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import AttentionMask, padding_mask
@@ -288,6 +289,22 @@ class CrossCache:
     def build(cls, kv: list[tuple[Tensor, Tensor]], src_keep: Tensor) -> CrossCache:
         keep = src_keep.bool()  # (B, S_src)
         return cls(kv, keep, AttentionMask.build(padding_mask(keep)))
+
+    def concat(self, other: CrossCache) -> CrossCache:
+        """This cache's rows, then other's; the shorter sources are right-padded with masked slots."""
+        s = max(self.src_keep.size(1), other.src_keep.size(1))
+        a, b = self._padded(s), other._padded(s)
+        kv = [(torch.cat([ka, kb]), torch.cat([va, vb])) for (ka, va), (kb, vb) in zip(a.kv, b.kv, strict=True)]
+        return CrossCache.build(kv, torch.cat([a.src_keep, b.src_keep]))  # (B + B', K, S, D), (B + B', S)
+
+    def _padded(self, s: int) -> CrossCache:
+        """The same rows with S_src = s: zero keys/values in masked slots after the real ones."""
+        extra = s - self.src_keep.size(1)
+        if extra == 0:
+            return self
+        pad = (0, 0, 0, extra)  # the S dimension of (B, K, S, D)
+        kv = [(F.pad(k, pad), F.pad(v, pad)) for k, v in self.kv]  # (B, K, s, D) each
+        return CrossCache(kv, F.pad(self.src_keep, (0, extra), value=False))  # (B, s)
 
     def select(self, index: Tensor) -> CrossCache:
         """Rows in a new order (repeats allowed): beams, or dropping finished rows."""

@@ -22,7 +22,7 @@ import torch
 import transformers as hf
 from torch import Tensor
 
-from models.beam_search import BeamParams, translate_ids
+from models.beam_search import BeamParams, BeamSearch, translate_ids
 from models.checkpoints import gpt2, llama, marian
 from models.decoder import DecoderLM
 from models.decoding import SamplingParams
@@ -239,3 +239,45 @@ def test_a_cancelled_source_leaves_the_search_and_the_others_are_unchanged(maria
     assert [m for i, m in enumerate(mine) if i != 1] == [e for i, e in enumerate(expected) if i != 1]
     assert asked.count(1) == 3  # never asked again: its rows left the batch
     assert max(asked.count(i) for i in range(len(SOURCES)) if i != 1) > 3
+
+
+def test_sources_joining_a_running_search_match_transformers(marian_pair, hf_marian) -> None:
+    """Continuous batching for the encoder-decoder: sources added to a BeamSearch at different steps,
+    with different beam sizes, each get what transformers gives them alone; their rows go to the next
+    sources once they end, and a search never takes more beams than it has rows."""
+    _, ours = marian_pair
+    sizes = [4, 1, 2, 4, 1]
+    search = BeamSearch(ours, rows=8, max_new_tokens=MT_NEW, banned_ids=(PAD,))
+    results: dict[int, list[int] | None] = {}
+    waiting = list(range(len(SOURCES)))
+    joined_late = 0
+    while waiting or search:
+        while waiting and sizes[waiting[0]] <= search.free:
+            i = waiting.pop(0)
+            joined_late += bool(search)
+            search.add([SOURCES[i]], [BeamParams(sizes[i], MT_NEW)], keys=[i])
+        for event in search.step():
+            if event.done:
+                results[event.key] = event.ids
+        assert search.busy_rows <= 8
+    assert joined_late >= 2  # some sources really joined a search in progress
+    assert [results[i] for i in range(len(SOURCES))] == [hf_marian(n)[i] for i, n in enumerate(sizes)]
+    with pytest.raises(ValueError, match="free rows"):
+        BeamSearch(ours, rows=2, max_new_tokens=MT_NEW).add([SOURCES[0]], [BeamParams(4, MT_NEW)], keys=[0])
+
+
+def test_a_greedy_source_streams_its_tokens(marian_pair, hf_marian) -> None:
+    """A beam-1 source reports every token as it is chosen; they add up to its result."""
+    _, ours = marian_pair
+    search = BeamSearch(ours, rows=4, max_new_tokens=MT_NEW, banned_ids=(PAD,))
+    search.add(SOURCES[:2], [BeamParams(1, MT_NEW), BeamParams(3, MT_NEW)], keys=["greedy", "beam"])
+    streamed, done = [], {}
+    while search:
+        for event in search.step():
+            assert event.key == "greedy" or event.token is None
+            if event.token is not None:
+                streamed.append(event.token)
+            if event.done:
+                done[event.key] = event.ids
+    assert done["greedy"] == hf_marian(1)[0] and streamed[:len(done["greedy"])] == done["greedy"]
+    assert done["beam"] == hf_marian(3)[1]
