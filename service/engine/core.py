@@ -25,15 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
-from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from models.decoder import DecoderLM
 from models.decoding import SamplingParams
@@ -41,14 +37,13 @@ from models.inputs import select_batch
 from models.kv_cache import KVCache
 from models.text import TextTokenizer
 
-from ..errors import EngineClosed, EngineOverloaded, InvalidRequest
-from ..telemetry.hooks import EngineObserver, EngineStats
-from .admission import WaitEstimator
+from ..telemetry.hooks import EngineObserver
 from .batch import Picked, RunningBatch
 from .config import EngineConfig
-from .events import Finished, RequestHandle
+from .events import RequestHandle
 from .grammar import Grammars
 from .limits import EngineLimits
+from .loop import StepLoop
 from .prefix_cache import PrefixCache
 from .sequence import SeqState
 
@@ -71,7 +66,7 @@ class Submission:
 PREFILL_OVERHEAD_TOKENS = 64
 
 
-class GenerationEngine:
+class GenerationEngine(StepLoop):
     """Owns the model's KV cache and schedules every request on it. Thread-safe front: submit(),
     cancel(), stats(), shutdown(); start() runs the scheduler loop in a dedicated thread."""
 
@@ -80,45 +75,23 @@ class GenerationEngine:
                  after_step: Callable[[], object] | None = None, max_input_tokens: int | None = None) -> None:
         """`max_input_tokens`: the model's input limit (the prompt limit when the config sets none)."""
         weight = next(model.parameters())
-        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.model, self.tokenizer = model, tokenizer
         self.device = weight.device
         self.config = config or EngineConfig()
         self.limits = EngineLimits.resolve(self.config, model.cfg, weight.dtype, max_input_tokens)
         self.cache = KVCache.for_model(model.cfg, self.limits.rows, self.limits.max_total_tokens, weight.dtype,
                                        self.device)
+        super().__init__(name, self.limits.rows, self.limits.max_queued, self.cache.nbytes(), observer, after_step)
         self._eos = frozenset(model.cfg.eos_token_ids)
         self.grammars = Grammars(tokenizer, model.cfg.vocab_size, self._eos)  # structured outputs
-        self._observer = observer or EngineObserver()
-        self._after_step = after_step  # the loop calls it after each step (the replica trims its heap there)
         # engine thread only: the live rows, and a group taken from the queue while it is prefilled
         # prefix caching needs rows that keep every prompt token: not a sliding window's ring
         prefix = (PrefixCache(self.cache, self.limits.prefix_cache_bytes)
                   if self.limits.prefix_cache_bytes and not self.cache.ring else None)
         self._batch = RunningBatch(model, self.cache, model.cfg.vocab_size, prefix)
         self._admitting: list[SeqState] = []
-        # guarded by _cond
-        self._cond = threading.Condition()
-        self._waiting: deque[SeqState] = deque()
-        self._live: dict[str, SeqState] = {}  # waiting and running, by request id
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        self._counts = Counter({"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0})
-        self._finished: Counter[str] = Counter()
-        self._snapshot = (0, 0.0)  # running, cache usage after the last step
-        self._prefix_bytes = 0  # the prefix cache's size after the last step
-        self._wait = WaitEstimator()  # admission: how long a new request would wait for a row
 
     # -- front (any thread) --------------------------------------------------------------------
-
-    def start(self) -> GenerationEngine:
-        """Run the scheduler loop in its own thread (idempotent)."""
-        with self._cond:
-            if self._closed:
-                raise EngineClosed("the generation engine is shut down")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
-        return self
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                request_id: str | None = None, grammar: Any = None, deadline: float | None = None) -> RequestHandle:
@@ -155,132 +128,35 @@ class GenerationEngine:
             seqs.append(SeqState(request_id, prompt, params, handle, self.tokenizer, self._eos, time.perf_counter(),
                                  matcher))
             handles.append(handle)
-        ids = [seq.request_id for seq in seqs]
-        with self._cond:
-            if self._closed:
-                raise EngineClosed("the generation engine is shut down")
-            taken = [i for i in ids if i in self._live] or [i for i in ids if ids.count(i) > 1]
-            if taken:
-                raise InvalidRequest(f"request_id {taken[0]!r} is already in use", "request_id")
-            if len(self._waiting) + len(seqs) > self.limits.max_queued:
-                self._observe("on_admission", None, "queue_full")
-                raise EngineOverloaded(f"{len(self._waiting)} generation requests are waiting (max_queued="
-                                       f"{self.limits.max_queued}); retry later")
-            rows = self.limits.rows
-            self._wait.on_asked([seq.params.max_new_tokens for seq in seqs])
-            wait = self._wait.wait_s(len(self._waiting) + len(seqs), rows - self._snapshot[0], rows)
-            deadlines = [sub.deadline for sub in submissions if sub.deadline is not None]
-            if deadlines and wait > min(deadlines) - time.perf_counter():
-                self._observe("on_admission", wait, "deadline")
-                raise EngineOverloaded(f"{len(self._waiting)} generation requests are waiting: about {wait:.1f} s "
-                                       f"before this one would start, past its deadline; retry later")
-            self._observe("on_admission", wait, None)
-            for seq in seqs:
-                self._waiting.append(seq)
-                self._live[seq.request_id] = seq
-            self._cond.notify()
+        deadlines = [sub.deadline for sub in submissions if sub.deadline is not None]
+        self._enqueue(seqs, deadlines, [seq.params.max_new_tokens for seq in seqs])
         return handles
-
-    def cancel(self, request_id: str) -> bool:
-        """Stop a request (its client went away). A waiting one is finished here and never
-        prefilled; a running one frees its row at the start of the next step. False if unknown."""
-        with self._cond:
-            seq = self._live.get(request_id)
-            if seq is None:
-                return False
-            if seq.admitted is not None:
-                seq.cancelled = True
-                self._cond.notify()
-                return True
-            self._waiting.remove(seq)
-            event = seq.finish("cancelled", time.perf_counter())
-        self._record(event)
-        return True
-
-    @property
-    def alive(self) -> bool:
-        """The scheduler thread runs: False before start(), after shutdown(), or if the loop died."""
-        with self._cond:
-            return self._thread is not None and self._thread.is_alive() and not self._closed
-
-    def stats(self) -> EngineStats:
-        with self._cond:
-            running, usage = self._snapshot
-            return EngineStats(running=running, waiting=len(self._waiting), rows=self.limits.rows,
-                               cache_usage=usage, cache_bytes=self.cache.nbytes(),
-                               prompt_tokens=self._counts["prompt_tokens"],
-                               cached_prompt_tokens=self._counts["cached_tokens"],
-                               prefix_cache_bytes=self._prefix_bytes,
-                               generated_tokens=self._counts["generated_tokens"],
-                               steps=self._counts["steps"], finished=dict(self._finished))
-
-    def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the loop after its current step; requests still open end with an error event."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is None:
-            self._abort_all("the generation engine shut down")
-        elif thread is not threading.current_thread():
-            thread.join(timeout_s)
-            if thread.is_alive():
-                log.warning("%s: the loop did not stop within %.1f s", self.name, timeout_s)
-
-    def __enter__(self) -> GenerationEngine:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
 
     # -- the loop (engine thread) ---------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not self._closed and not self._waiting and not self._batch.busy:
-                        self._cond.wait()  # idle: sleep until submit(), cancel() or shutdown()
-                    if self._closed:
-                        return
-                self.step()
-                if self._after_step is not None:
-                    try:
-                        self._after_step()
-                    except Exception:
-                        log.exception("%s: after_step failed", self.name)
-        finally:
-            self._abort_all("the generation engine shut down")
+    def _work(self) -> None:
+        self._evict()
+        self._admit()
+        self._evict()
+        if self._batch:
+            self._decode()
+        self._evict()
 
-    @torch.inference_mode()
-    def step(self) -> None:
-        """One scheduler step. The engine thread calls it; call it yourself only on an engine that was
-        never started (tests drive the scheduler step by step this way)."""
-        if self._thread is not None and self._thread is not threading.current_thread():
-            raise RuntimeError("step() belongs to the engine thread once start() was called")
-        started, before = time.perf_counter(), self._counts["generated_tokens"]
-        try:
-            self._evict()
-            self._admit()
-            self._evict()
-            if self._batch:
-                self._decode()
-            self._evict()
-        except Exception as exc:  # a bug outside the model calls: fail what the step held, go on
-            log.exception("%s: step failed; failing its %d requests", self.name, len(self._batch))
-            for seq in self._admitting + self._batch.clear():
-                if not seq.closed:
-                    self._fail(seq, exc, traceback=False)
-            self._admitting = []
-        usage = self._batch.usage()
-        seconds, generated = time.perf_counter() - started, self._counts["generated_tokens"] - before
-        with self._cond:
-            self._counts["steps"] += 1
-            self._snapshot = (self._batch.held, usage)
-            self._prefix_bytes = self._batch.prefix.nbytes if self._batch.prefix is not None else 0
-            if generated:
-                self._wait.on_step(seconds)
-        self._observe("on_step", self.stats(), generated, seconds)
+    def _busy(self) -> bool:
+        return self._batch.busy
+
+    def _drain(self) -> list[SeqState]:
+        held, self._admitting = self._admitting + self._batch.clear(), []
+        return held
+
+    def _held(self) -> int:
+        return self._batch.held
+
+    def _usage(self) -> float:
+        return self._batch.usage()
+
+    def _after_counts(self) -> None:
+        self._prefix_bytes = self._batch.prefix.nbytes if self._batch.prefix is not None else 0
 
     def _admit(self) -> None:
         """One chunk of the long prompt being prefilled in chunks (if any), then prefill the waiting
@@ -445,34 +321,3 @@ class GenerationEngine:
                 self._record(seq.finish("cancelled" if seq.cancelled else "stop", now))
             except Exception as exc:
                 self._fail(seq, exc)
-
-    # -- bookkeeping -----------------------------------------------------------------------------
-
-    def _fail(self, seq: SeqState, exc: BaseException, traceback: bool = True) -> None:
-        log.error("%s: request %s failed: %r", self.name, seq.request_id, exc, exc_info=exc if traceback else None)
-        self._record(seq.finish("error", time.perf_counter(), error=f"{type(exc).__name__}: {exc}"))
-
-    def _record(self, event: Finished) -> None:
-        with self._cond:
-            self._live.pop(event.request_id, None)
-            self._finished[event.finish_reason] += 1
-            if event.finish_reason in ("stop", "length"):
-                self._wait.on_finished(event.usage.completion_tokens)
-        self._observe("on_finished", event)
-
-    def _abort_all(self, message: str) -> None:
-        """Shutdown: end every open request with an error event."""
-        with self._cond:
-            waiting = list(self._waiting)
-            self._waiting.clear()
-        now = time.perf_counter()
-        for seq in waiting + self._admitting + self._batch.clear():
-            if not seq.closed:
-                self._record(seq.finish("error", now, error=message))
-        self._admitting = []
-
-    def _observe(self, hook: str, *args: object) -> None:
-        try:
-            getattr(self._observer, hook)(*args)
-        except Exception:
-            log.exception("%s: observer hook %s failed", self.name, hook)
