@@ -147,6 +147,10 @@ class BeamSearch:
         """Decoder rows the next step computes."""
         return len(self._tokens)
 
+    def clear(self) -> None:
+        """Drop every source (a failed step: their state cannot be trusted)."""
+        self._live, self._sources, self._cross, self._owners, self._tokens = [], None, None, [], []
+
     @torch.inference_mode()
     def add(self, sources: Sequence[Sequence[int]], params: Sequence[BeamParams], keys: Sequence[Hashable]) -> None:
         """Encode `sources` (token ids ending with eos) in one padded pass; they decode from the next

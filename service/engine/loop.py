@@ -67,12 +67,16 @@ class StepLoop:
         raise NotImplementedError
 
     def _held(self) -> int:
-        """Requests holding rows now."""
+        """Rows in use now (generation: one per request)."""
         raise NotImplementedError
 
     def _usage(self) -> float:
         """Cache usage after a step, 0..1."""
         raise NotImplementedError
+
+    def _rows_of(self, state: Any) -> int:
+        """Cache rows a request takes (a beam search: its beam size)."""
+        return 1
 
     # -- front (any thread) ----------------------------------------------------------------------
 
@@ -103,7 +107,8 @@ class StepLoop:
                 raise EngineOverloaded(f"{len(self._waiting)} {self.kind} requests are waiting (max_queued="
                                        f"{self.max_queued}); retry later")
             self._wait.on_asked(asked_tokens)
-            wait = self._wait.wait_s(len(self._waiting) + len(states), self.rows - self._snapshot[0], self.rows)
+            ahead = sum(map(self._rows_of, self._waiting)) + sum(map(self._rows_of, states))
+            wait = self._wait.wait_s(ahead, self.rows - self._snapshot[0], self.rows)
             if deadlines and wait > min(deadlines) - time.perf_counter():
                 self._observe("on_admission", wait, "deadline")
                 raise EngineOverloaded(f"{len(self._waiting)} {self.kind} requests are waiting: about {wait:.1f} s "

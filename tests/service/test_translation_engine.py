@@ -1,0 +1,120 @@
+"""The translation engine (service/engine/translation.py) on the tiny encoder-decoder: every request's
+result is translate_ids' alone whatever it shares steps with and whenever it joins; greedy requests
+stream; cancellation and overload behave as the generation engine's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from models.beam_search import BeamParams, translate_ids
+from models.tiny import tiny_model
+from service.engine.events import Delta, Finished
+from service.engine.translation import TranslationEngine, TranslationSubmission
+from service.errors import EngineOverloaded
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TEXTS = ["hello", "hello world", "xyz", "hola", "a much longer sentence here", "b", "other words", "zzz yy"]
+BEAMS = [1, 4, 2, 3, 1, 4, 2, 1]
+NEW = [8, 6, 8, 5, 8, 7, 3, 8]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("seq2seq")
+
+
+def _alone(model, ids: list[int], params: BeamParams) -> list[int]:
+    (out,) = translate_ids(model, [ids], params, banned_ids=[0])
+    return out
+
+
+def test_every_request_gets_its_alone_result_joining_at_any_step(tiny) -> None:
+    """Requests submitted while others decode (rows for 6 beams: most wait for rows, then join a search in
+    progress) each get translate_ids' result for them alone, text and tokens."""
+    model, tok = tiny
+    engine = TranslationEngine(model, tok, rows=6, max_new_tokens=8, banned_ids=[0])
+    handles = []
+    for i, text in enumerate(TEXTS):
+        handles += engine.submit_many([TranslationSubmission(tok.encode(text), BeamParams(BEAMS[i], NEW[i]))])
+        engine.step()
+    joined_late = 0
+    while engine.stats().waiting or engine.stats().running:
+        joined_late += engine.stats().waiting > 0 and engine.stats().running > 0
+        engine.step()
+    assert joined_late >= 2
+    results = [h.result_sync(timeout=5) for h in handles]
+    for i, (text, res) in enumerate(zip(TEXTS, results, strict=True)):
+        expected = _alone(model, tok.encode(text), BeamParams(BEAMS[i], NEW[i]))
+        assert list(res.token_ids) == expected, i
+        assert res.text == tok.decode(expected)
+        assert res.usage.prompt_tokens == len(tok.encode(text)) and res.usage.completion_tokens == len(expected)
+    assert len({r.text for r in results}) >= 5  # the tiny model's outputs differ: the check can fail
+    stats = engine.stats()
+    assert stats.finished.get("stop", 0) + stats.finished.get("length", 0) == len(TEXTS)
+    assert stats.running == 0 and stats.prompt_tokens == sum(len(tok.encode(t)) for t in TEXTS)
+
+
+def test_greedy_requests_stream_their_text(tiny) -> None:
+    """(The tiny model's bytes are mostly not UTF-8, so pieces are held back; the shipped translator's
+    stream is checked piece by piece in tests/service/test_translator_engine_real.py.)"""
+    model, tok = tiny
+    engine = TranslationEngine(model, tok, rows=4, max_new_tokens=8, banned_ids=[0])
+    greedy, beam = engine.submit_many([TranslationSubmission(tok.encode(TEXTS[4]), BeamParams(1, 8)),
+                                       TranslationSubmission(tok.encode(TEXTS[1]), BeamParams(3, 8))])
+    while engine.stats().waiting or engine.stats().running:
+        engine.step()
+    events = list(greedy.events(timeout=5))
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert deltas[0].completion_tokens == 1 and isinstance(events[-1], Finished)  # the first token is announced
+    assert "".join(d.text for d in deltas) == events[-1].text == tok.decode(list(events[-1].token_ids))
+    beam_events = list(beam.events(timeout=5))
+    assert len(beam_events) <= 2 and beam_events[-1].text  # a beam search's text comes at its end
+
+
+def test_a_cancelled_request_frees_its_rows_and_the_others_are_unchanged(tiny) -> None:
+    model, tok = tiny
+    engine = TranslationEngine(model, tok, rows=8, max_new_tokens=8, banned_ids=[0])
+    subs = [TranslationSubmission(tok.encode(t), BeamParams(4, 8), request_id=str(i)) for i, t in enumerate(TEXTS[:2])]
+    first, second = engine.submit_many(subs)
+    engine.step()
+    engine.step()
+    assert engine.stats().running == 8
+    assert engine.cancel("0")
+    engine.step()
+    assert engine.stats().running == 4  # its rows are free at the next step
+    while engine.stats().running:
+        engine.step()
+    assert first.result_sync(timeout=5).finish_reason == "cancelled"
+    assert list(second.result_sync(timeout=5).token_ids) == _alone(model, tok.encode(TEXTS[1]), BeamParams(4, 8))
+
+
+def test_overload_and_limits_are_refused_at_submit(tiny) -> None:
+    model, tok = tiny
+    engine = TranslationEngine(model, tok, rows=4, max_new_tokens=8, max_queued=2, banned_ids=[0])
+    with pytest.raises(ValueError, match="beam_size 5"):
+        engine.submit_many([TranslationSubmission(tok.encode("a"), BeamParams(5, 8))])
+    with pytest.raises(ValueError, match="max_new_tokens 9"):
+        engine.submit_many([TranslationSubmission(tok.encode("a"), BeamParams(1, 9))])
+    with pytest.raises(EngineOverloaded):
+        engine.submit_many([TranslationSubmission(tok.encode(t), BeamParams(1, 8)) for t in TEXTS[:3]])
+
+
+def test_the_started_engine_answers_concurrent_requests_on_an_event_loop(tiny) -> None:
+    model, tok = tiny
+    engine = TranslationEngine(model, tok, rows=8, max_new_tokens=8, banned_ids=[0]).start()
+
+    async def main() -> list[Finished]:
+        async def one(i: int) -> Finished:
+            (handle,) = engine.submit_many([TranslationSubmission(tok.encode(TEXTS[i]), BeamParams(BEAMS[i], NEW[i]))])
+            return await handle.result()
+        return await asyncio.gather(*(one(i) for i in range(len(TEXTS))))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for i, res in enumerate(results):
+        assert list(res.token_ids) == _alone(model, tok.encode(TEXTS[i]), BeamParams(BEAMS[i], NEW[i]))
