@@ -21,7 +21,9 @@ PACKAGES = ("torch", "ray", "transformers", "tokenizers", "fastapi", "uvicorn", 
 SYSTEM_NOTES = {
     "ours": "`python -m service`: the shipped deploy/serve_config.yaml narrowed to the benchmark's "
     "deployments (Ray Serve, FastAPI ingress, our models; dynamic length-grouped batching per model, "
-    "continuous batching for generation, streaming)",
+    "continuous batching for generation and translation, streaming)",
+    "ours_batches": "ours with the translator on request-level dynamic batches (`translation.scheduler: "
+    "batches`: each batch's beam search runs to its end before the next starts), as before the translation engine",
     "plain": "FastAPI + uvicorn, transformers models (BertModel, MarianMTModel, LlamaForCausalLM) run per "
     "request in one inference thread, no batching, no streaming",
     "serve_batch": "Ray Serve's documented pattern: one deployment with a FastAPI ingress and `@serve.batch` "

@@ -91,6 +91,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | AttentionMask | No
     return out if mask is None or mask.dead is None else out.masked_fill(mask.dead, 0.0)  # (B, H, T, D)
 
 
+def group_queries(q: Tensor, rows: Tensor, width: int, sources: int) -> Tensor:
+    """Queries of decoder rows (R, H, T, D) -> (N, H, width * T, D): row r goes to slot rows[r] of an
+    (N, width) grid, so each source's beams attend its keys (N, K, S, D) together. Empty slots are zeros."""
+    b, h, t, d = q.shape
+    grid = q.new_zeros(sources * width, h, t, d).index_copy_(0, rows, q)  # (N*width, H, T, D)
+    return grid.view(sources, width, h, t, d).transpose(1, 2).reshape(sources, h, width * t, d)  # (N, H, width*T, D)
+
+
+def ungroup_queries(out: Tensor, rows: Tensor, width: int, t: int) -> Tensor:
+    """group_queries' inverse for the attention output: (N, H, width * T, D) -> (R, H, T, D)."""
+    n, h, _, d = out.shape
+    grid = out.view(n, h, width, t, d).transpose(1, 2).reshape(n * width, h, t, d)  # (N*width, H, T, D)
+    return grid.index_select(0, rows)  # (R, H, T, D)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head (or grouped-query) attention; self-attention or cross-attention.
 
@@ -154,7 +169,8 @@ class MultiHeadAttention(nn.Module):
         """x: (B, T, C); mask: (B|1, 1, T|1, S) bool; rope: cos, sin (B, 1, T, D).
 
         cache: a kv_cache.LayerCache to write this step's keys into (self-attention);
-        kv: precomputed (B, K, S, D) keys/values (cross-attention); bias: (B|1, H, T, S) added to the
+        kv: precomputed (B, K, S, D) keys/values (cross-attention), or (k, v, rows, width) with keys
+        (N, K, S, D) one per source and mask (N, 1, 1, S) (kv_cache.CrossCache.grouped); bias: (B|1, H, T, S) added to the
         scores (T5's relative positions). Returns (B, T, C).
         """
         b, t, _ = x.shape
@@ -167,8 +183,12 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.write(k, v)  # (B, K, S, D) each: past + this step
         else:
             q = self._split(self.q_proj(x), self.n_heads, self.q_norm)  # (B, H, T, D)
-            k, v = kv  # (B, K, S, D) each
+            k, v = kv[0], kv[1]  # (B, K, S, D) each, or (N, K, S, D) grouped
+            if len(kv) == 4:
+                q = group_queries(q, kv[2], kv[3], k.size(0))  # (N, H, width*T, D)
         drop = self.dropout if self.training else 0.0
-        out = attention(q, k, v, mask, drop, bias, self.scale, self.n_kv_heads != self.n_heads)  # (B, H, T, D)
+        out = attention(q, k, v, mask, drop, bias, self.scale, self.n_kv_heads != self.n_heads)  # (B|N, H, T', D)
+        if kv is not None and len(kv) == 4:
+            out = ungroup_queries(out, kv[2], kv[3], t)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(out)  # (B, T, C)

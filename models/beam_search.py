@@ -47,7 +47,7 @@ class _Request:
     params: BeamParams
     rows: int  # live rows (beams) in the batch
     seqs: list[list[int]]  # generated tokens per running beam
-    scores: Tensor  # (n,) running log-prob sums
+    scores: list[float]  # running log-prob sums, one per running beam
     finished: list[tuple[float, list[int]]]  # (score, tokens incl. eos), best first, at most n
     done: bool = False
     result: list[int] | None = None
@@ -56,24 +56,21 @@ class _Request:
     step: int = 0  # tokens generated so far (its own: sources join a running search at any step)
 
 
-def _step_request(req: _Request, logp: Tensor, eos: int, step: int) -> list[int]:
-    """Advance one request by one token. logp: (rows, V) log-probs. Returns the source beam of each
-    new running beam (n) and updates req in place (its new last tokens are req.seqs[i][-1])."""
-    n, vocab = req.params.beam_size, logp.size(-1)
+def _step_request(req: _Request, top: tuple[list[float], list[int], list[int]], eos: int, step: int) -> list[int]:
+    """Advance one request by one token. top: its 2n best (score, source beam, token) candidates, best
+    first, as three lists (one candidate, the argmax, for greedy). Returns the source beam of each new
+    running beam (n) and updates req in place (its new last tokens are req.seqs[i][-1])."""
+    n = req.params.beam_size
     last_step = step + 1 >= req.params.max_new_tokens
     if n == 1:  # greedy
-        tok = int(logp[0].argmax())
+        tok = top[2][0]
         req.seqs[0].append(tok)
         if tok == eos or last_step:
             req.done, req.result = True, req.seqs[0]
         return [0]
-    total = (logp + req.scores[:, None]).view(-1)  # (rows * V,)
-    top_scores, top_idx = total.topk(2 * n)  # (2n,)
-    src_beam, tokens = top_idx // vocab, top_idx % vocab  # (2n,) each
     gen_len = step + 1
     running: list[tuple[float, int, int]] = []
-    for rank, (score, beam, tok) in enumerate(zip(top_scores.tolist(), src_beam.tolist(), tokens.tolist(),
-                                                  strict=True)):
+    for rank, (score, beam, tok) in enumerate(zip(*top, strict=True)):
         hits_stop = tok == eos or last_step
         if hits_stop:
             if rank < n:  # only the top n candidates may finish (as transformers does)
@@ -91,8 +88,39 @@ def _step_request(req: _Request, logp: Tensor, eos: int, step: int) -> list[int]
         req.result = req.finished[0][1] if req.finished else req.seqs[0]
         return []
     req.seqs = [req.seqs[beam] + [tok] for _, beam, tok in running]
-    req.scores = torch.tensor([s for s, _, _ in running])
+    req.scores = [sc for sc, _, _ in running]
     return [beam for _, beam, _ in running]
+
+
+def _candidates(live: Sequence[_Request], logp: Tensor) -> list[tuple[list[float], list[int], list[int]]]:
+    """Every request's best candidates from the step's log-probs logp (R, V), rows in live's order:
+    the argmax of a greedy row; for a beam search of n, the top 2n of its rows' (running score +
+    logp) over all (beam, token) pairs. One argmax for all greedy rows and one topk per group of
+    requests with the same rows and beam size, not one per request."""
+    vocab = logp.size(-1)
+    out: list[tuple[list[float], list[int], list[int]]] = [([], [], [])] * len(live)
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rows, n) -> (request, first row)
+    offset, greedy = 0, []
+    for i, req in enumerate(live):
+        if req.params.beam_size == 1:
+            greedy.append((i, offset))
+        else:
+            groups.setdefault((req.rows, req.params.beam_size), []).append((i, offset))
+        offset += req.rows
+    if greedy:
+        best = logp.argmax(-1).tolist()  # (R,)
+        for i, row in greedy:
+            out[i] = ([0.0], [0], [best[row]])
+    for (rows, n), members in groups.items():
+        index = [first + r for _, first in members for r in range(rows)]
+        sub = logp if index == list(range(logp.size(0))) else logp[torch.tensor(index, device=logp.device)]  # (G*rows, V)
+        scores = torch.tensor([live[i].scores for i, _ in members], device=logp.device)  # (G, rows)
+        total = (sub.view(len(members), rows, vocab) + scores[:, :, None]).view(len(members), -1)  # (G, rows*V)
+        top_scores, top_idx = total.topk(2 * n, dim=-1)  # (G, 2n) each
+        beams, tokens = (top_idx // vocab).tolist(), (top_idx % vocab).tolist()
+        for (i, _), sc, b, t in zip(members, top_scores.tolist(), beams, tokens, strict=True):
+            out[i] = (sc, b, t)
+    return out
 
 
 @dataclass(frozen=True)
@@ -114,9 +142,10 @@ class BeamSearch:
     cancelled, and its rows go to the next sources added. Each source's beams are its own rows, so
     its result is the same whether it runs alone, among others, or joins later.
 
-    Cross-attention keys/values are kept one row per source (`_sources`) and spread to the decoder
-    rows only when the row layout changes (a source joins, widens from 1 row to its beams, or
-    leaves), not at every step. Rows are reserved for a source's full beam size when it is added."""
+    Cross-attention keys/values are kept one row per source (`_sources`), never copied to the beams:
+    each source's beams attend them together (kv_cache.CrossCache.grouped); the map from rows to
+    sources is rebuilt only when the row layout changes (a source joins, widens from 1 row to its
+    beams, or leaves). Rows are reserved for a source's full beam size when it is added."""
 
     def __init__(self, model: Seq2Seq, rows: int, max_new_tokens: int, banned_ids: Sequence[int] = ()) -> None:
         cfg = model.cfg
@@ -129,7 +158,7 @@ class BeamSearch:
         self.banned = torch.as_tensor(list(banned_ids), dtype=torch.long, device=self.device)  # (N,)
         self._live: list[_Request] = []  # sources with rows, in row order
         self._sources: CrossCache | None = None  # one row per live source, in _live's order
-        self._cross: CrossCache | None = None  # one row per decoder row; None: rebuild from _sources
+        self._cross: CrossCache | None = None  # _sources grouped for the rows as they are; None: rebuild
         self._owners: list[int] = []  # index into _live of every decoder row
         self._tokens: list[int] = []  # every row's next input token
 
@@ -168,7 +197,7 @@ class BeamSearch:
         self.cache.reset(n, n + len(sources))
         self._sources = cross if self._sources is None else self._sources.concat(cross)
         self._owners += list(range(len(self._live), len(self._live) + len(sources)))
-        self._live += [_Request(p, 1, [[]], torch.zeros(1), [], key=k) for p, k in zip(params, keys, strict=True)]
+        self._live += [_Request(p, 1, [[]], [0.0], [], key=k) for p, k in zip(params, keys, strict=True)]
         self._tokens += [self.start] * len(sources)
         self._cross = None
 
@@ -187,24 +216,25 @@ class BeamSearch:
                 return out
         n_rows = len(self._tokens)
         if self._cross is None:
-            self._cross = self._sources.select(torch.tensor(self._owners, device=self.device))  # (R, K, S, D) per layer
+            self._cross = self._grouped()
         tokens = torch.tensor(self._tokens, dtype=torch.long, device=self.device)[:, None]  # (R, 1)
         logits = self.model.decode(tokens, self._cross, cache=self.cache.view(0, n_rows))[:, -1].float()  # (R, V)
         self.cache.advance(1, 0, n_rows)
         logp = logits.log_softmax(-1)  # (R, V)
         if self.banned.numel():
             logp[:, self.banned] = float("-inf")
+        for req, first in self._offsets():
+            if req.step + 1 >= req.params.max_new_tokens:  # force eos at the length limit
+                logp[first: first + req.rows] = float("-inf")
+                logp[first: first + req.rows, self.eos] = 0.0
+        tops = _candidates(self._live, logp)
         gather: list[int] = []
         owners: list[int] = []
         new_tokens: list[int] = []
         still: list[int] = []
         offset = 0
         for i, req in enumerate(self._live):
-            logp_r = logp[offset: offset + req.rows]  # (rows, V)
-            if req.step + 1 >= req.params.max_new_tokens:  # force eos at the length limit
-                logp_r = torch.full_like(logp_r, float("-inf"))
-                logp_r[:, self.eos] = 0.0
-            src_beams = _step_request(req, logp_r, self.eos, req.step)
+            src_beams = _step_request(req, tops[i], self.eos, req.step)
             req.step += 1
             if req.done:
                 out.append(Translated(req.key, done=True, ids=[t for t in req.result or [] if t != self.eos]))
@@ -218,6 +248,22 @@ class BeamSearch:
             offset += req.rows
             req.rows = len(req.seqs) if not req.done else 0
         self._keep(still, gather, owners, new_tokens)
+        return out
+
+    def _grouped(self) -> CrossCache:
+        """The sources' cross keys/values for the rows as they are: row r is slot (its source, its
+        place among that source's rows) of a grid as wide as the widest beam."""
+        width = max(req.params.beam_size for req in self._live)
+        slots = [owner * width + (row - first) for req, first in self._offsets()
+                 for owner, row in [(self._owners[first], r) for r in range(first, first + req.rows)]]
+        return self._sources.grouped(torch.tensor(slots, device=self.device), width)  # rows (R,)
+
+    def _offsets(self) -> list[tuple[_Request, int]]:
+        """Every live source with its first row."""
+        out, offset = [], 0
+        for req in self._live:
+            out.append((req, offset))
+            offset += req.rows
         return out
 
     def _drop(self, gone: list[int]) -> list[Translated]:

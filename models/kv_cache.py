@@ -124,16 +124,18 @@ class KVCache:
         self.set_lengths(n, dst, dst + 1)
 
     def reorder(self, index: Tensor | Sequence[int], start: int = 0) -> None:
-        """Rows [start, start+len(index)) become rows start+index (beam search)."""
+        """Rows [start, start+len(index)) become rows start+index (beam search). Only the rows that
+        change are copied (a beam that keeps its place costs nothing)."""
         rows = [start + int(i) for i in (index.tolist() if isinstance(index, Tensor) else index)]
         stop = start + len(rows)
-        if not rows:
-            return
-        src = torch.tensor(rows, device=self.lengths.device)  # (B,)
+        moved = [(start + i, r) for i, r in enumerate(rows) if r != start + i]
         lengths = [self.host_lengths[r] for r in rows]
-        n = min(max(lengths), self.slots)
-        for buf in self.k + self.v:
-            buf[start:stop, :, :n] = buf[src, :, :n]
+        if moved:
+            dst = torch.tensor([d for d, _ in moved], device=self.lengths.device)  # (M,)
+            src = torch.tensor([r for _, r in moved], device=self.lengths.device)  # (M,)
+            n = min(max(self.host_lengths[r] for _, r in moved), self.slots)
+            for buf in self.k + self.v:
+                buf[dst, :, :n] = buf[src, :, :n]  # (M, K, n, D): the source rows are read before any is written
         self.set_lengths(lengths, start, stop)
 
 
@@ -279,11 +281,27 @@ class CrossCache:
     kv[layer] = (k, v), each (B, K, S_src, D); src_keep: (B, S_src) bool, True = real token; mask:
     the cross-attention mask built from it once (AttentionMask.build reads the device; built here,
     every decode step uses it without a host synchronisation), None = build it when used.
+
+    Grouped (`rows` set, see `grouped`): one row per *source* (N of them), and the decoder's rows (a
+    source's beams) find theirs through `rows`: decoder row r is slot rows[r] of an (N, width) grid,
+    source rows[r] // width. Cross-attention then attends each source's beams together against its
+    keys once (attention.group_queries), instead of copying the keys to every beam.
     """
 
     kv: list[tuple[Tensor, Tensor]]
     src_keep: Tensor
     mask: AttentionMask | None = None
+    rows: Tensor | None = None  # (R,) long: each decoder row's grid slot; None = one kv row per decoder row
+    width: int = 1  # grid slots per source
+
+    def grouped(self, rows: Tensor, width: int) -> CrossCache:
+        """These per-source keys/values for decoder rows in grid slots `rows` (R,) of width `width`."""
+        return CrossCache(self.kv, self.src_keep, self.mask, rows, width)
+
+    def layer_kv(self, i: int) -> tuple:
+        """What layer i's cross-attention takes: (k, v), or grouped (k, v, rows, width)."""
+        k, v = self.kv[i]
+        return (k, v) if self.rows is None else (k, v, self.rows, self.width)
 
     @classmethod
     def build(cls, kv: list[tuple[Tensor, Tensor]], src_keep: Tensor) -> CrossCache:

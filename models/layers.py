@@ -114,11 +114,12 @@ class Block(nn.Module):
         mask: Tensor | AttentionMask | None,
         rope: tuple[Tensor, Tensor] | None = None,
         cache=None,
-        cross_kv: tuple[Tensor, Tensor] | None = None,
+        cross_kv: tuple | None = None,
         cross_mask: Tensor | AttentionMask | None = None,
         bias: Tensor | None = None,
     ) -> Tensor:
-        """x: (B, T, C) -> (B, T, C). cross_kv: (B, K, S_src, D) keys/values of the encoder output;
+        """x: (B, T, C) -> (B, T, C). cross_kv: (B, K, S_src, D) keys/values of the encoder output (or
+        grouped, CrossCache.layer_kv);
         bias: (B|1, H, T, S) added to the self-attention scores (T5's relative positions)."""
         x = self._residual(x, self.self_norm, lambda h: self.self_attn(h, mask, rope, cache, bias=bias))
         if self.cross_attn is not None:

@@ -90,7 +90,7 @@ class CausalStack(nn.Module):
         if cross is not None:
             cross_mask = cross.mask if cross.mask is not None else AttentionMask.build(padding_mask(cross.src_keep))
         for i, block in enumerate(self.blocks):
-            kv = cross.kv[i] if cross is not None else None
+            kv = cross.layer_kv(i) if cross is not None else None
             x = block(x, mask, rope, cache.layer(i) if cache is not None else None, kv, cross_mask, bias=bias)
         return self.norm(x) if self.norm is not None else x
 

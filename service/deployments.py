@@ -17,6 +17,8 @@ from typing import Any, ClassVar, TypeVar
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
+from models.catalog import LoadedModel
+
 from .errors import ServiceError
 from .messages import (
     Classification,
@@ -32,10 +34,10 @@ from .replica.encoder import EncoderRunner
 from .replica.generator import GeneratorRunner
 from .replica.loading import load_for_deployment
 from .replica.runner import ModelRunner
-from .replica.translator import TranslatorRunner
+from .replica.translator import TranslatorEngineRunner, TranslatorRunner, for_translator
 from .settings import DeploymentSettings, Settings
 from .telemetry.logs import serve_logging_config
-from .telemetry.metrics import process_metrics, replica_actor_options
+from .telemetry.metrics import ServiceMetrics, process_metrics, replica_actor_options
 
 log = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -72,7 +74,7 @@ class ModelDeployment:
     def __init__(self, name: str, settings: Settings) -> None:
         dep, loaded = load_for_deployment(name, settings)
         metrics = process_metrics()
-        self.runner = self.runner_class.for_deployment(loaded, name, dep, metrics)
+        self.runner = self.build_runner(loaded, name, dep, metrics)
         started = time.perf_counter()
         self.runner.warm_up()
         self.runner.start()
@@ -83,6 +85,10 @@ class ModelDeployment:
                              loaded.load_seconds, self.runner.queue_capacity)
         if limits := self.runner.limits():
             log.info("%s: limits %s", name, limits)
+
+    def build_runner(self, loaded: LoadedModel, name: str, dep: DeploymentSettings,
+                     metrics: ServiceMetrics) -> ModelRunner:
+        return self.runner_class.for_deployment(loaded, name, dep, metrics)
 
     async def info(self) -> ModelInfo:
         return self.runner.info()
@@ -119,8 +125,12 @@ class EncoderDeployment(ModelDeployment):
 class TranslatorDeployment(ModelDeployment):
     """Beam-search translation with per-request beam size and length inside shared batches."""
 
-    runner_class = TranslatorRunner
-    runner: TranslatorRunner
+    runner_class = TranslatorRunner  # with translation.scheduler "batches"; "steps": TranslatorEngineRunner
+    runner: TranslatorRunner | TranslatorEngineRunner
+
+    def build_runner(self, loaded: LoadedModel, name: str, dep: DeploymentSettings,
+                     metrics: ServiceMetrics) -> ModelRunner:
+        return for_translator(loaded, name, dep, metrics)
 
     async def translate(self, texts: list[str], options: TranslateOptions, timeout_s: float | None
                         ) -> list[str] | ServiceError:

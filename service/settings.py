@@ -41,7 +41,7 @@ from pydantic import (
 
 from models.spec import DEFAULT_SPECS, ModelSpec
 
-from .engine.config import EngineConfig
+from .engine.config import EngineConfig, TranslationConfig
 from .replica.config import BatchLimits
 
 ENV_PREFIX = "TS_"
@@ -61,6 +61,7 @@ class DeploymentSettings(_Frozen):
     model: ModelSpec | None = None  # None: DEFAULT_SPECS[<deployment name>]
     batching: BatchLimits = BatchLimits()  # encoder and translator deployments (service/replica/batcher.py)
     engine: EngineConfig = EngineConfig()  # generator deployments (service/engine/)
+    translation: TranslationConfig = TranslationConfig()  # translator deployments (service/engine/translation.py)
     num_replicas: int = Field(1, ge=1)
     autoscaling_config: dict[str, Any] | None = None  # Ray Serve's; replaces num_replicas when set
     num_cpus: float = Field(1.0, ge=0)

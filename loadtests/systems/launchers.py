@@ -69,7 +69,8 @@ def serve_batch(cfg: LaunchConfig) -> Launch:
     return Launch(argv, tasks=cfg.tasks)
 
 
-def our_service(cfg: LaunchConfig) -> Launch:
+def our_service(cfg: LaunchConfig, translation_scheduler: str | None = None) -> Launch:
+    """The service on the shipped config; `translation_scheduler` replaces the translator's."""
     skipped = ours.unsupported(cfg.tasks)
     tasks = tuple(t for t in cfg.tasks if t not in skipped)
     if not tasks:
@@ -81,8 +82,9 @@ def our_service(cfg: LaunchConfig) -> Launch:
         cfg.threads,
         cfg.device,
         cfg.request_timeout_s,
-        cfg.workdir / "ours_serve_config.yaml",
+        cfg.workdir / f"ours{'_' + translation_scheduler if translation_scheduler else ''}_serve_config.yaml",
         dtype=cfg.dtype,
+        translation_scheduler=translation_scheduler,
     )
     env = {"TRANSFORMER_SERVE_CACHE": cfg.cache_dir} if cfg.cache_dir else {}
     argv = [
@@ -99,8 +101,14 @@ def our_service(cfg: LaunchConfig) -> Launch:
     return Launch(argv, env, tasks, skipped)
 
 
+def our_service_batches(cfg: LaunchConfig) -> Launch:
+    """Ours with the translator on request-level dynamic batches (before the translation engine)."""
+    return our_service(cfg, "batches")
+
+
 SYSTEMS: dict[str, Callable[[LaunchConfig], Launch]] = {
     "ours": our_service,
+    "ours_batches": our_service_batches,
     "plain": plain,
     "serve_batch": serve_batch,
 }

@@ -43,6 +43,7 @@ def serve_config(
     shipped: dict[str, Any],
     gpus: int = 0,
     dtype: str = "auto",
+    translation_scheduler: str | None = None,
 ) -> dict[str, Any]:
     """The shipped config with only the deployments for `tasks` (see the module docstring). With
     `gpus` visible and a device that may be CUDA, the deployments share them (Serve would otherwise
@@ -63,6 +64,8 @@ def serve_config(
         dep["num_replicas"] = 1
         if dtype != "auto":  # every model in this dtype, whatever the shipped config says
             dep.pop("dtype", None)
+        if translation_scheduler is not None and task == "translate":  # ours_batches: request-level batches
+            dep["translation"] = {**(dep.get("translation") or {}), "scheduler": translation_scheduler}
         if gpus and device != "cpu" and dep.get("num_gpus") is None:
             dep["num_gpus"] = round(gpus / len(tasks), 3)
         deployments[name] = dep
@@ -87,12 +90,14 @@ def write_config(
     request_timeout_s: float,
     path: Path,
     dtype: str = "auto",
+    translation_scheduler: str | None = None,
 ) -> Path:
     import torch
 
     shipped = yaml.safe_load(SHIPPED_CONFIG.read_text())
     config = serve_config(
-        tasks, models, port, threads, device, request_timeout_s, shipped, torch.cuda.device_count(), dtype
+        tasks, models, port, threads, device, request_timeout_s, shipped, torch.cuda.device_count(), dtype,
+        translation_scheduler,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -46,3 +46,26 @@ class EngineConfig:
     @property
     def kv_cache_bytes(self) -> int:
         return int(self.kv_cache_mib * 2**20)
+
+
+@dataclass(frozen=True)
+class TranslationConfig:
+    """How a translator deployment schedules its beam searches (its `translation` settings)."""
+
+    __pydantic_config__ = {"extra": "forbid"}
+
+    # "steps": the translation engine (engine/translation.py): requests join and leave the search at
+    # every decoder step; "batches": request-level dynamic batches (the deployment's `batching`), each
+    # beam search run to its end before the next batch starts
+    scheduler: str = "steps"
+    max_rows: int = 128  # beams decoding at once (each request reserves its beam size); 201 MiB of cache for the default translator
+    max_queued: int = 512  # sources waiting for rows; one more is refused (503 + Retry-After)
+    encode_tokens: int = 4096  # padded source tokens encoded per admission step (one source always)
+
+    def __post_init__(self) -> None:
+        problems = [f"{name} must be a positive integer, got {getattr(self, name)!r}"
+                    for name in ("max_rows", "max_queued", "encode_tokens") if getattr(self, name) < 1]
+        if self.scheduler not in ("steps", "batches"):
+            problems.append(f"scheduler must be 'steps' or 'batches', got {self.scheduler!r}")
+        if problems:
+            raise ValueError("TranslationConfig: " + "; ".join(problems))

@@ -124,6 +124,7 @@ class TranslationEngine(StepLoop):
         super().__init__(name, rows, max_queued, self.search.cache.nbytes(), observer, after_step)
         self._running: dict[str, TranslationState] = {}  # engine thread only
         self._admitting: list[TranslationState] = []
+        self.largest_step = 0  # the most sources one decoder step advanced (engine thread writes it)
 
     # -- front (any thread) ----------------------------------------------------------------------
 
@@ -163,6 +164,7 @@ class TranslationEngine(StepLoop):
         self._admit()
         if not self.search:
             return
+        self.largest_step = max(self.largest_step, len(self.search))
         events = self.search.step(cancelled=lambda key: self._running[key].cancelled)
         now = time.perf_counter()
         for event in events:

@@ -1,5 +1,9 @@
-"""Translation on one encoder-decoder replica: beam search over dynamic batches, each input with its
-own beam size and length limit (models.beam_search.translate_ids takes one BeamParams per source).
+"""Translation on one encoder-decoder replica, each input with its own beam size and length limit,
+scheduled one of two ways (the deployment's `translation.scheduler`):
+- `TranslatorEngineRunner` ("steps", the default): the translation engine (service/engine/translation.py),
+  where requests join and leave the search at every decoder step;
+- `TranslatorRunner` ("batches"): beam search over dynamic batches, each run to its end
+  (models.beam_search.translate_ids takes one BeamParams per source).
 
 What differs between translators is carried by the model and its tokenizer, not decided here: the
 start, end and pad ids come from the model's config, the text from its tokenizer, and a task prefix
@@ -9,20 +13,30 @@ spec serves, or from the spec's `prefix` default.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from models.beam_search import BeamParams, translate_ids
 from models.catalog import LoadedModel
 
-from ..errors import InvalidRequest
+from ..engine.config import TranslationConfig
+from ..engine.translation import TranslationEngine, TranslationSubmission
+from ..errors import DeadlineExceeded, InternalError, InvalidRequest
 from ..messages import TranslateOptions
-from ..telemetry.hooks import BatchObserver
+from ..telemetry.hooks import BatchObserver, EngineObserver
+from ..telemetry.metrics import ServiceMetrics
+from ..telemetry.observers import PrometheusEngineObserver
 from .batcher import STOPPED
 from .config import BatchLimits
 from .heap import HeapTrimmer
-from .runner import BatchedRunner, chars, deadline, off_loop
+from .runner import BatchedRunner, ModelRunner, chars, deadline, off_loop
 from .tokenize import tokenize
+
+if TYPE_CHECKING:
+    from ..settings import DeploymentSettings
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,33 @@ def source_prefix(loaded: LoadedModel) -> str:
     return prefix
 
 
+def banned_ids(loaded: LoadedModel) -> list[int]:
+    """Tokens a translation never produces: pad and the decoder's start token (unless it is eos)."""
+    cfg = loaded.model.cfg
+    return sorted({t for t in (cfg.pad_token_id, cfg.decoder_start_token_id) if t is not None} - {cfg.eos_token_id})
+
+
+def beam_params(loaded: LoadedModel, options: TranslateOptions) -> BeamParams:
+    """The request's search, its model's defaults where it sets nothing; a 422 past the model's length."""
+    defaults, limit = loaded.spec.defaults, loaded.model.cfg.max_positions - 1
+    beam = options.beam_size or int(defaults.get("beam_size", 4))
+    max_new = options.max_new_tokens or int(defaults.get("max_new_tokens", 128))
+    if max_new > limit:
+        raise InvalidRequest(f"max_new_tokens is {max_new}; model {loaded.spec.name!r} can generate "
+                             f"at most {limit}", "max_new_tokens")
+    return BeamParams(beam_size=beam, max_new_tokens=max_new)
+
+
+def for_translator(loaded: LoadedModel, deployment: str, settings: DeploymentSettings,
+                   metrics: ServiceMetrics) -> ModelRunner:
+    """The runner its `translation.scheduler` names."""
+    if settings.translation.scheduler == "batches":
+        return TranslatorRunner.for_deployment(loaded, deployment, settings, metrics)
+    return TranslatorEngineRunner(loaded, deployment, settings.translation,
+                                  PrometheusEngineObserver(metrics, loaded.spec.name),
+                                  HeapTrimmer(settings.heap_trim_interval_s))
+
+
 class TranslatorRunner(BatchedRunner):
     """Beam search on the encoder-decoder; each item keeps its own beam size and length limit inside
     a shared batch (translate_ids takes one BeamParams per source)."""
@@ -57,20 +98,11 @@ class TranslatorRunner(BatchedRunner):
     def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits,
                  observer: BatchObserver | None = None, heap: HeapTrimmer | None = None) -> None:
         super().__init__(loaded, deployment, limits, observer, heap)
-        cfg = loaded.model.cfg
-        self.banned = sorted({t for t in (cfg.pad_token_id, cfg.decoder_start_token_id) if t is not None}
-                             - {cfg.eos_token_id})
-        self.max_new_limit = cfg.max_positions - 1
+        self.banned = banned_ids(loaded)
         self.prefix = source_prefix(loaded)
 
     def params(self, options: TranslateOptions) -> BeamParams:
-        defaults = self.loaded.spec.defaults
-        beam = options.beam_size or int(defaults.get("beam_size", 4))
-        max_new = options.max_new_tokens or int(defaults.get("max_new_tokens", 128))
-        if max_new > self.max_new_limit:
-            raise InvalidRequest(f"max_new_tokens is {max_new}; model {self.loaded.spec.name!r} can generate "
-                                 f"at most {self.max_new_limit}", "max_new_tokens")
-        return BeamParams(beam_size=beam, max_new_tokens=max_new)
+        return beam_params(self.loaded, options)
 
     async def translate(self, texts: Sequence[str], options: TranslateOptions,
                         timeout_s: float | None) -> list[str]:
@@ -93,3 +125,91 @@ class TranslatorRunner(BatchedRunner):
         ids = tokenize(self.loaded.tokenizer, [self.prefix + "warm up", self.prefix + "warm up the translator"],
                        self.loaded.max_input_tokens, truncate=True)
         self.run_batch([TranslateItem(ids[0], BeamParams(1, 2)), TranslateItem(ids[1], BeamParams(2, 2))])
+
+
+WARM_UP = ("warm up", "warm up the translator")
+WARM_UP_STEPS = 4
+
+
+class TranslatorEngineRunner(ModelRunner):
+    """The translation engine for one encoder-decoder: requests join the beam search at the next
+    decoder step and leave it at the step they end; a request whose caller goes away or whose
+    deadline passes is cancelled in the engine, which frees its rows within one step."""
+
+    loop_name = "translation engine"
+
+    def __init__(self, loaded: LoadedModel, deployment: str, config: TranslationConfig,
+                 observer: EngineObserver | None = None, heap: HeapTrimmer | None = None) -> None:
+        super().__init__(loaded, deployment, heap)
+        self.config = config
+        self.prefix = source_prefix(loaded)
+        self.engine = TranslationEngine(loaded.model, loaded.tokenizer, config.max_rows,
+                                        loaded.model.cfg.max_positions - 1, config.max_queued, config.encode_tokens,
+                                        banned_ids(loaded), observer, name=f"{deployment}-engine",
+                                        after_step=self.heap.maybe_trim)
+
+    def params(self, options: TranslateOptions) -> BeamParams:
+        return beam_params(self.loaded, options)
+
+    async def translate(self, texts: Sequence[str], options: TranslateOptions,
+                        timeout_s: float | None) -> list[str]:
+        """Every text's translation. Past `timeout_s` the unfinished ones are cancelled: DeadlineExceeded."""
+        params = self.params(options)
+        if params.beam_size > self.config.max_rows:
+            raise InvalidRequest(f"beam_size is {params.beam_size}; this deployment decodes at most "
+                                 f"{self.config.max_rows} beams at once", "beam_size")
+        prefixed = [self.prefix + t for t in texts]
+        ids = await off_loop(chars(prefixed), tokenize, self.loaded.tokenizer, prefixed,
+                             self.loaded.max_input_tokens, options.truncate)
+        until = None if timeout_s is None else time.perf_counter() + timeout_s
+        handles = self.engine.submit_many([TranslationSubmission(x, params, deadline=until) for x in ids])
+        try:
+            finished = await asyncio.wait_for(asyncio.gather(*(handle.result() for handle in handles)), timeout_s)
+        except TimeoutError:
+            for handle in handles:
+                handle.cancel()
+            raise DeadlineExceeded(f"the translation did not finish within {timeout_s:.1f} s") from None
+        except asyncio.CancelledError:
+            for handle in handles:
+                handle.cancel()
+            raise
+        if any(event.error is not None for event in finished):
+            raise InternalError(f"{self.deployment}: the translation failed; see the server log")
+        return [event.text for event in finished]
+
+    def warm_up(self) -> None:
+        """A greedy and a beam search on the engine, before start() (the engine thread is not running)."""
+        ids = tokenize(self.loaded.tokenizer, [self.prefix + t for t in WARM_UP], self.loaded.max_input_tokens,
+                       truncate=True)
+        self.engine.submit_many([TranslationSubmission(ids[0], BeamParams(1, 2)),
+                                 TranslationSubmission(ids[1], BeamParams(2, 2))])
+        for _ in range(WARM_UP_STEPS):
+            self.engine.step()
+            stats = self.engine.stats()
+            if stats.running == 0 and stats.waiting == 0:
+                break
+        if stats.running or stats.waiting or stats.finished.get("error"):
+            raise RuntimeError(f"{self.deployment}: the warm-up translations did not finish: {stats}")
+
+    def start(self) -> None:
+        self.engine.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.engine.alive
+
+    @property
+    def queue_capacity(self) -> int:
+        return self.config.max_queued
+
+    def stats(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        return {"running_rows": s.running, "queued": s.waiting, "rows": s.rows, "steps": s.steps,
+                "decoded_tokens": s.generated_tokens, "finished": dict(s.finished),
+                "largest_batch": self.engine.largest_step}  # the most requests one decoder step advanced
+
+    def limits(self) -> dict[str, Any]:
+        return {"scheduler": "steps", "max_rows": self.config.max_rows, "max_queued": self.config.max_queued}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.engine.shutdown(timeout_s)

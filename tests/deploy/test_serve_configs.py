@@ -12,7 +12,7 @@ from service.deployments import deployment_options
 from tests.deploy.serve_configs import CPU_CONFIG, GPU_CONFIG, check_serve_config, load, our_app, settings_of
 
 # what the GPU variant may change per deployment (placement and sizes); everything else must match
-GPU_MAY_CHANGE = {"num_cpus", "num_gpus", "device", "dtype", "batching", "engine", "autoscaling_config",
+GPU_MAY_CHANGE = {"num_cpus", "num_gpus", "device", "dtype", "batching", "engine", "translation", "autoscaling_config",
                   "max_ongoing_requests", "max_queued_requests"}
 
 
