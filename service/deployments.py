@@ -27,8 +27,10 @@ from .messages import (
     GenerationEvent,
     GenerationRequest,
     ModelInfo,
+    TextDelta,
     Tokenized,
     TranslateOptions,
+    TranslationDone,
 )
 from .replica.encoder import EncoderRunner
 from .replica.generator import GeneratorRunner
@@ -135,6 +137,11 @@ class TranslatorDeployment(ModelDeployment):
     async def translate(self, texts: list[str], options: TranslateOptions, timeout_s: float | None
                         ) -> list[str] | ServiceError:
         return await answered(self.runner.translate(texts, options, timeout_s))
+
+    async def translate_stream(self, texts: list[str], options: TranslateOptions, timeout_s: float | None
+                               ) -> AsyncIterator[tuple[int, TextDelta | TranslationDone] | ServiceError]:
+        async for item in answered_stream(self.runner.translate_stream(texts, options, timeout_s)):
+            yield item
 
 
 @serve.deployment

@@ -192,6 +192,13 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class TranslationDone:
+    """The end of one input's translation in a stream: its whole text (= its TextDeltas joined)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class GenerationDone:
     """The end of a generation: the whole text (= the concatenated TextDeltas of a stream).
 

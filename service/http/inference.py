@@ -8,16 +8,17 @@ import asyncio
 import base64
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
 from .. import documents
-from ..errors import InvalidItem, InvalidRequest
+from ..errors import InternalError, InvalidItem, InvalidRequest, ServiceError
 from ..messages import Classification as ClassificationResult
-from ..messages import Embeddings, TranslateOptions
+from ..messages import Embeddings, TranslateOptions, TranslationDone
 from ..settings import Settings
 from ..text_limits import fit_chars
 from .deadline import request_timeout, within
@@ -36,6 +37,7 @@ from .schemas import (
     TranslateResponse,
     check_texts,
 )
+from .sse import SSE_HEADERS, sse
 
 log = logging.getLogger(__name__)
 OFF_LOOP_CHARS = 4096  # documents longer than this in all are cut into sentences in a worker thread (~0.1 ms per KB)
@@ -109,8 +111,10 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
         order = sorted(range(len(texts)), key=lambda i: -scores[i])  # stable: ties keep request order
         return [Rank(index=i, score=scores[i], text=texts[i] if body.return_text else None) for i in order]
 
-    @router.post("/v1/translate", response_model=TranslateResponse, responses=errors)
-    async def translate(body: TranslateRequest, request: Request) -> TranslateResponse:
+    @router.post("/v1/translate", response_model=TranslateResponse,
+                 responses={**errors, 200: {"description": "JSON, or server-sent events with `\"stream\": true`",
+                                            "content": {"text/event-stream": {}}}})
+    async def translate(body: TranslateRequest, request: Request) -> TranslateResponse | StreamingResponse:
         """Beam-search translation; beam_size and max_new_tokens apply to this request only. Texts are
         cut into sentences and put back together (service/documents.py) unless split_sentences is false."""
         texts = check_texts(body.inputs, "inputs", settings.max_inputs)
@@ -118,6 +122,9 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
         options = TranslateOptions(body.beam_size, body.max_new_tokens, body.truncate)
         if not body.split_sentences:
             texts = await limits.fit(route.deployment, texts, body.truncate, "inputs")
+            if body.stream:
+                docs = [documents.Document(("", ""), (t,)) for t in texts]
+                return await streamed(route, request, docs, texts, options, None)
             out: list[str] = await call(route, "translate", "inputs", request, texts, options)
             return TranslateResponse(model=route.model, translations=out, sentences=[1] * len(out))
         try:
@@ -131,12 +138,16 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
         sentences = [s for doc in docs for s in doc.sentences]
         names = [ItemName(f"inputs[{i}]", f"inputs[{i}], sentence {j + 1}")
                  for i, doc in enumerate(docs) for j in range(len(doc.sentences))]
-        most = settings.deployments[route.deployment].batching.max_queued
+        dep = settings.deployments[route.deployment]
+        most = dep.translation.max_queued if dep.translation.scheduler == "steps" else dep.batching.max_queued
         if len(sentences) > most:
             raise InvalidRequest(f"inputs hold {len(sentences)} sentences; at most {most} per request "
                                  f"(the translator's queue)", "inputs")
         if sentences:
             sentences = await limits.fit(route.deployment, sentences, body.truncate, "inputs", names=names)
+        if body.stream:
+            return await streamed(route, request, docs, sentences, options, names)
+        if sentences:
             translated = await call(route, "translate", "inputs", request, sentences, options, names=names)
             if not isinstance(translated, list) or len(translated) != len(sentences):
                 raise TypeError(f"the translator answered {type(translated).__name__} for {len(sentences)} inputs")
@@ -147,7 +158,90 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
             start += len(doc.sentences)
         return TranslateResponse(model=route.model, translations=out, sentences=[len(d.sentences) for d in docs])
 
+    async def streamed(route: Route, request: Request, docs: Sequence[documents.Document], sentences: list[str],
+                       options: TranslateOptions, names: Sequence[ItemName] | None) -> StreamingResponse:
+        """The translation as server-sent events, each text's pieces in order: the replica's stream is
+        opened and its first event awaited under the deadline (a refusal or a bad sentence is an error
+        status, not a stream); then the client reads as long as it wants."""
+        timeout = request_timeout(request, settings)
+        events = backend.stream(route.deployment, "translate_stream", sentences, options, timeout)
+        first: list[Any] = []
+        if sentences:
+            try:
+                first.append(await within(anext(events), timeout, "the translation did not start"))
+            except InvalidItem as e:
+                await events.aclose()
+                raise item_error(e, "inputs", names=names) from None
+            except BaseException:
+                await events.aclose()
+                raise
+        return StreamingResponse(translation_events(route.model, docs, first, events), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
     return router
+
+
+async def translation_events(model: str, docs: Sequence[documents.Document], first: list[Any],
+                             events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """`{"index", "text"}` events: each document's gaps and its sentences' translations in order (a
+    sentence's pieces as they come; those of later sentences wait for the ones before them), then
+    `{"model", "translations", "sentences"}`. An error after the stream started is a last `{"error"}`."""
+    order = [(i, j) for i, doc in enumerate(docs) for j in range(len(doc.sentences))]  # sentence k -> (text, j)
+    pieces: list[list[str]] = [[] for _ in order]
+    done = [False] * len(order)
+    sent = [0] * len(order)  # pieces of sentence k already sent
+    out = [doc.gaps[0] for doc in docs]  # each text so far
+    opened = [not doc.sentences for doc in docs]  # its leading gap was sent (a text of whitespace: at once)
+    cursor = 0  # the first sentence not yet sent whole
+
+    def ready() -> list[bytes]:
+        nonlocal cursor
+        chunks: list[bytes] = []
+        while cursor < len(order):
+            i, j = order[cursor]
+            if not opened[i]:
+                opened[i] = True
+                if docs[i].gaps[0]:
+                    chunks.append(sse({"index": i, "text": docs[i].gaps[0]}))
+            new = "".join(pieces[cursor][sent[cursor]:])
+            sent[cursor] = len(pieces[cursor])
+            if new:
+                chunks.append(sse({"index": i, "text": new}))
+                out[i] += new
+            if not done[cursor]:
+                break
+            gap = docs[i].gaps[j + 1]
+            if gap:
+                chunks.append(sse({"index": i, "text": gap}))
+                out[i] += gap
+            cursor += 1
+        return chunks
+
+    async def items() -> AsyncIterator[Any]:
+        for item in first:
+            yield item
+        async for item in events:
+            yield item
+
+    try:
+        for i, doc in enumerate(docs):  # texts of whitespace only: no sentence to wait for
+            if not doc.sentences and doc.gaps[0]:
+                yield sse({"index": i, "text": doc.gaps[0]})
+        async for k, event in items():
+            if isinstance(event, TranslationDone):
+                done[k] = True
+            else:
+                pieces[k].append(event.text)
+            for chunk in ready():
+                yield chunk
+        yield sse({"model": model, "translations": out, "sentences": [len(d.sentences) for d in docs]})
+    except ServiceError as e:
+        yield sse(e.body())
+    except Exception:
+        log.exception("translation stream failed")
+        yield sse(InternalError("internal error; see the server log").body())
+    finally:  # also when the client went away: closing the stream cancels the model call
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 def _base64(vector: list[float]) -> str:

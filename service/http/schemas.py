@@ -112,6 +112,10 @@ class TranslateRequest(_Request):
         True, description="Cut each text into sentences (a line break always ends one), translate them, and "
                           "put them back with the text's own spaces, line breaks and paragraphs: documents up to "
                           "the server's max_document_chars. false: each text is one input of the model.")
+    stream: StrictBool = Field(
+        False, description="Server-sent events: `{\"index\", \"text\"}` pieces of each text's translation in "
+                           "order (a greedy search's as its tokens are chosen, a beam search's a sentence at a "
+                           "time), then `{\"model\", \"translations\", \"sentences\"}`.")
 
 
 class TranslateResponse(BaseModel):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,9 +23,11 @@ from models.beam_search import BeamParams, translate_ids
 from models.catalog import LoadedModel
 
 from ..engine.config import TranslationConfig
+from ..engine.events import Finished
 from ..engine.translation import TranslationEngine, TranslationSubmission
 from ..errors import DeadlineExceeded, InternalError, InvalidRequest
-from ..messages import TranslateOptions
+from ..messages import TextDelta, TranslateOptions, TranslationDone
+from ..streams import interleaved
 from ..telemetry.hooks import BatchObserver, EngineObserver
 from ..telemetry.metrics import ServiceMetrics
 from ..telemetry.observers import PrometheusEngineObserver
@@ -113,6 +115,13 @@ class TranslatorRunner(BatchedRunner):
         return await self.batcher.submit_many([TranslateItem(x, params) for x in ids], [len(x) for x in ids],
                                               deadline(timeout_s), [params.beam_size * params.max_new_tokens] * len(ids))
 
+    async def translate_stream(self, texts: Sequence[str], options: TranslateOptions, timeout_s: float | None
+                               ) -> AsyncIterator[tuple[int, TextDelta | TranslationDone]]:
+        """translate()'s answers as a stream (request-level batches have no pieces: each text whole, at the end)."""
+        for i, text in enumerate(await self.translate(texts, options, timeout_s)):
+            yield i, TextDelta(text)
+            yield i, TranslationDone(text)
+
     def run_batch(self, payloads: list[TranslateItem]) -> list[str | object]:
         """One beam search over the batch; an input no longer wanted (its client went away, its deadline
         passed) leaves the search at the next step (STOPPED), freeing its rows for the others."""
@@ -151,9 +160,9 @@ class TranslatorEngineRunner(ModelRunner):
     def params(self, options: TranslateOptions) -> BeamParams:
         return beam_params(self.loaded, options)
 
-    async def translate(self, texts: Sequence[str], options: TranslateOptions,
-                        timeout_s: float | None) -> list[str]:
-        """Every text's translation. Past `timeout_s` the unfinished ones are cancelled: DeadlineExceeded."""
+    async def _submit(self, texts: Sequence[str], options: TranslateOptions, timeout_s: float | None
+                      ) -> list[Any]:
+        """Every text submitted to the engine together: their handles."""
         params = self.params(options)
         if params.beam_size > self.config.max_rows:
             raise InvalidRequest(f"beam_size is {params.beam_size}; this deployment decodes at most "
@@ -162,7 +171,12 @@ class TranslatorEngineRunner(ModelRunner):
         ids = await off_loop(chars(prefixed), tokenize, self.loaded.tokenizer, prefixed,
                              self.loaded.max_input_tokens, options.truncate)
         until = None if timeout_s is None else time.perf_counter() + timeout_s
-        handles = self.engine.submit_many([TranslationSubmission(x, params, deadline=until) for x in ids])
+        return self.engine.submit_many([TranslationSubmission(x, params, deadline=until) for x in ids])
+
+    async def translate(self, texts: Sequence[str], options: TranslateOptions,
+                        timeout_s: float | None) -> list[str]:
+        """Every text's translation. Past `timeout_s` the unfinished ones are cancelled: DeadlineExceeded."""
+        handles = await self._submit(texts, options, timeout_s)
         try:
             finished = await asyncio.wait_for(asyncio.gather(*(handle.result() for handle in handles)), timeout_s)
         except TimeoutError:
@@ -176,6 +190,29 @@ class TranslatorEngineRunner(ModelRunner):
         if any(event.error is not None for event in finished):
             raise InternalError(f"{self.deployment}: the translation failed; see the server log")
         return [event.text for event in finished]
+
+    async def translate_stream(self, texts: Sequence[str], options: TranslateOptions, timeout_s: float | None
+                               ) -> AsyncIterator[tuple[int, TextDelta | TranslationDone]]:
+        """(index of the text, event) as the engine produces them: a greedy translation's pieces of text
+        as its tokens are chosen, a beam search's text whole when it ends; then TranslationDone per
+        text. `timeout_s` only bounds the wait for rows (admission): the caller decides how long it
+        reads. Closing the stream, or cancelling the task reading it, cancels the unfinished texts."""
+        handles = await self._submit(texts, options, timeout_s)
+        ended = [False] * len(handles)
+        try:
+            async for i, event in interleaved(handles):
+                if not isinstance(event, Finished):
+                    if event.text:
+                        yield i, TextDelta(event.text)
+                    continue
+                ended[i] = True
+                if event.error is not None or event.finish_reason == "cancelled":
+                    raise InternalError(f"{self.deployment}: the translation failed; see the server log")
+                yield i, TranslationDone(event.text)
+        finally:
+            for handle, done in zip(handles, ended, strict=True):
+                if not done:
+                    handle.cancel()
 
     def warm_up(self) -> None:
         """A greedy and a beam search on the engine, before start() (the engine thread is not running)."""

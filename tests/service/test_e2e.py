@@ -229,6 +229,38 @@ def test_translate_honours_per_request_beam_size_and_length(server: Server) -> N
     assert len(set(seen)) == len(cases)  # each case its own translation: a mixed-up answer fails
 
 
+def _sse(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_streamed_translation_is_the_whole_one_in_pieces(server: Server, beam: int) -> None:
+    """`"stream": true`: each text's pieces, in order, join to its translation (documents keep their
+    layout), and the last event has what the JSON answer has; greedy pieces come token by token."""
+    texts = ["The cat sat. The dog ran!\n\nA bird sang.", "   ", "one more text"]
+    body = {"inputs": texts, "source_lang": "en", "target_lang": "es", "beam_size": beam, "max_new_tokens": 6}
+    with server.client() as c:
+        whole = c.post("/v1/translate", json=body)
+        assert whole.status_code == 200, whole.text
+        r = c.post("/v1/translate", json=body | {"stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    events = _sse(r.text)
+    assert events[-1] == whole.json()
+    pieces = events[:-1]
+    assert ["".join(e["text"] for e in pieces if e["index"] == i) for i in range(len(texts))] == \
+        whole.json()["translations"]
+    assert whole.json()["translations"][1] == "   " and whole.json()["sentences"] == [3, 0, 1]
+    assert len({e["index"] for e in pieces}) == 3 and all(set(e) == {"index", "text"} for e in pieces)
+
+
+def test_a_streamed_translation_names_a_bad_sentence_before_it_starts(server: Server) -> None:
+    body = {"inputs": ["fine", "x " * 400], "source_lang": "en", "target_lang": "es", "stream": True,
+            "split_sentences": False}
+    with server.client() as c:
+        r = c.post("/v1/translate", json=body)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "inputs[1]", r.text
+
+
 # -- batching invariance and isolation ---------------------------------------------------------
 
 def _texts(n: int, seed: int) -> list[str]:
@@ -456,5 +488,12 @@ def test_the_shipped_translator_translates_a_document_sentence_by_sentence(serve
             translation = r.json()["translations"][0]
             assert translation.count("\n\n") == 2 and translation.startswith(alone.json()["translations"][0])
             assert "  " + alone.json()["translations"][2] in translation and translation.endswith("? ")
+            # streamed, greedy: the same text as the JSON answer, piece by piece as its tokens are chosen
+            greedy = {"inputs": document, **body, "beam_size": 1}
+            whole = c.post("/v1/translate", json=greedy)
+            streamed = _sse(c.post("/v1/translate", json=greedy | {"stream": True}).text)
+            assert streamed[-1] == whole.json()
+            assert "".join(e["text"] for e in streamed[:-1]) == whole.json()["translations"][0]
+            assert len(streamed) - 1 > 3 * len(sentences)  # pieces of sentences, not whole ones
     finally:
         serve.delete("shipped-translator")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,54 @@ def test_translator_stops_an_input_no_longer_wanted(translator: TranslatorRunner
     assert out[1] is STOPPED
     for i in (0, 2):
         assert out[i] == tok.decode(translate_ids(model, [items[i].ids], items[i].params, banned_ids=[0])[0])
+
+
+def test_the_engine_runner_equals_solo_and_streams_and_keeps_its_deadline(translator: TranslatorRunner) -> None:
+    """The translation engine's runner (the default scheduler): mixed requests get translate_ids' results
+    alone; a stream's pieces join to the same text; past its deadline a request is a DeadlineExceeded
+    and its rows are freed."""
+    from service.engine.config import TranslationConfig
+    from service.errors import DeadlineExceeded
+    from service.messages import TextDelta, TranslateOptions, TranslationDone
+    from service.replica.translator import TranslatorEngineRunner
+
+    runner = TranslatorEngineRunner(translator.loaded, "translator", TranslationConfig(max_rows=8))
+    runner.warm_up()
+    runner.start()
+    tok = translator.loaded.tokenizer
+    try:
+        async def main() -> tuple[list[list[str]], list[tuple[int, object]]]:
+            outs = await asyncio.gather(*(runner.translate([t], TranslateOptions(b, n), 5.0)
+                                          for t, b, n in zip(TEXTS, [1, 4, 2, 3], [5, 3, 8, 6], strict=True)))
+            streamed = [item async for item in runner.translate_stream(TEXTS[:2], TranslateOptions(1, 8), 5.0)]
+            return outs, streamed
+
+        outs, streamed = asyncio.run(main())
+        for (out,), t, b, n in zip(outs, TEXTS, [1, 4, 2, 3], [5, 3, 8, 6], strict=True):
+            assert out == tok.decode(translate_ids(translator.loaded.model, [tok.encode(t)], BeamParams(b, n),
+                                                   banned_ids=[0])[0])
+        for i in range(2):
+            text = "".join(e.text for k, e in streamed if k == i and isinstance(e, TextDelta))
+            done = [e for k, e in streamed if k == i and isinstance(e, TranslationDone)]
+            assert len(done) == 1 and done[0].text == text
+        runner.engine._after_step = lambda: time.sleep(0.01)  # slow steps: 60 of them outlast the deadline
+        with pytest.raises(DeadlineExceeded):
+            asyncio.run(runner.translate(["a long sentence to translate"] * 2, TranslateOptions(4, 60), 0.1))
+        deadline_s = time.monotonic() + 5
+        while runner.engine.stats().running and time.monotonic() < deadline_s:
+            time.sleep(0.01)
+        assert runner.engine.stats().running == 0 and runner.engine.stats().finished.get("cancelled", 0) >= 1
+    finally:
+        runner.close()
+
+
+def test_the_batching_runner_streams_whole_translations(translator: TranslatorRunner) -> None:
+    from service.messages import TextDelta, TranslateOptions, TranslationDone
+
+    async def main() -> tuple[list[tuple[int, object]], list[str]]:  # one loop: the batcher belongs to it
+        items = [item async for item in translator.translate_stream(TEXTS[:2], TranslateOptions(2, 5), 5.0)]
+        return items, await translator.translate(TEXTS[:2], TranslateOptions(2, 5), 5.0)
+
+    items, texts = asyncio.run(main())
+    assert items == [(0, TextDelta(texts[0])), (0, TranslationDone(texts[0])),
+                     (1, TextDelta(texts[1])), (1, TranslationDone(texts[1]))]
