@@ -29,6 +29,8 @@ from torch import Tensor
 
 from .attention import AttentionMask, padding_mask
 
+# KVCache.reorder copies moved rows in groups whose lengths round up to the same multiple of this
+REORDER_GROUP = 16
 # a key position no query reaches: marks a ring slot not written yet (masked by the causal mask)
 UNWRITTEN = torch.iinfo(torch.long).max
 
@@ -125,17 +127,25 @@ class KVCache:
 
     def reorder(self, index: Tensor | Sequence[int], start: int = 0) -> None:
         """Rows [start, start+len(index)) become rows start+index (beam search). Only the rows that
-        change are copied (a beam that keeps its place costs nothing)."""
+        change are copied (a beam that keeps its place costs nothing), each only as far as rows of its
+        length need: moved rows are copied in groups of similar length (to the next multiple of
+        REORDER_GROUP tokens), every group read before any is written."""
         rows = [start + int(i) for i in (index.tolist() if isinstance(index, Tensor) else index)]
         stop = start + len(rows)
-        moved = [(start + i, r) for i, r in enumerate(rows) if r != start + i]
         lengths = [self.host_lengths[r] for r in rows]
-        if moved:
-            dst = torch.tensor([d for d, _ in moved], device=self.lengths.device)  # (M,)
-            src = torch.tensor([r for _, r in moved], device=self.lengths.device)  # (M,)
-            n = min(max(self.host_lengths[r] for _, r in moved), self.slots)
+        groups: dict[int, list[tuple[int, int]]] = {}  # tokens to copy -> (dst, src) rows
+        for i, r in enumerate(rows):
+            if r != start + i:
+                n = min(-(-self.host_lengths[r] // REORDER_GROUP) * REORDER_GROUP, self.slots)
+                groups.setdefault(n, []).append((start + i, r))
+        if groups:
+            device = self.lengths.device
+            moves = [(n, torch.tensor([d for d, _ in pairs], device=device),
+                      torch.tensor([r for _, r in pairs], device=device)) for n, pairs in groups.items()]
             for buf in self.k + self.v:
-                buf[dst, :, :n] = buf[src, :, :n]  # (M, K, n, D): the source rows are read before any is written
+                read = [buf[src, :, :n] for n, _, src in moves]  # (M_g, K, n_g, D) copies
+                for (n, dst, _), rows_kv in zip(moves, read, strict=True):
+                    buf[dst, :, :n] = rows_kv
         self.set_lengths(lengths, start, stop)
 
 

@@ -58,7 +58,7 @@ class TranslationConfig:
     # every decoder step; "batches": request-level dynamic batches (the deployment's `batching`), each
     # beam search run to its end before the next batch starts
     scheduler: str = "steps"
-    max_rows: int = 128  # beams decoding at once (each request reserves its beam size); 201 MiB of cache for the default translator
+    max_rows: int = 64  # beams decoding at once (each request reserves its beam size); 101 MiB of cache for the default translator
     max_queued: int = 512  # sources waiting for rows; one more is refused (503 + Retry-After)
     encode_tokens: int = 4096  # padded source tokens encoded per admission step (one source always)
 

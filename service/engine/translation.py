@@ -4,8 +4,8 @@ engine (service/replica/translator.py).
 
 Every step, on the engine's one thread:
 1. admit waiting requests (FIFO, while the search has rows free for their whole beam size and their
-   padded sources fit the encoder budget): their sources are encoded together in one padded pass
-   and their cross-attention keys/values kept once per source;
+   padded sources fit the encoder budget): their sources are encoded together, one padded pass per
+   group of similar lengths, and their cross-attention keys/values kept once per source;
 2. one decoder step over every row of every request (each beam is a row), each request's beams
    scored and reordered by its own beam size, length penalty and length limit;
 3. a request leaves as soon as its search ends, or at the step after it was cancelled (its client
@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from models.beam_search import BeamParams, BeamSearch
+from models.inputs import select_batch
 from models.seq2seq import Seq2Seq
 from models.text import IncrementalDetokenizer, TextTokenizer
 
@@ -37,6 +38,9 @@ from .events import Delta, Event, Finished, RequestHandle, Timing
 from .loop import StepLoop
 
 log = logging.getLogger(__name__)
+# select_batch's fixed cost of one encoder pass, in padded source tokens: sources of very different
+# lengths are encoded in separate passes when the padding would cost more than this
+ENCODE_OVERHEAD_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -191,7 +195,8 @@ class TranslationEngine(StepLoop):
 
     def _admit(self) -> None:
         """FIFO while the next waiting source's beams fit the free rows and the padded sources fit
-        the encoder budget; encoded together in one pass."""
+        the encoder budget; encoded in groups of similar length (select_batch's cost model: padding
+        against the fixed cost of an encoder pass), each group in one padded pass."""
         group: list[TranslationState] = []
         free, longest = self.search.free, 0
         with self._cond:
@@ -204,17 +209,23 @@ class TranslationEngine(StepLoop):
                 self._waiting.popleft()
                 state.admitted, longest, free = now, longest_next, free - state.rows
                 group.append(state)
-        if not group:
-            return
         self._admitting = group
+        while group:
+            picked = set(select_batch([len(s.source) for s in group], len(group), self.encode_tokens,
+                                      ENCODE_OVERHEAD_TOKENS))
+            self._add([s for i, s in enumerate(group) if i in picked], now)
+            group = [s for i, s in enumerate(group) if i not in picked]
+            self._admitting = group
+        self._admitting = []
+
+    def _add(self, group: list[TranslationState], now: float) -> None:
+        """Encode `group` into the search; if that fails, its requests fail (the others go on)."""
         try:
             self.search.add([s.source for s in group], [s.params for s in group], [s.request_id for s in group])
         except Exception as exc:
-            self._admitting = []
             for state in group:
                 self._fail(state, exc)
             return
-        self._admitting = []
         for state in group:
             self._running[state.request_id] = state
             self._counts["prompt_tokens"] += len(state.source)

@@ -173,6 +173,23 @@ def test_reorder_copies_longer_source_rows_whole() -> None:
     assert torch.equal(slot_ids(cache)[1, :4], before[2, :4])
 
 
+def test_reorder_in_length_groups_reads_every_row_before_writing() -> None:
+    """Moved rows are copied in groups of similar length; a row one group writes may be a row another
+    group reads (a source leaving shifts the others): each row still gets its source's old keys."""
+    cache = KVCache(LAYERS, 4, K, 40, D)
+    lengths = [30, 5, 20, 3]  # groups of 32, 16, 32 and 16 tokens
+    for buf in cache.k + cache.v:
+        buf.copy_(torch.randn_like(buf))
+    cache.set_lengths(lengths)
+    before = [buf.clone() for buf in cache.k + cache.v]
+    index = [1, 2, 0, 3]  # row 0 <- 1 (16-token group) while row 2 <- 0 (32-token group)
+    cache.reorder(index)
+    assert cache.host_lengths == [lengths[i] for i in index] and cache.lengths.tolist() == cache.host_lengths
+    for buf, old in zip(cache.k + cache.v, before, strict=True):
+        for row, src in enumerate(index):
+            assert torch.equal(buf[row, :, :lengths[src]], old[src, :, :lengths[src]]), (row, src)
+
+
 def test_cross_cache_select() -> None:
     g = torch.Generator().manual_seed(0)
     kv = [(torch.randn(3, K, 5, D, generator=g), torch.randn(3, K, 5, D, generator=g)) for _ in range(LAYERS)]
