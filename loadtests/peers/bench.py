@@ -178,14 +178,18 @@ def bench_encoder(env: PeerEnv, work_dir: Path, args: argparse.Namespace, rng: r
     return {"texts_per_s": speed, "quality": quality, "check_texts": len(texts)}
 
 
+CT2_BACKENDS = ("mkl", "onednn")
+
+
 def bench_translator(env: PeerEnv, work_dir: Path, args: argparse.Namespace,
                      rng: random.Random) -> dict[str, Any]:
     tok = TextTokenizer.from_file(BUILTIN_DIR / "translator-en-es")
     convert(env, "translator", work_dir / "ct2")
     ct2 = work_dir / "ct2"
     workers = {**_ours_workers("translator"),
-               "ctranslate2 fp32": Worker("ct2 fp32", peer(env, "ctranslate2", "float32", ct2)),
-               "ctranslate2 int8": Worker("ct2 int8", peer(env, "ctranslate2", "int8", ct2))}
+               **{f"ctranslate2 {kind} {backend}": Worker(f"ct2 {kind} {backend}",
+                                                          peer(env, "ctranslate2", f"{compute}:{backend}", ct2))
+                  for kind, compute in (("fp32", "float32"), ("int8", "int8")) for backend in CT2_BACKENDS}}
     sources = read_sources()
     try:
         ids = tok.encode_batch(sources[: args.check])
@@ -195,7 +199,7 @@ def bench_translator(env: PeerEnv, work_dir: Path, args: argparse.Namespace,
             outs = {e: [x for part in w.run(check) for x in part] for e, w in workers.items()}
             quality[f"beam {beam}"] = {e: sum(a == b for a, b in zip(outs["ours fp32"], o, strict=True))
                                        for e, o in outs.items()}
-        if quality["beam 4"]["ctranslate2 fp32"] != len(ids) or quality["beam 1"]["ctranslate2 fp32"] != len(ids):
+        if any(quality[beam][f"ctranslate2 fp32 {b}"] != len(ids) for beam in quality for b in CT2_BACKENDS):
             log.warning("CTranslate2 fp32 differs from ours on some sentences: %s", quality)
         works = {f"{'greedy' if beam == 1 else 'beam 4'}, batch {b}":
                  {"kind": "translate", "beam": beam,
@@ -205,7 +209,18 @@ def bench_translator(env: PeerEnv, work_dir: Path, args: argparse.Namespace,
     finally:
         _close(workers)
     speed = {e: {k: _items(works[k]) / s for k, s in per.items()} for e, per in seconds.items()}
-    return {"sentences_per_s": speed, "identical": quality, "check_sentences": len(ids)}
+    backends: dict[str, dict[str, str]] = {}  # CTranslate2 fp32 / int8: its faster backend per work item
+    for kind in ("fp32", "int8"):
+        name = f"ctranslate2 {kind}"
+        backends[name] = {k: max(CT2_BACKENDS, key=lambda b, k=k: speed[f"{name} {b}"][k]) for k in works}
+        speed[name] = {k: speed[f"{name} {b}"][k] for k, b in backends[name].items()}
+        for b in CT2_BACKENDS:
+            quality_b = {beam: per.pop(f"{name} {b}") for beam, per in quality.items()}
+            for beam, count in quality_b.items():
+                quality[beam][name] = min(count, quality[beam].get(name, count))
+    ct2 = {f"{e} {b}": speed.pop(f"{e} {b}") for e in backends for b in CT2_BACKENDS}
+    return {"sentences_per_s": speed, "identical": quality, "check_sentences": len(ids),
+            "ctranslate2_backends": backends, "ctranslate2_by_backend": ct2}
 
 
 def llama_bench(env: PeerEnv, gguf: Path, threads: int, prompt: int, new: int) -> dict[str, float]:
@@ -313,6 +328,9 @@ def markdown(result: dict[str, Any], command: str) -> str:
         lines += ["", f"Same tokens as ours fp32 on {n} test sentences: " + "; ".join(
             f"{beam}: " + ", ".join(f"{e} {c}/{n}" for e, c in per.items() if e != "ours fp32")
             for beam, per in t["identical"].items()), ""]
+        lines += ["CTranslate2 columns: the faster of its two CPU backends (MKL, oneDNN) per work item; by backend: "
+                  + "; ".join(f"{e}: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items())
+                              for e, per in t.get("ctranslate2_by_backend", {}).items()), ""]
     if "generator" in result:
         g = result["generator"]
         s = g["tokens_per_s"]

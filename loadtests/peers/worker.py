@@ -89,7 +89,13 @@ def onnxruntime_engine(path: str) -> Callable[[dict[str, Any]], Any]:
     return run
 
 
-def ctranslate2_engine(path: str, compute_type: str) -> Callable[[dict[str, Any]], Any]:
+def ctranslate2_engine(path: str, mode: str) -> Callable[[dict[str, Any]], Any]:
+    """mode: "<compute type>:<backend>", backend mkl or onednn (CTranslate2's two CPU backends: which
+    is faster depends on the CPU and the compute type, so the benchmark times both; its own default is
+    MKL on Intel CPUs, oneDNN elsewhere)."""
+    compute_type, _, backend = mode.partition(":")
+    if backend:
+        os.environ["CT2_USE_MKL"] = "1" if backend == "mkl" else "0"
     import ctranslate2
 
     vocab = json.loads(Path(path, "shared_vocabulary.json").read_text())

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from .. import documents
-from ..errors import InternalError, InvalidItem, InvalidRequest, ServiceError
+from ..errors import InvalidItem, InvalidRequest
 from ..messages import Classification as ClassificationResult
 from ..messages import Embeddings, TranslateOptions, TranslationDone
 from ..settings import Settings
@@ -37,7 +37,7 @@ from .schemas import (
     TranslateResponse,
     check_texts,
 )
-from .sse import SSE_HEADERS, sse
+from .sse import SSE_HEADERS, guarded, sse
 
 log = logging.getLogger(__name__)
 OFF_LOOP_CHARS = 4096  # documents longer than this in all are cut into sentences in a worker thread (~0.1 ms per KB)
@@ -181,8 +181,8 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
     return router
 
 
-async def translation_events(model: str, docs: Sequence[documents.Document], first: list[Any],
-                             events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+def translation_events(model: str, docs: Sequence[documents.Document], first: list[Any],
+                       events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     """`{"index", "text"}` events: each document's gaps and its sentences' translations in order (a
     sentence's pieces as they come; those of later sentences wait for the ones before them), then
     `{"model", "translations", "sentences"}`. An error after the stream started is a last `{"error"}`."""
@@ -223,7 +223,7 @@ async def translation_events(model: str, docs: Sequence[documents.Document], fir
         async for item in events:
             yield item
 
-    try:
+    async def chunks() -> AsyncIterator[bytes]:
         for i, doc in enumerate(docs):  # texts of whitespace only: no sentence to wait for
             if not doc.sentences and doc.gaps[0]:
                 yield sse({"index": i, "text": doc.gaps[0]})
@@ -235,13 +235,8 @@ async def translation_events(model: str, docs: Sequence[documents.Document], fir
             for chunk in ready():
                 yield chunk
         yield sse({"model": model, "translations": out, "sentences": [len(d.sentences) for d in docs]})
-    except ServiceError as e:
-        yield sse(e.body())
-    except Exception:
-        log.exception("translation stream failed")
-        yield sse(InternalError("internal error; see the server log").body())
-    finally:  # also when the client went away: closing the stream cancels the model call
-        await events.aclose()  # type: ignore[attr-defined]
+
+    return guarded(chunks(), events, "translation")
 
 
 def _base64(vector: list[float]) -> str:

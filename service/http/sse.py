@@ -109,10 +109,10 @@ class ChatFormat(_OpenAIFormat):
         return last + ([self.chunk([], event.usage.as_dict())] if self.include_usage and self.final_usage else [])
 
 
-async def sse_body(first: Sequence[tuple[int, GenerationEvent]], rest: AsyncIterator[tuple[int, GenerationEvent]],
-                   formats: Sequence[StreamFormat],
-                   usage: Callable[[list[tuple[int, GenerationDone]]], dict[str, Any]] | None = None
-                   ) -> AsyncIterator[bytes]:
+def sse_body(first: Sequence[tuple[int, GenerationEvent]], rest: AsyncIterator[tuple[int, GenerationEvent]],
+             formats: Sequence[StreamFormat],
+             usage: Callable[[list[tuple[int, GenerationDone]]], dict[str, Any]] | None = None
+             ) -> AsyncIterator[bytes]:
     """The event stream of a response: (choice index, event) items, `first` already read from the
     replica and then `rest`, for one or several choices (formats[i] renders choice i), then
     `usage(every choice's Done)` as a last payload when given. An error after the stream started
@@ -126,8 +126,8 @@ async def sse_body(first: Sequence[tuple[int, GenerationEvent]], rest: AsyncIter
         async for item in rest:
             yield item
 
-    done: list[tuple[int, GenerationDone]] = []
-    try:
+    async def chunks() -> AsyncIterator[bytes]:
+        done: list[tuple[int, GenerationDone]] = []
         async for i, event in items():
             if isinstance(event, GenerationDone):
                 if event.error is not None:
@@ -140,10 +140,23 @@ async def sse_body(first: Sequence[tuple[int, GenerationEvent]], rest: AsyncIter
             yield sse(usage(done))
         if formats[0].end:
             yield formats[0].end
+
+    return guarded(chunks(), rest, "generation")
+
+
+async def guarded(chunks: AsyncIterator[bytes], source: AsyncIterator[Any], what: str) -> AsyncIterator[bytes]:
+    """A response's events `chunks`; an error after the stream started (the replica died, the engine
+    failed it) is a last `{"error": {...}}` event, as the status is already sent. `source`, the
+    replica's stream the chunks come from, is closed at the end whatever happens: also when the
+    client went away, which cancels the model call."""
+    try:
+        async for chunk in chunks:
+            yield chunk
     except ServiceError as e:
         yield sse(e.body())
     except Exception:
-        log.exception("generation stream failed")
+        log.exception("%s stream failed", what)
         yield sse(InternalError("internal error; see the server log").body())
-    finally:  # also when the client went away: closing the stream cancels the model calls
-        await rest.aclose()  # type: ignore[attr-defined]
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+        await source.aclose()  # type: ignore[attr-defined]

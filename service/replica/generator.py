@@ -40,7 +40,7 @@ from ..telemetry.observers import PrometheusEngineObserver
 from ..text_limits import check_prompt_chars
 from ..tool_calls import hf_messages, render_in_prompt, template_knows_tools
 from .heap import HeapTrimmer
-from .runner import ModelRunner, off_loop
+from .runner import EngineRunner, off_loop
 
 if TYPE_CHECKING:
     from ..settings import DeploymentSettings
@@ -54,7 +54,7 @@ WARM_UP_STEPS = 8
 DEFAULT_MAX_NEW = SamplingParams().max_new_tokens  # when neither the request nor the model sets one
 
 
-class GeneratorRunner(ModelRunner):
+class GeneratorRunner(EngineRunner):
     """One decoder-only model and its engine. Build, `warm_up()`, then `start()`."""
 
     loop_name = "generation engine"
@@ -268,20 +268,7 @@ class GeneratorRunner(ModelRunner):
         grammar = self.engine.grammars.compile(GrammarSpec("json_object"))
         for constraint in (None, grammar):
             self.engine.submit(ids, SamplingParams(max_new_tokens=2), f"warm-up-{uuid.uuid4().hex}", constraint)
-            for _ in range(WARM_UP_STEPS):
-                self.engine.step()
-                stats = self.engine.stats()
-                if stats.running == 0 and stats.waiting == 0:
-                    break
-            else:
-                raise RuntimeError(f"{self.deployment}: the warm-up request did not finish in {WARM_UP_STEPS} steps")
-
-    def start(self) -> None:
-        self.engine.start()
-
-    @property
-    def alive(self) -> bool:
-        return self.engine.alive
+            self.warm_up_steps(WARM_UP_STEPS, "the warm-up request")
 
     @property
     def queue_capacity(self) -> int:
@@ -298,9 +285,6 @@ class GeneratorRunner(ModelRunner):
 
     def limits(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.limits)
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        self.engine.shutdown(timeout_s)
 
 
 def _done(event: Finished) -> GenerationDone:

@@ -116,6 +116,36 @@ class ModelRunner:
         """Stop serving: requests still open fail or are cancelled."""
 
 
+class EngineRunner(ModelRunner):
+    """A runner that owns a step engine (service/engine/loop.py: generation, translation): warmed up
+    by stepping it on this thread, then started; its scheduler thread is its health."""
+
+    engine: Any  # a StepLoop subclass
+
+    def warm_up_steps(self, steps: int, what: str) -> None:
+        """Step the engine (before start()) until what was submitted ended; RuntimeError if it did not
+        within `steps` steps or ended in an error."""
+        for _ in range(steps):
+            self.engine.step()
+            stats = self.engine.stats()
+            if stats.running == 0 and stats.waiting == 0:
+                break
+        else:
+            raise RuntimeError(f"{self.deployment}: {what} did not finish in {steps} steps")
+        if stats.finished.get("error"):
+            raise RuntimeError(f"{self.deployment}: {what} failed: {stats}")
+
+    def start(self) -> None:
+        self.engine.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.engine.alive
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.engine.shutdown(timeout_s)
+
+
 class BatchedRunner(ModelRunner):
     """A runner whose inputs are batched dynamically (encoder, translator): one inference thread, the
     batcher; `run_batch` computes one batch there."""

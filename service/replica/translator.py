@@ -34,7 +34,7 @@ from ..telemetry.observers import PrometheusEngineObserver
 from .batcher import STOPPED
 from .config import BatchLimits
 from .heap import HeapTrimmer
-from .runner import BatchedRunner, ModelRunner, chars, deadline, off_loop
+from .runner import BatchedRunner, EngineRunner, ModelRunner, chars, deadline, off_loop
 from .tokenize import tokenize
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ WARM_UP = ("warm up", "warm up the translator")
 WARM_UP_STEPS = 4
 
 
-class TranslatorEngineRunner(ModelRunner):
+class TranslatorEngineRunner(EngineRunner):
     """The translation engine for one encoder-decoder: requests join the beam search at the next
     decoder step and leave it at the step they end; a request whose caller goes away or whose
     deadline passes is cancelled in the engine, which frees its rows within one step."""
@@ -220,20 +220,7 @@ class TranslatorEngineRunner(ModelRunner):
                        truncate=True)
         self.engine.submit_many([TranslationSubmission(ids[0], BeamParams(1, 2)),
                                  TranslationSubmission(ids[1], BeamParams(2, 2))])
-        for _ in range(WARM_UP_STEPS):
-            self.engine.step()
-            stats = self.engine.stats()
-            if stats.running == 0 and stats.waiting == 0:
-                break
-        if stats.running or stats.waiting or stats.finished.get("error"):
-            raise RuntimeError(f"{self.deployment}: the warm-up translations did not finish: {stats}")
-
-    def start(self) -> None:
-        self.engine.start()
-
-    @property
-    def alive(self) -> bool:
-        return self.engine.alive
+        self.warm_up_steps(WARM_UP_STEPS, "the warm-up translations")
 
     @property
     def queue_capacity(self) -> int:
@@ -248,5 +235,3 @@ class TranslatorEngineRunner(ModelRunner):
     def limits(self) -> dict[str, Any]:
         return {"scheduler": "steps", "max_rows": self.config.max_rows, "max_queued": self.config.max_queued}
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        self.engine.shutdown(timeout_s)
