@@ -91,11 +91,14 @@ def test_document_limits_in_characters_and_sentences() -> None:
     assert "70 characters" in r.json()["error"]["message"]
     r = send(app, "POST", "/v1/translate", json={"inputs": ["short.", "Go on. " * 10], **TR, "truncate": True})
     assert r.status_code == 200 and r.json()["sentences"] == [1, 6]  # cut to 40 characters: 5 whole, 1 cut
-    many = fake_app({"max_body_bytes": 1 << 20, "deployments": {"translator": {"batching": {"max_queued": 100}}}},
-                    backend)
-    r = send(many, "POST", "/v1/translate", json={"inputs": "A.\n" * 101, **TR})
-    assert r.status_code == 422 and "101 sentences; at most 100" in r.json()["error"]["message"]
-    assert backend.calls == {"translate": 1}  # only the truncated request reached the model
+    # at most the translator's queue: the engine's (translation.max_queued), or the batcher's with batches
+    for translator in ({"translation": {"max_queued": 100}, "batching": {"max_queued": 500}},
+                       {"translation": {"scheduler": "batches", "max_queued": 500}, "batching": {"max_queued": 100}}):
+        many = fake_app({"max_body_bytes": 1 << 20, "deployments": {"translator": translator}}, backend)
+        r = send(many, "POST", "/v1/translate", json={"inputs": "A.\n" * 101, **TR})
+        assert r.status_code == 422 and "101 sentences; at most 100" in r.json()["error"]["message"]
+        assert send(many, "POST", "/v1/translate", json={"inputs": "A.\n" * 100, **TR}).status_code == 200
+    assert backend.calls == {"translate": 3}  # the truncated request and the two of 100 sentences
 
 
 def test_a_long_document_is_cut_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
