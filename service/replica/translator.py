@@ -179,7 +179,7 @@ class TranslatorEngineRunner(EngineRunner):
         handles = await self._submit(texts, options, timeout_s)
         try:
             finished = await asyncio.wait_for(asyncio.gather(*(handle.result() for handle in handles)), timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
             for handle in handles:
                 handle.cancel()
             raise DeadlineExceeded(f"the translation did not finish within {timeout_s:.1f} s") from None
