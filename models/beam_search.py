@@ -24,8 +24,6 @@ from .inputs import PaddedBatch
 from .kv_cache import CrossCache, KVCache
 from .seq2seq import Seq2Seq
 
-NEG = -1.0e9
-
 
 @dataclass(frozen=True)
 class BeamParams:
@@ -51,7 +49,6 @@ class _Request:
     finished: list[tuple[float, list[int]]]  # (score, tokens incl. eos), best first, at most n
     done: bool = False
     result: list[int] | None = None
-    cancelled: bool = False
     key: Hashable = None  # the caller's name for it (BeamSearch)
     step: int = 0  # tokens generated so far (its own: sources join a running search at any step)
 
@@ -159,7 +156,7 @@ class BeamSearch:
         self._live: list[_Request] = []  # sources with rows, in row order
         self._sources: CrossCache | None = None  # one row per live source, in _live's order
         self._cross: CrossCache | None = None  # _sources grouped for the rows as they are; None: rebuild
-        self._owners: list[int] = []  # index into _live of every decoder row
+        self._cross_rows: list[int] = []  # rows per live source when _cross was built
         self._tokens: list[int] = []  # every row's next input token
 
     def __len__(self) -> int:
@@ -178,7 +175,7 @@ class BeamSearch:
 
     def clear(self) -> None:
         """Drop every source (a failed step: their state cannot be trusted)."""
-        self._live, self._sources, self._cross, self._owners, self._tokens = [], None, None, [], []
+        self._live, self._sources, self._cross, self._tokens = [], None, None, []
 
     @torch.inference_mode()
     def add(self, sources: Sequence[Sequence[int]], params: Sequence[BeamParams], keys: Sequence[Hashable]) -> None:
@@ -196,7 +193,6 @@ class BeamSearch:
         n = len(self._tokens)
         self.cache.reset(n, n + len(sources))
         self._sources = cross if self._sources is None else self._sources.concat(cross)
-        self._owners += list(range(len(self._live), len(self._live) + len(sources)))
         self._live += [_Request(p, 1, [[]], [0.0], [], key=k) for p, k in zip(params, keys, strict=True)]
         self._tokens += [self.start] * len(sources)
         self._cross = None
@@ -215,47 +211,45 @@ class BeamSearch:
             if not self._live:
                 return out
         n_rows = len(self._tokens)
-        if self._cross is None:
-            self._cross = self._grouped()
+        rows = [req.rows for req in self._live]
+        if self._cross is None or rows != self._cross_rows:  # a source joined, left or widened to its beams
+            self._cross, self._cross_rows = self._grouped(), rows
         tokens = torch.tensor(self._tokens, dtype=torch.long, device=self.device)[:, None]  # (R, 1)
         logits = self.model.decode(tokens, self._cross, cache=self.cache.view(0, n_rows))[:, -1].float()  # (R, V)
         self.cache.advance(1, 0, n_rows)
         logp = logits.log_softmax(-1)  # (R, V)
         if self.banned.numel():
             logp[:, self.banned] = float("-inf")
-        for req, first in self._offsets():
+        offsets = self._offsets()
+        for req, first in offsets:
             if req.step + 1 >= req.params.max_new_tokens:  # force eos at the length limit
                 logp[first: first + req.rows] = float("-inf")
                 logp[first: first + req.rows, self.eos] = 0.0
         tops = _candidates(self._live, logp)
         gather: list[int] = []
-        owners: list[int] = []
         new_tokens: list[int] = []
         still: list[int] = []
-        offset = 0
-        for i, req in enumerate(self._live):
+        for i, (req, first) in enumerate(offsets):
             src_beams = _step_request(req, tops[i], self.eos, req.step)
             req.step += 1
             if req.done:
+                req.rows = 0
                 out.append(Translated(req.key, done=True, ids=[t for t in req.result or [] if t != self.eos]))
-            else:
-                if req.params.beam_size == 1:
-                    out.append(Translated(req.key, token=req.seqs[0][-1]))
-                gather += [offset + b for b in src_beams]
-                owners += [len(still)] * len(src_beams)
-                new_tokens += [seq[-1] for seq in req.seqs]
-                still.append(i)
-            offset += req.rows
-            req.rows = len(req.seqs) if not req.done else 0
-        self._keep(still, gather, owners, new_tokens)
+                continue
+            if req.params.beam_size == 1:
+                out.append(Translated(req.key, token=req.seqs[0][-1]))
+            gather += [first + b for b in src_beams]
+            new_tokens += [seq[-1] for seq in req.seqs]
+            still.append(i)
+            req.rows = len(req.seqs)
+        self._keep(still, gather, new_tokens)
         return out
 
     def _grouped(self) -> CrossCache:
         """The sources' cross keys/values for the rows as they are: row r is slot (its source, its
         place among that source's rows) of a grid as wide as the widest beam."""
         width = max(req.params.beam_size for req in self._live)
-        slots = [owner * width + (row - first) for req, first in self._offsets()
-                 for owner, row in [(self._owners[first], r) for r in range(first, first + req.rows)]]
+        slots = [source * width + r for source, req in enumerate(self._live) for r in range(req.rows)]
         return self._sources.grouped(torch.tensor(slots, device=self.device), width)  # rows (R,)
 
     def _offsets(self) -> list[tuple[_Request, int]]:
@@ -267,31 +261,26 @@ class BeamSearch:
         return out
 
     def _drop(self, gone: list[int]) -> list[Translated]:
-        """Remove live sources `gone` (indices into _live, ascending) before a step: cancelled."""
-        still, gather, owners, tokens, offset = [], [], [], [], 0
-        for i, req in enumerate(self._live):
+        """Remove live sources `gone` (indices into _live) before a step: cancelled."""
+        still, gather, tokens = [], [], []
+        for i, (req, first) in enumerate(self._offsets()):
             if i not in gone:
-                gather += range(offset, offset + req.rows)
-                owners += [len(still)] * req.rows
-                tokens += self._tokens[offset: offset + req.rows]
+                gather += range(first, first + req.rows)
+                tokens += self._tokens[first: first + req.rows]
                 still.append(i)
-            offset += req.rows
         dropped = [self._live[i] for i in gone]
-        self._keep(still, gather, owners, tokens)
-        for req in dropped:
-            req.done, req.cancelled = True, True
+        self._keep(still, gather, tokens)
         return [Translated(req.key, done=True, ids=None) for req in dropped]
 
-    def _keep(self, still: list[int], gather: list[int], owners: list[int], tokens: list[int]) -> None:
-        """The new row layout: live sources `still` (indices into _live), row i holding old row
-        gather[i] (beams reordered), owned by source owners[i] (index into the new _live)."""
+    def _keep(self, still: list[int], gather: list[int], tokens: list[int]) -> None:
+        """The new row layout: live sources `still` (indices into _live, in order), row i holding old
+        row gather[i] (beams reordered) with next input tokens[i]."""
         if len(still) < len(self._live):
             self._sources = (self._sources.select(torch.tensor(still, device=self.device)) if still
                              else None)  # (N', K, S, D) per layer
             self._live = [self._live[i] for i in still]
-        if owners != self._owners or self._sources is None:
             self._cross = None
-        self._owners, self._tokens = owners, tokens
+        self._tokens = tokens
         if gather != list(range(len(gather))):
             self.cache.reorder(gather)
 
