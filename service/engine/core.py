@@ -155,8 +155,8 @@ class GenerationEngine(StepLoop):
     def _usage(self) -> float:
         return self._batch.usage()
 
-    def _after_counts(self) -> None:
-        self._prefix_bytes = self._batch.prefix.nbytes if self._batch.prefix is not None else 0
+    def _extra_stats(self) -> dict[str, int]:
+        return {"prefix_cache_bytes": self._batch.prefix.nbytes if self._batch.prefix is not None else 0}
 
     def _admit(self) -> None:
         """One chunk of the long prompt being prefilled in chunks (if any), then prefill the waiting

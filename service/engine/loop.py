@@ -49,7 +49,7 @@ class StepLoop:
         self._counts = Counter({"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0})
         self._finished: Counter[str] = Counter()
         self._snapshot = (0, 0.0)  # running, cache usage after the last step
-        self._prefix_bytes = 0  # the prefix cache's size after the last step (generation)
+        self._extra: dict[str, int] = {}  # the engine's own EngineStats fields after the last step (_extra_stats)
         self._wait = WaitEstimator()  # admission: how long a new request would wait for a row
 
     # -- what an engine implements (engine thread) -------------------------------------------------
@@ -148,9 +148,8 @@ class StepLoop:
                                cache_usage=usage, cache_bytes=self.cache_bytes,
                                prompt_tokens=self._counts["prompt_tokens"],
                                cached_prompt_tokens=self._counts["cached_tokens"],
-                               prefix_cache_bytes=self._prefix_bytes,
                                generated_tokens=self._counts["generated_tokens"],
-                               steps=self._counts["steps"], finished=dict(self._finished))
+                               steps=self._counts["steps"], finished=dict(self._finished), **self._extra)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the loop after its current step; requests still open end with an error event."""
@@ -210,13 +209,14 @@ class StepLoop:
         with self._cond:
             self._counts["steps"] += 1
             self._snapshot = (self._held(), usage)
-            self._after_counts()
+            self._extra = self._extra_stats()
             if generated:
                 self._wait.on_step(seconds)
         self._observe("on_step", self.stats(), generated, seconds)
 
-    def _after_counts(self) -> None:
-        """Under the lock at the end of a step: what else the engine snapshots for stats()."""
+    def _extra_stats(self) -> dict[str, int]:
+        """EngineStats fields only this engine has, as they stand after a step (on the engine thread)."""
+        return {}
 
     # -- bookkeeping -----------------------------------------------------------------------------
 

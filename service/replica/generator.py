@@ -278,11 +278,6 @@ class GeneratorRunner(EngineRunner):
     def max_input_tokens(self) -> int:
         return self.engine.limits.max_prompt_tokens
 
-    def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = dataclasses.asdict(self.engine.stats())
-        stats["finished"] = dict(stats["finished"])
-        return stats
-
     def limits(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.limits)
 

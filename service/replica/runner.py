@@ -12,6 +12,7 @@ service/deployments.py wraps one runner per Ray Serve replica; the tests drive r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -141,6 +142,11 @@ class EngineRunner(ModelRunner):
     @property
     def alive(self) -> bool:
         return self.engine.alive
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = dataclasses.asdict(self.engine.stats())
+        stats["finished"] = dict(stats["finished"])
+        return stats
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.engine.shutdown(timeout_s)

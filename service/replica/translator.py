@@ -227,10 +227,9 @@ class TranslatorEngineRunner(EngineRunner):
         return self.config.max_queued
 
     def stats(self) -> dict[str, Any]:
-        s = self.engine.stats()
-        return {"running_rows": s.running, "queued": s.waiting, "rows": s.rows, "steps": s.steps,
-                "decoded_tokens": s.generated_tokens, "finished": dict(s.finished),
-                "largest_batch": self.engine.largest_step}  # the most requests one decoder step advanced
+        # as a generator's (running: rows reserved, generated_tokens: rows decoded), and the most
+        # requests one decoder step advanced
+        return {**super().stats(), "largest_batch": self.engine.largest_step}
 
     def limits(self) -> dict[str, Any]:
         return {"scheduler": "steps", "max_rows": self.config.max_rows, "max_queued": self.config.max_queued}
