@@ -169,6 +169,7 @@ class TranslationEngine(StepLoop):
         if not self.search:
             return
         self.largest_step = max(self.largest_step, len(self.search))
+        rows = self.search.busy_rows
         events = self.search.step(cancelled=lambda key: self._running[key].cancelled)
         now = time.perf_counter()
         for event in events:
@@ -191,7 +192,7 @@ class TranslationEngine(StepLoop):
                     self._record(state.finish(reason, now, ids=event.ids))
                 except Exception as exc:
                     self._fail(state, exc)
-        self._counts["generated_tokens"] += sum(1 for e in events if not e.done or e.ids is not None)
+        self._counts["generated_tokens"] += rows  # decoder rows advanced (the step time is measured on them)
 
     def _admit(self) -> None:
         """FIFO while the next waiting source's beams fit the free rows and the padded sources fit

@@ -91,6 +91,18 @@ def test_a_cancelled_request_frees_its_rows_and_the_others_are_unchanged(tiny) -
     assert list(second.result_sync(timeout=5).token_ids) == _alone(model, tok.encode(TEXTS[1]), BeamParams(4, 8))
 
 
+def test_every_decoded_row_is_counted_and_every_step_timed(tiny) -> None:
+    """generated_tokens counts decoder rows (a beam search's running steps included, which report no
+    event), so the admission estimate gets a step time from every step that decoded."""
+    model, tok = tiny
+    engine = TranslationEngine(model, tok, rows=4, max_new_tokens=8, banned_ids=[0])
+    engine.submit_many([TranslationSubmission(tok.encode(TEXTS[4]), BeamParams(4, 8))])
+    engine.step()  # admitted: one row (the start token)
+    engine.step()  # widened to its 4 beams
+    engine.step()
+    assert engine.stats().generated_tokens == 1 + 4 + 4 and engine._wait.step_s is not None
+
+
 def test_overload_and_limits_are_refused_at_submit(tiny) -> None:
     model, tok = tiny
     engine = TranslationEngine(model, tok, rows=4, max_new_tokens=8, max_queued=2, banned_ids=[0])
