@@ -57,6 +57,7 @@ from .routing import Backend, InputLimits, ModelRoutes, Route
 from .sse import (
     DONE,
     SSE_HEADERS,
+    STREAMED_200,
     ChatFormat,
     CompletionFormat,
     GenerateFormat,
@@ -224,8 +225,7 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
     def log_user(body: Any, request_id: str) -> None:
         if getattr(body, "user", None) is not None:  # an opaque id, logged escaped
             log.info("generation %s for user %r", request_id, body.user)
-    responses = {**errors, 200: {"description": "JSON, or server-sent events with `\"stream\": true`",
-                                 "content": {"text/event-stream": {}}}}
+    responses = {**errors, 200: STREAMED_200}
 
     @router.post("/v1/generate", response_model=GenerateResponse, responses=responses)
     async def generate(body: GenerateRequest, request: Request) -> Any:

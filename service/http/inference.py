@@ -37,7 +37,7 @@ from .schemas import (
     TranslateResponse,
     check_texts,
 )
-from .sse import SSE_HEADERS, guarded, sse
+from .sse import SSE_HEADERS, STREAMED_200, guarded, sse
 
 log = logging.getLogger(__name__)
 OFF_LOOP_CHARS = 4096  # documents longer than this in all are cut into sentences in a worker thread (~0.1 ms per KB)
@@ -111,9 +111,7 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
         order = sorted(range(len(texts)), key=lambda i: -scores[i])  # stable: ties keep request order
         return [Rank(index=i, score=scores[i], text=texts[i] if body.return_text else None) for i in order]
 
-    @router.post("/v1/translate", response_model=TranslateResponse,
-                 responses={**errors, 200: {"description": "JSON, or server-sent events with `\"stream\": true`",
-                                            "content": {"text/event-stream": {}}}})
+    @router.post("/v1/translate", response_model=TranslateResponse, responses={**errors, 200: STREAMED_200})
     async def translate(body: TranslateRequest, request: Request) -> TranslateResponse | StreamingResponse:
         """Beam-search translation; beam_size and max_new_tokens apply to this request only. Texts are
         cut into sentences and put back together (service/documents.py) unless split_sentences is false."""

@@ -16,6 +16,9 @@ from .logprobs import chat_logprobs, completion_logprobs
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
+# OpenAPI's 200 of a route that answers JSON or, with "stream": true, server-sent events
+STREAMED_200 = {"description": "JSON, or server-sent events with `\"stream\": true`",
+                "content": {"text/event-stream": {}}}
 
 
 def sse(payload: dict[str, Any]) -> bytes:
