@@ -174,20 +174,26 @@ class MultiHeadAttention(nn.Module):
         scores (T5's relative positions). Returns (B, T, C).
         """
         b, t, _ = x.shape
+        gqa = self.n_kv_heads != self.n_heads
         if kv is None:
             q, k, v = self._project_qkv(x)  # (B, H, T, D), (B, K, T, D) x2
             if rope is not None:
                 q = apply_rotary(q, *rope)  # (B, H, T, D)
                 k = apply_rotary(k, *rope)  # (B, K, T, D)
-            if cache is not None:
-                k, v = cache.write(k, v)  # (B, K, S, D) each: past + this step
         else:
             q = self._split(self.q_proj(x), self.n_heads, self.q_norm)  # (B, H, T, D)
             k, v = kv[0], kv[1]  # (B, K, S, D) each, or (N, K, S, D) grouped
             if len(kv) == 4:
                 q = group_queries(q, kv[2], kv[3], k.size(0))  # (N, H, width*T, D)
-        drop = self.dropout if self.training else 0.0
-        out = attention(q, k, v, mask, drop, bias, self.scale, self.n_kv_heads != self.n_heads)  # (B|N, H, T', D)
+        if cache is not None and bias is None and not self.training:
+            # the cache stores this step's keys and attends them with the past: a dense cache through
+            # attention() below, a paged one through its own decode kernel where it has one
+            out = cache.attend(q, k, v, mask, self.scale, gqa)  # (B, H, T, D)
+        else:
+            if cache is not None:
+                k, v = cache.write(k, v)  # (B, K, S, D) each: past + this step
+            drop = self.dropout if self.training else 0.0
+            out = attention(q, k, v, mask, drop, bias, self.scale, gqa)  # (B|N, H, T', D)
         if kv is not None and len(kv) == 4:
             out = ungroup_queries(out, kv[2], kv[3], t)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*D)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import AttentionMask, padding_mask
+from .attention import AttentionMask, attention, padding_mask
 
 # KVCache.reorder copies moved rows in groups whose lengths round up to the same multiple of this
 REORDER_GROUP = 16
@@ -40,9 +40,42 @@ def slots_per_row(max_len: int, window: int | None = None) -> int:
     return min(max_len, window) if window is not None else max_len
 
 
-class KVCache:
+class RowLengths:
+    """The tokens each of R rows holds, on the device (what a step reads) and the same on the host,
+    kept by every method that changes them, so a step sizes its keys without reading the device (no
+    host synchronisation inside a decode step). Shared by the dense and the paged cache."""
+
+    def __init__(self, rows: int, device: torch.device | str) -> None:
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # (R,)
+        self.host_lengths = [0] * rows
+        self.rows = rows
+
+    def set_lengths(self, n: int | Sequence[int], start: int = 0, stop: int | None = None) -> None:
+        """Rows [start, stop) hold n tokens (one int for all, or one per row): device and host."""
+        stop = self.rows if stop is None else stop
+        values = [n] * (stop - start) if isinstance(n, int) else [int(x) for x in n]
+        if len(values) != stop - start:
+            raise ValueError(f"{len(values)} lengths for rows [{start}, {stop})")
+        self.host_lengths[start:stop] = values
+        self.lengths[start:stop] = torch.tensor(values, dtype=torch.long) if values else 0
+
+    def advance(self, n_new: Tensor | Sequence[int] | int, start: int = 0, stop: int | None = None) -> None:
+        """Count n_new (an int, or one per row) more tokens in rows [start, stop). A tensor is read
+        back to the host once (prefills; a decode step advances by an int)."""
+        stop = self.rows if stop is None else stop
+        if isinstance(n_new, int):
+            self.lengths[start:stop] += n_new
+            self.host_lengths[start:stop] = [n + n_new for n in self.host_lengths[start:stop]]
+            return
+        added = n_new.tolist() if isinstance(n_new, Tensor) else [int(x) for x in n_new]
+        self.set_lengths([n + a for n, a in zip(self.host_lengths[start:stop], added, strict=True)], start, stop)
+
+
+class KVCache(RowLengths):
     """Keys/values for every layer: (R, K, L, D) each, R rows, L slots per row: max_len tokens, or
     the window W when it is shorter (a ring, see the module docstring)."""
+
+    paged = False
 
     def __init__(
         self,
@@ -65,13 +98,10 @@ class KVCache:
             # one flat (R*K*L + 1, D) buffer per layer and kind: the last row is the trash slot
             self._flat_k = [torch.zeros(trash + 1, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
             self._flat_v = [torch.zeros(trash + 1, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
-            self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # (R,)
-        # the same lengths on the host, kept by every method that changes them, so a step sizes its keys
-        # without reading the device (no host synchronisation inside a decode step)
-        self.host_lengths = [0] * rows
+            RowLengths.__init__(self, rows, device)
         self.k = [f[:trash].view(shape) for f in self._flat_k]  # (R, K, L, D) each
         self.v = [f[:trash].view(shape) for f in self._flat_v]  # (R, K, L, D) each
-        self.rows, self.max_len, self.kv_heads, self.window, self.trash = rows, max_len, kv_heads, window, trash
+        self.max_len, self.kv_heads, self.window, self.trash = max_len, kv_heads, window, trash
 
     @classmethod
     def for_model(cls, cfg, rows: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
@@ -88,6 +118,10 @@ class KVCache:
         """Tokens each row holds: its length, at most L (a ring keeps its last W); from the host."""
         return [min(n, self.slots) for n in self.host_lengths]
 
+    def usage(self) -> float:
+        """Tokens held / the cache's capacity (rows x L)."""
+        return sum(self.held()) / (self.rows * self.slots)
+
     def view(self, start: int = 0, stop: int | None = None) -> CacheView:
         return CacheView(self, start, self.rows if stop is None else stop)
 
@@ -95,28 +129,8 @@ class KVCache:
         """Empty rows [start, stop); their stale keys are masked out by lengths and overwritten."""
         self.set_lengths(0, start, stop)
 
-    def set_lengths(self, n: int | Sequence[int], start: int = 0, stop: int | None = None) -> None:
-        """Rows [start, stop) hold n tokens (one int for all, or one per row): device and host."""
-        stop = self.rows if stop is None else stop
-        values = [n] * (stop - start) if isinstance(n, int) else [int(x) for x in n]
-        if len(values) != stop - start:
-            raise ValueError(f"{len(values)} lengths for rows [{start}, {stop})")
-        self.host_lengths[start:stop] = values
-        self.lengths[start:stop] = torch.tensor(values, dtype=torch.long) if values else 0
-
-    def advance(self, n_new: Tensor | Sequence[int] | int, start: int = 0, stop: int | None = None) -> None:
-        """Count n_new (an int, or one per row) more tokens in rows [start, stop). A tensor is read
-        back to the host once (prefills; a decode step advances by an int)."""
-        stop = self.rows if stop is None else stop
-        if isinstance(n_new, int):
-            self.lengths[start:stop] += n_new
-            self.host_lengths[start:stop] = [n + n_new for n in self.host_lengths[start:stop]]
-            return
-        added = n_new.tolist() if isinstance(n_new, Tensor) else [int(x) for x in n_new]
-        self.set_lengths([n + a for n, a in zip(self.host_lengths[start:stop], added, strict=True)], start, stop)
-
     def move_row(self, src: int, dst: int) -> None:
-        """Copy row src into row dst (to keep live rows packed); src keeps its data."""
+        """Copy row src into row dst (a sibling sharing a prompt); src keeps its data."""
         if src == dst:
             return
         n = self.host_lengths[src]
@@ -124,6 +138,10 @@ class KVCache:
         for buf in self.k + self.v:
             buf[dst, :, :held] = buf[src, :, :held]
         self.set_lengths(n, dst, dst + 1)
+
+    def relocate(self, src: int, dst: int) -> None:
+        """Row dst takes over row src (to keep live rows packed); src is left to be reset."""
+        self.move_row(src, dst)
 
     def reorder(self, index: Tensor | Sequence[int], start: int = 0) -> None:
         """Rows [start, start+len(index)) become rows start+index (beam search). Only the rows that
@@ -282,6 +300,13 @@ class LayerCache:
             return k_all, v_all
         s = self.step_len
         return k_rows[:, :, :s], v_rows[:, :, :s]  # (B, K, S, D) each
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | Tensor | None, scale: float | None,
+               gqa: bool) -> Tensor:
+        """Store the step's keys/values (B, K, T, D) and attend q (B, H, T, D) to the row's keys
+        under `mask` (the stack's causal mask): (B, H, T, D)."""
+        k_all, v_all = self.write(k, v)  # (B, K, S, D) each
+        return attention(q, k_all, v_all, mask, scale=scale, gqa=gqa)  # (B, H, T, D)
 
 
 @dataclass

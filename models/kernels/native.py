@@ -1,6 +1,7 @@
-"""Building and loading models/kernels/panels.cpp: the `torch.ops.ts_panels` projection kernels.
+"""Building and loading models/kernels/: the `torch.ops.ts_panels` kernels, the projections
+(panels.cpp) and decode attention over a paged KV cache (attention.cpp).
 
-The source is compiled once per machine with torch's own extension builder (g++, the headers of the
+The sources are compiled once per machine with torch's own extension builder (g++, the headers of the
 installed torch) into torch's extension cache ($TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions); a second process, or a restart, loads the cached library in well under a
 second, and concurrent first loads wait on torch's build lock instead of compiling twice. The first
@@ -28,7 +29,7 @@ import torch
 
 log = logging.getLogger("models.kernels")
 
-SOURCE = Path(__file__).with_name("panels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("panels.cpp", "attention.cpp")]
 NAME = "ts_panels"  # the ops' namespace: torch.ops.ts_panels
 DISABLE_ENV = "TS_NATIVE_KERNELS"
 VNNI_ENV = "TS_NATIVE_VNNI"
@@ -59,11 +60,12 @@ def available() -> bool:
     started = time.perf_counter()
     vnni = uses_vnni()
     try:
-        load(name=NAME + ("_vnni" if vnni else "_bw"), sources=[str(SOURCE)],
+        load(name=NAME + ("_vnni" if vnni else "_bw"), sources=[str(source) for source in SOURCES],
              extra_cflags=FLAGS + (["-DTS_VNNI"] if vnni else []), extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: keep torch's kernels, say why
-        log.warning("native kernels off: building %s failed (%s)", SOURCE.name, str(e).splitlines()[-1][:300])
+        log.warning("native kernels off: building %s failed (%s)", ", ".join(s.name for s in SOURCES),
+                    str(e).splitlines()[-1][:300])
         return False
     _register_fakes()
     log.info("native kernels loaded in %.1f s (8-bit dot products: %s)", time.perf_counter() - started,
@@ -72,13 +74,19 @@ def available() -> bool:
 
 
 def _register_fakes() -> None:
-    """Shapes for torch.compile / meta tensors: each op maps x (M, K) to (M, n)."""
+    """Shapes for torch.compile / meta tensors: each projection maps x (M, K) to (M, n), decode
+    attention q (B, H, D) to (B, H, D)."""
 
     def fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int, *parts: int) -> torch.Tensor:
         return x.new_empty(x.size(0), n)
 
     for op in ("linear_f32", "linear_q4_1", "linear_q8_0"):
         torch.library.register_fake(f"{NAME}::{op}", fake)
+
+    def fake_attention(q: torch.Tensor, *args: object) -> torch.Tensor:
+        return torch.empty_like(q)
+
+    torch.library.register_fake(f"{NAME}::paged_decode_f32", fake_attention)
 
 
 if __name__ == "__main__":

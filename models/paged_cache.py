@@ -1,0 +1,308 @@
+"""A paged key/value cache: a pool of fixed-size blocks shared by all rows (as vLLM's PagedAttention).
+
+Each layer's keys (and values) live in one pool of N blocks of BS token slots for every key/value
+head, seen flat as (N * K * BS + 1, D): block n, head k, slot t at (n * K + k) * BS + t (the last
+row is a trash slot). A row (one sequence) owns a block table: its i-th block holds positions
+i * BS .. i * BS + BS - 1. So a row costs the blocks its tokens fill, not a reserved maximum, and
+the number of sequences is bounded by the blocks in use.
+
+Blocks are reference counted: a block may be shared by several rows and by the prefix cache
+(service/engine/prefix_cache.py) once it is full, since a row writes only at positions >= its
+length, and a shared full block lies wholly before it. Block 0 is the null block: never handed
+out, it fills a table past a row's blocks, so padding written beyond a row's blocks, and keys read
+past a row's length (masked), land there harmlessly.
+
+The same surface as the dense models.kv_cache.KVCache for the engine and the model (`view`,
+`reset`, `advance`, `move_row`, `relocate`, lengths on the device and the host), plus the
+allocator: `ensure` (blocks for a row to hold n tokens, CacheFull when the pool is out),
+`blocks_free`, `share`. A view's step either attends through the native decode kernel (one new
+token per row, float32 on CPU: models/kernels/attention.cpp reads each row's own blocks in place,
+no mask, no padding to the longest row) or gathers its rows' blocks into (B, K, S, D) for the one
+attention function (prefills, other dtypes and devices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .attention import AttentionMask, attention
+from .kv_cache import RowLengths
+
+BLOCK_TOKENS = 16  # token slots per block (the prefix cache's block too)
+
+
+class CacheFull(RuntimeError):
+    """The pool has no free block for a row's next tokens (the engine preempts before this)."""
+
+
+def blocks_for(tokens: int, block: int = BLOCK_TOKENS) -> int:
+    """Blocks that hold `tokens` tokens."""
+    return -(-tokens // block)
+
+
+class PagedKVCache(RowLengths):
+    """R rows of up to max_len tokens over a pool of `blocks` blocks (block 0 the null block)."""
+
+    paged = True
+    ring = False
+    window = None
+
+    def __init__(self, n_layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, blocks: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 block: int = BLOCK_TOKENS, decode_kernel: bool | None = None) -> None:
+        if blocks < 2:
+            raise ValueError(f"a paged cache needs at least 2 blocks (one is the null block), got {blocks}")
+        self.block, self.kv_heads, self.max_len, self.n_blocks = block, kv_heads, max_len, blocks
+        self.slots = max_len  # a row's most tokens (usage, limits)
+        self.width = blocks_for(max_len, block)  # M: table entries per row
+        self.trash = blocks * kv_heads * block  # flat index of the trash slot
+        with torch.inference_mode(False):  # ordinary tensors even when built under inference_mode
+            self._flat_k = [torch.zeros(self.trash + 1, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+            self._flat_v = [torch.zeros(self.trash + 1, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+            self.tables = torch.zeros(rows, self.width, dtype=torch.long, device=device)  # (R, M): 0 = null block
+            RowLengths.__init__(self, rows, device)
+        self.host_tables: list[list[int]] = [[] for _ in range(rows)]
+        self._refs = [0] * blocks
+        self._free = list(range(blocks - 1, 0, -1))  # a stack: the lowest ids first
+        if decode_kernel is None:
+            decode_kernel = _kernel_runs(dtype, torch.device(device))
+        self.decode_kernel = decode_kernel
+        self.block_bytes = 2 * n_layers * kv_heads * block * head_dim * self._flat_k[0].element_size()
+
+    @classmethod
+    def for_model(cls, cfg, rows: int, blocks: int, max_len: int | None = None, dtype=None, device=None,
+                  decode_kernel: bool | None = None) -> PagedKVCache:
+        """A pool shaped for a decoder config (no sliding window: windowed models keep the dense ring)."""
+        if getattr(cfg, "sliding_window", None) is not None:
+            raise ValueError("a sliding-window model keeps the dense cache's ring (models.kv_cache.KVCache)")
+        n_layers = getattr(cfg, "n_decoder_layers", cfg.n_layers)
+        return cls(n_layers, rows, cfg.kv_heads, max_len or cfg.max_positions, cfg.head_dim, blocks,
+                   dtype or torch.float32, device or "cpu", decode_kernel=decode_kernel)
+
+    # -- blocks --------------------------------------------------------------------------------
+
+    @property
+    def blocks_total(self) -> int:
+        """Blocks rows can hold (the null block excluded)."""
+        return self.n_blocks - 1
+
+    @property
+    def blocks_free(self) -> int:
+        return len(self._free)
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    def ref(self, block: int) -> None:
+        self._refs[block] += 1
+
+    def unref(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free.append(block)
+
+    def blocks_needed(self, row: int, tokens: int) -> int:
+        """New blocks row needs to hold `tokens` tokens."""
+        return max(0, blocks_for(tokens, self.block) - len(self.host_tables[row]))
+
+    def ensure(self, row: int, tokens: int) -> None:
+        """Give row blocks for `tokens` tokens (at most max_len); CacheFull when the pool is out."""
+        need = self.blocks_needed(row, min(tokens, self.max_len))
+        if need == 0:
+            return
+        if need > len(self._free):
+            raise CacheFull(f"row {row} needs {need} more KV blocks; {len(self._free)} are free")
+        table = self.host_tables[row]
+        new = [self._free.pop() for _ in range(need)]
+        for b in new:
+            self._refs[b] = 1
+        self.tables[row, len(table):len(table) + need] = torch.tensor(new, dtype=torch.long)
+        table.extend(new)
+
+    def share(self, row: int, blocks: Sequence[int]) -> None:
+        """Row (empty) takes `blocks` (full ones, shared: each gains a reference) as its first blocks;
+        the caller sets its length."""
+        if self.host_tables[row]:
+            raise ValueError(f"row {row} is not empty")
+        for b in blocks:
+            self.ref(b)
+        self.host_tables[row] = list(blocks)
+        if blocks:
+            self.tables[row, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.long)
+
+    def _release(self, row: int) -> None:
+        for b in self.host_tables[row]:
+            self.unref(b)
+        self.host_tables[row] = []
+        self.tables[row] = 0
+
+    # -- the engine's surface (as models.kv_cache.KVCache) -------------------------------------
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._flat_k + self._flat_v)
+
+    def held(self) -> list[int]:
+        return list(self.host_lengths)
+
+    def usage(self) -> float:
+        """Blocks in use / blocks rows can hold."""
+        return 1.0 - len(self._free) / self.blocks_total
+
+    def view(self, start: int = 0, stop: int | None = None) -> PagedCacheView:
+        return PagedCacheView(self, start, self.rows if stop is None else stop)
+
+    def reset(self, start: int = 0, stop: int | None = None) -> None:
+        """Empty rows [start, stop): their blocks go back to the pool (unless shared)."""
+        stop = self.rows if stop is None else stop
+        for row in range(start, stop):
+            self._release(row)
+        self.set_lengths(0, start, stop)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row dst becomes a copy of row src (a sibling sharing a prompt): the full blocks shared, a
+        partly filled last block copied (dst writes its own tokens there)."""
+        if src == dst:
+            return
+        self._release(dst)
+        n = self.host_lengths[src]
+        full = n // self.block
+        self.share(dst, self.host_tables[src][:full])
+        if n % self.block:
+            self.ensure(dst, n)
+            a, b = self._block_rows(self.host_tables[src][full]), self._block_rows(self.host_tables[dst][full])
+            for buf in self._flat_k + self._flat_v:
+                buf[b] = buf[a]  # (K * BS, D)
+        self.set_lengths(n, dst, dst + 1)
+
+    def relocate(self, src: int, dst: int) -> None:
+        """Row dst takes over row src's blocks and length (no copy); src is left empty."""
+        if src == dst:
+            return
+        self._release(dst)
+        self.host_tables[dst], self.host_tables[src] = self.host_tables[src], []
+        self.tables[dst] = self.tables[src]
+        self.tables[src] = 0
+        self.set_lengths(self.host_lengths[src], dst, dst + 1)
+        self.set_lengths(0, src, src + 1)
+
+    def _block_rows(self, block: int) -> slice:
+        """A block's K * BS rows in a flat pool."""
+        first = block * self.kv_heads * self.block
+        return slice(first, first + self.kv_heads * self.block)
+
+    def block_kv(self, block: int) -> list[Tensor]:
+        """A block's keys then values of every layer, (K * BS, D) views (tests, debugging)."""
+        return [buf[self._block_rows(block)] for buf in self._flat_k + self._flat_v]
+
+
+def _kernel_runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode steps attend through models/kernels/attention.cpp: float32 on an AVX-512 CPU
+    where the native kernels build."""
+    if dtype != torch.float32 or device.type != "cpu":
+        return False
+    from .kernels import native
+
+    return native.available()
+
+
+@dataclass
+class PagedCacheView:
+    """Rows [start, stop) of a PagedKVCache, as one forward pass sees them."""
+
+    cache: PagedKVCache
+    start: int
+    stop: int
+    step_len: int | None = None  # S: the keys the gathered path attends (whole blocks)
+    _slots: Tensor | None = None  # (B * K * T,) flat slot of each new key, set by begin()
+    _tables: Tensor | None = None  # (B, nb) the rows' first nb blocks, contiguous
+    _keys: Tensor | None = None  # (B,) keys per row after the step
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.cache.lengths[self.start:self.stop]  # (B,)
+
+    def begin(self, t: int, keep: Tensor | None = None) -> tuple[Tensor, int]:
+        """Start a step of T new tokens per row (keep (B, T): its real ones; right padding is not
+        given blocks): blocks for every row's real tokens, their positions (B, T) and S."""
+        c = self.cache
+        real = [t] * (self.stop - self.start) if keep is None else keep.sum(-1).tolist()
+        lengths = c.host_lengths[self.start:self.stop]
+        longest = max(lengths, default=0) + t
+        if max((n + r for n, r in zip(lengths, real, strict=True)), default=0) > c.max_len:
+            raise ValueError(f"KV cache holds {c.max_len} tokens per row; this step needs {longest}")
+        for row, (n, r) in enumerate(zip(lengths, real, strict=True), self.start):
+            c.ensure(row, n + r)
+        nb = min(blocks_for(longest, c.block), c.width)
+        self.step_len = nb * c.block
+        base = self.lengths  # (B,)
+        positions = base[:, None] + torch.arange(t, device=base.device)[None, :]  # (B, T)
+        tables = c.tables[self.start:self.stop]  # (B, M)
+        ids = tables.gather(1, (positions // c.block).clamp(max=c.width - 1))  # (B, T): past the table -> null
+        heads = torch.arange(c.kv_heads, device=base.device)  # (K,)
+        flat = (ids[:, None, :] * c.kv_heads + heads[None, :, None]) * c.block + (positions % c.block)[:, None, :]  # (B, K, T)
+        self._slots = flat.reshape(-1)  # (B * K * T,)
+        self._tables = tables[:, :nb].clone()  # (B, nb): never a view (one kind of input for compiled blocks)
+        self._keys = base + t  # (B,)
+        return positions, self.step_len
+
+    def key_positions(self) -> Tensor:
+        """The position each of the gathered path's S keys holds: (S,) (slot i of the gathered rows is
+        position i)."""
+        if self.step_len is None:
+            raise RuntimeError("PagedCacheView.key_positions() before begin()")
+        return torch.arange(self.step_len, device=self.cache.lengths.device)  # (S,)
+
+    def layer(self, i: int) -> PagedLayerCache:
+        if self._slots is None or self._tables is None or self._keys is None:
+            raise RuntimeError("PagedCacheView.layer() before begin()")
+        c = self.cache
+        return PagedLayerCache(c._flat_k[i], c._flat_v[i], self._slots, self._tables, self._keys, c.block,
+                               c.decode_kernel)
+
+
+@dataclass(frozen=True)
+class PagedLayerCache:
+    """One layer's pool during a step. Tensors and plain values only (one compiled block serves every
+    layer, as models.kv_cache.LayerCache)."""
+
+    flat_k: Tensor  # (N * K * BS + 1, D)
+    flat_v: Tensor  # (N * K * BS + 1, D)
+    slots: Tensor  # (B * K * T,) where the step's keys go
+    tables: Tensor  # (B, nb) the rows' blocks
+    keys: Tensor  # (B,) keys per row after this step
+    block: int  # BS
+    decode_kernel: bool
+
+    def _gather(self, flat: Tensor, heads: int) -> Tensor:
+        """The rows' blocks, in order: (B, K, nb * BS, D)."""
+        b, nb = self.tables.shape
+        d = flat.size(-1)
+        pool = flat[:-1].view(-1, heads, self.block, d)  # (N, K, BS, D)
+        rows = pool.index_select(0, self.tables.reshape(-1))  # (B * nb, K, BS, D)
+        return rows.view(b, nb, heads, self.block, d).transpose(1, 2).reshape(b, heads, nb * self.block, d)  # (B, K, S, D)
+
+    def write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store new keys/values (B, K, T, D); return the rows' keys/values (B, K, S, D), gathered."""
+        d, heads = k.size(-1), k.size(1)
+        self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d).to(self.flat_k.dtype))  # (B*K*T, D) rows copied
+        self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d).to(self.flat_v.dtype))  # (B*K*T, D) rows copied
+        return self._gather(self.flat_k, heads), self._gather(self.flat_v, heads)  # (B, K, S, D) each
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | Tensor | None, scale: float | None,
+               gqa: bool) -> Tensor:
+        """Store the step's keys/values (B, K, T, D) and attend q (B, H, T, D): one new token per row
+        through the decode kernel (each row its own keys, no mask), else gathered under `mask`."""
+        b, h, t, d = q.shape
+        if t == 1 and self.decode_kernel:
+            self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d))  # (B*K, D) rows copied
+            self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d))  # (B*K, D) rows copied
+            out = torch.ops.ts_panels.paged_decode_f32(
+                q.reshape(b, h, d).contiguous(), self.flat_k, self.flat_v, self.tables, self.keys, k.size(1),
+                self.block, d ** -0.5 if scale is None else scale)  # (B, H, D)
+            return out.view(b, h, 1, d)  # (B, H, T, D)
+        k_all, v_all = self.write(k, v)  # (B, K, S, D) each
+        return attention(q, k_all, v_all, mask, scale=scale, gqa=gqa)  # (B, H, T, D)

@@ -1,0 +1,178 @@
+"""PagedKVCache: the block allocator (references, sharing, copies, moves) and the model on it (paged =
+dense, through the decode kernel and the gathered path; a row alone = among others, bitwise).
+
+Dimension legend: R rows, B rows of a view, K kv heads, BS slots per block, T new tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from models.decoder import DecoderLM
+from models.kv_cache import KVCache
+from models.paged_cache import CacheFull, PagedKVCache
+from models.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def native() -> bool:
+    from models.kernels import native as kernels
+
+    if kernels.available():
+        return True
+    if os.environ.get("REQUIRE_NATIVE_KERNELS") == "1":
+        pytest.fail("REQUIRE_NATIVE_KERNELS=1 but the native kernels did not build")
+    pytest.skip("the native kernels need AVX-512 and g++")
+
+
+def small(blocks: int = 8, rows: int = 4) -> PagedKVCache:
+    return PagedKVCache(n_layers=1, rows=rows, kv_heads=2, max_len=64, head_dim=3, blocks=blocks, block=4,
+                        decode_kernel=False)
+
+
+def test_blocks_are_taken_as_rows_grow_and_come_back_on_reset() -> None:
+    cache = small()
+    assert cache.blocks_total == cache.blocks_free == 7  # block 0 is the null block
+    cache.ensure(0, 5)  # 2 blocks of 4
+    cache.ensure(1, 4)
+    assert [len(t) for t in cache.host_tables[:2]] == [2, 1] and cache.blocks_free == 4
+    assert 0 not in cache.host_tables[0] + cache.host_tables[1]
+    assert cache.tables[0, :2].tolist() == cache.host_tables[0] and cache.tables[0, 2:].eq(0).all()
+    cache.ensure(0, 8)  # still 2 blocks
+    assert cache.blocks_free == 4
+    with pytest.raises(CacheFull, match="needs 5 more KV blocks; 4 are free"):
+        cache.ensure(2, 20)
+    assert cache.host_tables[2] == [] and cache.blocks_free == 4  # nothing taken by a refusal
+    cache.reset(0, 2)
+    assert cache.blocks_free == 7 and cache.tables.eq(0).all()
+    assert cache.usage() == 0.0
+
+
+def test_a_copied_row_shares_its_full_blocks_and_copies_the_last_one() -> None:
+    cache = small()
+    cache.ensure(0, 6)
+    cache.set_lengths(6, 0, 1)
+    full, last = cache.host_tables[0]
+    for t in cache.block_kv(last):
+        t.fill_(7.0)
+    cache.move_row(0, 1)
+    assert cache.host_tables[1][0] == full and cache.host_tables[1][1] != last
+    assert cache.refs(full) == 2 and cache.refs(last) == 1
+    assert all(t.eq(7.0).all() for t in cache.block_kv(cache.host_tables[1][1]))
+    assert cache.host_lengths[:2] == [6, 6]
+    cache.reset(0, 1)
+    assert cache.refs(full) == 1 and cache.blocks_free == 5  # the shared block stays with row 1
+
+
+def test_relocate_moves_the_table_without_copying() -> None:
+    cache = small()
+    cache.ensure(2, 9)
+    cache.set_lengths(9, 2, 3)
+    blocks = list(cache.host_tables[2])
+    cache.relocate(2, 0)
+    assert cache.host_tables[0] == blocks and cache.host_tables[2] == []
+    assert cache.host_lengths[0] == 9 and cache.host_lengths[2] == 0
+    assert cache.tables[0, :3].tolist() == blocks and cache.tables[2].eq(0).all()
+    assert cache.blocks_free == 7 - 3
+
+
+def test_shared_blocks_are_freed_only_by_their_last_holder() -> None:
+    cache = small()
+    cache.ensure(0, 8)
+    a, b = cache.host_tables[0]
+    cache.ref(a)  # the prefix cache, say
+    cache.share(1, [a])
+    cache.reset(0, 2)
+    assert cache.refs(a) == 1 and cache.refs(b) == 0 and cache.blocks_free == 6
+    cache.unref(a)
+    assert cache.blocks_free == 7
+
+
+def test_padding_gets_no_blocks() -> None:
+    model, _ = tiny_model("decoder")
+    cache = PagedKVCache.for_model(model.cfg, rows=2, blocks=16, max_len=64, decode_kernel=False)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
+                        [5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])  # (2, 18): row 1 has 3 real
+    with torch.inference_mode():
+        model(ids, cache=cache.view(), last=torch.tensor([17, 2]))
+    assert [len(t) for t in cache.host_tables[:2]] == [2, 1]
+
+
+def run(model: DecoderLM, cache, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Right-padded prefill of `prompts`, then `steps` greedy decode steps: each step's logits (B, V)."""
+    b, t = len(prompts), max(map(len, prompts))
+    ids = torch.zeros(b, t, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    last = torch.tensor([len(p) - 1 for p in prompts])
+    out = []
+    with torch.inference_mode():
+        logits = model(ids, cache=cache.view(), last=last)[:, 0]  # (B, V)
+        cache.advance([len(p) for p in prompts])
+        for _ in range(steps):
+            out.append(logits)
+            logits = model(logits.argmax(-1)[:, None], cache=cache.view())[:, 0]  # (B, V)
+            cache.advance(1)
+    return out + [logits]
+
+
+def gqa_model() -> DecoderLM:
+    """SmolLM2's attention shape in small: 6 query heads on 2 kv heads (G = 3), head dim 64."""
+    model, _ = tiny_model("decoder")
+    torch.manual_seed(0)
+    return DecoderLM(model.cfg.replace(d_model=384, n_heads=6, n_kv_heads=2, d_ff=64, max_positions=128)).eval()
+
+
+PROMPTS = [[3, 9, 4, 11, 2, 8, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42], [7, 7, 1, 2], [50]]
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("shape", ["tiny", "gqa"])
+def test_paged_equals_dense(kernel: bool, shape: str) -> None:
+    """Rows of 19, 4 and 1 prompt tokens, 20 steps (across block boundaries): the logits of every step
+    equal the dense cache's (the kernel's own reduction order: to float32 rounding)."""
+    if kernel:
+        native()
+    model = tiny_model("decoder")[0] if shape == "tiny" else gqa_model()
+    dense = run(model, KVCache.for_model(model.cfg, rows=3, max_len=64), PROMPTS, 20)
+    paged = run(model, PagedKVCache.for_model(model.cfg, rows=3, blocks=20, max_len=64, decode_kernel=kernel),
+                PROMPTS, 20)
+    for step, (d, p) in enumerate(zip(dense, paged, strict=True)):
+        torch.testing.assert_close(p, d, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+
+
+def test_the_kernel_gives_a_row_the_same_bits_alone_and_among_others() -> None:
+    """The decode kernel on one pool: each row's output (B, H, D) is the same bits whatever rows run
+    beside it, and equals softmax attention over the row's own keys."""
+    native()
+    torch.manual_seed(0)
+    kv_heads, block, d, h = 2, 16, 64, 6
+    k_pool, v_pool = (torch.randn(10 * kv_heads * block + 1, d) for _ in range(2))  # (N * K * BS + 1, D)
+    tables = torch.tensor([[3, 1, 7, 0], [2, 0, 0, 0], [9, 8, 6, 5]])  # (B, M)
+    lengths = torch.tensor([40, 5, 64])  # (B,)
+    q = torch.randn(3, h, d)  # (B, H, D)
+    op = torch.ops.ts_panels.paged_decode_f32
+    together = op(q, k_pool, v_pool, tables, lengths, kv_heads, block, 0.125)  # (B, H, D)
+    for row in range(3):
+        alone = op(q[row:row + 1].contiguous(), k_pool, v_pool, tables[row:row + 1].contiguous(),
+                   lengths[row:row + 1], kv_heads, block, 0.125)  # (1, H, D)
+        assert torch.equal(together[row], alone[0])
+        pool_k = k_pool[:-1].view(10, kv_heads, block, d)[tables[row]].transpose(0, 1).reshape(kv_heads, -1, d)
+        pool_v = v_pool[:-1].view(10, kv_heads, block, d)[tables[row]].transpose(0, 1).reshape(kv_heads, -1, d)
+        n = int(lengths[row])
+        keys = pool_k[:, :n].repeat_interleave(h // kv_heads, 0)  # (H, n, D)
+        values = pool_v[:, :n].repeat_interleave(h // kv_heads, 0)  # (H, n, D)
+        want = torch.softmax(q[row, :, None] @ keys.transpose(1, 2) * 0.125, -1) @ values  # (H, 1, D)
+        torch.testing.assert_close(together[row], want[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_refuses_a_table_outside_the_pool() -> None:
+    native()
+    pool = torch.zeros(2 * 1 * 4 + 1, 16)
+    with pytest.raises(RuntimeError, match="names block 5 outside the pool"):
+        torch.ops.ts_panels.paged_decode_f32(torch.zeros(1, 1, 16), pool, pool, torch.tensor([[5]]),
+                                             torch.tensor([3]), 1, 4, 1.0)
