@@ -7,7 +7,7 @@ about 22 to 12 ms on the 2-core AMD EPYC (docs/benchmarks.md).
 
 Regional compilation: each Block is compiled, not the whole model. Every block of a model runs the
 same code on its own parameters (inputs of the graph, not constants) and its own cache buffers
-(kv_cache.LayerCache), so one graph serves all layers of a stack: SmolLM2 warms up in ~15 s on 2
+(kv_cache.LayerCache, paged_cache.PagedLayerCache), so one graph serves all layers of a stack: SmolLM2 warms up in ~15 s on 2
 cores, where compiling its 30-layer stack as one graph took about 90 s per graph (that graph ran a
 step ~25 % faster: one guard check and one call per step instead of 30; the next lever if start-up
 time allows). Sizes are symbolic (`dynamic=True`: the cache growing or a new batch size does not
@@ -79,6 +79,7 @@ def warm_up(model: nn.Module) -> float:
     from .decoder import DecoderLM
     from .encoder import EncoderModel
     from .kv_cache import KVCache
+    from .paged_cache import PagedKVCache
     from .seq2seq import Seq2Seq
 
     started = time.perf_counter()
@@ -97,12 +98,21 @@ def warm_up(model: nn.Module) -> float:
         if isinstance(model, EncoderModel):
             model.embed(src, keep)
         elif isinstance(model, DecoderLM):
-            cache = KVCache.for_model(model.cfg, rows, 8, dtype=dtype, device=device)  # 6 tokens fit
-            # a prefill on an empty cache (S = T >= 2), decode steps (T = 1, S > 1), then a prefill after a
-            # past (T >= 2, S > T: a prefix cache hit, a chunk of a long prompt)
-            for t in (2, 1, 1, 2):
-                model(torch.full((rows, t), 3, dtype=torch.long, device=device), cache=cache.view())
-                cache.advance(t)
+            # the dense cache (models.generate) and, but for a sliding window, the paged one (the engine)
+            caches = [KVCache.for_model(model.cfg, rows, 8, dtype=dtype, device=device)]  # 6 tokens fit
+            if model.cfg.sliding_window is None:  # rows within one block, then rows over two (sizes 1 specialise)
+                for past in (0, 15):
+                    paged = PagedKVCache.for_model(model.cfg, rows, 2 * rows + 1, 32, dtype=dtype, device=device)
+                    for row in range(rows):
+                        paged.ensure(row, past)
+                    paged.set_lengths(past)
+                    caches.append(paged)
+            for cache in caches:
+                # a prefill on an empty cache (S = T >= 2), decode steps (T = 1, S > 1), then a prefill
+                # after a past (T >= 2, S > T: a prefix cache hit, a chunk of a long prompt)
+                for t in (2, 1, 1, 2):
+                    model(torch.full((rows, t), 3, dtype=torch.long, device=device), cache=cache.view())
+                    cache.advance(t)
     seconds = time.perf_counter() - started
     log.info("compiled blocks warmed up in %.1f s", seconds)
     return seconds
