@@ -14,6 +14,11 @@ Chunked prefill: a prompt longer than the engine's chunk is prefilled a chunk pe
 cache's last row (`partial`, outside the decoding block), so the running rows keep decoding
 between its chunks; after its last chunk it samples its first token and joins the block, with
 the requests of the same prompt that wait right behind it (n > 1 siblings) on copies of its row.
+
+A paged cache (models/paged_cache.py) gives each row the blocks its tokens fill. The engine
+preempts a request when blocks run out (`preempt`: its row freed) and later `restore`s it: its
+prompt and output so far are recomputed in one forward without sampling, and it goes on decoding
+from its pending token.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from models.decoder import DecoderLM
 from models.decoding import BatchParams, Choice, RowSampler, choose
 from models.inputs import PaddedBatch
 from models.kv_cache import KVCache
+from models.paged_cache import PagedKVCache, blocks_for
 
 from .grammar import MaskBuilder
 from .prefix_cache import PrefixCache
@@ -47,8 +53,10 @@ Picked = tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]
 class RunningBatch:
     """Owned by the engine thread."""
 
-    def __init__(self, model: DecoderLM, cache: KVCache, vocab_size: int, prefix: PrefixCache | None = None) -> None:
+    def __init__(self, model: DecoderLM, cache: KVCache | PagedKVCache, vocab_size: int,
+                 prefix: PrefixCache | None = None) -> None:
         self.model, self.cache, self.prefix = model, cache, prefix
+        self.paged = cache.paged
         self.device = cache.lengths.device
         self.rows: list[SeqState] = []
         self.seen = torch.zeros(cache.rows, vocab_size, dtype=torch.bool, device=self.device)  # (R, V)
@@ -158,8 +166,70 @@ class RunningBatch:
         return self._took(choice, start, group)
 
     def usage(self) -> float:
-        """Tokens held in the cache / its capacity."""
-        return sum(self.cache.held()) / (self.cache.rows * self.cache.slots)
+        """The cache's use, 0..1: tokens held / rows' capacity, or blocks in use / the pool (paged)."""
+        return self.cache.usage()
+
+    # -- blocks (paged) --------------------------------------------------------------------------
+
+    def blocks_for(self, seq: SeqState) -> int:
+        """Blocks a waiting request takes when admitted: its context and first new token, counted
+        whole (a prefix hit may save some; the admission never relies on it)."""
+        return blocks_for(len(seq.context) + 1, self.cache.block)
+
+    def blocks_available(self) -> int:
+        """Free blocks, and blocks only the prefix cache holds (it gives them up on demand)."""
+        return self.cache.blocks_free + (self.prefix.reclaimable() if self.prefix is not None else 0)
+
+    def make_room(self, blocks: int) -> bool:
+        """At least `blocks` free blocks, evicting prefix-cache blocks nobody else uses if needed."""
+        short = blocks - self.cache.blocks_free
+        if short > 0 and self.prefix is not None:
+            self.prefix.reclaim(short)
+        return self.cache.blocks_free >= blocks
+
+    def decode_blocks(self) -> int:
+        """New blocks the next decode step takes: rows whose next token starts a block."""
+        cache = self.cache
+        return sum(cache.blocks_needed(row, cache.host_lengths[row] + 1) for row in range(len(self.rows)))
+
+    def preempt(self, row: int) -> SeqState:
+        """Take a running request out (its blocks freed): it is recomputed by `restore` when admitted again."""
+        seq = self.remove([row])[0]
+        seq.resume = True
+        return seq
+
+    def restore(self, group: list[SeqState]) -> None:
+        """Preempted requests back on fresh rows: one padded forward over each one's context (prompt
+        and output but its pending token; cached prefix blocks reused), no sampling; their seen tokens
+        and counts rebuilt. They decode on from their pending token as if never stopped."""
+        start, stop = len(self.rows), len(self.rows) + len(group)
+        if len(group) > self.free:
+            raise ValueError(f"{len(group)} requests do not fit the {self.free} free cache rows")
+        self.cache.reset(start, stop)
+        contexts = [seq.context for seq in group]
+        hits = [self.prefix.lookup(c) if self.prefix is not None else 0 for c in contexts]
+        if max(hits) + max(len(c) - h for c, h in zip(contexts, hits, strict=True)) > self.cache.max_len:
+            hits = [0] * len(group)
+        for row, (c, hit) in enumerate(zip(contexts, hits, strict=True), start):
+            if hit:
+                self.prefix.load(c, hit, row)
+                self.cache.set_lengths(hit, row, row + 1)
+        multiple = PREFILL_MULTIPLE // math.gcd(len(group), PREFILL_MULTIPLE)
+        padded = PaddedBatch.from_token_lists([c[h:] for c, h in zip(contexts, hits, strict=True)],
+                                              device=self.device, multiple=multiple,
+                                              limit=self.cache.max_len - max(hits))  # (B, T)
+        self.model(padded.ids, cache=self.cache.view(start, stop), last=padded.last_index())
+        self.cache.advance(padded.lengths, start, stop)
+        seen = self.seen[start:stop].zero_()  # (B, V) view
+        counts = self.counts[start:stop].zero_()  # (B, V) view
+        for i, seq in enumerate(group):
+            seen[i, torch.tensor(seq.prompt + seq.tokens, device=self.device)] = True
+            counts[i] = torch.bincount(torch.tensor(seq.tokens, device=self.device), minlength=counts.size(1))
+            seq.resume = False
+            if self.prefix is not None:
+                self.prefix.store(contexts[i], start + i)
+        self.rows.extend(group)
+        self._params = None
 
     def prefill(self, group: list[SeqState]) -> list[Picked]:
         """One forward over the right-padded prompts on rows [n, n + B), sampling each first token at
@@ -221,8 +291,8 @@ class RunningBatch:
         return seen
 
     def cached(self, seq: SeqState) -> int:
-        """Tokens of seq's prompt the prefix cache holds now (0 without one)."""
-        return self.prefix.lookup(seq.prompt) if self.prefix is not None else 0
+        """Tokens of seq's context (its prompt, unless preempted) the prefix cache holds now (0 without one)."""
+        return self.prefix.lookup(seq.context) if self.prefix is not None else 0
 
     def _load_prefix(self, seq: SeqState, row: int, hit: int | None = None) -> int:
         """Copy the cached keys/values of the first `hit` tokens (default: the longest cached prefix)
@@ -259,7 +329,7 @@ class RunningBatch:
         movers = [i for i in range(keep_n, n) if i not in gone]
         holes = [i for i in dead if i < keep_n]
         for src, dst in zip(movers, holes, strict=True):
-            self.cache.move_row(src, dst)
+            self.cache.relocate(src, dst)
             self.seen[dst] = self.seen[src]
             self.counts[dst] = self.counts[src]
             self.rows[dst] = self.rows[src]

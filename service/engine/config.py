@@ -15,8 +15,12 @@ class EngineConfig:
 
     __pydantic_config__ = {"extra": "forbid"}  # in a config file (pydantic reads it), a misspelt field is an error
 
-    max_running: int = 8  # sequences decoding at once (cache rows, if the budget holds them)
-    kv_cache_mib: float = 384.0  # KV-cache budget; rows = min(max_running, budget // bytes of one row)
+    max_running: int = 8  # sequences decoding at once (paged: as blocks allow; rows: if the budget holds the rows)
+    kv_cache_mib: float = 384.0  # KV-cache budget: blocks of 16 tokens (paged), or rows of max_total_tokens
+    # paged: the cache is a pool of 16-token blocks (models/paged_cache.py), a sequence holds the blocks its
+    # tokens fill, and the engine preempts the newest sequence when they run out; false: one preallocated
+    # row of max_total_tokens per sequence. Sliding-window models always keep rows (a ring of the window).
+    paged: bool = True
     max_total_tokens: int | None = 1024  # prompt + output per request = tokens per cache row; None: max_positions
     max_prompt_tokens: int | None = None  # None: the model's max_input_tokens; always < max_total_tokens
     max_new_tokens: int | None = 512  # output tokens per request; None: max_total_tokens - 1

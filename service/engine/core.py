@@ -13,6 +13,13 @@ Every step, on the engine's one thread:
 3. one decode step over all live rows [0, n) (each at its own cache position), one token per row;
 4. free the rows of requests that finished; the last live rows move into the holes, so the live
    rows stay packed at the front of the cache.
+On a paged cache (the default; models/paged_cache.py) a request holds the 16-token blocks its tokens
+fill, so `max_running` sequences share the budget whatever their lengths. Admission takes a request
+only when blocks for its whole context and first token are free (or held only by the prefix cache,
+which gives them back). When a decode step needs more blocks than are free, the most recently
+admitted request is preempted: its blocks freed, it waits at the head of the queue, and when
+admitted again its prompt and output are recomputed in one forward (no sampling) and it decodes on
+from where it stopped: the same tokens as a run never preempted (its sampler's state is its own).
 Each request's tokens depend only on its own rows and its own seeded generator, so a request
 decodes the same tokens alone or among others, and as models.generate.generate does.
 
@@ -35,6 +42,7 @@ from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.inputs import select_batch
 from models.kv_cache import KVCache
+from models.paged_cache import PagedKVCache
 from models.text import TextTokenizer
 
 from ..telemetry.hooks import EngineObserver
@@ -44,7 +52,7 @@ from .events import RequestHandle
 from .grammar import Grammars
 from .limits import EngineLimits
 from .loop import StepLoop
-from .prefix_cache import PrefixCache
+from .prefix_cache import PagedPrefixCache, PrefixCache
 from .sequence import SeqState
 
 log = logging.getLogger(__name__)
@@ -79,15 +87,22 @@ class GenerationEngine(StepLoop):
         self.device = weight.device
         self.config = config or EngineConfig()
         self.limits = EngineLimits.resolve(self.config, model.cfg, weight.dtype, max_input_tokens)
-        self.cache = KVCache.for_model(model.cfg, self.limits.rows, self.limits.max_total_tokens, weight.dtype,
-                                       self.device)
+        self.cache: KVCache | PagedKVCache
+        if self.limits.blocks:
+            self.cache = PagedKVCache.for_model(model.cfg, self.limits.rows, self.limits.blocks,
+                                                self.limits.max_total_tokens, weight.dtype, self.device)
+        else:
+            self.cache = KVCache.for_model(model.cfg, self.limits.rows, self.limits.max_total_tokens, weight.dtype,
+                                           self.device)
         super().__init__(name, self.limits.rows, self.limits.max_queued, self.cache.nbytes(), observer, after_step)
         self._eos = frozenset(model.cfg.eos_token_ids)
         self.grammars = Grammars(tokenizer, model.cfg.vocab_size, self._eos)  # structured outputs
         # engine thread only: the live rows, and a group taken from the queue while it is prefilled
         # prefix caching needs rows that keep every prompt token: not a sliding window's ring
-        prefix = (PrefixCache(self.cache, self.limits.prefix_cache_bytes)
-                  if self.limits.prefix_cache_bytes and not self.cache.ring else None)
+        prefix: PrefixCache | None = None
+        if self.limits.prefix_cache_bytes and not self.cache.ring:
+            kind = PagedPrefixCache if self.cache.paged else PrefixCache
+            prefix = kind(self.cache, self.limits.prefix_cache_bytes)
         self._batch = RunningBatch(model, self.cache, model.cfg.vocab_size, prefix)
         self._admitting: list[SeqState] = []
 
@@ -139,6 +154,7 @@ class GenerationEngine(StepLoop):
         self._admit()
         self._evict()
         if self._batch:
+            self._make_room()
             self._decode()
         self._evict()
 
@@ -156,7 +172,35 @@ class GenerationEngine(StepLoop):
         return self._batch.usage()
 
     def _extra_stats(self) -> dict[str, int]:
-        return {"prefix_cache_bytes": self._batch.prefix.nbytes if self._batch.prefix is not None else 0}
+        stats = {"prefix_cache_bytes": self._batch.prefix.nbytes if self._batch.prefix is not None else 0,
+                 "preempted": self._counts["preempted"]}
+        if self.cache.paged:
+            stats |= {"kv_blocks": self.cache.blocks_total, "kv_blocks_free": self.cache.blocks_free}
+        return stats
+
+    def _make_room(self) -> None:
+        """Paged: blocks for every running row's next token. Short of them, the prefix cache gives
+        back blocks nobody uses, then the most recently admitted requests (a prompt prefilled in
+        chunks counts as running) are preempted, newest first, back to the head of the queue; the
+        oldest one always stays."""
+        batch = self._batch
+        if not batch.paged:
+            return
+        while not batch.make_room(batch.decode_blocks()):
+            candidates = [(seq.admitted or 0.0, row) for row, seq in enumerate(batch.rows)]
+            if batch.partial is not None:
+                candidates.append((batch.partial.admitted or 0.0, -1))
+            if len(candidates) <= 1:
+                return  # one request cannot outgrow the pool (EngineLimits): its step fails if it does
+            _, row = max(candidates)
+            seq = batch.drop_partial() if row < 0 else batch.preempt(row)
+            if seq is None:
+                return
+            seq.preemptions += 1
+            self._counts["preempted"] += 1
+            with self._cond:
+                self._waiting.appendleft(seq)
+            log.info("preempted request %s (%d tokens so far): KV blocks ran out", seq.request_id, len(seq.tokens))
 
     def _admit(self) -> None:
         """One chunk of the long prompt being prefilled in chunks (if any), then prefill the waiting
@@ -164,6 +208,10 @@ class GenerationEngine(StepLoop):
         prompt lengths (select_batch's cost model: padding against the fixed cost of a forward pass)."""
         chunked = self._chunk()
         group = self._take_waiting(self.limits.prefill_tokens - chunked, first_fits=not chunked)
+        resumed = [seq for seq in group if seq.resume]
+        if resumed:
+            group = [seq for seq in group if not seq.resume]
+            self._restore(resumed)
         while group:
             lengths = [self._rest(seq) for seq in group]
             picked = set(select_batch(lengths, len(group), self.limits.prefill_tokens, PREFILL_OVERHEAD_TOKENS))
@@ -189,6 +237,21 @@ class GenerationEngine(StepLoop):
         self._admitting = []
         self._joined(start, tokens)
 
+    def _restore(self, group: list[SeqState]) -> None:
+        """Preempted requests back on rows (their context recomputed); those that fail, fail alone."""
+        self._admitting = group
+        try:
+            self._batch.restore(group)
+        except Exception as exc:
+            for seq in group if len(group) > 1 else []:
+                try:
+                    self._batch.restore([seq])
+                except Exception as row_exc:
+                    self._fail(seq, row_exc)
+            if len(group) == 1:
+                self._fail(group[0], exc)
+        self._admitting = []
+
     def _joined(self, start: int, tokens: list[Picked]) -> None:
         """Rows [start, ...) were just prefilled: count and report their prompts, then take their
         first tokens."""
@@ -207,7 +270,8 @@ class GenerationEngine(StepLoop):
             return 0
         if batch.partial is None:
             with self._cond:
-                if not self._waiting or batch.free < 1 or not self._long(self._rest(self._waiting[0])):
+                if (not self._waiting or batch.free < 1 or self._waiting[0].resume
+                        or not self._long(self._rest(self._waiting[0]))):
                     return 0
                 seq = self._waiting.popleft()
                 seq.admitted = time.perf_counter()
@@ -215,6 +279,8 @@ class GenerationEngine(StepLoop):
         seq, start = batch.partial, len(batch.rows)
         n = min(chunk, len(seq.prompt) - batch.partial_done)
         last = batch.partial_done + n == len(seq.prompt)
+        if batch.paged and not batch.make_room(self._chunk_blocks(batch.partial_done + n, last)):
+            return 0  # the running requests free blocks as they finish (or the partial is preempted)
         siblings = self._take_siblings(seq) if last else []
         self._admitting = siblings
         try:
@@ -231,8 +297,16 @@ class GenerationEngine(StepLoop):
         return n
 
     def _rest(self, seq: SeqState) -> int:
-        """Prompt tokens of seq to compute: less what the prefix cache holds."""
-        return len(seq.prompt) - self._batch.cached(seq)
+        """Context tokens of seq to compute (its prompt; a preempted one's output too): less what the
+        prefix cache holds."""
+        return len(seq.context) - self._batch.cached(seq)
+
+    def _chunk_blocks(self, tokens: int, last: bool) -> int:
+        """Paged: blocks the chunked prompt needs to hold `tokens` (with its first new token after its
+        last chunk, and a block for each sibling that may join on a copy of its row)."""
+        batch = self._batch
+        need = batch.cache.blocks_needed(batch.partial_row, tokens + last)
+        return need + (min(len(self._waiting), batch.free - 1) if last else 0)
 
     def _long(self, rest: int) -> bool:
         """Whether a prompt with `rest` tokens to compute is prefilled in chunks."""
@@ -252,21 +326,33 @@ class GenerationEngine(StepLoop):
         return siblings
 
     def _take_waiting(self, budget: int, first_fits: bool = True) -> list[SeqState]:
-        """FIFO while rows are free and (longest prompt) x (requests) fits the prefill budget (the
-        first one always, unless `first_fits` is False); stops at a prompt to prefill in chunks."""
-        free, group, longest = self._batch.free, [], 0
+        """FIFO while rows are free, (longest prompt) x (requests) fits the prefill budget (the first
+        one always, unless `first_fits` is False) and, paged, blocks for each whole context are
+        available (made free before returning); stops at a prompt to prefill in chunks (a preempted
+        request's context is recomputed whole)."""
+        batch = self._batch
+        free, group, longest = batch.free, [], 0
+        blocks = batch.blocks_available() if batch.paged else 0
         with self._cond:
             now = time.perf_counter()
             while self._waiting and len(group) < free:
-                rest = self._rest(self._waiting[0])
-                if self._long(rest):
+                head = self._waiting[0]
+                rest = self._rest(head)
+                if self._long(rest) and not head.resume:
                     break  # _chunk takes it when the chunked prefill in progress is done
                 longest_next = max(longest, rest)
                 if (group or not first_fits) and longest_next * (len(group) + 1) > budget:
                     break
+                if batch.paged:
+                    need = batch.blocks_for(head)
+                    if need > blocks:
+                        break  # running requests free blocks as they finish
+                    blocks -= need
                 seq = self._waiting.popleft()
                 seq.admitted, longest = now, longest_next
                 group.append(seq)
+        if batch.paged and group:
+            batch.make_room(sum(batch.blocks_for(seq) for seq in group))
         return group
 
     def _decode(self) -> None:

@@ -13,6 +13,7 @@ import torch
 from models.config import DecoderConfig
 from models.decoding import SamplingParams
 from models.kv_cache import slots_per_row
+from models.paged_cache import BLOCK_TOKENS, blocks_for
 
 from ..errors import InvalidRequest, RequestTooLarge
 from .config import EngineConfig
@@ -22,8 +23,8 @@ from .config import EngineConfig
 class EngineLimits:
     """EngineConfig resolved for one model: cache rows and the token limits as plain ints."""
 
-    rows: int
-    row_bytes: int  # bytes of keys + values of one cache row: max_total_tokens (or the window) slots
+    rows: int  # sequences at once (paged: max_running; rows: as many as the budget holds, at most that)
+    row_bytes: int  # bytes of keys + values of one full row: max_total_tokens (or the window) slots
     max_total_tokens: int
     max_prompt_tokens: int
     max_new_tokens: int
@@ -32,6 +33,7 @@ class EngineLimits:
     vocab_size: int
     prefill_chunk: int | None = None  # prompts longer than this are prefilled in chunks of it
     prefix_cache_bytes: int = 0  # 0: no prefix cache
+    blocks: int = 0  # paged: the pool's blocks, the null block included; 0: a row per sequence
 
     @classmethod
     def resolve(cls, config: EngineConfig, model_cfg: DecoderConfig, dtype: torch.dtype,
@@ -43,8 +45,18 @@ class EngineLimits:
             raise ValueError(f"max_total_tokens must leave room for a prompt and one token, got {total}")
         item = torch.empty((), dtype=dtype).element_size()
         slots = slots_per_row(total, model_cfg.sliding_window)  # a windowed model's row holds its window
-        row_bytes = 2 * model_cfg.n_layers * model_cfg.kv_heads * slots * model_cfg.head_dim * item
-        rows = min(config.max_running, config.kv_cache_bytes // row_bytes)
+        token_bytes = 2 * model_cfg.n_layers * model_cfg.kv_heads * model_cfg.head_dim * item
+        row_bytes = slots * token_bytes
+        blocks = 0
+        if config.paged and model_cfg.sliding_window is None:
+            rows = config.max_running
+            blocks = 1 + config.kv_cache_bytes // (BLOCK_TOKENS * token_bytes)  # + the null block
+            if blocks - 1 < blocks_for(total):
+                raise ValueError(f"EngineConfig.kv_cache_mib={config.kv_cache_mib} holds {blocks - 1} blocks of "
+                                 f"{BLOCK_TOKENS} tokens; one sequence of max_total_tokens={total} needs "
+                                 f"{blocks_for(total)} (lower max_total_tokens or raise the budget)")
+        else:
+            rows = min(config.max_running, config.kv_cache_bytes // row_bytes)
         if rows < 1:
             raise ValueError(f"EngineConfig.kv_cache_mib={config.kv_cache_mib} holds no cache row: one row "
                              f"of {slots} tokens needs {row_bytes} bytes (lower max_total_tokens or raise the budget)")
@@ -52,7 +64,7 @@ class EngineLimits:
         new = min(config.max_new_tokens or total - 1, total - 1)
         chunk = min(config.prefill_chunk, config.prefill_tokens) if config.prefill_chunk is not None else None
         return cls(rows, row_bytes, total, prompt, new, config.max_queued, config.prefill_tokens,
-                   model_cfg.vocab_size, chunk, int(config.prefix_cache_mib * 2**20))
+                   model_cfg.vocab_size, chunk, int(config.prefix_cache_mib * 2**20), blocks)
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise InvalidRequest / RequestTooLarge (naming the limit) for a request the engine cannot run."""

@@ -10,6 +10,11 @@ is always computed: its logits give the first sampled token). Entries are evicte
 used once the budget is spent. Loading is a copy into a row of the engine's dense KV cache
 (models.kv_cache.KVCache), storing a copy out of it: no change to the model or its cache layout.
 
+On a paged cache (models/paged_cache.py) nothing is copied: `PagedPrefixCache` keeps a reference
+on the row's full blocks themselves, and a hit hands the same blocks to the new row (its table
+points at them). Those blocks count in the pool; ones no row uses are given back on demand
+(`reclaim`, least recently used first) before the engine preempts anyone.
+
 The engine thread owns it (no locks).
 """
 
@@ -23,8 +28,9 @@ import torch
 from torch import Tensor
 
 from models.kv_cache import KVCache
+from models.paged_cache import BLOCK_TOKENS, PagedKVCache
 
-BLOCK = 16  # tokens per cached block
+BLOCK = BLOCK_TOKENS  # tokens per cached block: a paged cache's block
 
 
 @dataclass(frozen=True)
@@ -39,10 +45,13 @@ class PrefixCache:
 
     def __init__(self, cache: KVCache, budget_bytes: int) -> None:
         self.cache = cache
-        k = cache.k[0]
-        self.block_bytes = 2 * len(cache.k) * k.size(1) * BLOCK * k.size(3) * k.element_size()
+        self.block_bytes = self._block_bytes()
         self.capacity = budget_bytes // self.block_bytes  # blocks
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # chain hash -> entry, least recent first
+
+    def _block_bytes(self) -> int:
+        k = self.cache.k[0]
+        return 2 * len(self.cache.k) * k.size(1) * BLOCK * k.size(3) * k.element_size()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -119,3 +128,78 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def reclaimable(self) -> int:
+        """Blocks only this cache holds (a paged pool could have them back); 0 for copies."""
+        return 0
+
+    def reclaim(self, blocks: int) -> int:
+        """Give back up to `blocks` blocks of the pool; returns how many (none for copies)."""
+        return 0
+
+
+@dataclass(frozen=True)
+class _Shared:
+    parent: int | None
+    tokens: tuple[int, ...]
+    block: int  # the pool block holding this prompt block's keys/values (this cache holds a reference)
+
+
+class PagedPrefixCache(PrefixCache):
+    """The same cache over a paged pool: entries are references to the rows' own full blocks."""
+
+    cache: PagedKVCache
+
+    def __init__(self, cache: PagedKVCache, budget_bytes: int) -> None:
+        if cache.block != BLOCK:
+            raise ValueError(f"the prefix cache needs {BLOCK}-token blocks, the pool has {cache.block}")
+        super().__init__(cache, budget_bytes)
+
+    def _block_bytes(self) -> int:
+        return self.cache.block_bytes
+
+    def load(self, prompt: Sequence[int], tokens: int, row: int) -> None:
+        """Row `row` (just reset) takes the cached blocks of the prompt's first `tokens`; the caller
+        sets its length."""
+        if tokens == 0:
+            return
+        chain = self._chain(prompt, tokens // BLOCK)
+        self._touch(chain)
+        self.cache.share(row, [self._entries[key].block for key, _, _ in chain])
+
+    def store(self, prompt: Sequence[int], row: int) -> int:
+        """Keep references to row `row`'s full blocks of `prompt` not cached yet (LRU past the budget)."""
+        if self.capacity == 0:
+            return 0
+        chain = self._chain(prompt, min(len(prompt) // BLOCK, self.capacity))
+        table = self.cache.host_tables[row]
+        added = 0
+        for i, (key, parent, tokens) in enumerate(chain):
+            if key not in self._entries:
+                self._entries[key] = _Shared(parent, tokens, table[i])
+                self.cache.ref(table[i])
+                added += 1
+        self._touch(chain)
+        while len(self._entries) > self.capacity:
+            self._drop(next(iter(self._entries)))
+        return added
+
+    def _drop(self, key: int) -> None:
+        self.cache.unref(self._entries.pop(key).block)
+
+    def reclaimable(self) -> int:
+        return sum(1 for e in self._entries.values() if self.cache.refs(e.block) == 1)
+
+    def reclaim(self, blocks: int) -> int:
+        """Evict least recently used entries whose block no row uses, until `blocks` are freed."""
+        freed = 0
+        for key in [k for k, e in self._entries.items() if self.cache.refs(e.block) == 1]:
+            if freed >= blocks:
+                break
+            self._drop(key)
+            freed += 1
+        return freed
+
+    def clear(self) -> None:
+        for key in list(self._entries):
+            self._drop(key)

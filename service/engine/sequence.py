@@ -48,7 +48,15 @@ class SeqState:
         self.reason: FinishReason | None = None  # decided by accept(); sent by finish()
         self.cancelled = False
         self.closed = False  # Finished was sent
+        self.resume = False  # preempted (paged cache out of blocks): its context is recomputed when admitted again
+        self.preemptions = 0
         self._cut = False  # text was cut at a stop string: nothing after it is ever shown
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens its cache rows hold while it runs: the prompt, and once preempted the output too,
+        but the pending token (the next step's input)."""
+        return self.prompt + self.tokens[:-1] if self.resume else self.prompt
 
     @property
     def done(self) -> bool:

@@ -47,6 +47,9 @@ class EngineStats:
     finished: Mapping[str, int] = field(default_factory=dict)  # finish_reason -> requests
     cached_prompt_tokens: int = 0  # of prompt_tokens, not computed: prefix cache hits, siblings' shared rows
     prefix_cache_bytes: int = 0  # keys/values the prefix cache holds
+    kv_blocks: int = 0  # paged cache: blocks sequences can hold (0: a row per sequence)
+    kv_blocks_free: int = 0
+    preempted: int = 0  # requests preempted when blocks ran out
 
 
 class EngineObserver:

@@ -117,6 +117,9 @@ SPECS: dict[str, Spec] = {
     "generation_waiting_requests": Spec("gauge", ("model",), "Requests waiting for a KV-cache row"),
     "generation_kv_cache_usage_ratio": Spec("gauge", ("model",), "KV-cache tokens held / capacity, the fullest "
                                                                  "live replica", mode="livemax"),
+    "generation_kv_blocks": Spec("gauge", ("model", "kind"), "Paged KV cache: 16-token blocks used and free"),
+    "generation_preempted_total": Spec("counter", ("model",), "Requests preempted when KV blocks ran out "
+                                                                "(recomputed when admitted again)"),
     "generation_requests_finished_total": Spec("counter", ("model", "finish_reason"),
                                                "Generation requests ended (stop, length, cancelled, error)"),
 }

@@ -80,6 +80,10 @@ class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
         self.running = metrics["generation_running_requests"].labels(model)
         self.waiting = metrics["generation_waiting_requests"].labels(model)
         self.cache = metrics["generation_kv_cache_usage_ratio"].labels(model)
+        self.blocks_used = metrics["generation_kv_blocks"].labels(model, "used")
+        self.blocks_free = metrics["generation_kv_blocks"].labels(model, "free")
+        self.preempted = metrics["generation_preempted_total"].labels(model)
+        self._preempted = 0  # the engine's count at the last step
         self.rss = metrics["replica_resident_memory_bytes"].labels(model)
 
     def on_admitted(self, queued_s: float, prompt_tokens: int, cached_tokens: int = 0) -> None:
@@ -100,6 +104,12 @@ class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
         self.depth.set(stats.waiting)
         self.cache.set(stats.cache_usage)
         self.prefix_bytes.set(stats.prefix_cache_bytes)
+        if stats.kv_blocks:
+            self.blocks_used.set(stats.kv_blocks - stats.kv_blocks_free)
+            self.blocks_free.set(stats.kv_blocks_free)
+        if stats.preempted > self._preempted:
+            self.preempted.inc(stats.preempted - self._preempted)
+            self._preempted = stats.preempted
         self.rss.set(resident_bytes())
         if generated:
             self.generated.inc(generated)

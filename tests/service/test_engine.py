@@ -259,7 +259,7 @@ def test_a_windowed_model_runs_on_rows_of_its_window(tiny: tuple[nn.Module, Text
     base, tok = tiny
     windowed = DecoderLM(base.cfg.replace(sliding_window=4)).eval()
     windowed.load_state_dict(base.state_dict())
-    full = make(base, tok, max_total_tokens=128, max_running=1024, kv_cache_mib=1)
+    full = make(base, tok, max_total_tokens=128, max_running=1024, kv_cache_mib=1, paged=False)
     engine = make(windowed, tok, max_total_tokens=128, max_running=1024, kv_cache_mib=1)
     assert engine.cache.ring and engine.cache.slots == 4
     assert engine.limits.row_bytes * 32 == full.limits.row_bytes and engine.limits.rows == 32 * full.limits.rows
@@ -351,9 +351,18 @@ def test_invalid_prompts_and_cache_budget(tiny: tuple[nn.Module, TextTokenizer])
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.submit([5], request_id="a")
     row = 2 * model.cfg.n_layers * model.cfg.kv_heads * 128 * model.cfg.head_dim * 4  # float32 K and V
-    assert make(model, tok, max_running=64, kv_cache_mib=(5 * row + 1) / 2**20).limits.rows == 5
-    assert make(model, tok, max_running=64, kv_cache_mib=5 * row / 2**20).cache.nbytes() == 5 * row
+    rows = {"max_running": 64, "paged": False}
+    assert make(model, tok, **rows, kv_cache_mib=(5 * row + 1) / 2**20).limits.rows == 5
+    assert make(model, tok, **rows, kv_cache_mib=5 * row / 2**20).cache.nbytes() == 5 * row
     with pytest.raises(ValueError, match="kv_cache_mib"):
+        make(model, tok, paged=False, kv_cache_mib=(row - 1) / 2**20)
+    # paged: 64 sequences share blocks of 16 tokens (+ the null block); one full sequence must fit
+    paged = make(model, tok, max_running=64, kv_cache_mib=(5 * row + 1) / 2**20)
+    assert paged.limits.rows == 64 and paged.cache.blocks_total == 5 * 128 // 16
+    trash = 2 * model.cfg.n_layers * model.cfg.head_dim * 4  # one trash slot per layer's keys and values
+    assert paged.cache.nbytes() == (5 * 128 // 16 + 1) * row // 8 + trash
+    with pytest.raises(ValueError, match="kv_cache_mib=.* holds 7 blocks of 16 tokens; one sequence of "
+                                         "max_total_tokens=128 needs 8"):
         make(model, tok, kv_cache_mib=(row - 1) / 2**20)
 
 

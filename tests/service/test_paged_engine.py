@@ -1,0 +1,142 @@
+"""The engine on a paged KV cache (models/paged_cache.py): sequences bounded by the blocks they fill,
+preemption when blocks run out (the same tokens as a run never preempted), prefix hits that share
+blocks instead of copying them, and every block back in the pool when the engine is idle.
+
+The reference is offline decoding (models.generate: one request, no cache shared with anyone), so a
+wrong block, a lost seen-token mask or a resumed request that resamples shows up as other tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from models.decoding import SamplingParams
+from models.text import TextTokenizer
+from models.tiny import tiny_model
+from service.engine.prefix_cache import BLOCK
+
+from .test_engine import make, read, reference, run_until_idle
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[nn.Module, TextTokenizer]:
+    return tiny_model("decoder")
+
+
+def mib_for_blocks(model: nn.Module, blocks: int) -> float:
+    """kv_cache_mib holding exactly `blocks` blocks of 16 tokens (float32 keys and values)."""
+    cfg = model.cfg
+    return blocks * BLOCK * 2 * cfg.n_layers * cfg.kv_heads * cfg.head_dim * 4 / 2**20
+
+
+# the newest requests (preempted first) have penalties: their seen tokens and counts must be rebuilt
+PARAMS = [SamplingParams(max_new_tokens=60, ignore_eos=True),
+          SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=0.9, seed=7, top_k=20),
+          SamplingParams(max_new_tokens=60, ignore_eos=True, repetition_penalty=1.5),
+          SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=1.1, seed=3, frequency_penalty=0.7)]
+
+
+def test_short_sequences_run_beyond_the_rows_a_budget_of_full_rows_holds(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """A budget of 16 blocks holds two rows of max_total_tokens = 128; paged, 12 short requests (one
+    block each) decode at once, with the tokens they get alone."""
+    model, tok = tiny
+    budget = mib_for_blocks(model, 16)
+    assert make(model, tok, max_running=12, kv_cache_mib=budget, paged=False).limits.rows == 2
+    engine = make(model, tok, max_running=12, kv_cache_mib=budget)
+    prompts = [tok.encode(f"q{i}", add_special_tokens=False) for i in range(12)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    handles = [engine.submit(p, params) for p in prompts]
+    history = run_until_idle(engine)
+    assert max(s.running for s in history) == 12 and history[-1].preempted == 0
+    outputs = [list(read(h)[1].token_ids) for h in handles]
+    assert outputs == [reference(model, tok, p, params)[0] for p in prompts]
+    assert len({tuple(o) for o in outputs}) >= 6
+    assert engine.cache.blocks_free + len(engine._batch.prefix) == engine.cache.blocks_total
+
+
+def run_four(model: nn.Module, tok: TextTokenizer, blocks: int, prefix_mib: float) -> tuple[list, list]:
+    """PARAMS' four requests on a pool of `blocks`: their Finished events and the stats of every step."""
+    engine = make(model, tok, max_running=4, kv_cache_mib=mib_for_blocks(model, blocks), prefix_cache_mib=prefix_mib)
+    handles = [engine.submit(p, q) for p, q in zip(PROMPTS(tok), PARAMS, strict=True)]
+    history = run_until_idle(engine)
+    held = len(engine._batch.prefix) if engine._batch.prefix is not None else 0
+    assert engine.cache.blocks_free + held == engine.cache.blocks_total  # nothing leaked
+    return [read(h)[1] for h in handles], history
+
+
+def PROMPTS(tok: TextTokenizer) -> list[list[int]]:  # noqa: N802 - a constant of the tokenizer
+    return [tok.encode(f"request number {i} says", add_special_tokens=False) for i in range(4)]
+
+
+@pytest.mark.parametrize("prefix_mib", [0.0, 1.0])
+def test_preempted_requests_give_the_tokens_of_an_uninterrupted_run(tiny: tuple[nn.Module, TextTokenizer],
+                                                                   prefix_mib: float) -> None:
+    """Four requests growing to 5 blocks each on a pool of 10: the newest are preempted (blocks freed)
+    and recomputed later, greedy, penalised and seeded alike; each gives the tokens it gets on a pool
+    where nobody is preempted (and offline decoding's, where that has its parameters)."""
+    model, tok = tiny
+    finals, history = run_four(model, tok, 10, prefix_mib)
+    assert history[-1].preempted >= 2, [s.preempted for s in history]
+    assert max(s.running for s in history) >= 2 and history[-1].kv_blocks == 10
+    roomy, calm = run_four(model, tok, 100, prefix_mib)
+    assert calm[-1].preempted == 0 and max(s.running for s in calm) == 4
+    assert [f.finish_reason for f in finals] == ["length"] * 4
+    outputs = [list(f.token_ids) for f in finals]
+    assert outputs == [list(f.token_ids) for f in roomy]
+    assert [f.text for f in finals] == [f.text for f in roomy]
+    for i in (0, 1, 2):  # no presence / frequency penalty: models.generate has the same parameters
+        assert outputs[i] == reference(model, tok, PROMPTS(tok)[i], PARAMS[i])[0]
+    assert len({tuple(o) for o in outputs}) == 4
+    assert [f.usage.prompt_tokens for f in finals] == [len(p) for p in PROMPTS(tok)]
+
+
+def test_the_oldest_request_is_never_preempted(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    model, tok = tiny
+    engine = make(model, tok, max_running=4, kv_cache_mib=mib_for_blocks(model, 10), prefix_cache_mib=0)
+    handles = [engine.submit(p, q) for p, q in zip(PROMPTS(tok), PARAMS, strict=True)]
+    running = []  # per step: whether the first request holds a row
+    while engine.stats().running or engine.stats().waiting or not running:
+        engine.step()
+        running.append(any(seq.request_id == handles[0].request_id for seq in engine._batch.rows))
+    # its first step samples two tokens (prefill, decode), then one a step until its last, after which it
+    # leaves: never stopped for a recomputation
+    held = PARAMS[0].max_new_tokens - 2
+    assert running == [True] * held + [False] * (len(running) - held)
+    assert engine.stats().preempted >= 1
+
+
+def test_a_prefix_hit_shares_the_blocks_it_reuses(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """Two requests with the same 3-block system prompt: the second row's first 3 blocks are the
+    first row's (referenced, not copied), and both give their tokens alone."""
+    model, tok = tiny
+    engine = make(model, tok, max_running=4)
+    system = list(range(20, 20 + 3 * BLOCK))
+    prompts = [system + [70, 71], system + [80, 81, 82]]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    first = engine.submit(prompts[0], params)
+    engine.step()
+    second = engine.submit(prompts[1], params)
+    engine.step()
+    tables = engine.cache.host_tables
+    assert tables[1][:3] == tables[0][:3] and tables[1][3] != tables[0][3]
+    assert all(engine.cache.refs(b) == 3 for b in tables[0][:3])  # two rows and the prefix cache
+    assert engine.stats().cached_prompt_tokens == 3 * BLOCK
+    run_until_idle(engine)
+    assert [list(read(h)[1].token_ids) for h in (first, second)] == [reference(model, tok, p, params)[0]
+                                                                     for p in prompts]
+
+
+def test_admission_waits_for_blocks_instead_of_failing(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """A pool of 8 blocks and requests of 100 tokens (7 blocks with their output): one at a time,
+    none refused, none failed."""
+    model, tok = tiny
+    engine = make(model, tok, max_running=4, kv_cache_mib=mib_for_blocks(model, 8), prefix_cache_mib=0)
+    prompts = [[30 + i] * 90 for i in range(3)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    handles = [engine.submit(p, params) for p in prompts]
+    history = run_until_idle(engine)
+    assert max(s.running for s in history) == 1 and history[-1].preempted == 0
+    assert [read(h)[1].finish_reason for h in handles] == ["length"] * 3
