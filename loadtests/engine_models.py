@@ -33,6 +33,19 @@ def shipped_generator() -> tuple[Any, str, Path]:
     return dep.model, settings.device_for(dep)[1], settings.cache_path()
 
 
+def shipped_generator_engine(**changes: Any) -> dict[str, Any]:
+    """The generator's engine settings in deploy/serve_config.yaml (EngineConfig's fields), with `changes`."""
+    import dataclasses
+
+    import yaml
+
+    from service.settings import Settings
+
+    (app,) = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())["applications"]
+    engine = Settings.build(app["args"], {}).deployments["generator"].engine
+    return {**dataclasses.asdict(engine), **changes}
+
+
 def load_generator(args: argparse.Namespace) -> tuple[Any, Any, str]:
     """(model, tokenizer, label) with torch set to args.threads: the shipped generator, or the tiny one."""
     import torch

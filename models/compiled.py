@@ -51,14 +51,22 @@ def structural_guards(entries: list) -> list[bool]:
 OPTIONS = {"guard_filter_fn": structural_guards}
 
 
-def compile_blocks(model: nn.Module) -> int:
-    """Compile every Block of `model` in place (nn.Module.compile); returns how many."""
+def thread_settings() -> None:
+    """torch's compiler settings the compiled blocks need, for the calling thread: torch keeps them
+    per thread (context variables), so a thread that runs compiled blocks (an engine's) calls this
+    first; compile_blocks does it for its own."""
     # no "duck sizing": sizes that happen to be equal while tracing (a cache of 8 slots and a head
     # dim of 8, 2 kv heads and a 2-token prompt) would otherwise be assumed equal and recompile later
     torch.fx.experimental._config.use_duck_shape = False
     # graphs are kept per code object, and every Block shares one: a translator's encoder and decoder
-    # blocks and their 1-row / n-row, first-step / later-step variants pass torch's default of 8
+    # blocks, a decoder's dense and paged caches, and their 1-row / n-row, first-step / later-step
+    # variants pass torch's default of 8 (past the limit a block runs eager)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """Compile every Block of `model` in place (nn.Module.compile); returns how many."""
+    thread_settings()
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
         block.compile(dynamic=True, options=OPTIONS)

@@ -245,7 +245,8 @@ class PagedCacheView:
         heads = torch.arange(c.kv_heads, device=base.device)  # (K,)
         flat = (ids[:, None, :] * c.kv_heads + heads[None, :, None]) * c.block + (positions % c.block)[:, None, :]  # (B, K, T)
         self._slots = flat.reshape(-1)  # (B * K * T,)
-        self._tables = tables[:, :nb].clone()  # (B, nb): never a view (one kind of input for compiled blocks)
+        # (B, nb): a new tensor with the standard strides, never a view (one kind of input for compiled blocks)
+        self._tables = torch.empty(len(lengths), nb, dtype=tables.dtype, device=tables.device).copy_(tables[:, :nb])
         self._keys = base + t  # (B,)
         return positions, self.step_len
 

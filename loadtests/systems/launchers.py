@@ -8,9 +8,10 @@ GET /v1/models with batching counters, and runs as a child process the harness s
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from . import ours
 
@@ -69,8 +70,8 @@ def serve_batch(cfg: LaunchConfig) -> Launch:
     return Launch(argv, tasks=cfg.tasks)
 
 
-def our_service(cfg: LaunchConfig, translation_scheduler: str | None = None) -> Launch:
-    """The service on the shipped config; `translation_scheduler` replaces the translator's."""
+def our_service(cfg: LaunchConfig, variant: str = "", overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Launch:
+    """The service on the shipped config; a `variant` (its name) merges `overrides` into deployments."""
     skipped = ours.unsupported(cfg.tasks)
     tasks = tuple(t for t in cfg.tasks if t not in skipped)
     if not tasks:
@@ -82,9 +83,9 @@ def our_service(cfg: LaunchConfig, translation_scheduler: str | None = None) -> 
         cfg.threads,
         cfg.device,
         cfg.request_timeout_s,
-        cfg.workdir / f"ours{'_' + translation_scheduler if translation_scheduler else ''}_serve_config.yaml",
+        cfg.workdir / f"ours{'_' + variant if variant else ''}_serve_config.yaml",
         dtype=cfg.dtype,
-        translation_scheduler=translation_scheduler,
+        overrides=overrides,
     )
     env = {"TRANSFORMER_SERVE_CACHE": cfg.cache_dir} if cfg.cache_dir else {}
     argv = [
@@ -103,12 +104,18 @@ def our_service(cfg: LaunchConfig, translation_scheduler: str | None = None) -> 
 
 def our_service_batches(cfg: LaunchConfig) -> Launch:
     """Ours with the translator on request-level dynamic batches (before the translation engine)."""
-    return our_service(cfg, "batches")
+    return our_service(cfg, "batches", {"translator": {"translation": {"scheduler": "batches"}}})
+
+
+def our_service_rows(cfg: LaunchConfig) -> Launch:
+    """Ours with the generator's KV cache in preallocated rows (before the paged cache)."""
+    return our_service(cfg, "rows", {"generator": {"engine": {"paged": False}}})
 
 
 SYSTEMS: dict[str, Callable[[LaunchConfig], Launch]] = {
     "ours": our_service,
     "ours_batches": our_service_batches,
+    "ours_rows": our_service_rows,
     "plain": plain,
     "serve_batch": serve_batch,
 }

@@ -9,7 +9,7 @@ HTTP on 127.0.0.1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +43,12 @@ def serve_config(
     shipped: dict[str, Any],
     gpus: int = 0,
     dtype: str = "auto",
-    translation_scheduler: str | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The shipped config with only the deployments for `tasks` (see the module docstring). With
     `gpus` visible and a device that may be CUDA, the deployments share them (Serve would otherwise
-    give each replica a whole GPU, and on one GPU only the first would start)."""
+    give each replica a whole GPU, and on one GPU only the first would start). `overrides`: deployment
+    name -> settings merged into it (a mapping into the shipped mapping), for a variant of ours."""
     config = dict(shipped)
     app = dict(config["applications"][0])
     args = dict(app.get("args") or {})
@@ -64,8 +65,8 @@ def serve_config(
         dep["num_replicas"] = 1
         if dtype != "auto":  # every model in this dtype, whatever the shipped config says
             dep.pop("dtype", None)
-        if translation_scheduler is not None and task == "translate":  # ours_batches: request-level batches
-            dep["translation"] = {**(dep.get("translation") or {}), "scheduler": translation_scheduler}
+        for key, value in ((overrides or {}).get(name) or {}).items():
+            dep[key] = {**(dep.get(key) or {}), **value} if isinstance(value, Mapping) else value
         if gpus and device != "cpu" and dep.get("num_gpus") is None:
             dep["num_gpus"] = round(gpus / len(tasks), 3)
         deployments[name] = dep
@@ -90,14 +91,14 @@ def write_config(
     request_timeout_s: float,
     path: Path,
     dtype: str = "auto",
-    translation_scheduler: str | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Path:
     import torch
 
     shipped = yaml.safe_load(SHIPPED_CONFIG.read_text())
     config = serve_config(
         tasks, models, port, threads, device, request_timeout_s, shipped, torch.cuda.device_count(), dtype,
-        translation_scheduler,
+        overrides,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from models.compiled import thread_settings
+
 from ..errors import EngineClosed, EngineOverloaded, InvalidRequest
 from ..telemetry.hooks import EngineObserver, EngineStats
 from .admission import WaitEstimator
@@ -173,6 +175,7 @@ class StepLoop:
     # -- the loop (engine thread) ---------------------------------------------------------------
 
     def _run(self) -> None:
+        thread_settings()  # compiled blocks run on this thread: torch's compiler settings are per thread
         try:
             while True:
                 with self._cond:

@@ -662,3 +662,24 @@ def test_the_wait_estimate_follows_rows_tokens_and_step_time() -> None:
     for _ in range(50):
         est.on_finished(10)
     assert est.wait_s(6, 4, 4) == pytest.approx(2 * 10 * 0.02 / 4)  # measured tokens win
+
+
+def test_the_engine_thread_runs_with_the_compiled_blocks_settings(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """torch keeps its compiler settings per thread: the engine's thread sets the ones compiled blocks
+    need (a thread of torch's defaults allows 8 graphs, and past them a block runs eager)."""
+    from models.compiled import RECOMPILE_LIMIT
+
+    fresh: list[int] = []
+    probe = threading.Thread(target=lambda: fresh.append(torch._dynamo.config.recompile_limit))
+    probe.start()
+    probe.join()
+    seen: list[tuple[int, bool]] = []
+    model, tok = tiny
+
+    def after_step() -> None:
+        seen.append((torch._dynamo.config.recompile_limit, torch.fx.experimental._config.use_duck_shape))
+
+    engine = GenerationEngine(model, tok, EngineConfig(max_total_tokens=64, kv_cache_mib=16), after_step=after_step)
+    with engine.start():
+        engine.submit([5, 6], SamplingParams(max_new_tokens=2)).result_sync(timeout=30)
+    assert fresh == [8] and seen and seen[0] == (RECOMPILE_LIMIT, False)

@@ -34,7 +34,8 @@ def test_the_shipped_serve_config_is_valid() -> None:
     assert s.deployments["encoder"].model.name == "minilm-sentiment"  # type: ignore[union-attr]
     assert s.deployments["translator"].batching.max_batch_size == 16
     assert s.deployments["generator"].model.kind == "generator"  # type: ignore[union-attr]
-    assert s.deployments["generator"].engine.max_running == 32 and s.deployments["generator"].num_cpus == 2
+    engine = s.deployments["generator"].engine
+    assert engine.max_running == 128 and engine.paged and s.deployments["generator"].num_cpus == 2
     # the default SmolLM2 from its GGUF's own 4-bit blocks, compiled, in float32 (docs/benchmarks.md)
     gen = s.deployments["generator"]
     assert gen.model == dataclasses.replace(DEFAULT_SPECS["generator"], quantize="q4_1", compile=True)
