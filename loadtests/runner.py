@@ -96,7 +96,8 @@ def _mmss(seconds: float) -> str:
 
 
 async def run_system(
-    name: str, url: str, tasks: Sequence[str], plan: Plan, work: Workloads, rec: Recorder, progress: Progress
+    name: str, url: str, tasks: Sequence[str], plan: Plan, work: Workloads, rec: Recorder, progress: Progress,
+    openapi: dict[str, Any] | None = None,
 ) -> None:
     info = rec.results["systems"][name]
     busy = False  # the previous run left work running past the settle limit
@@ -105,7 +106,7 @@ async def run_system(
         cards = (await _models(client) or {}).get("data", [])
         info["models"] = [{k: v for k, v in card.items() if k != "stats"} for card in cards]
         for task in tasks:
-            specs = await _task_specs(client, task, work, info, plan, rec.results["meta"])
+            specs = await _task_specs(client, task, work, info, plan, rec.results["meta"], openapi)
             if specs is None:
                 progress.done += len(plan.concurrency) + (
                     len(plan.poisson_rates) if task == "generate" else 0
@@ -155,17 +156,20 @@ async def run_system(
 
 
 async def _task_specs(
-    client: Any, task: str, work: Workloads, info: dict[str, Any], plan: Plan, meta: dict[str, Any]
+    client: Any, task: str, work: Workloads, info: dict[str, Any], plan: Plan, meta: dict[str, Any],
+    openapi: dict[str, Any] | None = None,
 ) -> list[RequestSpec] | None:
+    """`openapi`: the system's generation route when it publishes no OpenAPI document."""
     if task == "classify":
         return work.classify
     if task == "translate":
         return work.translate
+    doc = openapi or {}
     try:
-        r = await client.get("/openapi.json", timeout=60.0)
-        doc = r.json() if r.status_code == 200 else {}
+        if openapi is None:
+            r = await client.get("/openapi.json", timeout=60.0)
+            doc = r.json() if r.status_code == 200 else {}
     except Exception as e:  # reported below as the reason generation was not measured
-        doc = {}
         log.warning("generate: /openapi.json did not answer: %r", e)
     served = (await _models(client) or {}).get("tasks", {}).get("generate") or [None]
     api, note = discover_generate(doc, served[0])
@@ -230,7 +234,7 @@ def bench_system(
         return
     with ServerProcess(name, launch.argv, port, out / f"{name}.log", launch.env, plan.threads) as proc:
         try:
-            info["startup_s"] = proc.wait_ready(plan.ready_timeout_s)
+            info["startup_s"] = proc.wait_ready(plan.ready_timeout_s, path=launch.ready_path)
         except StartError as e:
             log.error("%s", e)
             info["error"] = str(e)
@@ -240,5 +244,5 @@ def bench_system(
             )
             return
         log.info("%s: ready in %.1f s", name, info["startup_s"])
-        asyncio.run(run_system(name, proc.url, launch.tasks, plan, work, rec, progress))
+        asyncio.run(run_system(name, proc.url, launch.tasks, plan, work, rec, progress, launch.openapi))
     rec.save()

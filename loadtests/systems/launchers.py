@@ -37,6 +37,9 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)
     tasks: tuple[str, ...] = ()  # what it will serve (a subset of the config's tasks)
     skipped: dict[str, str] = field(default_factory=dict)  # task -> why this system cannot serve it
+    ready_path: str = "/readyz"  # answers 200 once the models are loaded
+    # the OpenAPI document of its generation route, for a server that publishes none (llama-server)
+    openapi: dict[str, Any] | None = None
 
 
 def _baseline_argv(module: str, cfg: LaunchConfig) -> list[str]:
@@ -112,10 +115,43 @@ def our_service_rows(cfg: LaunchConfig) -> Launch:
     return our_service(cfg, "rows", {"generator": {"engine": {"paged": False}}})
 
 
+# llama-server's OpenAI-style completions route, as far as the benchmark uses it (it publishes no
+# OpenAPI document): prompt, max_tokens, stream, ignore_eos (exact output lengths), temperature
+LLAMA_SERVER_OPENAPI: dict[str, Any] = {"paths": {"/v1/completions": {"post": {"requestBody": {"content": {
+    "application/json": {"schema": {"type": "object", "required": ["prompt"], "properties": {
+        name: {} for name in ("prompt", "max_tokens", "stream", "ignore_eos", "temperature")}}}}}}}}}
+
+
+def llama_server(cfg: LaunchConfig, slots: int = 32) -> Launch:
+    """llama.cpp's server (built by `make bench-peers` into .peers/) on the pinned SmolLM2 GGUF as it is
+    (Q4_1, Q8_0 head: the weights our shipped generator computes with), `slots` sequences decoding
+    with continuous batching (-np, -cb), 1024 tokens each, the benchmark's threads. Generation only."""
+    from ..peers.env import PeerEnv
+
+    skipped = {t: "llama-server serves generation only" for t in cfg.tasks if t != "generate"}
+    tasks = tuple(t for t in cfg.tasks if t == "generate")
+    if not tasks:
+        return Launch([], tasks=(), skipped=skipped)
+    server = PeerEnv().tool("llama-server")
+    if not server.is_file():
+        return Launch([], tasks=(), skipped={**skipped, "generate": f"{server} is not built: run `make bench-peers`"})
+    if cfg.models != "default":
+        return Launch([], tasks=(), skipped={**skipped, "generate": "llama-server runs the default SmolLM2 GGUF only"})
+    from models import zoo
+
+    (name,) = zoo.ZOO["smollm2"].files
+    gguf = zoo.resolve("smollm2", Path(cfg.cache_dir) if cfg.cache_dir else zoo.default_cache_dir()) / name
+    argv = [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(cfg.port), "-np", str(slots), "-cb",
+            "-c", str(slots * 1024), "-t", str(cfg.threads), "-tb", str(cfg.threads), "--alias", "smollm2",
+            "--no-webui"]
+    return Launch(argv, tasks=tasks, skipped=skipped, ready_path="/health", openapi=LLAMA_SERVER_OPENAPI)
+
+
 SYSTEMS: dict[str, Callable[[LaunchConfig], Launch]] = {
     "ours": our_service,
     "ours_batches": our_service_batches,
     "ours_rows": our_service_rows,
+    "llama_server": llama_server,
     "plain": plain,
     "serve_batch": serve_batch,
 }

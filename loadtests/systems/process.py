@@ -81,8 +81,8 @@ class ServerProcess:
         )
         self._out = out
 
-    def wait_ready(self, timeout_s: float, progress_s: float = 15.0) -> float:
-        """Seconds until GET /readyz answered 200. Raises StartError if it exits or times out."""
+    def wait_ready(self, timeout_s: float, progress_s: float = 15.0, path: str = "/readyz") -> float:
+        """Seconds until GET `path` answered 200. Raises StartError if it exits or times out."""
         assert self.proc is not None, "start() first"
         started = time.monotonic()
         next_note = started + progress_s
@@ -95,7 +95,7 @@ class ServerProcess:
                         f"{log_tail(self.log_path)}"
                     )
                 try:
-                    if client.get("/readyz").status_code == 200:
+                    if client.get(path).status_code == 200:
                         return time.monotonic() - started
                 except httpx.HTTPError:
                     pass

@@ -1,0 +1,85 @@
+"""Decode attention, the paged kernel against the dense cache: `python -m models.bench_attention`.
+
+One layer of SmolLM2-135M's attention shape (9 query heads on 3 key/value heads, head dim 64), one new
+token per row, rows of random lengths up to a maximum: the dense cache's path (models.kv_cache: the
+rows' keys as (B, K, S, D) views padded to the longest, a boolean causal mask, torch's SDPA) against
+the paged cache's decode kernel (models/kernels/attention.cpp: each row's own keys, in place through
+its block table, no mask). Both through the caches' own `attend`, after the same writes. Medians of
+`--repeats` calls; "GB/s" is the keys and values the rows really hold over the time. Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from .attention import causal_mask
+from .kernels import native
+from .kv_cache import KVCache
+from .machine import machine_info
+from .paged_cache import PagedKVCache, blocks_for
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def timed(fn, repeats: int) -> float:  # noqa: ANN001
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def one(rows: int, longest: int, repeats: int) -> dict[str, float]:
+    lengths = torch.randint(max(1, longest // 4), longest, (rows,)).tolist()
+    dense = KVCache(1, rows, KV_HEADS, longest + 1, HEAD_DIM)
+    paged = PagedKVCache(1, rows, KV_HEADS, longest + 1, HEAD_DIM, blocks=rows * blocks_for(longest + 1) + 1,
+                         decode_kernel=True)
+    for cache in (dense, paged):
+        cache.set_lengths(lengths)
+    for row, n in enumerate(lengths):
+        paged.ensure(row, n)
+    q = torch.randn(rows, HEADS, 1, HEAD_DIM)  # (B, H, 1, D)
+    k, v = torch.randn(rows, KV_HEADS, 1, HEAD_DIM), torch.randn(rows, KV_HEADS, 1, HEAD_DIM)  # (B, K, 1, D)
+    out = {}
+    for name, cache in (("dense", dense), ("paged", paged)):
+        view = cache.view()
+        positions, _ = view.begin(1)
+        mask = causal_mask(positions, view.key_positions())  # (B, 1, 1, S): what the stack builds
+        layer = view.layer(0)
+        out[name] = timed(lambda layer=layer, mask=mask: layer.attend(q, k, v, mask, None, True), repeats)
+    held = 2 * (sum(lengths) + rows) * KV_HEADS * HEAD_DIM * 4
+    return {**out, "gbs_dense": held / out["dense"] / 1e9, "gbs_paged": held / out["paged"] / 1e9}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="1,32,64,128")
+    p.add_argument("--longest", default="128,512,1024")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    if not native.available():
+        raise SystemExit("the paged decode kernel needs the native kernels (AVX-512, g++): see models/kernels/native.py")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    m = machine_info()
+    print(f"CPU: {m.get('cpu_model')} ({', '.join(m.get('cpu_flags', []))}); torch {torch.__version__}, "
+          f"{args.threads} threads; one layer, {HEADS} query / {KV_HEADS} KV heads, head dim {HEAD_DIM}\n")
+    print("| rows | longest | dense SDPA (ms) | paged kernel (ms) | dense ÷ paged | GB/s dense / paged |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    with torch.inference_mode():
+        for rows in [int(r) for r in args.rows.split(",")]:
+            for longest in [int(n) for n in args.longest.split(",")]:
+                r = one(rows, longest, args.repeats)
+                print(f"| {rows} | {longest} | {r['dense'] * 1e3:.3f} | {r['paged'] * 1e3:.3f} | "
+                      f"{r['dense'] / r['paged']:.2f}x | {r['gbs_dense']:.1f} / {r['gbs_paged']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
