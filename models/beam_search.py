@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .inputs import PaddedBatch
 from .kv_cache import CrossCache, KVCache
+from .paged_cache import PagedKVCache, blocks_for, kernel_runs
 from .seq2seq import Seq2Seq
 
 
@@ -151,7 +152,12 @@ class BeamSearch:
         self.device = weight.device
         self.eos, self.start = cfg.eos_token_id, cfg.decoder_start_token_id
         self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
-        self.cache = KVCache.for_model(cfg, rows, max_new_tokens + 1, dtype=weight.dtype, device=self.device)
+        self.cache: KVCache | PagedKVCache
+        if kernel_runs(weight.dtype, self.device):  # each row attends its own keys; reorders share blocks
+            blocks = rows * blocks_for(max_new_tokens + 1) + 1
+            self.cache = PagedKVCache.for_model(cfg, rows, blocks, max_new_tokens + 1, weight.dtype, self.device)
+        else:
+            self.cache = KVCache.for_model(cfg, rows, max_new_tokens + 1, dtype=weight.dtype, device=self.device)
         self.banned = torch.as_tensor(list(banned_ids), dtype=torch.long, device=self.device)  # (N,)
         self._live: list[_Request] = []  # sources with rows, in row order
         self._sources: CrossCache | None = None  # one row per live source, in _live's order
@@ -280,9 +286,11 @@ class BeamSearch:
                              else None)  # (N', K, S, D) per layer
             self._live = [self._live[i] for i in still]
             self._cross = None
-        self._tokens = tokens
+        n_rows, self._tokens = len(self._tokens), tokens
         if gather != list(range(len(gather))):
             self.cache.reorder(gather)
+        if len(gather) < n_rows:
+            self.cache.reset(len(gather), n_rows)  # rows left behind (a paged cache frees their blocks)
 
 
 @torch.inference_mode()

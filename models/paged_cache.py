@@ -69,7 +69,7 @@ class PagedKVCache(RowLengths):
         self._refs = [0] * blocks
         self._free = list(range(blocks - 1, 0, -1))  # a stack: the lowest ids first
         if decode_kernel is None:
-            decode_kernel = _kernel_runs(dtype, torch.device(device))
+            decode_kernel = kernel_runs(dtype, torch.device(device))
         self.decode_kernel = decode_kernel
         self.block_bytes = 2 * n_layers * kv_heads * block * head_dim * self._flat_k[0].element_size()
 
@@ -189,6 +189,36 @@ class PagedKVCache(RowLengths):
         self.set_lengths(self.host_lengths[src], dst, dst + 1)
         self.set_lengths(0, src, src + 1)
 
+    def reorder(self, index: Tensor | Sequence[int], start: int = 0) -> None:
+        """Rows [start, start+len(index)) become rows start+index (beam search): tables copied, blocks
+        shared (no keys move); a row whose last block is partly filled and now shared gets its own
+        copy of it (its next token is written there)."""
+        rows = [start + int(i) for i in (index.tolist() if isinstance(index, Tensor) else index)]
+        tables = [list(self.host_tables[r]) for r in rows]
+        lengths = [self.host_lengths[r] for r in rows]
+        for table in tables:
+            for b in table:
+                self.ref(b)
+        for i, table in enumerate(tables):
+            row = start + i
+            self._release(row)
+            self.host_tables[row] = table
+            if table:
+                self.tables[row, :len(table)] = torch.tensor(table, dtype=torch.long)
+        for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+            if n % self.block and self._refs[table[-1]] > 1:  # copy on write
+                if not self._free:
+                    raise CacheFull("no free KV block to copy a shared partial block into")
+                own = self._free.pop()
+                self._refs[own] = 1
+                a, b = self._block_rows(table[-1]), self._block_rows(own)
+                for buf in self._flat_k + self._flat_v:
+                    buf[b] = buf[a]  # (K * BS, D)
+                self.unref(table[-1])
+                table[-1] = own
+                self.tables[start + i, len(table) - 1] = own
+        self.set_lengths(lengths, start, start + len(rows))
+
     def _block_rows(self, block: int) -> slice:
         """A block's K * BS rows in a flat pool."""
         first = block * self.kv_heads * self.block
@@ -199,7 +229,7 @@ class PagedKVCache(RowLengths):
         return [buf[self._block_rows(block)] for buf in self._flat_k + self._flat_v]
 
 
-def _kernel_runs(dtype: torch.dtype, device: torch.device) -> bool:
+def kernel_runs(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether decode steps attend through models/kernels/attention.cpp: float32 on an AVX-512 CPU
     where the native kernels build."""
     if dtype != torch.float32 or device.type != "cpu":

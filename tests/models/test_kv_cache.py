@@ -301,7 +301,7 @@ def test_host_lengths_follow_every_change() -> None:
     assert cache.host_lengths == cache.lengths.tolist() == [5, 2, 0, 5]
 
 
-@pytest.mark.parametrize("family", ["decoder", "windowed", "seq2seq"])
+@pytest.mark.parametrize("family", ["decoder", "windowed", "seq2seq", "paged"])
 def test_a_decode_step_reads_nothing_from_the_device(family: str) -> None:
     """On the meta device a tensor has no value: any read of one on the host (int(), bool(), .item(),
     .tolist()) raises, so a step that runs there never waits for the device (issue: a GPU step must
@@ -315,7 +315,16 @@ def test_a_decode_step_reads_nothing_from_the_device(family: str) -> None:
         model = DecoderLM(model.cfg.replace(sliding_window=3)).eval()
     model = model.to("meta")
     cache = KVCache.for_model(model.cfg, rows=3, max_len=16, device="meta")
-    cache.set_lengths([5, 2, 7])
+    if family == "paged":  # rows over 1 and 2 blocks of 4 (the step needs a new block for row 0)
+        from models.paged_cache import PagedKVCache
+
+        cache = PagedKVCache(model.cfg.n_layers, 3, model.cfg.kv_heads, 16, model.cfg.head_dim, blocks=10,
+                             device="meta", block=4)
+        for row, n in enumerate([4, 2, 7]):
+            cache.ensure(row, n)
+        cache.set_lengths([4, 2, 7])
+    else:
+        cache.set_lengths([5, 2, 7])
     assert cache.ring == (family == "windowed")
     ids = torch.zeros(3, 1, dtype=torch.long, device="meta")  # (B, 1)
     with torch.inference_mode():
@@ -329,4 +338,4 @@ def test_a_decode_step_reads_nothing_from_the_device(family: str) -> None:
             logits = model(ids, cache=cache.view())
         cache.advance(1)
     assert logits.shape == (3, 1, model.cfg.vocab_size) and logits.device.type == "meta"
-    assert cache.host_lengths == [6, 3, 8]
+    assert cache.host_lengths == ([5, 3, 8] if family == "paged" else [6, 3, 8])

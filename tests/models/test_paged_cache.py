@@ -176,3 +176,42 @@ def test_the_kernel_refuses_a_table_outside_the_pool() -> None:
     with pytest.raises(RuntimeError, match="names block 5 outside the pool"):
         torch.ops.ts_panels.paged_decode_f32(torch.zeros(1, 1, 16), pool, pool, torch.tensor([[5]]),
                                              torch.tensor([3]), 1, 4, 1.0)
+
+
+def test_a_reorder_shares_blocks_and_copies_a_shared_partial_block_on_write() -> None:
+    """Beam search: rows 0..2 become rows [1, 1, 0]. Tables are copied (no keys move); rows 0 and 1 now
+    share row 1's blocks, and since their last block is partly filled, one of them gets its own copy."""
+    cache = small(blocks=12)
+    for row, n in ((0, 6), (1, 7), (2, 3)):
+        cache.ensure(row, n)
+        cache.set_lengths(n, row, row + 1)
+        for i, b in enumerate(cache.host_tables[row]):
+            for t in cache.block_kv(b):
+                t.fill_(10 * row + i)
+    full, last = cache.host_tables[1]
+    cache.reorder([1, 1, 0])
+    assert cache.host_lengths[:3] == [7, 7, 6]
+    t0, t1, t2 = cache.host_tables[:3]
+    assert t0[0] == t1[0] == full and cache.refs(full) == 2  # the full block shared
+    assert {t0[1], t1[1]} & {last} and t0[1] != t1[1]  # the partial one: the original and a copy
+    assert all(t.eq(11).all() for t in cache.block_kv(t0[1]) + cache.block_kv(t1[1]))
+    assert all(t.eq(1).all() for t in cache.block_kv(t2[1]))  # row 2 holds what row 0 held
+    assert cache.tables[:3, :2].tolist() == [t0, t1, t2]
+    cache.reset()
+    assert cache.blocks_free == cache.blocks_total  # every reference given back
+
+
+def test_beam_search_on_the_paged_cache_equals_the_dense_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """translate_ids with mixed beams: the paged cache (decode kernel, shared blocks) and the dense one
+    give the same translations."""
+    native()
+    from models import beam_search
+    from models.beam_search import BeamParams, translate_ids
+
+    model, _ = tiny_model("seq2seq")
+    sources = [[5, 9, 12, 7, 0], [30, 31, 0], [44, 8, 19, 23, 61, 7, 3, 0]]
+    params = [BeamParams(4, 12), BeamParams(1, 9), BeamParams(3, 12)]
+    paged = translate_ids(model, sources, params)
+    monkeypatch.setattr(beam_search, "kernel_runs", lambda dtype, device: False)
+    dense = translate_ids(model, sources, params)
+    assert paged == dense and len({tuple(p) for p in paged}) == 3
