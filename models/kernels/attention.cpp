@@ -42,6 +42,66 @@ TS_AVX512_ATTN inline void axpy(float w, const float* x, float* y, int64_t d) {
   for (; i < d; ++i) y[i] += w * x[i];
 }
 
+// The sums of 16 vectors' lanes, one per lane of the result: out[t] = sum(v[t]). A tree of lane
+// shuffles (4 levels, 15 adds) instead of 16 horizontal reductions.
+TS_AVX512_ATTN inline __m512 sum16(__m512 (&v)[16]) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: w[i] low half partial sums of v[i], high half of v[i + 8]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lanes of x[i]: v[i], v[i + 8], v[i + 4], v[i + 12]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)  // per lane: pairs of x[i]'s and x[i + 2]'s vectors
+    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[i], x[i + 2]), _mm512_unpackhi_ps(x[i], x[i + 2]));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // z holds v0 v2 v1 v3 | v8 v10 v9 v11 | v4 v6 v5 v7 | v12 v14 v13 v15: back to order
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+// attend() for a head dim of DV (a multiple of 16): q and the output accumulators in registers, the
+// scores of 16 keys at a time summed by one shuffle tree, each query head over the row's keys in turn.
+template <int DV>
+TS_AVX512_ATTN void attend_fixed(const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
+                                 int64_t S, int64_t K, int64_t kh, int64_t BS, int64_t G, float scale, float* out,
+                                 float* scores) {
+  constexpr int NV = DV / 16;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 qv[NV];
+    for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + g * DV + 16 * i);
+    float* row = scores + g * S;
+    for (int64_t s0 = 0; s0 < S; s0 += 16) {  // 16 keys (one block when BS = 16; a block may hold more)
+      __m512 acc[16];
+      const int64_t n = std::min<int64_t>(16, S - s0);
+      for (int t = 0; t < 16; ++t) {
+        acc[t] = _mm512_setzero_ps();
+        if (t >= n) continue;
+        const int64_t s = s0 + t;
+        const float* kp = k_pool + ((table[s / BS] * K + kh) * BS + s % BS) * DV;
+        for (int i = 0; i < NV; ++i) acc[t] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kp + 16 * i), acc[t]);
+      }
+      const __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(row + s0, static_cast<__mmask16>((1u << n) - 1u), sc);
+    }
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < S; ++s) m = std::max(m, row[s]);
+    float sum = 0.0f;
+    for (int64_t s = 0; s < S; ++s) {
+      row[s] = std::exp(row[s] - m);
+      sum += row[s];
+    }
+    __m512 o[NV];
+    for (int i = 0; i < NV; ++i) o[i] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; ++s) {
+      const float* vp = v_pool + ((table[s / BS] * K + kh) * BS + s % BS) * DV;
+      const __m512 w = _mm512_set1_ps(row[s]);
+      for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vp + 16 * i), o[i]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sum);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + g * DV + 16 * i, _mm512_mul_ps(o[i], inv));
+  }
+}
+
 // One (row, key/value head): q and out are its G query heads (G, D); scores is scratch (G, S).
 TS_AVX512_ATTN void attend(const float* q, const float* k_pool, const float* v_pool, const int64_t* table, int64_t S,
                            int64_t K, int64_t kh, int64_t BS, int64_t D, int64_t G, float scale, float* out,
@@ -115,7 +175,14 @@ at::Tensor paged_decode_f32(const at::Tensor& q, const at::Tensor& k_pool, const
       const int64_t b = i / kv_heads, kh = i % kv_heads;
       scores.resize(G * len[b]);
       const int64_t head = (b * H + kh * G) * D;  // its first query head
-      attend(qp + head, kp, vp, tab + b * M, len[b], kv_heads, kh, block, D, G, sc, op + head, scores.data());
+      const int64_t* t = tab + b * M;
+      if (D == 64) {
+        attend_fixed<64>(qp + head, kp, vp, t, len[b], kv_heads, kh, block, G, sc, op + head, scores.data());
+      } else if (D == 128) {
+        attend_fixed<128>(qp + head, kp, vp, t, len[b], kv_heads, kh, block, G, sc, op + head, scores.data());
+      } else {
+        attend(qp + head, kp, vp, t, len[b], kv_heads, kh, block, D, G, sc, op + head, scores.data());
+      }
     }
   });
   return out;
