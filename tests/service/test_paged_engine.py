@@ -140,3 +140,27 @@ def test_admission_waits_for_blocks_instead_of_failing(tiny: tuple[nn.Module, Te
     history = run_until_idle(engine)
     assert max(s.running for s in history) == 1 and history[-1].preempted == 0
     assert [read(h)[1].finish_reason for h in handles] == ["length"] * 3
+
+
+def test_a_chunked_prefill_is_preempted_first_and_then_completes(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """Two 40-token requests decoding on a pool of 8 blocks while a 70-token prompt is prefilled in
+    chunks of 8 (theirs were chunked too): when the two need blocks, the newest (the prompt being
+    chunked) gives its blocks back, starts over later, and every request gets its tokens alone."""
+    model, tok = tiny
+    engine = make(model, tok, max_running=4, kv_cache_mib=mib_for_blocks(model, 8), prefix_cache_mib=0,
+                  prefill_chunk=8)
+    params = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 2 + [SamplingParams(max_new_tokens=8,
+                                                                                        ignore_eos=True)]
+    prompts = [[60 + i] * 40 for i in range(2)] + [[40 + i % 50 for i in range(70)]]
+    handles = [engine.submit(p, q) for p, q in zip(prompts[:2], params, strict=False)]
+    engine.step()
+    handles.append(engine.submit(prompts[2], params[2]))
+    starts = []
+    start_partial = engine._batch.start_partial
+    engine._batch.start_partial = lambda seq: (starts.append(seq.request_id), start_partial(seq))[1]
+    run_until_idle(engine)
+    assert starts.count(handles[2].request_id) >= 2  # chunked, preempted, chunked again from the start
+    assert engine.stats().preempted >= 1
+    wants = [reference(model, tok, p, q)[0] for p, q in zip(prompts, params, strict=True)]
+    assert [list(read(h)[1].token_ids) for h in handles] == wants
+    assert engine.cache.blocks_free == engine.cache.blocks_total
