@@ -11,28 +11,17 @@ its block table, no mask). Both through the caches' own `attend`, after the same
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from .attention import causal_mask
+from .bench import timed
 from .kernels import native
 from .kv_cache import KVCache
 from .machine import machine_info
 from .paged_cache import PagedKVCache, blocks_for
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
-
-
-def timed(fn, repeats: int) -> float:  # noqa: ANN001
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def one(rows: int, longest: int, repeats: int) -> dict[str, float]:

@@ -42,6 +42,18 @@ TS_AVX512_ATTN inline void axpy(float w, const float* x, float* y, int64_t d) {
   for (; i < d; ++i) y[i] += w * x[i];
 }
 
+// softmax numerators in place, exp(x - max), over a row of S scores; returns their sum.
+inline float exp_shifted(float* row, int64_t S) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t s = 0; s < S; ++s) m = std::max(m, row[s]);
+  float sum = 0.0f;
+  for (int64_t s = 0; s < S; ++s) {
+    row[s] = std::exp(row[s] - m);
+    sum += row[s];
+  }
+  return sum;
+}
+
 // The sums of 16 vectors' lanes, one per lane of the result: out[t] = sum(v[t]). A tree of lane
 // shuffles (4 levels, 15 adds) instead of 16 horizontal reductions.
 TS_AVX512_ATTN inline __m512 sum16(__m512 (&v)[16]) {
@@ -83,13 +95,7 @@ TS_AVX512_ATTN void attend_fixed(const float* q, const float* k_pool, const floa
       const __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
       _mm512_mask_storeu_ps(row + s0, static_cast<__mmask16>((1u << n) - 1u), sc);
     }
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t s = 0; s < S; ++s) m = std::max(m, row[s]);
-    float sum = 0.0f;
-    for (int64_t s = 0; s < S; ++s) {
-      row[s] = std::exp(row[s] - m);
-      sum += row[s];
-    }
+    const float sum = exp_shifted(row, S);
     __m512 o[NV];
     for (int i = 0; i < NV; ++i) o[i] = _mm512_setzero_ps();
     for (int64_t s = 0; s < S; ++s) {
@@ -115,15 +121,7 @@ TS_AVX512_ATTN void attend(const float* q, const float* k_pool, const float* v_p
   }
   std::vector<float> inv(G);
   for (int64_t g = 0; g < G; ++g) {
-    float* row = scores + g * S;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t s = 0; s < S; ++s) m = std::max(m, row[s]);
-    float sum = 0.0f;
-    for (int64_t s = 0; s < S; ++s) {
-      row[s] = std::exp(row[s] - m);
-      sum += row[s];
-    }
-    inv[g] = 1.0f / sum;
+    inv[g] = 1.0f / exp_shifted(scores + g * S, S);
     std::fill(out + g * D, out + (g + 1) * D, 0.0f);
   }
   for (int64_t s0 = 0; s0 < S; s0 += BS) {
