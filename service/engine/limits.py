@@ -50,7 +50,8 @@ class EngineLimits:
         blocks = 0
         if config.paged and model_cfg.sliding_window is None:
             rows = config.max_running
-            blocks = 1 + config.kv_cache_bytes // (BLOCK_TOKENS * token_bytes)  # + the null block
+            # the budget's blocks, at most what max_running sequences of max_total_tokens can fill; + the null block
+            blocks = 1 + min(config.kv_cache_bytes // (BLOCK_TOKENS * token_bytes), rows * blocks_for(total))
             if blocks - 1 < blocks_for(total):
                 raise ValueError(f"EngineConfig.kv_cache_mib={config.kv_cache_mib} holds {blocks - 1} blocks of "
                                  f"{BLOCK_TOKENS} tokens; one sequence of max_total_tokens={total} needs "

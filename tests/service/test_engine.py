@@ -364,6 +364,8 @@ def test_invalid_prompts_and_cache_budget(tiny: tuple[nn.Module, TextTokenizer])
     with pytest.raises(ValueError, match="kv_cache_mib=.* holds 7 blocks of 16 tokens; one sequence of "
                                          "max_total_tokens=128 needs 8"):
         make(model, tok, kv_cache_mib=(row - 1) / 2**20)
+    # never more blocks than max_running sequences of max_total_tokens fill, whatever the budget
+    assert make(model, tok, max_running=3, kv_cache_mib=2**16).cache.blocks_total == 3 * 128 // 16
 
 
 # -- finish reasons and streamed text --------------------------------------------------------------
