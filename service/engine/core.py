@@ -196,7 +196,6 @@ class GenerationEngine(StepLoop):
             seq = batch.drop_partial() if row < 0 else batch.preempt(row)
             if seq is None:
                 return
-            seq.preemptions += 1
             self._counts["preempted"] += 1
             with self._cond:
                 self._waiting.appendleft(seq)
@@ -331,7 +330,7 @@ class GenerationEngine(StepLoop):
         available (made free before returning); stops at a prompt to prefill in chunks (a preempted
         request's context is recomputed whole)."""
         batch = self._batch
-        free, group, longest = batch.free, [], 0
+        free, group, longest, taken = batch.free, [], 0, 0
         blocks = batch.blocks_available() if batch.paged else 0
         with self._cond:
             now = time.perf_counter()
@@ -345,14 +344,14 @@ class GenerationEngine(StepLoop):
                     break
                 if batch.paged:
                     need = batch.blocks_for(head)
-                    if need > blocks:
+                    if taken + need > blocks:
                         break  # running requests free blocks as they finish
-                    blocks -= need
+                    taken += need
                 seq = self._waiting.popleft()
                 seq.admitted, longest = now, longest_next
                 group.append(seq)
-        if batch.paged and group:
-            batch.make_room(sum(batch.blocks_for(seq) for seq in group))
+        if taken:
+            batch.make_room(taken)
         return group
 
     def _decode(self) -> None:

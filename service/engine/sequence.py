@@ -49,7 +49,6 @@ class SeqState:
         self.cancelled = False
         self.closed = False  # Finished was sent
         self.resume = False  # preempted (paged cache out of blocks): its context is recomputed when admitted again
-        self.preemptions = 0
         self._cut = False  # text was cut at a stop string: nothing after it is ever shown
 
     @property

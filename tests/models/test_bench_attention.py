@@ -6,11 +6,11 @@ import pytest
 
 from models import bench_attention
 
-from .test_paged_cache import native
+from .test_quant import needs_kernels
 
 
+@needs_kernels
 def test_it_prints_a_row_per_size(capsys: pytest.CaptureFixture[str]) -> None:
-    native()
     bench_attention.main(["--threads", "1", "--rows", "1,4", "--longest", "20", "--repeats", "2"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [r.split("|")[1:3] for r in rows] == [[" 1 ", " 20 "], [" 4 ", " 20 "]]

@@ -12,21 +12,14 @@ import pytest
 import torch
 
 from models.decoder import DecoderLM
+from models.kernels import native
 from models.kv_cache import KVCache
 from models.paged_cache import CacheFull, PagedKVCache
 from models.tiny import tiny_model
 
+from .test_quant import needs_kernels
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def native() -> bool:
-    from models.kernels import native as kernels
-
-    if kernels.available():
-        return True
-    if os.environ.get("REQUIRE_NATIVE_KERNELS") == "1":
-        pytest.fail("REQUIRE_NATIVE_KERNELS=1 but the native kernels did not build")
-    pytest.skip("the native kernels need AVX-512 and g++")
 
 
 def small(blocks: int = 8, rows: int = 4) -> PagedKVCache:
@@ -135,8 +128,8 @@ PROMPTS = [[3, 9, 4, 11, 2, 8, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 4
 def test_paged_equals_dense(kernel: bool, shape: str) -> None:
     """Rows of 19, 4 and 1 prompt tokens, 20 steps (across block boundaries): the logits of every step
     equal the dense cache's (the kernel's own reduction order: to float32 rounding)."""
-    if kernel:
-        native()
+    if kernel and not native.available() and not os.environ.get("REQUIRE_NATIVE_KERNELS"):
+        pytest.skip("no AVX-512 CPU or no compiler for the native kernels")
     model = tiny_model("decoder")[0] if shape == "tiny" else gqa_model()
     dense = run(model, KVCache.for_model(model.cfg, rows=3, max_len=64), PROMPTS, 20)
     paged = run(model, PagedKVCache.for_model(model.cfg, rows=3, blocks=20, max_len=64, decode_kernel=kernel),
@@ -145,10 +138,10 @@ def test_paged_equals_dense(kernel: bool, shape: str) -> None:
         torch.testing.assert_close(p, d, rtol=1e-5, atol=1e-5, msg=f"step {step}")
 
 
+@needs_kernels
 def test_the_kernel_gives_a_row_the_same_bits_alone_and_among_others() -> None:
     """The decode kernel on one pool: each row's output (B, H, D) is the same bits whatever rows run
     beside it, and equals softmax attention over the row's own keys."""
-    native()
     torch.manual_seed(0)
     kv_heads, block, d, h = 2, 16, 64, 6
     k_pool, v_pool = (torch.randn(10 * kv_heads * block + 1, d) for _ in range(2))  # (N * K * BS + 1, D)
@@ -170,8 +163,8 @@ def test_the_kernel_gives_a_row_the_same_bits_alone_and_among_others() -> None:
         torch.testing.assert_close(together[row], want[:, 0], rtol=1e-5, atol=1e-5)
 
 
+@needs_kernels
 def test_the_kernel_refuses_a_table_outside_the_pool() -> None:
-    native()
     pool = torch.zeros(2 * 1 * 4 + 1, 16)
     with pytest.raises(RuntimeError, match="names block 5 outside the pool"):
         torch.ops.ts_panels.paged_decode_f32(torch.zeros(1, 1, 16), pool, pool, torch.tensor([[5]]),
@@ -201,10 +194,10 @@ def test_a_reorder_shares_blocks_and_copies_a_shared_partial_block_on_write() ->
     assert cache.blocks_free == cache.blocks_total  # every reference given back
 
 
+@needs_kernels
 def test_beam_search_on_the_paged_cache_equals_the_dense_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """translate_ids with mixed beams: the paged cache (decode kernel, shared blocks) and the dense one
     give the same translations."""
-    native()
     from models import beam_search
     from models.beam_search import BeamParams, translate_ids
 
