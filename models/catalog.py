@@ -175,7 +175,7 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
     model = model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
     mode = spec.quantize
     if mode in BLOCK_FORMATS and torch.device(device).type == "cpu" and not native.available():
-        # a machine without AVX-512 or g++: the float32 weights (for a GGUF of these blocks, the same values)
+        # a machine without AVX2 or g++: the float32 weights (for a GGUF of these blocks, the same values)
         log.warning("%s: quantize %s needs this project's CPU kernels, which are not available here (see the "
                     "log above); serving its float32 weights instead", spec.name, mode)
         mode = None

@@ -6,7 +6,7 @@ per weight shape by measurement.
 and 6-9 GB/s at 2-32 rows, while oneDNN with the weight reordered once into its blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`, the path inductor's freezing uses) reaches 17-21 GB/s: a
 1.8-2.8x faster decode step at the same fp32 precision; our own kernels (models/panels.py, where
-the CPU has AVX-512 and a compiler built them) stream a decoder's weights at one row about 2x faster
+the CPU has AVX-512 or AVX2 and a compiler built them) stream a decoder's weights at one row about 2x faster
 again. Which one wins depends on the CPU and the shape (MKL is at its best on Intel; oneDNN at a few
 hundred rows), so `pack_dense(model, "auto")` times every candidate at load on every projection, in
 sweeps over the model's layers in order (so the caches hold what a forward pass leaves in them),

@@ -230,7 +230,7 @@ class PagedKVCache(RowLengths):
 
 
 def kernel_runs(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether decode steps attend through models/kernels/attention.cpp: float32 on an AVX-512 CPU
+    """Whether decode steps attend through models/kernels/attention.cpp: float32 on an AVX2 or AVX-512 CPU
     where the native kernels build."""
     if dtype != torch.float32 or device.type != "cpu":
         return False

@@ -154,7 +154,7 @@ def quantize_blocks(fmt: str, head_fmt: str) -> Callable[[nn.Module, Callable[[n
     def run(model: nn.Module, calibrate: Callable[[nn.Module], object] | None = None) -> nn.Module:
         if not native.available():
             raise ValueError(f"quantize: {fmt} runs on this project's CPU kernels, which are not available here "
-                             "(they need AVX-512 and a C++ compiler; see the log for the reason)")
+                             "(they need AVX2 or AVX-512 and a C++ compiler; see the log for the reason)")
         weight = next(model.parameters())
         if weight.device.type != "cpu":
             raise ValueError(f"quantize: {fmt} has CPU kernels only; use int8 or a float dtype on {weight.device.type}")

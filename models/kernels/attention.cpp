@@ -13,7 +13,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -22,23 +21,25 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-#define TS_AVX512_ATTN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+using namespace ts;
 
-TS_AVX512_ATTN inline float dot(const float* a, const float* b, int64_t d) {
+TS_TARGET inline float dot(const float* a, const float* b, int64_t d) {
   int64_t i = 0;
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  float s = _mm512_reduce_add_ps(acc);
+  vf acc = zero();
+  for (; i + LANES <= d; i += LANES) acc = fmadd(load(a + i), load(b + i), acc);
+  float s = reduce_add(acc);
   for (; i < d; ++i) s += a[i] * b[i];
   return s;
 }
 
-TS_AVX512_ATTN inline void axpy(float w, const float* x, float* y, int64_t d) {
+TS_TARGET inline void axpy(float w, const float* x, float* y, int64_t d) {
   int64_t i = 0;
-  const __m512 wv = _mm512_set1_ps(w);
-  for (; i + 16 <= d; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  const vf wv = set1(w);
+  for (; i + LANES <= d; i += LANES) store(y + i, fmadd(wv, load(x + i), load(y + i)));
   for (; i < d; ++i) y[i] += w * x[i];
 }
 
@@ -54,62 +55,49 @@ inline float exp_shifted(float* row, int64_t S) {
   return sum;
 }
 
-// The sums of 16 vectors' lanes, one per lane of the result: out[t] = sum(v[t]). A tree of lane
-// shuffles (4 levels, 15 adds) instead of 16 horizontal reductions.
-TS_AVX512_ATTN inline __m512 sum16(__m512 (&v)[16]) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)  // 256-bit halves: w[i] low half partial sums of v[i], high half of v[i + 8]
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
-  for (int i = 0; i < 4; ++i)  // 128-bit lanes of x[i]: v[i], v[i + 8], v[i + 4], v[i + 12]
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
-  for (int i = 0; i < 2; ++i)  // per lane: pairs of x[i]'s and x[i + 2]'s vectors
-    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[i], x[i + 2]), _mm512_unpackhi_ps(x[i], x[i + 2]));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // z holds v0 v2 v1 v3 | v8 v10 v9 v11 | v4 v6 v5 v7 | v12 v14 v13 v15: back to order
-  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
-  return _mm512_permutexvar_ps(order, z);
-}
-
-// attend() for a head dim of DV (a multiple of 16): q and the output accumulators in registers, the
-// scores of 16 keys at a time summed by one shuffle tree, each query head over the row's keys in turn.
+// attend() for a head dim of DV (a multiple of LANES): q and the output accumulators in registers, the
+// scores of LANES keys at a time summed by one shuffle tree, each query head over the row's keys in turn.
 template <int DV>
-TS_AVX512_ATTN void attend_fixed(const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
-                                 int64_t S, int64_t K, int64_t kh, int64_t BS, int64_t G, float scale, float* out,
-                                 float* scores) {
-  constexpr int NV = DV / 16;
+TS_TARGET void attend_fixed(const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
+                            int64_t S, int64_t K, int64_t kh, int64_t BS, int64_t G, float scale, float* out,
+                            float* scores) {
+  constexpr int NV = DV / LANES;
   for (int64_t g = 0; g < G; ++g) {
-    __m512 qv[NV];
-    for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + g * DV + 16 * i);
+    vf qv[NV];
+    for (int i = 0; i < NV; ++i) qv[i] = load(q + g * DV + LANES * i);
     float* row = scores + g * S;
-    for (int64_t s0 = 0; s0 < S; s0 += 16) {  // 16 keys (one block when BS = 16; a block may hold more)
-      __m512 acc[16];
-      const int64_t n = std::min<int64_t>(16, S - s0);
-      for (int t = 0; t < 16; ++t) {
-        acc[t] = _mm512_setzero_ps();
+    for (int64_t s0 = 0; s0 < S; s0 += LANES) {  // LANES keys (a block holds BS = 16)
+      vf acc[LANES];
+      const int64_t n = std::min<int64_t>(LANES, S - s0);
+      for (int t = 0; t < LANES; ++t) {
+        acc[t] = zero();
         if (t >= n) continue;
         const int64_t s = s0 + t;
         const float* kp = k_pool + ((table[s / BS] * K + kh) * BS + s % BS) * DV;
-        for (int i = 0; i < NV; ++i) acc[t] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kp + 16 * i), acc[t]);
+        for (int i = 0; i < NV; ++i) acc[t] = fmadd(qv[i], load(kp + LANES * i), acc[t]);
       }
-      const __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(row + s0, static_cast<__mmask16>((1u << n) - 1u), sc);
+      const vf sc = mul(sum_lanes(acc), set1(scale));
+      if (n == LANES) {
+        store(row + s0, sc);
+      } else {
+        store_first(row + s0, sc, n);
+      }
     }
     const float sum = exp_shifted(row, S);
-    __m512 o[NV];
-    for (int i = 0; i < NV; ++i) o[i] = _mm512_setzero_ps();
+    vf o[NV];
+    for (int i = 0; i < NV; ++i) o[i] = zero();
     for (int64_t s = 0; s < S; ++s) {
       const float* vp = v_pool + ((table[s / BS] * K + kh) * BS + s % BS) * DV;
-      const __m512 w = _mm512_set1_ps(row[s]);
-      for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vp + 16 * i), o[i]);
+      const vf w = set1(row[s]);
+      for (int i = 0; i < NV; ++i) o[i] = fmadd(w, load(vp + LANES * i), o[i]);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / sum);
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + g * DV + 16 * i, _mm512_mul_ps(o[i], inv));
+    const vf inv = set1(1.0f / sum);
+    for (int i = 0; i < NV; ++i) store(out + g * DV + LANES * i, mul(o[i], inv));
   }
 }
 
 // One (row, key/value head): q and out are its G query heads (G, D); scores is scratch (G, S).
-TS_AVX512_ATTN void attend(const float* q, const float* k_pool, const float* v_pool, const int64_t* table, int64_t S,
+TS_TARGET void attend(const float* q, const float* k_pool, const float* v_pool, const int64_t* table, int64_t S,
                            int64_t K, int64_t kh, int64_t BS, int64_t D, int64_t G, float scale, float* out,
                            float* scores) {
   for (int64_t s0 = 0; s0 < S; s0 += BS) {

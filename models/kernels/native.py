@@ -8,17 +8,22 @@ second, and concurrent first loads wait on torch's build lock instead of compili
 build takes about 40 s on 2 cores: `make kernels` (or `python -m models.kernels.native`) builds it
 ahead, and the Docker image does so at build time.
 
-`available()` is False, and the callers keep torch's own kernels, when the CPU lacks AVX-512
-(F, BW, VL, DQ: torch reports "AVX512"), when TS_NATIVE_KERNELS=0, or when the build fails (no
-compiler): each reason is logged once. Where the CPU also has AVX512-VNNI the 8-bit dot products use
-it (TS_VNNI; a separate build, so a cache shared between machines never runs it where it is
-missing); TS_NATIVE_VNNI=0 builds and runs the AVX512-BW form instead (the same integers: tests
-compare the two).
+The kernels are written once on the vector operations of simd.h and built per instruction set, the
+widest this CPU runs (`isa()`): AVX-512 with VNNI (the 8-bit dot products in one vpdpbusd), AVX-512
+(F, BW, VL, DQ; the same integers by multiply-adds), or AVX2 with FMA and F16C (half the lanes, for
+CPUs without AVX-512 such as AMD's Zen 2 and 3). Each is its own cached build, so a cache shared
+between machines never runs one where the CPU lacks it, and all compute the same bits (the integer
+sums are exact and the float work lane by lane: tests compare them). TS_NATIVE_ISA=avx512 or avx2
+builds and runs a narrower one on a wider CPU (never a wider one).
+
+`available()` is False, and the callers keep torch's own kernels, when the CPU has none of these,
+when TS_NATIVE_KERNELS=0, or when the build fails (no compiler): each reason is logged once.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -30,20 +35,38 @@ import torch
 log = logging.getLogger("models.kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("panels.cpp", "attention.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
 NAME = "ts_panels"  # the ops' namespace: torch.ops.ts_panels
 DISABLE_ENV = "TS_NATIVE_KERNELS"
-VNNI_ENV = "TS_NATIVE_VNNI"
+ISA_ENV = "TS_NATIVE_ISA"
 FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+# widest first: each build's name suffix and the defines that select its width in simd.h
+ISAS = {"avx512_vnni": ["-DTS_VNNI"], "avx512": [], "avx2": ["-DTS_AVX2"]}
 
 
-def uses_vnni() -> bool:
-    """Whether the build for this CPU uses AVX512-VNNI (the CPU has it and TS_NATIVE_VNNI is not 0)."""
-    return bool(torch.cpu.get_capabilities().get("avx512_vnni")) and os.environ.get(VNNI_ENV, "1") != "0"
+def cpu_isas() -> list[str]:
+    """The builds this CPU can run (widest first), as torch detects its features at run time."""
+    caps = torch.cpu.get_capabilities()
+    avx512 = all(caps.get(f"avx512_{x}") for x in ("f", "bw", "vl", "dq"))
+    return ([] if not (avx512 and caps.get("avx512_vnni")) else ["avx512_vnni"]) + (["avx512"] if avx512 else []) + (
+        ["avx2"] if caps.get("avx2") and caps.get("fma3") and caps.get("f16c") else [])
 
 
-def cpu_supported() -> bool:
-    """AVX-512 with BW/VL/DQ (what the kernels are compiled for), as torch detects it at run time."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+def isa() -> str | None:
+    """The build this process uses: the widest the CPU runs, or TS_NATIVE_ISA's if it runs that; None: none."""
+    runs = cpu_isas()
+    wanted = os.environ.get(ISA_ENV, "")
+    if wanted:
+        if wanted not in ISAS:
+            raise ValueError(f"{ISA_ENV}={wanted!r}: expected one of {', '.join(ISAS)}")
+        return wanted if wanted in runs else None
+    return runs[0] if runs else None
+
+
+def _build_flags(chosen: str) -> list[str]:
+    # torch rebuilds when a source or a flag changes; the header's hash in a define covers simd.h
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    return FLAGS + ISAS[chosen] + [f"-DTS_HEADERS_SHA={digest}"]
 
 
 @functools.cache
@@ -52,24 +75,24 @@ def available() -> bool:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         log.info("native kernels off (%s=0)", DISABLE_ENV)
         return False
-    if not cpu_supported():
-        log.info("native kernels off: the CPU reports %s, they need AVX-512", torch.backends.cpu.get_cpu_capability())
+    chosen = isa()
+    if chosen is None:
+        log.info("native kernels off: the CPU reports %s; they need AVX2 with FMA and F16C, or AVX-512%s",
+                 torch.backends.cpu.get_cpu_capability(),
+                 f" ({ISA_ENV}={os.environ[ISA_ENV]})" if os.environ.get(ISA_ENV) else "")
         return False
     from torch.utils.cpp_extension import load
 
     started = time.perf_counter()
-    vnni = uses_vnni()
     try:
-        load(name=NAME + ("_vnni" if vnni else "_bw"), sources=[str(source) for source in SOURCES],
-             extra_cflags=FLAGS + (["-DTS_VNNI"] if vnni else []), extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        load(name=f"{NAME}_{chosen}", sources=[str(source) for source in SOURCES], extra_cflags=_build_flags(chosen),
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: keep torch's kernels, say why
         log.warning("native kernels off: building %s failed (%s)", ", ".join(s.name for s in SOURCES),
                     str(e).splitlines()[-1][:300])
         return False
     _register_fakes()
-    log.info("native kernels loaded in %.1f s (8-bit dot products: %s)", time.perf_counter() - started,
-             "AVX512-VNNI" if vnni else "AVX512-BW")
+    log.info("native kernels loaded in %.1f s (%s)", time.perf_counter() - started, chosen)
     return True
 
 

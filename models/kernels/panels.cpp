@@ -20,14 +20,14 @@
 //         Activations are quantized per row and group of 32 in two 8-bit parts (or, parts = 1, in
 //         one, as llama.cpp computes these formats: its Q8_1 / Q8_0): x = dx qx + dr rx; the
 //         products are summed exactly in int32 (AVX512-VNNI's vpdpbusd where the CPU has it,
-//         AVX512-BW multiply-adds otherwise: the same integers) and each group adds, per part,
+//         AVX512-BW or AVX2 multiply-adds otherwise: the same integers) and each group adds, per part,
 //         d dx sum(q qx) (+ mn dx sum(qx) for q4_1).
-// The AVX-512 code is compiled for that target only and called only where the CPU has it
-// (models/kernels/native.py checks, and defines TS_VNNI where it has AVX512-VNNI).
+// The vector code is written once on simd.h's operations and built per instruction set (AVX-512,
+// AVX-512 with VNNI, AVX2): models/kernels/native.py builds and loads the one this CPU runs. Each
+// build computes the same bits: the integer sums are exact and the float operations lane-wise.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -35,35 +35,30 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
+using namespace ts;
+
 constexpr int64_t NR = 32;  // outputs per panel
+constexpr int NV = NR / LANES;  // vectors per panel row: 2 (AVX-512), 4 (AVX2)
 constexpr int64_t GROUP = 32;  // inputs per quantization group
 constexpr int64_t STEPS = GROUP / 4;  // steps of 4 inputs per group
-constexpr int MR = 8;  // rows per pass (float activations)
-constexpr int MR8 = 4;  // rows per pass (block formats: up to 6 accumulators a row)
-
-#ifdef TS_VNNI
-#define TS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512vnni")))
-#else
-#define TS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
-#endif
+// rows per pass, as many as the registers hold: 32 (AVX-512) or 16 (AVX2) vector registers
+constexpr int MR = LANES == 16 ? 8 : 3;  // float activations: NV accumulators a row
+constexpr int MR8 = LANES == 16 ? 4 : 2;  // block formats: up to 2 NV accumulators a row
 
 template <int R>
-TS_AVX512 inline void store(__m512 (&acc)[R][2], float* y, int64_t ldy, const float* bias, int64_t nvalid) {
+TS_TARGET inline void store_rows(vf (&acc)[R][NV], float* y, int64_t ldy, const float* bias, int64_t nvalid) {
   for (int m = 0; m < R; ++m) {
-    __m512 a0 = acc[m][0], a1 = acc[m][1];
-    if (bias != nullptr && nvalid == NR) {
-      a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias));
-      a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + 16));
-    }
     if (nvalid == NR) {
-      _mm512_storeu_ps(y + m * ldy, a0);
-      _mm512_storeu_ps(y + m * ldy + 16, a1);
+      for (int v = 0; v < NV; ++v) {
+        store(y + m * ldy + v * LANES, bias != nullptr ? add(acc[m][v], load(bias + v * LANES)) : acc[m][v]);
+      }
     } else {
       alignas(64) float buf[NR];
-      _mm512_store_ps(buf, a0);
-      _mm512_store_ps(buf + 16, a1);
+      for (int v = 0; v < NV; ++v) store(buf + v * LANES, acc[m][v]);
       for (int64_t j = 0; j < nvalid; ++j) y[m * ldy + j] = buf[j] + (bias != nullptr ? bias[j] : 0.0f);
     }
   }
@@ -77,26 +72,23 @@ struct F32 {
   const float* x;  // (M, K)
   int64_t K;
   template <int R>
-  TS_AVX512 void tile(int64_t p, int64_t m, float* y, int64_t ldy, const float* bias, int64_t nvalid) const {
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  TS_TARGET void tile(int64_t p, int64_t m, float* y, int64_t ldy, const float* bias, int64_t nvalid) const {
+    vf acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = zero();
     const float* wp = w + p * K * NR;
     const float* xm = x + m * K;
     for (int64_t k = 0; k < K; ++k) {
-      const __m512 w0 = _mm512_loadu_ps(wp + k * NR), w1 = _mm512_loadu_ps(wp + k * NR + 16);
+      vf wk[NV];
+      for (int v = 0; v < NV; ++v) wk[v] = load(wp + k * NR + v * LANES);
       for (int r = 0; r < R; ++r) {
-        const __m512 xb = _mm512_set1_ps(xm[r * K + k]);
-        acc[r][0] = _mm512_fmadd_ps(w0, xb, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w1, xb, acc[r][1]);
+        const vf xb = set1(xm[r * K + k]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(wk[v], xb, acc[r][v]);
       }
     }
-    store<R>(acc, y, ldy, bias, nvalid);
+    store_rows<R>(acc, y, ldy, bias, nvalid);
   }
 };
-
-TS_AVX512 inline __m512 halves(const uint8_t* h) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));  // 16 float16 -> float32
-}
 
 // Activations in two 8-bit parts per group of 32 inputs: x = dx q + dr r + (a remainder of at most
 // dr / 2): q = round(x / dx) to nearest even with dx = max |x| / 127 (llama.cpp's Q8_1 /
@@ -112,29 +104,33 @@ struct Rows8 {
   const int32_t* sr;
 };
 
-// 32 floats -> 32 int8 = round(v / d), d = max |v| / 127 (0 for zeros); returns the codes as int32
-TS_AVX512 inline void part(__m512 a, __m512 b, int8_t* q, float* d, int32_t* sum, __m512i& qa, __m512i& qb) {
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const float step = amax / 127.0f;
-  const __m512 inv = _mm512_set1_ps(step != 0.0f ? 1.0f / step : 0.0f);
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, inv), kNearest);
-  qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, inv), kNearest);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+// 32 floats -> 32 int8 = round(v / d), d = max |v| / 127 (0 for zeros); the codes also come back as int32
+TS_TARGET inline void part(const vf (&x)[NV], int8_t* q, float* d, int32_t* sum, vi (&codes)[NV]) {
+  vf amax = abs(x[0]);
+  for (int v = 1; v < NV; ++v) amax = max(amax, abs(x[v]));
+  const float step = reduce_max(amax) / 127.0f;
+  const vf inv = set1(step != 0.0f ? 1.0f / step : 0.0f);
+  vi total = zero_i();
+  for (int v = 0; v < NV; ++v) {
+    codes[v] = round_i32(mul(x[v], inv));
+    total = add_i32(total, codes[v]);
+  }
+  narrow_i8(codes, q);
   *d = step;
-  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  *sum = reduce_add_i32(total);
 }
 
-TS_AVX512 void quantize_group(const float* x, bool fine, int8_t* q, int8_t* r, float* dx, float* dr, int32_t* sq,
+TS_TARGET void quantize_group(const float* x, bool fine, int8_t* q, int8_t* r, float* dx, float* dr, int32_t* sq,
                               int32_t* sr) {
-  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
-  __m512i qa, qb;
-  part(a, b, q, dx, sq, qa, qb);
+  vf a[NV];
+  for (int v = 0; v < NV; ++v) a[v] = load(x + v * LANES);
+  vi codes[NV];
+  part(a, q, dx, sq, codes);
   if (!fine) return;
-  const __m512 step = _mm512_set1_ps(*dx);
-  part(_mm512_fnmadd_ps(_mm512_cvtepi32_ps(qa), step, a), _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qb), step, b), r, dr,
-       sr, qa, qb);
+  const vf step = set1(*dx);
+  vf left[NV];
+  for (int v = 0; v < NV; ++v) left[v] = fnmadd(to_float(codes[v]), step, a[v]);
+  part(left, r, dr, sr, codes);
 }
 
 // x (M, K) -> the calling thread's scratch, group by group (no allocation per call; a pass only reads it)
@@ -160,62 +156,54 @@ Rows8 quantize_activations(const float* x, int64_t M, int64_t K, bool fine) {
   return {q, r, dx, dr, sq, sr};
 }
 
-// acc += sum over i < 4 of u[4 j + i] * s[4 j + i] in each int32 lane j (unsigned x signed bytes)
-TS_AVX512 inline __m512i dot4(__m512i acc, __m512i u, __m512i s) {
-#ifdef TS_VNNI
-  return _mm512_dpbusd_epi32(acc, u, s);
-#else  // even and odd bytes widened to int16, multiplied and added in pairs to int32: exact for any u8
-  const __m512i even = _mm512_madd_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0xFF)),
-                                         _mm512_srai_epi16(_mm512_slli_epi16(s, 8), 8));
-  const __m512i odd = _mm512_madd_epi16(_mm512_srli_epi16(u, 8), _mm512_srai_epi16(s, 8));
-  return _mm512_add_epi32(acc, _mm512_add_epi32(even, odd));
-#endif
-}
-
 // One activation part's integer sums over a group: sum(w q) per output, in int32
 struct Sums {
-  __m512i dot[2];  // outputs 0-15, 16-31
+  vi dot[NV];  // outputs 0-15, 16-31 (AVX2: 0-7, 8-15, 16-23, 24-31)
 };
 
-// The two block formats: a record's step t as unsigned bytes (w0: outputs 0-15, w1: 16-31), and
-// what a group adds to the outputs once its integer sums are done: (q, dx) and (r, dr) are the
+// The two block formats: a record's step t as unsigned bytes (w[v]: outputs v LANES .. (v + 1) LANES - 1),
+// and what a group adds to the outputs once its integer sums are done: (q, dx) and (r, dr) are the
 // activations' two parts.
 struct Q80Format {
   static constexpr int64_t RECORD = STEPS * 2 * 64 + NR * 2;
-  TS_AVX512 static void step(const uint8_t* rec, int64_t t, __m512i& w0, __m512i& w1) {
-    w0 = _mm512_loadu_si512(rec + t * 128);
-    w1 = _mm512_loadu_si512(rec + t * 128 + 64);
+  TS_TARGET static void step(const uint8_t* rec, int64_t t, vi (&w)[NV]) {
+    for (int v = 0; v < NV; ++v) w[v] = load_i(rec + t * 128 + v * LANES * 4);
   }
+  TS_TARGET static vi dot(vi acc, vi w, vi x) { return dot4(acc, w, x); }
   // codes + 128 were summed: subtract 128 sum(x codes) (exact); y += d (dx sum(w q) + dr sum(w r))
-  TS_AVX512 static void add(const uint8_t* rec, const Sums& q, const Sums& r, float dx, float dr, int32_t sq,
-                            int32_t sr, __m512 (&acc)[2]) {
+  TS_TARGET static void add_to(const uint8_t* rec, const Sums& q, const Sums& r, float dx, float dr, int32_t sq,
+                               int32_t sr, vf (&acc)[NV]) {
     const uint8_t* d = rec + STEPS * 128;
-    const __m512i oq = _mm512_set1_epi32(128 * sq), orr = _mm512_set1_epi32(128 * sr);
-    const __m512 sdx = _mm512_set1_ps(dx), sdr = _mm512_set1_ps(dr);
-    for (int h = 0; h < 2; ++h) {
-      const __m512 x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(r.dot[h], orr)), sdr,
-                                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q.dot[h], oq)), sdx));
-      acc[h] = _mm512_fmadd_ps(x, halves(d + 32 * h), acc[h]);
+    const vi oq = set1_i32(128 * sq), orr = set1_i32(128 * sr);
+    const vf sdx = set1(dx), sdr = set1(dr);
+    for (int v = 0; v < NV; ++v) {
+      const vf x = fmadd(to_float(sub_i32(r.dot[v], orr)), sdr, mul(to_float(sub_i32(q.dot[v], oq)), sdx));
+      acc[v] = fmadd(x, halves(d + v * LANES * 2), acc[v]);
     }
   }
 };
 
 struct Q41Format {
   static constexpr int64_t RECORD = STEPS * 64 + 2 * NR * 2;
-  TS_AVX512 static void step(const uint8_t* rec, int64_t t, __m512i& w0, __m512i& w1) {
-    const __m512i b = _mm512_loadu_si512(rec + t * 64), low = _mm512_set1_epi8(0x0F);
-    w0 = _mm512_and_si512(b, low);
-    w1 = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+  // a step's 64 bytes: byte 4 j + i holds input i of output j (low nibble) and of output 16 + j (high)
+  TS_TARGET static void step(const uint8_t* rec, int64_t t, vi (&w)[NV]) {
+    const vi low = set1_i8(0x0F);
+    for (int c = 0; c < NV / 2; ++c) {
+      const vi b = load_i(rec + t * 64 + c * LANES * 4);
+      w[c] = and_i(b, low);
+      w[c + NV / 2] = and_i(srli_i16(b, 4), low);
+    }
   }
+  TS_TARGET static vi dot(vi acc, vi w, vi x) { return dot4_nibbles(acc, w, x); }
   // y += d (dx sum(w q) + dr sum(w r)) + mn (dx sum(q) + dr sum(r))
-  TS_AVX512 static void add(const uint8_t* rec, const Sums& q, const Sums& r, float dx, float dr, int32_t sq,
-                            int32_t sr, __m512 (&acc)[2]) {
+  TS_TARGET static void add_to(const uint8_t* rec, const Sums& q, const Sums& r, float dx, float dr, int32_t sq,
+                               int32_t sr, vf (&acc)[NV]) {
     const uint8_t* d = rec + STEPS * 64;
-    const __m512 sdx = _mm512_set1_ps(dx), sdr = _mm512_set1_ps(dr);
-    const __m512 sum = _mm512_set1_ps(dx * static_cast<float>(sq) + dr * static_cast<float>(sr));
-    for (int h = 0; h < 2; ++h) {
-      const __m512 x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r.dot[h]), sdr, _mm512_mul_ps(_mm512_cvtepi32_ps(q.dot[h]), sdx));
-      acc[h] = _mm512_fmadd_ps(halves(d + 64 + 32 * h), sum, _mm512_fmadd_ps(x, halves(d + 32 * h), acc[h]));
+    const vf sdx = set1(dx), sdr = set1(dr);
+    const vf sum = set1(dx * static_cast<float>(sq) + dr * static_cast<float>(sr));
+    for (int v = 0; v < NV; ++v) {
+      const vf x = fmadd(to_float(r.dot[v]), sdr, mul(to_float(q.dot[v]), sdx));
+      acc[v] = fmadd(halves(d + 64 + v * LANES * 2), sum, fmadd(x, halves(d + v * LANES * 2), acc[v]));
     }
   }
 };
@@ -227,39 +215,39 @@ struct Blocks {
   Rows8 x;
   int64_t K;
   template <int R>
-  TS_AVX512 void tile(int64_t p, int64_t m, float* y, int64_t ldy, const float* bias, int64_t nvalid) const {
+  TS_TARGET void tile(int64_t p, int64_t m, float* y, int64_t ldy, const float* bias, int64_t nvalid) const {
     const int64_t G = K / GROUP;
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    vf acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = zero();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* rec = q + (p * G + g) * Format::RECORD;
       Sums coarse[R], fine[R];  // the activations' two parts
-      for (int i = 0; i < R; ++i) coarse[i].dot[0] = coarse[i].dot[1] = fine[i].dot[0] = fine[i].dot[1] = _mm512_setzero_si512();
+      for (int i = 0; i < R; ++i)
+        for (int v = 0; v < NV; ++v) coarse[i].dot[v] = fine[i].dot[v] = zero_i();
       const int64_t at = m * G + g;
       for (int64_t t = 0; t < STEPS; ++t) {
-        __m512i w0, w1;
-        Format::step(rec, t, w0, w1);
+        vi w[NV];
+        Format::step(rec, t, w);
         for (int i = 0; i < R; ++i) {
           const int64_t k = (m + i) * K + g * GROUP + 4 * t;
           int32_t four;
           std::memcpy(&four, x.q + k, 4);
-          const __m512i bq = _mm512_set1_epi32(four);
-          coarse[i].dot[0] = dot4(coarse[i].dot[0], w0, bq);
-          coarse[i].dot[1] = dot4(coarse[i].dot[1], w1, bq);
+          const vi bq = set1_i32(four);
+          for (int v = 0; v < NV; ++v) coarse[i].dot[v] = Format::dot(coarse[i].dot[v], w[v], bq);
           if constexpr (FINE) {
             std::memcpy(&four, x.r + k, 4);
-            const __m512i br = _mm512_set1_epi32(four);
-            fine[i].dot[0] = dot4(fine[i].dot[0], w0, br);
-            fine[i].dot[1] = dot4(fine[i].dot[1], w1, br);
+            const vi br = set1_i32(four);
+            for (int v = 0; v < NV; ++v) fine[i].dot[v] = Format::dot(fine[i].dot[v], w[v], br);
           }
         }
       }
       for (int i = 0; i < R; ++i) {  // one part: the fine sums stay 0 (adding exact zeros: the same bits)
         const int64_t j = at + i * G;
-        Format::add(rec, coarse[i], fine[i], x.dx[j], FINE ? x.dr[j] : 0.0f, x.sq[j], FINE ? x.sr[j] : 0, acc[i]);
+        Format::add_to(rec, coarse[i], fine[i], x.dx[j], FINE ? x.dr[j] : 0.0f, x.sq[j], FINE ? x.sr[j] : 0, acc[i]);
       }
     }
-    store<R>(acc, y, ldy, bias, nvalid);
+    store_rows<R>(acc, y, ldy, bias, nvalid);
   }
 };
 

@@ -96,7 +96,7 @@ def test_a_compiled_encoder_matches_eager_on_padded_batches() -> None:
 
 
 @pytest.mark.skipif(not native.available() and not os.environ.get("REQUIRE_NATIVE_KERNELS"),
-                    reason="no AVX-512 CPU or no compiler for the native kernels")
+                    reason="no AVX2 or AVX-512 CPU, or no compiler, for the native kernels")
 def test_blocks_of_another_structure_in_the_same_process_get_their_own_graphs() -> None:
     """Guards on module state are reduced to the structural ones: a float and a 4-bit decoder
     (different projection modules, same Block code) must not share a graph."""

@@ -1,6 +1,6 @@
 """Our CPU projection kernels (models/kernels/panels.cpp, models/panels.py): float32 panels give the
 products F.linear computes; the block formats compute exactly their reference arithmetic (8-bit
-activations per group of 32, exact integer sums), with the VNNI and the AVX512-BW builds giving the
+activations per group of 32, exact integer sums), with every instruction set's build giving the
 same bits; every format is bitwise the same for a row alone and in any batch, and GGUF's Q4_1 / Q8_0
 blocks come out exactly as llama.cpp's reference quantizers make them."""
 
@@ -22,7 +22,7 @@ from models.panels import BlockLinear, PanelLinear, dequantize, quantize_q4_1, q
 # CI sets REQUIRE_NATIVE_KERNELS=1 (.ci/run): there a missing build fails instead of skipping
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(not native.available() and not os.environ.get("REQUIRE_NATIVE_KERNELS"),
-                                 reason="no AVX-512 CPU or no compiler for the native kernels")]
+                                 reason="no AVX2 or AVX-512 CPU, or no compiler, for the native kernels")]
 
 SHAPES = [(96, 64), (40, 32), (3, 384), (257, 128)]  # whole panels, a partial one, a tiny head, a 1-output tail
 ROWS = (1, 2, 7, 8, 9, 17)  # one pass, a partial pass, several passes of 8 rows
@@ -71,31 +71,52 @@ def test_block_formats_compute_their_reference_arithmetic(fmt: str, n: int, k: i
             assert (y - F.linear(x, dense, b)).abs().max() <= (1e-4 if bits == 16 else 0.02) * scale
 
 
-def test_the_avx512_bw_build_gives_the_same_bits_as_this_one(tmp_path) -> None:  # noqa: ANN001
-    """TS_NATIVE_VNNI=0 builds the kernels without AVX512-VNNI (what a CPU lacking it runs): its
-    integer sums must be the very ones vpdpbusd gives here."""
+def test_every_build_this_cpu_runs_gives_the_same_bits() -> None:
+    """Each instruction set's build (TS_NATIVE_ISA: AVX-512 with VNNI, AVX-512 by multiply-adds, AVX2
+    with half the lanes) must give the very bits of the widest: exact integer sums, float work lane by
+    lane. On a CPU that runs one build this checks that build alone."""
     script = (
         "import json, sys, torch\n"
         "from models.kernels import native\n"
         "assert native.available()\n"
-        "from models.panels import BlockLinear\n"
+        "from models.panels import BlockLinear, PanelLinear\n"
         "torch.manual_seed(0)\n"
-        "out = {}\n"
+        "x = torch.randn(9, 256) * 3\n"
+        "out = {'f32': PanelLinear(torch.randn(100, 256), torch.randn(100))(x).tolist()}\n"
         "for fmt in ('q4_1', 'q8_0'):\n"
         "    for bits in (16, 8):\n"
         "        lin = BlockLinear(fmt, torch.randn(100, 256), torch.randn(100), activation_bits=bits)\n"
         "        with torch.inference_mode():\n"
-        "            out[f'{fmt} {bits}'] = lin(torch.randn(9, 256) * 3).tolist()\n"
-        "print(json.dumps([native.uses_vnni(), out]))\n")
+        "            out[f'{fmt} {bits}'] = lin(x).tolist()\n"
+        "print(json.dumps([native.isa(), out]))\n")
     runs = {}
-    for vnni in ("1", "0"):
-        env = {**os.environ, native.VNNI_ENV: vnni}
+    for isa in native.cpu_isas():
+        env = {**os.environ, native.ISA_ENV: isa}
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
                               check=True)
-        runs[vnni] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert runs["0"][0] is False  # the fallback build really ran
-    assert runs["1"][0] == bool(torch.cpu.get_capabilities().get("avx512_vnni"))
-    assert runs["1"][1] == runs["0"][1]  # bit for bit (float lists compare exactly)
+        runs[isa] = json.loads(done.stdout.strip().splitlines()[-1])
+        assert runs[isa][0] == isa  # that build really ran
+    assert runs, "the kernels are available, so this CPU runs at least one build"
+    widest = runs[native.cpu_isas()[0]][1]
+    for isa, (_, out) in runs.items():
+        assert out == widest, isa  # bit for bit (float lists compare exactly)
+
+
+@pytest.mark.parametrize(("caps", "env", "want"), [
+    ({"avx512_f": 1, "avx512_bw": 1, "avx512_vl": 1, "avx512_dq": 1, "avx512_vnni": 1, "avx2": 1, "fma3": 1,
+      "f16c": 1}, "", "avx512_vnni"),
+    ({"avx512_f": 1, "avx512_bw": 1, "avx512_vl": 1, "avx512_dq": 1, "avx2": 1, "fma3": 1, "f16c": 1}, "", "avx512"),
+    ({"avx512_f": 1, "avx512_bw": 1, "avx512_vl": 1, "avx512_dq": 1, "avx512_vnni": 1, "avx2": 1, "fma3": 1,
+      "f16c": 1}, "avx2", "avx2"),
+    ({"avx2": 1, "fma3": 1, "f16c": 1}, "", "avx2"),
+    ({"avx2": 1, "fma3": 1, "f16c": 1}, "avx512", None),  # never a build wider than the CPU
+    ({"avx512_f": 1, "avx2": 1, "fma3": 1, "f16c": 1}, "", "avx2"),  # AVX-512F without BW/VL/DQ
+    ({"avx2": 1, "f16c": 1}, "", None),
+], ids=["vnni", "avx512", "asked-avx2", "zen3", "asked-wider", "knl-like", "no-fma"])
+def test_the_build_is_the_widest_the_cpu_runs(monkeypatch, caps, env, want) -> None:  # noqa: ANN001
+    monkeypatch.setattr(native.torch.cpu, "get_capabilities", lambda: caps)
+    monkeypatch.setenv(native.ISA_ENV, env)
+    assert native.isa() == want
 
 
 @pytest.mark.parametrize("make", [lambda w: PanelLinear(w, None), lambda w: BlockLinear("q4_1", w, None),

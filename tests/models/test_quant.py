@@ -141,7 +141,7 @@ def test_a_model_spec_selects_int8_at_load_calibrated_on_sample_text(family: str
 # -- GGUF's weight-only block formats on our CPU kernels (quantize: q8_0 / q4_1) ------------------------
 
 needs_kernels = pytest.mark.skipif(not native.available() and not os.environ.get("REQUIRE_NATIVE_KERNELS"),
-                                   reason="no AVX-512 CPU or no compiler for the native kernels")
+                                   reason="no AVX2 or AVX-512 CPU, or no compiler, for the native kernels")
 
 
 @needs_kernels
@@ -212,7 +212,7 @@ def test_block_modes_say_why_they_cannot_run(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_load_model_serves_float_weights_where_the_block_kernels_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A machine without AVX-512 or g++ still serves the model (for a GGUF of these blocks: the same
+    """A machine without AVX2 or g++ still serves the model (for a GGUF of these blocks: the same
     weight values), and says which quantization is in effect."""
     monkeypatch.setattr(native, "available", lambda: False)
     loaded = load_model(ModelSpec(name="q", tasks=("generate",), source="tiny:decoder", quantize="q4_1"),
