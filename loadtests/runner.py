@@ -162,6 +162,8 @@ async def _task_specs(
     """`openapi`: the system's generation route when it publishes no OpenAPI document."""
     if task == "classify":
         return work.classify
+    if task == "embed":
+        return work.embed
     if task == "translate":
         return work.translate
     doc = openapi or {}

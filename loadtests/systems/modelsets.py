@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from models.catalog import ModelSpec
 
-TASKS = ("classify", "translate", "generate")
+TASKS = ("classify", "embed", "translate", "generate")
 # benchmark task -> the service's deployment name (= its DEFAULT_SPECS key)
 DEPLOYMENT_FOR_TASK: dict[str, str] = {
     "classify": "encoder",
+    "embed": "encoder",
     "translate": "translator",
     "generate": "generator",
 }
@@ -31,8 +32,10 @@ def _default_set() -> dict[str, ModelSpec]:
 def _tiny_set() -> dict[str, ModelSpec]:
     from models.catalog import ModelSpec
 
+    encoder = ModelSpec(name="tiny-encoder", tasks=("classify", "embed"), source="tiny:encoder")
     return {
-        "classify": ModelSpec(name="tiny-encoder", tasks=("classify", "embed"), source="tiny:encoder"),
+        "classify": encoder,
+        "embed": encoder,
         "translate": ModelSpec(
             name="tiny-seq2seq",
             tasks=("translate",),

@@ -201,3 +201,20 @@ def test_ours_config_keeps_shipped_settings_and_narrows() -> None:
             "deployments"
         ]["encoder"]
     )
+
+
+def test_embed_requests_are_one_sentence_each_and_leave_the_other_tasks_as_they_were(tmp_path: Path) -> None:
+    import dataclasses
+
+    from loadtests.loadgen import Timing
+    from loadtests.plan import Plan, build_workloads
+
+    plan = Plan(("classify", "embed", "translate"), ("ours",), (1,), (), Timing(1, 1, 1), "tiny", 1, "cpu", 1, 7,
+                "auto", 60, 60, 0, 5)
+    work = build_workloads(plan, tmp_path)
+    assert len(work.embed) == len(work.classify) > 0
+    assert {(r.path, tuple(r.body)) for r in work.embed} == {("/v1/embeddings", ("input", "truncate"))}
+    sentences = set(workload.load_sentences())
+    assert all(r.body["input"] in sentences for r in work.embed)  # one sentence per request
+    again = build_workloads(dataclasses.replace(plan, tasks=("classify", "translate")), tmp_path)
+    assert again.classify == work.classify and again.translate == work.translate  # the same seeded requests
