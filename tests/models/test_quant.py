@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from models import quant
 from models.catalog import ModelSpec, load_model
 from models.config import EncoderConfig
 from models.decoding import SamplingParams
@@ -221,3 +222,27 @@ def test_load_model_serves_float_weights_where_the_block_kernels_cannot_run(monk
     assert loaded.block_activation_bits is None
     assert load_model(ModelSpec(name="q", tasks=("generate",), source="tiny:decoder", quantize="int8"),
                       Path("/nonexistent")).quantize == "int8"
+
+
+@pytest.mark.parametrize("k", [64, 1024, 1025, 3072])
+def test_int8_products_on_floats_are_exactly_int_mm(k: int) -> None:
+    """Where torch's int8 GEMM is slow (CPUs without VNNI or AMX) Int8Linear multiplies the same int8
+    values as float32 in chunks whose sums stay exact: the integers must be _int_mm's, at the worst
+    case (every product 127 * 127 or -127 * 127) and on random codes."""
+    torch.manual_seed(0)
+    worst = torch.full((3, k), 127, dtype=torch.int8), torch.full((k, 17), -127, dtype=torch.int8)
+    codes = torch.randint(-127, 128, (33, k), dtype=torch.int8), torch.randint(-127, 128, (k, 40), dtype=torch.int8)
+    for xq, wq in (worst, codes):
+        assert torch.equal(quant.exact_int_mm(xq, wq.float()), torch._int_mm(xq, wq))
+
+
+def test_int8_linear_gives_the_same_bits_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(1)
+    w, b, x = torch.randn(48, 2100), torch.randn(48), torch.randn(5, 2100)
+    out = {}
+    for floats in (True, False):
+        monkeypatch.setattr(quant, "int_mm_on_floats", lambda floats=floats: floats)
+        lin = quant.Int8Linear(w, b)
+        assert (lin.weight_f is not None) == floats and "weight_f" not in lin.state_dict()
+        out[floats] = lin(x)
+    assert torch.equal(out[True], out[False])
