@@ -26,6 +26,18 @@ from ..ray_env import use_fast_path
 from ..settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
+# In throughput mode Serve holds a stopping ingress replica open at least this long (default 30 s) so
+# an external load balancer can deregister it; a local cluster has none, and the wait made every
+# test module's shutdown take 30 s. Read by every Ray process at start-up.
+DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+LOCAL_DRAIN_S = "1"
+
+
+def local_ray_env() -> None:
+    """The process environment a local Ray inherits: throughput mode (service/ray_env.py), and the
+    short ingress drain of a cluster no load balancer fronts (unless set)."""
+    use_fast_path(os.environ)
+    os.environ.setdefault(DRAIN_ENV, LOCAL_DRAIN_S)
 
 
 def free_port() -> int:
@@ -70,7 +82,7 @@ def wait_for(url: str, path: str, status: int, timeout_s: float) -> httpx.Respon
 def local_cluster(num_cpus: int = 4, env: Mapping[str, str] | None = None) -> Iterator[str]:
     """A fresh local Ray (workers get `env`, one OpenMP thread unless `env` says otherwise) with
     Serve on a free 127.0.0.1 port; yields the base URL, shuts both down after."""
-    use_fast_path(os.environ)  # read by every Ray process at start-up (service/ray_env.py)
+    local_ray_env()
     port = free_port()
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env_vars = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", **(env or {})}

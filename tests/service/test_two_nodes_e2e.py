@@ -20,8 +20,7 @@ import pytest
 import ray
 from ray import serve
 
-from service.ray_env import use_fast_path
-from service.testing.cluster import ROOT, deploy, free_port, wait_for
+from service.testing.cluster import ROOT, deploy, free_port, local_ray_env, wait_for
 
 pytestmark = pytest.mark.e2e
 log = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ def replica_nodes(deployment: str) -> list[str]:
 def two_nodes() -> Iterator[TwoNodes]:
     from ray.cluster_utils import Cluster
 
-    use_fast_path(os.environ)
+    local_ray_env()
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head_node": 1}})
     worker = cluster.add_node(num_cpus=2)
