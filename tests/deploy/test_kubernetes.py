@@ -231,3 +231,12 @@ def test_kustomization_lists_the_manifests() -> None:
     assert sorted(kustomization["resources"]) == sorted(p.name for p in K8S.glob("*.yaml")
                                                         if p.name != "kustomization.yaml")
     assert [i["name"] for i in kustomization["images"]] == ["transformer-serve"]
+
+
+def test_pods_outlive_serves_ingress_drain(service: dict[str, Any]) -> None:
+    """Serve (throughput mode) keeps a stopping ingress replica open RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+    (30 s) and force-kills it 5 s later: a pod must not be killed before that (Kubernetes' default is 30 s)."""
+    drain_s, kill_after_s = 30.0, 5.0  # Ray 2.60's defaults (the tests' local clusters shorten the drain)
+    for name, group in _groups(service).items():
+        grace = group["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+        assert grace > drain_s + kill_after_s, name
