@@ -156,7 +156,8 @@ Rows8 quantize_activations(const float* x, int64_t M, int64_t K, bool fine) {
   return {q, r, dx, dr, sq, sr};
 }
 
-// One activation part's integer sums over a group: sum(w q) per output, in int32
+// One activation part's integer sums over a group: sum(w q) per output (a format's partials while
+// its steps run, then int32)
 struct Sums {
   vi dot[NV];  // outputs 0-15, 16-31 (AVX2: 0-7, 8-15, 16-23, 24-31)
 };
@@ -169,7 +170,9 @@ struct Q80Format {
   TS_TARGET static void step(const uint8_t* rec, int64_t t, vi (&w)[NV]) {
     for (int v = 0; v < NV; ++v) w[v] = load_i(rec + t * 128 + v * LANES * 4);
   }
-  TS_TARGET static vi dot(vi acc, vi w, vi x) { return dot4(acc, w, x); }
+  // a group's integer sums, step by step: partials, then the int32 sums
+  TS_TARGET static vi dot(vi partial, vi w, vi x) { return dot4(partial, w, x); }
+  TS_TARGET static vi sum(vi partial) { return partial; }
   // codes + 128 were summed: subtract 128 sum(x codes) (exact); y += d (dx sum(w q) + dr sum(w r))
   TS_TARGET static void add_to(const uint8_t* rec, const Sums& q, const Sums& r, float dx, float dr, int32_t sq,
                                int32_t sr, vf (&acc)[NV]) {
@@ -194,7 +197,8 @@ struct Q41Format {
       w[c + NV / 2] = and_i(srli_i16(b, 4), low);
     }
   }
-  TS_TARGET static vi dot(vi acc, vi w, vi x) { return dot4_nibbles(acc, w, x); }
+  TS_TARGET static vi dot(vi partial, vi w, vi x) { return nibbles_step(partial, w, x); }
+  TS_TARGET static vi sum(vi partial) { return nibbles_sum(partial); }
   // y += d (dx sum(w q) + dr sum(w r)) + mn (dx sum(q) + dr sum(r))
   TS_TARGET static void add_to(const uint8_t* rec, const Sums& q, const Sums& r, float dx, float dr, int32_t sq,
                                int32_t sr, vf (&acc)[NV]) {
@@ -243,6 +247,10 @@ struct Blocks {
         }
       }
       for (int i = 0; i < R; ++i) {  // one part: the fine sums stay 0 (adding exact zeros: the same bits)
+        for (int v = 0; v < NV; ++v) {
+          coarse[i].dot[v] = Format::sum(coarse[i].dot[v]);
+          if constexpr (FINE) fine[i].dot[v] = Format::sum(fine[i].dot[v]);
+        }
         const int64_t j = at + i * G;
         Format::add_to(rec, coarse[i], fine[i], x.dx[j], FINE ? x.dr[j] : 0.0f, x.sq[j], FINE ? x.sr[j] : 0, acc[i]);
       }
