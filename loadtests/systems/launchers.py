@@ -155,6 +155,27 @@ def llama_server(cfg: LaunchConfig, slots: int = 32) -> Launch:
     return Launch(argv, tasks=tasks, skipped=skipped, ready_path="/health", openapi=LLAMA_SERVER_OPENAPI)
 
 
+def _peer_server(cfg: LaunchConfig, task: str, what: str, env: Any, model: str) -> tuple[dict[str, str], Launch | None]:
+    """A peer server of one task on the default models, from its venv (`env`, a ServerVenv): the tasks
+    it skips, and the Launch to return at once when it cannot run (nothing asked of it, not installed,
+    another model set); None when it can."""
+    name, _, serves = what.partition(":")
+    skipped = {t: f"{name} serves {serves.strip()} only here" for t in cfg.tasks if t != task}
+    if task not in cfg.tasks:
+        return skipped, Launch([], tasks=(), skipped=skipped)
+    if not env.installed:
+        why = f"{name} is not installed: run `make peers-servers`"
+    elif cfg.models != "default":
+        why = f"{name} runs the default {model} only"
+    else:
+        return skipped, None
+    return skipped, Launch([], tasks=(), skipped={**skipped, task: why})
+
+
+def _dtype(cfg: LaunchConfig) -> str:
+    return "float32" if cfg.dtype == "auto" else cfg.dtype
+
+
 def vllm_cpu(cfg: LaunchConfig, max_seqs: int = 128) -> Launch:
     """vLLM's CPU build (`make peers-servers`: its own venv under .peers/) on SmolLM2 as a Hugging Face
     directory written from the pinned GGUF: the same weights our shipped generator computes with, in
@@ -162,25 +183,19 @@ def vllm_cpu(cfg: LaunchConfig, max_seqs: int = 128) -> Launch:
     benchmark's threads, its OpenAI-compatible server. Generation only."""
     from ..peers import servers
 
-    skipped = {t: "vLLM serves generation only here" for t in cfg.tasks if t != "generate"}
-    tasks = tuple(t for t in cfg.tasks if t == "generate")
-    if not tasks:
-        return Launch([], tasks=(), skipped=skipped)
     env = servers.vllm_env()
-    if not env.installed:
-        return Launch([], tasks=(), skipped={**skipped, "generate": "vLLM is not installed: run `make peers-servers`"})
-    if cfg.models != "default":
-        return Launch([], tasks=(), skipped={**skipped, "generate": "vLLM runs the default SmolLM2 only"})
+    skipped, early = _peer_server(cfg, "generate", "vLLM: generation", env, "SmolLM2")
+    if early is not None:
+        return early
     model = servers.ensure_smollm2_dir(env.root, Path(cfg.cache_dir) if cfg.cache_dir else None)
-    dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
-    argv = [str(env.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype,
+    argv = [str(env.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", _dtype(cfg),
             "--host", "127.0.0.1", "--port", str(cfg.port), "--served-model-name", "smollm2", "--max-num-seqs",
             str(max_seqs), "--max-model-len", "2048"]
     extra = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(cfg.threads)}
     preload = servers.tcmalloc()
     if preload is not None:
         extra["LD_PRELOAD"] = str(preload)
-    return Launch(argv, extra, tasks=tasks, skipped=skipped, ready_path="/health")
+    return Launch(argv, extra, tasks=("generate",), skipped=skipped, ready_path="/health")
 
 
 def infinity(cfg: LaunchConfig) -> Launch:
@@ -190,26 +205,20 @@ def infinity(cfg: LaunchConfig) -> Launch:
     its OpenAI-style /v1/embeddings. Embeddings only."""
     from ..peers import servers
 
-    skipped = {t: "Infinity serves embeddings only here" for t in cfg.tasks if t != "embed"}
-    tasks = tuple(t for t in cfg.tasks if t == "embed")
-    if not tasks:
-        return Launch([], tasks=(), skipped=skipped)
     env = servers.infinity_env()
-    if not env.installed:
-        return Launch([], tasks=(), skipped={**skipped, "embed": "Infinity is not installed: run `make peers-servers`"})
-    if cfg.models != "default":
-        return Launch([], tasks=(), skipped={**skipped, "embed": "Infinity runs the default MiniLM only"})
+    skipped, early = _peer_server(cfg, "embed", "Infinity: embeddings", env, "MiniLM")
+    if early is not None:
+        return early
     from models import zoo
     from models.catalog import DEFAULT_SPECS
 
     source = DEFAULT_SPECS["encoder"].source  # zoo:minilm
     folder = zoo.resolve(source.partition(":")[2], Path(cfg.cache_dir) if cfg.cache_dir else zoo.default_cache_dir())
-    dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
     argv = [str(servers.infinity_cli(env)), "v2", "--model-id", str(folder), "--served-model-name", "minilm",
-            "--engine", "torch", "--device", cfg.device.split(":")[0], "--dtype", dtype,
+            "--engine", "torch", "--device", cfg.device.split(":")[0], "--dtype", _dtype(cfg),
             "--batch-size", str(cfg.max_batch_size), "--host", "127.0.0.1", "--port", str(cfg.port),
             "--url-prefix", "/v1", "--log-level", "warning"]
-    return Launch(argv, {"OMP_NUM_THREADS": str(cfg.threads)}, tasks=tasks, skipped=skipped, ready_path="/health")
+    return Launch(argv, {"OMP_NUM_THREADS": str(cfg.threads)}, tasks=("embed",), skipped=skipped, ready_path="/health")
 
 
 SYSTEMS: dict[str, Callable[[LaunchConfig], Launch]] = {
