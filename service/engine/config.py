@@ -29,6 +29,10 @@ class EngineConfig:
     # a prompt longer than this is prefilled this many tokens per step while the running requests keep
     # decoding (one such prompt at a time), so a long prompt does not stall every stream; None: whole
     prefill_chunk: int | None = 256
+    # aim each admission step at about this long: its padded prompt tokens are cut to what the measured
+    # prefill rate computes in this time (at least one request, at most prefill_tokens), so on a slow CPU
+    # running streams do not wait seconds behind new prompts; None: prefill_tokens alone
+    prefill_step_ms: float | None = None
     # prompt blocks' keys/values kept by content (engine/prefix_cache.py): a prompt that begins like an
     # earlier one (a system prompt, a chat history) prefills only the rest; 0: off
     prefix_cache_mib: float = 256.0
@@ -42,6 +46,8 @@ class EngineConfig:
             problems.append(f"max_total_tokens must leave room for a prompt and one token, got {self.max_total_tokens}")
         if not self.kv_cache_mib > 0:
             problems.append(f"kv_cache_mib must be > 0, got {self.kv_cache_mib!r}")
+        if self.prefill_step_ms is not None and not self.prefill_step_ms > 0:
+            problems.append(f"prefill_step_ms must be > 0, got {self.prefill_step_ms!r}")
         if not self.prefix_cache_mib >= 0:
             problems.append(f"prefix_cache_mib must be >= 0, got {self.prefix_cache_mib!r}")
         if problems:

@@ -46,6 +46,7 @@ from models.paged_cache import PagedKVCache
 from models.text import TextTokenizer
 
 from ..telemetry.hooks import EngineObserver
+from .admission import ewma
 from .batch import Picked, RunningBatch
 from .config import EngineConfig
 from .events import RequestHandle
@@ -105,6 +106,7 @@ class GenerationEngine(StepLoop):
             prefix = kind(self.cache, self.limits.prefix_cache_bytes)
         self._batch = RunningBatch(model, self.cache, model.cfg.vocab_size, prefix)
         self._admitting: list[SeqState] = []
+        self._prefill_token_s: float | None = None  # measured seconds per padded prefill token (a moving average)
 
     # -- front (any thread) --------------------------------------------------------------------
 
@@ -206,17 +208,30 @@ class GenerationEngine(StepLoop):
         requests that fit on fresh rows and in the rest of the step's budget, in groups of similar
         prompt lengths (select_batch's cost model: padding against the fixed cost of a forward pass)."""
         chunked = self._chunk()
-        group = self._take_waiting(self.limits.prefill_tokens - chunked, first_fits=not chunked)
+        budget = self.prefill_budget()
+        group = self._take_waiting(budget - chunked, first_fits=not chunked)
         resumed = [seq for seq in group if seq.resume]
         if resumed:
             group = [seq for seq in group if not seq.resume]
             self._restore(resumed)
         while group:
             lengths = [self._rest(seq) for seq in group]
-            picked = set(select_batch(lengths, len(group), self.limits.prefill_tokens, PREFILL_OVERHEAD_TOKENS))
+            picked = set(select_batch(lengths, len(group), budget, PREFILL_OVERHEAD_TOKENS))
+            started = time.perf_counter()
             self._prefill([seq for i, seq in enumerate(group) if i in picked],
                           rest=[seq for i, seq in enumerate(group) if i not in picked])
+            padded = len(picked) * max(lengths[i] for i in picked)
+            self._prefill_token_s = ewma(self._prefill_token_s, (time.perf_counter() - started) / max(padded, 1))
             group = [seq for i, seq in enumerate(group) if i not in picked]
+
+    def prefill_budget(self) -> int:
+        """Padded prompt tokens for this admission step: prefill_tokens, cut to what the measured rate
+        computes in prefill_step_ms (not before a prefill was measured; the first request of a step
+        is always admitted whatever its length)."""
+        target_ms, per_token = self.config.prefill_step_ms, self._prefill_token_s
+        if target_ms is None or per_token is None:
+            return self.limits.prefill_tokens
+        return max(1, min(self.limits.prefill_tokens, int(target_ms / 1000 / per_token)))
 
     def _prefill(self, group: list[SeqState], rest: list[SeqState]) -> None:
         """Prefill `group` on fresh rows; if that fails, retry request by request and fail only those

@@ -685,3 +685,31 @@ def test_the_engine_thread_runs_with_the_compiled_blocks_settings(tiny: tuple[nn
     with engine.start():
         engine.submit([5, 6], SamplingParams(max_new_tokens=2)).result_sync(timeout=30)
     assert fresh == [8] and seen and seen[0] == (RECOMPILE_LIMIT, False)
+
+
+def test_a_step_time_target_cuts_the_prefill_budget_to_the_measured_rate(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """prefill_step_ms: an admission step takes the prompt tokens the measured prefill rate computes in
+    that time (at least one request, at most prefill_tokens); nothing changes before a measurement,
+    and the tokens are those of offline generate."""
+    model, tok = tiny
+    spy = FaultyLM(model, lambda ids, cache: False)
+    engine = make(spy, tok, max_running=8, prefill_step_ms=10.0)
+    assert engine.prefill_budget() == 4096  # nothing measured yet
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    first = engine.submit(list(range(3, 35)), params)
+    engine.step()  # one prefill measured
+    assert engine._prefill_token_s is not None and engine._prefill_token_s > 0
+    engine._prefill_token_s = 0.010 / 40  # 40 padded tokens in 10 ms
+    assert engine.prefill_budget() == 40
+    prompts = [list(range(4 + i, 36 + i)) for i in range(4)]  # 32 tokens each: one fits 40, two do not
+    handles = [engine.submit(p, params) for p in prompts]
+    engine._prefill_token_s = 0.010 / 40
+    spy.calls.clear()
+    engine.step()
+    assert [tuple(ids.shape) for ids in spy.calls[:-1]] == [(1, 32)]  # one request this step
+    run_until_idle(engine)
+    for prompt, handle in zip([list(range(3, 35)), *prompts], [first, *handles], strict=True):
+        assert list(read(handle)[1].token_ids) == reference(model, tok, prompt, params)[0]
+    assert make(spy, tok).prefill_budget() == 4096  # no target: prefill_tokens
+    engine._prefill_token_s = 1.0  # a very slow prefill: still one request a step
+    assert engine.prefill_budget() == 1
