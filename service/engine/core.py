@@ -46,7 +46,7 @@ from models.paged_cache import PagedKVCache
 from models.text import TextTokenizer
 
 from ..telemetry.hooks import EngineObserver
-from .admission import ewma
+from .admission import Ask, ewma
 from .batch import Picked, RunningBatch
 from .config import EngineConfig
 from .events import RequestHandle
@@ -68,6 +68,7 @@ class Submission:
     request_id: str | None = None
     grammar: Any = None
     deadline: float | None = None  # time.perf_counter() seconds: refused at once if it cannot start before
+    whole: bool = False  # the deadline covers the whole answer (its caller waits for it), not only its start
 
 
 # select_batch's fixed cost of one prefill forward pass, in padded prompt tokens: prompts of very
@@ -111,25 +112,27 @@ class GenerationEngine(StepLoop):
     # -- front (any thread) --------------------------------------------------------------------
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-               request_id: str | None = None, grammar: Any = None, deadline: float | None = None) -> RequestHandle:
+               request_id: str | None = None, grammar: Any = None, deadline: float | None = None,
+               whole: bool = False) -> RequestHandle:
         """Queue a request and return at once (it runs once start() was called, or on step()).
         Called on an event loop, the handle is an async iterator on that loop; otherwise read it
         with handle.events() / result_sync().
 
         `grammar`: a grammar compiled by self.grammars: the output must match it. `deadline`
-        (time.perf_counter() seconds): refused at once when the wait for a row would outlast it.
+        (time.perf_counter() seconds): refused at once when the wait for a row would outlast it, or,
+        `whole` (its caller waits for the whole answer), the wait and its own decoding.
 
         Raises InvalidRequest / RequestTooLarge (naming the limit) for a request over the limits,
         EngineOverloaded when max_queued requests wait, EngineClosed after shutdown().
         """
-        return self.submit_many([Submission(prompt_ids, params, request_id, grammar, deadline)])[0]
+        return self.submit_many([Submission(prompt_ids, params, request_id, grammar, deadline, whole)])[0]
 
     def submit_many(self, submissions: Sequence[Submission]) -> list[RequestHandle]:
         """Queue several requests at once, all or none (n > 1 siblings, a list of prompts): they stand
         together in the queue, so they are admitted in one step whenever rows and the prefill budget
         allow, and siblings with one prompt share its prefill (RunningBatch.prefill). Raises as
         submit() does; EngineOverloaded when the queue has no room for all of them, or when the wait for
-        a row (engine/admission.py) would outlast the earliest of their deadlines."""
+        a row (engine/admission.py), with their own decoding for `whole` ones, would outlast a deadline."""
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -145,8 +148,8 @@ class GenerationEngine(StepLoop):
             seqs.append(SeqState(request_id, prompt, params, handle, self.tokenizer, self._eos, time.perf_counter(),
                                  matcher))
             handles.append(handle)
-        deadlines = [sub.deadline for sub in submissions if sub.deadline is not None]
-        self._enqueue(seqs, deadlines, [seq.params.max_new_tokens for seq in seqs])
+        self._enqueue(seqs, [Ask(seq.params.max_new_tokens, bool(seq.params.ignore_eos), sub.deadline, sub.whole)
+                             for seq, sub in zip(seqs, submissions, strict=True)])
         return handles
 
     # -- the loop (engine thread) ---------------------------------------------------------------
@@ -210,6 +213,7 @@ class GenerationEngine(StepLoop):
         chunked = self._chunk()
         budget = self.prefill_budget()
         group = self._take_waiting(budget - chunked, first_fits=not chunked)
+        self._prefilled = bool(chunked or group)
         resumed = [seq for seq in group if seq.resume]
         if resumed:
             group = [seq for seq in group if not seq.resume]
@@ -223,6 +227,10 @@ class GenerationEngine(StepLoop):
             padded = len(picked) * max(lengths[i] for i in picked)
             self._prefill_token_s = ewma(self._prefill_token_s, (time.perf_counter() - started) / max(padded, 1))
             group = [seq for i, seq in enumerate(group) if i not in picked]
+
+    def forget_timings(self) -> None:
+        super().forget_timings()
+        self._prefill_token_s = None
 
     def prefill_budget(self) -> int:
         """Padded prompt tokens for this admission step: prefill_tokens, cut to what the measured rate

@@ -24,7 +24,7 @@ from models.compiled import thread_settings
 
 from ..errors import EngineClosed, EngineOverloaded, InvalidRequest
 from ..telemetry.hooks import EngineObserver, EngineStats
-from .admission import WaitEstimator
+from .admission import Ask, WaitEstimator
 from .events import Finished
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 class StepLoop:
     """Thread-safe front: cancel(), stats(), shutdown(); start() runs the loop in its own thread.
-    Subclasses queue requests with `_enqueue` and implement `_work`, `_busy`, `_drain`, `_held`,
-    `_usage` (see each)."""
+    Subclasses queue requests with `_enqueue` and implement `_work` (which sets `_prefilled` when it
+    computed prompt tokens), `_busy`, `_drain`, `_held`, `_usage` (see each)."""
 
     kind = "generation"  # what its requests are, in messages
 
@@ -53,6 +53,7 @@ class StepLoop:
         self._snapshot = (0, 0.0)  # running, cache usage after the last step
         self._extra: dict[str, int] = {}  # the engine's own EngineStats fields after the last step (_extra_stats)
         self._wait = WaitEstimator()  # admission: how long a new request would wait for a row
+        self._prefilled = False  # engine thread: the step in progress computed prompt tokens (_work sets it)
 
     # -- what an engine implements (engine thread) -------------------------------------------------
 
@@ -92,11 +93,11 @@ class StepLoop:
                 self._thread.start()
         return self
 
-    def _enqueue(self, states: Sequence[Any], deadlines: Sequence[float], asked_tokens: list[int]) -> None:
+    def _enqueue(self, states: Sequence[Any], asks: Sequence[Ask]) -> None:
         """Queue `states` together, all or none. Raises InvalidRequest for a request id in use,
-        EngineOverloaded when the queue has no room for all of them or when the wait for a row would
-        outlast the earliest of `deadlines` (time.perf_counter() seconds), EngineClosed after shutdown().
-        `asked_tokens`: the tokens each will take at most (the wait estimate's stand-in until one ends)."""
+        EngineOverloaded when the queue has no room for all of them or when one of them could not make
+        its deadline (engine/admission.py; `asks`: what admission knows of each), EngineClosed after
+        shutdown()."""
         ids = [state.request_id for state in states]
         with self._cond:
             if self._closed:
@@ -108,13 +109,15 @@ class StepLoop:
                 self._observe("on_admission", None, "queue_full")
                 raise EngineOverloaded(f"{len(self._waiting)} {self.kind} requests are waiting (max_queued="
                                        f"{self.max_queued}); retry later")
-            self._wait.on_asked(asked_tokens)
+            self._wait.on_asked([ask.max_tokens for ask in asks])
             ahead = sum(map(self._rows_of, self._waiting)) + sum(map(self._rows_of, states))
             wait = self._wait.wait_s(ahead, self.rows - self._snapshot[0], self.rows)
-            if deadlines and wait > min(deadlines) - time.perf_counter():
+            need = self._wait.late_s(list(asks), wait, time.perf_counter())
+            if need is not None:
                 self._observe("on_admission", wait, "deadline")
-                raise EngineOverloaded(f"{len(self._waiting)} {self.kind} requests are waiting: about {wait:.1f} s "
-                                       f"before this one would start, past its deadline; retry later")
+                raise EngineOverloaded(f"{len(self._waiting)} {self.kind} requests are waiting: this one would "
+                                       f"start in about {wait:.1f} s and need about {need:.1f} s in all, past its "
+                                       f"deadline; retry later")
             self._observe("on_admission", wait, None)
             for state in states:
                 self._waiting.append(state)
@@ -199,6 +202,7 @@ class StepLoop:
         if self._thread is not None and self._thread is not threading.current_thread():
             raise RuntimeError("step() belongs to the engine thread once start() was called")
         started, before = time.perf_counter(), self._counts["generated_tokens"]
+        self._prefilled = False
         try:
             self._work()
         except Exception as exc:  # a bug outside the model calls: fail what the step held, go on
@@ -214,12 +218,18 @@ class StepLoop:
             self._snapshot = (self._held(), usage)
             self._extra = self._extra_stats()
             if generated:
-                self._wait.on_step(seconds)
+                self._wait.on_step(seconds, self._prefilled)
         self._observe("on_step", self.stats(), generated, seconds)
 
     def _extra_stats(self) -> dict[str, int]:
         """EngineStats fields only this engine has, as they stand after a step (on the engine thread)."""
         return {}
+
+    def forget_timings(self) -> None:
+        """Drop what the steps so far measured (a replica's warm-up: its first calls allocate and compile,
+        and would make admission refuse the first requests); call it before start()."""
+        with self._cond:
+            self._wait = WaitEstimator()
 
     # -- bookkeeping -----------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from models.text import IncrementalDetokenizer, TextTokenizer
 
 from ..messages import FinishReason, Usage
 from ..telemetry.hooks import EngineObserver
+from .admission import Ask
 from .events import Delta, Event, Finished, RequestHandle, Timing
 from .loop import StepLoop
 
@@ -50,7 +51,7 @@ class TranslationSubmission:
     source_ids: Sequence[int]
     params: BeamParams
     request_id: str | None = None
-    deadline: float | None = None  # time.perf_counter() seconds: refused at once if it cannot start before
+    deadline: float | None = None  # time.perf_counter() seconds: refused at once if it cannot be translated by then
 
 
 class TranslationState:
@@ -155,8 +156,8 @@ class TranslationEngine(StepLoop):
             states.append(TranslationState(request_id, [int(t) for t in sub.source_ids], sub.params, handle,
                                            self.tokenizer, now))
             handles.append(handle)
-        deadlines = [sub.deadline for sub in submissions if sub.deadline is not None]
-        self._enqueue(states, deadlines, [s.params.max_new_tokens for s in states])
+        self._enqueue(states, [Ask(s.params.max_new_tokens, False, sub.deadline, whole=True)
+                               for s, sub in zip(states, submissions, strict=True)])
         return handles
 
     def _rows_of(self, state: TranslationState) -> int:
@@ -211,6 +212,7 @@ class TranslationEngine(StepLoop):
                 state.admitted, longest, free = now, longest_next, free - state.rows
                 group.append(state)
         self._admitting = group
+        self._prefilled = bool(group)
         while group:
             picked = set(select_batch([len(s.source) for s in group], len(group), self.encode_tokens,
                                       ENCODE_OVERHEAD_TOKENS))

@@ -154,10 +154,12 @@ class GeneratorRunner(EngineRunner):
         (handle, prompt_tokens), = await self.submit_group([request])
         return handle, prompt_tokens
 
-    async def submit_group(self, requests: Sequence[GenerationRequest]) -> list[tuple[RequestHandle, int]]:
+    async def submit_group(self, requests: Sequence[GenerationRequest], whole: bool = False
+                           ) -> list[tuple[RequestHandle, int]]:
         """Queue requests in the engine together, all or none (n > 1 siblings, a list of prompts: they
         are admitted in one step and siblings share their prompt's prefill); each one's handle and
-        prompt length. A prompt is tokenized once for the siblings that share it (a long one off the
+        prompt length. Their deadline (`timeout_s`) covers their start, or, `whole`, their whole answer
+        (the engine refuses at once what could not make it). A prompt is tokenized once for the siblings that share it (a long one off the
         event loop, runner.off_loop).
         The cheap checks come first (prompt, parameters, limits), then a structured output's grammar
         is compiled off the event loop (tens of ms; cached by source), then the requests are queued.
@@ -188,7 +190,7 @@ class GeneratorRunner(EngineRunner):
                                              "text would not match it)", "stop")
                     grammar = await asyncio.to_thread(self.engine.grammars.compile, request.grammar)
                 deadline = None if request.timeout_s is None else arrived + request.timeout_s
-                submissions.append(Submission(ids, params, request.request_id, grammar, deadline))
+                submissions.append(Submission(ids, params, request.request_id, grammar, deadline, whole))
             handles = self.engine.submit_many(submissions)
         except RequestTooLarge as e:
             raise RequestTooLarge(e.message, request.param(e.param), e.limit) from None
@@ -204,7 +206,7 @@ class GeneratorRunner(EngineRunner):
     async def generate_group(self, requests: Sequence[GenerationRequest]) -> list[GenerationDone]:
         """Every request's whole answer, submitted together (submit_group). Cancelling the awaiting task
         cancels them all in the engine; if the engine failed any of them, InternalError once all ended."""
-        handles = [handle for handle, _ in await self.submit_group(requests)]
+        handles = [handle for handle, _ in await self.submit_group(requests, whole=True)]
         try:
             finished = await asyncio.gather(*(handle.result() for handle in handles))
         except asyncio.CancelledError:

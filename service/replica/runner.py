@@ -125,7 +125,7 @@ class EngineRunner(ModelRunner):
 
     def warm_up_steps(self, steps: int, what: str) -> None:
         """Step the engine (before start()) until what was submitted ended; RuntimeError if it did not
-        within `steps` steps or ended in an error."""
+        within `steps` steps or ended in an error. What these steps measured is then forgotten."""
         for _ in range(steps):
             self.engine.step()
             stats = self.engine.stats()
@@ -135,6 +135,7 @@ class EngineRunner(ModelRunner):
             raise RuntimeError(f"{self.deployment}: {what} did not finish in {steps} steps")
         if stats.finished.get("error"):
             raise RuntimeError(f"{self.deployment}: {what} failed: {stats}")
+        self.engine.forget_timings()  # cold steps: admission measures the served ones
 
     def start(self) -> None:
         self.engine.start()

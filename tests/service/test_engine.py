@@ -24,6 +24,7 @@ from models.kv_cache import CacheView
 from models.quant import quantize_int8
 from models.text import TextTokenizer
 from models.tiny import EOS, tiny_model
+from service.engine.admission import Ask
 from service.engine.batch import PREFILL_MULTIPLE
 from service.engine.config import EngineConfig
 from service.engine.core import GenerationEngine
@@ -644,7 +645,13 @@ def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once(
         engine.submit([5], long, deadline=time.perf_counter() + wait / 4)
     late = engine.submit([5], long, deadline=time.perf_counter() + 1000 * wait)  # time enough: queued
     assert engine.stats().waiting == 2
-    assert [refused for _, refused in log.calls] == [None, None, "deadline", None]
+    own = engine._wait.run_s(Ask(100, exact=True))  # its own 100 steps, once it has the row
+    with pytest.raises(EngineOverloaded, match="deadline"):  # it would start in time, not end in time
+        engine.submit([5], long, deadline=time.perf_counter() + engine._wait.wait_s(3, 0, 1) + own / 2, whole=True)
+    assert [refused for _, refused in log.calls] == [None, None, "deadline", None, "deadline"]
+    assert engine._wait.decode_s is not None
+    engine.forget_timings()  # a replica's warm-up steps are cold: forgotten, the next request is admitted
+    assert engine._wait.step_s is None and engine._wait.decode_s is None and engine.prefill_budget() > 0
     assert log.calls[0][0] == 0.0 and log.calls[2][0] > wait / 4
     run_until_idle(engine)
     for handle in (first, queued, late):
@@ -664,6 +671,31 @@ def test_the_wait_estimate_follows_rows_tokens_and_step_time() -> None:
     for _ in range(50):
         est.on_finished(10)
     assert est.wait_s(6, 4, 4) == pytest.approx(2 * 10 * 0.02 / 4)  # measured tokens win
+
+
+def test_a_whole_answer_must_fit_its_own_decoding_before_its_deadline() -> None:
+    """A stream's deadline covers its start, a whole answer's the wait and its own decoding: about
+    min(max_new_tokens, tokens per request) steps, or all max_new_tokens when it ignores eos."""
+    from service.engine.admission import Ask, WaitEstimator
+
+    est = WaitEstimator()
+    assert est.late_s([Ask(400, True, 1.5, whole=True)], 0.0, 1.0) is None  # cold: nothing measured, admit
+    est.on_step(0.01)
+    for _ in range(50):
+        est.on_finished(20)
+    assert est.run_s(Ask(400, exact=True)) == pytest.approx(4.0)  # ignores eos: all 400 steps
+    assert est.run_s(Ask(400)) == pytest.approx(0.2)  # may stop at eos: the 20 a request takes
+    assert est.run_s(Ask(5)) == pytest.approx(0.05)  # never past its max_new_tokens
+    est.on_step(2.0, prefilled=True)  # a long prompt's step: the queue's wait counts it, decoding does not
+    assert est.run_s(Ask(5)) == pytest.approx(0.05) and est.step_s == pytest.approx(0.8 * 0.01 + 0.2 * 2.0)
+    est.step_s = 0.01
+    now = 100.0
+    stream, whole = Ask(400, True, now + 3.0), Ask(400, True, now + 3.0, whole=True)
+    assert est.late_s([stream], 1.0, now) is None  # starts after 1 s: in time
+    assert est.late_s([whole], 1.0, now) == pytest.approx(5.0)  # 1 s wait + 4 s of its own: too late
+    assert est.late_s([Ask(400, False, now + 3.0, whole=True)], 1.0, now) is None  # 1.2 s in all
+    assert est.late_s([stream, Ask(1, deadline=now + 0.5)], 1.0, now) == pytest.approx(1.0)  # any one late
+    assert est.late_s([Ask(400, True, None, whole=True)], 1e9, now) is None  # no deadline
 
 
 def test_the_engine_thread_runs_with_the_compiled_blocks_settings(tiny: tuple[nn.Module, TextTokenizer]) -> None:
