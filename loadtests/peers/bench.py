@@ -7,8 +7,9 @@ Sets up the peers' environment (.peers/, env.py; llama.cpp builds once, ~10 min)
 models (convert.py) and checks each conversion against our outputs, then times every engine in its own
 process (worker.py) with the same thread count, the engines taking turns within each round; figures
 are medians over rounds. A batch size's figure covers at least 16 texts (16 batches of 1, 2 of 8,
-1 of 32), drawn once and given to every engine. `--smoke` is the seconds-long run `make test` does: one round, small batches,
-a few check sentences, no llama.cpp build.
+1 of 32), drawn once and given to every engine. `--smoke` is the short run `make test` does: one
+round, small batches, a few check sentences, three of our variants per model (none compiled), no
+llama.cpp build.
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 OURS = {"encoder": ("fp32", "fp32+compiled", "int8", "q8_0+compiled", "q8_0+a8+compiled"),
         "translator": ("fp32", "int8", "q8_0", "q8_0+a8"),
         "generator": ("fp32", "fp32+compiled", "q4_1+compiled", "q4_1+a8+compiled")}
+# --smoke: one float, one int8 and one block variant each, none compiled (each compile is its own
+# process's tens of seconds on 2 cores; tests/models/test_compiled.py covers compiled blocks)
+SMOKE = {"encoder": ("fp32", "int8", "q8_0+a8"), "translator": ("fp32", "int8", "q8_0+a8")}
 
 
-def _ours_workers(kind: str) -> dict[str, Worker]:
-    return {f"ours {m}": Worker(f"ours {m}", ours(kind, m)) for m in OURS[kind]}
+def _ours_workers(kind: str, smoke: bool = False) -> dict[str, Worker]:
+    return {f"ours {m}": Worker(f"ours {m}", ours(kind, m)) for m in (SMOKE if smoke else OURS)[kind]}
 
 
 @dataclass
@@ -149,7 +153,7 @@ def convert(env: PeerEnv, kind: str, out: Path) -> None:
 def bench_encoder(env: PeerEnv, work_dir: Path, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     tok = TextTokenizer.from_file(zoo.resolve("minilm", zoo.default_cache_dir()))
     convert(env, "encoder", work_dir / "onnx")
-    workers = {**_ours_workers("encoder"),
+    workers = {**_ours_workers("encoder", args.smoke),
                "onnxruntime fp32": Worker("ort fp32", peer(env, "onnxruntime", "fp32", work_dir / "onnx" / "encoder.onnx")),
                "onnxruntime int8": Worker("ort int8", peer(env, "onnxruntime", "int8",
                                                                work_dir / "onnx" / "encoder.int8.onnx"))}
@@ -186,7 +190,7 @@ def bench_translator(env: PeerEnv, work_dir: Path, args: argparse.Namespace,
     tok = TextTokenizer.from_file(BUILTIN_DIR / "translator-en-es")
     convert(env, "translator", work_dir / "ct2")
     ct2 = work_dir / "ct2"
-    workers = {**_ours_workers("translator"),
+    workers = {**_ours_workers("translator", args.smoke),
                **{f"ctranslate2 {kind} {backend}": Worker(f"ct2 {kind} {backend}",
                                                           peer(env, "ctranslate2", f"{compute}:{backend}", ct2))
                   for kind, compute in (("fp32", "float32"), ("int8", "int8")) for backend in CT2_BACKENDS}}
