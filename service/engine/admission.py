@@ -15,6 +15,7 @@ allocate and compile) are forgotten (StepLoop.forget_timings).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.2  # weight of the newest measurement in the moving averages
@@ -79,7 +80,7 @@ class WaitEstimator:
         tokens = ask.max_tokens if ask.exact else min(float(ask.max_tokens), self.typical_tokens())
         return tokens * self.decode_s
 
-    def late_s(self, asks: list[Ask], wait: float, now: float) -> float | None:
+    def late_s(self, asks: Sequence[Ask], wait: float, now: float) -> float | None:
         """The seconds the first request that would miss its deadline needs (the wait, and its own
         decoding when it is `whole`); None when each can make it."""
         for ask in asks:

@@ -67,8 +67,10 @@ class Submission:
     params: SamplingParams | None = None
     request_id: str | None = None
     grammar: Any = None
-    deadline: float | None = None  # time.perf_counter() seconds: refused at once if it cannot start before
-    whole: bool = False  # the deadline covers the whole answer (its caller waits for it), not only its start
+    # time.perf_counter() seconds: refused at once if it cannot start by then or, `whole` (its caller
+    # waits for the whole answer), be answered by then
+    deadline: float | None = None
+    whole: bool = False
 
 
 # select_batch's fixed cost of one prefill forward pass, in padded prompt tokens: prompts of very
@@ -154,14 +156,15 @@ class GenerationEngine(StepLoop):
 
     # -- the loop (engine thread) ---------------------------------------------------------------
 
-    def _work(self) -> None:
+    def _work(self) -> bool:
         self._evict()
-        self._admit()
+        prefilled = self._admit()
         self._evict()
         if self._batch:
             self._make_room()
             self._decode()
         self._evict()
+        return prefilled
 
     def _busy(self) -> bool:
         return self._batch.busy
@@ -206,14 +209,14 @@ class GenerationEngine(StepLoop):
                 self._waiting.appendleft(seq)
             log.info("preempted request %s (%d tokens so far): KV blocks ran out", seq.request_id, len(seq.tokens))
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
         """One chunk of the long prompt being prefilled in chunks (if any), then prefill the waiting
         requests that fit on fresh rows and in the rest of the step's budget, in groups of similar
-        prompt lengths (select_batch's cost model: padding against the fixed cost of a forward pass)."""
+        prompt lengths (select_batch's cost model: padding against the fixed cost of a forward pass).
+        True when it computed prompt tokens."""
         chunked = self._chunk()
         budget = self.prefill_budget()
-        group = self._take_waiting(budget - chunked, first_fits=not chunked)
-        self._prefilled = bool(chunked or group)
+        group = taken = self._take_waiting(budget - chunked, first_fits=not chunked)
         resumed = [seq for seq in group if seq.resume]
         if resumed:
             group = [seq for seq in group if not seq.resume]
@@ -227,6 +230,7 @@ class GenerationEngine(StepLoop):
             padded = len(picked) * max(lengths[i] for i in picked)
             self._prefill_token_s = ewma(self._prefill_token_s, (time.perf_counter() - started) / max(padded, 1))
             group = [seq for i, seq in enumerate(group) if i not in picked]
+        return bool(chunked or taken)
 
     def forget_timings(self) -> None:
         super().forget_timings()

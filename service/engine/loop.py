@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 class StepLoop:
     """Thread-safe front: cancel(), stats(), shutdown(); start() runs the loop in its own thread.
-    Subclasses queue requests with `_enqueue` and implement `_work` (which sets `_prefilled` when it
-    computed prompt tokens), `_busy`, `_drain`, `_held`, `_usage` (see each)."""
+    Subclasses queue requests with `_enqueue` and implement `_work`, `_busy`, `_drain`, `_held`,
+    `_usage` (see each)."""
 
     kind = "generation"  # what its requests are, in messages
 
@@ -53,12 +53,12 @@ class StepLoop:
         self._snapshot = (0, 0.0)  # running, cache usage after the last step
         self._extra: dict[str, int] = {}  # the engine's own EngineStats fields after the last step (_extra_stats)
         self._wait = WaitEstimator()  # admission: how long a new request would wait for a row
-        self._prefilled = False  # engine thread: the step in progress computed prompt tokens (_work sets it)
 
     # -- what an engine implements (engine thread) -------------------------------------------------
 
-    def _work(self) -> None:
-        """One step's work: free what ended, admit what fits, advance every row."""
+    def _work(self) -> bool:
+        """One step's work: free what ended, admit what fits, advance every row. True when it computed
+        prompt (or source) tokens: admission times decoding on the steps that did not."""
         raise NotImplementedError
 
     def _busy(self) -> bool:
@@ -112,7 +112,7 @@ class StepLoop:
             self._wait.on_asked([ask.max_tokens for ask in asks])
             ahead = sum(map(self._rows_of, self._waiting)) + sum(map(self._rows_of, states))
             wait = self._wait.wait_s(ahead, self.rows - self._snapshot[0], self.rows)
-            need = self._wait.late_s(list(asks), wait, time.perf_counter())
+            need = self._wait.late_s(asks, wait, time.perf_counter())
             if need is not None:
                 self._observe("on_admission", wait, "deadline")
                 raise EngineOverloaded(f"{len(self._waiting)} {self.kind} requests are waiting: this one would "
@@ -202,9 +202,9 @@ class StepLoop:
         if self._thread is not None and self._thread is not threading.current_thread():
             raise RuntimeError("step() belongs to the engine thread once start() was called")
         started, before = time.perf_counter(), self._counts["generated_tokens"]
-        self._prefilled = False
+        prefilled = True  # a failed step's time is no decoding time
         try:
-            self._work()
+            prefilled = self._work()
         except Exception as exc:  # a bug outside the model calls: fail what the step held, go on
             held = self._drain()
             log.exception("%s: step failed; failing its %d requests", self.name, len(held))
@@ -218,7 +218,7 @@ class StepLoop:
             self._snapshot = (self._held(), usage)
             self._extra = self._extra_stats()
             if generated:
-                self._wait.on_step(seconds, self._prefilled)
+                self._wait.on_step(seconds, prefilled)
         self._observe("on_step", self.stats(), generated, seconds)
 
     def _extra_stats(self) -> dict[str, int]:

@@ -165,10 +165,10 @@ class TranslationEngine(StepLoop):
 
     # -- the loop (engine thread) ---------------------------------------------------------------
 
-    def _work(self) -> None:
-        self._admit()
+    def _work(self) -> bool:
+        encoded = self._admit()
         if not self.search:
-            return
+            return encoded
         self.largest_step = max(self.largest_step, len(self.search))
         rows = self.search.busy_rows
         events = self.search.step(cancelled=lambda key: self._running[key].cancelled)
@@ -194,11 +194,13 @@ class TranslationEngine(StepLoop):
                 except Exception as exc:
                     self._fail(state, exc)
         self._counts["generated_tokens"] += rows  # decoder rows advanced (the step time is measured on them)
+        return encoded
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
         """FIFO while the next waiting source's beams fit the free rows and the padded sources fit
         the encoder budget; encoded in groups of similar length (select_batch's cost model: padding
-        against the fixed cost of an encoder pass), each group in one padded pass."""
+        against the fixed cost of an encoder pass), each group in one padded pass. True when it
+        encoded any."""
         group: list[TranslationState] = []
         free, longest = self.search.free, 0
         with self._cond:
@@ -212,7 +214,7 @@ class TranslationEngine(StepLoop):
                 state.admitted, longest, free = now, longest_next, free - state.rows
                 group.append(state)
         self._admitting = group
-        self._prefilled = bool(group)
+        encoded = bool(group)
         while group:
             picked = set(select_batch([len(s.source) for s in group], len(group), self.encode_tokens,
                                       ENCODE_OVERHEAD_TOKENS))
@@ -220,6 +222,7 @@ class TranslationEngine(StepLoop):
             group = [s for i, s in enumerate(group) if i not in picked]
             self._admitting = group
         self._admitting = []
+        return encoded
 
     def _add(self, group: list[TranslationState], now: float) -> None:
         """Encode `group` into the search; if that fails, its requests fail (the others go on)."""

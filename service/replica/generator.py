@@ -159,8 +159,8 @@ class GeneratorRunner(EngineRunner):
         """Queue requests in the engine together, all or none (n > 1 siblings, a list of prompts: they
         are admitted in one step and siblings share their prompt's prefill); each one's handle and
         prompt length. Their deadline (`timeout_s`) covers their start, or, `whole`, their whole answer
-        (the engine refuses at once what could not make it). A prompt is tokenized once for the siblings that share it (a long one off the
-        event loop, runner.off_loop).
+        (the engine refuses at once what could not make it). A prompt is tokenized once for the
+        siblings that share it (a long one off the event loop, runner.off_loop).
         The cheap checks come first (prompt, parameters, limits), then a structured output's grammar
         is compiled off the event loop (tens of ms; cached by source), then the requests are queued.
         Raises InvalidRequest / RequestTooLarge naming the field (as the client called it) and the
