@@ -9,7 +9,8 @@ decay. Batches hold about --batch-tokens target tokens of similar length. Fixed 
 
 Resumable: every --save-minutes the model and optimizer are written to <out>/state/ as
 safetensors + a weights-only torch file + JSON, and a rerun with the same --out continues.
-Every --eval-steps the validation loss and greedy chrF on a validation slice are logged to
+With --init DIR --init-step N a trained checkpoint is continued: the schedule resumes at step N
+with a fresh Adam, its rate ramped up again over --rewarm steps. Every --eval-steps the validation loss and greedy chrF on a validation slice are logged to
 <out>/log.jsonl (the loss curve in docs/models.md is drawn from it). The final model is written
 in our checkpoint format to <out>/final/ (and copied to --export if given).
 """
@@ -31,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from models.beam_search import BeamParams, translate_ids
-from models.checkpoints.format import save_checkpoint
+from models.checkpoints.format import load_checkpoint, save_checkpoint
 from models.config import Seq2SeqConfig
 from models.seq2seq import Seq2Seq
 
@@ -54,6 +55,8 @@ class TrainConfig:
     lr_factor: float = 1.0
     max_len: int = 64  # tokens per side; longer pairs are skipped
     seed: int = 0
+    init_step: int = 0  # the schedule's step of the --init weights (0: trained from scratch)
+    rewarm: int = 0  # steps over which the learning rate ramps up again after --init (a fresh Adam)
 
 
 def model_config(tc: TrainConfig, vocab_size: int) -> Seq2SeqConfig:
@@ -118,8 +121,10 @@ def collate(data, idx: list[int]) -> tuple[torch.Tensor, ...]:
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
+    """The schedule's rate; after --init it continues from init_step, ramped up over `rewarm` steps."""
+    ramp = min(1.0, max(step - tc.init_step, 0) / tc.rewarm) if tc.rewarm else 1.0
     step = max(step, 1)
-    return tc.lr_factor * tc.d_model**-0.5 * min(step**-0.5, step * tc.warmup**-1.5)
+    return ramp * tc.lr_factor * tc.d_model**-0.5 * min(step**-0.5, step * tc.warmup**-1.5)
 
 
 def evaluate(model: Seq2Seq, data, tokenizer, refs: list[str]) -> dict[str, float]:
@@ -178,7 +183,8 @@ def train(args: argparse.Namespace) -> Path:
 
     tc = TrainConfig(d_model=args.d_model, d_ff=args.d_ff, encoder_layers=args.encoder_layers,
                      decoder_layers=args.decoder_layers, batch_tokens=args.batch_tokens,
-                     warmup=args.warmup, lr_factor=args.lr_factor, seed=args.seed)
+                     warmup=args.warmup, lr_factor=args.lr_factor, seed=args.seed,
+                     init_step=args.init_step if args.init else 0, rewarm=args.rewarm if args.init else 0)
     torch.manual_seed(tc.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -192,10 +198,14 @@ def train(args: argparse.Namespace) -> Path:
 
     cfg = model_config(tc, tokenizer.get_vocab_size())
     model = Seq2Seq(cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=lr_at(1, tc), betas=(0.9, 0.98), eps=1e-9)
+    opt = torch.optim.Adam(model.parameters(), lr=lr_at(tc.init_step + 1, tc), betas=(0.9, 0.98), eps=1e-9)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     step, epoch, pos = load_state(out, model, opt)
+    if step == 0 and args.init:  # continue a trained model with a fresh optimizer
+        model.load_state_dict(load_checkpoint(args.init).state_dict())
+        step = tc.init_step
+        log.info("initialised from %s at schedule step %d (re-warm over %d steps)", args.init, step, tc.rewarm)
     model.train()
     deadline = time.monotonic() + args.max_minutes * 60
     last_save = time.monotonic()
@@ -263,6 +273,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-steps", type=int, default=1000)
     p.add_argument("--save-minutes", type=float, default=10.0)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--init", default=None,
+                   help="start from this checkpoint (our format, same shapes) instead of random weights")
+    p.add_argument("--init-step", type=int, default=0, help="the schedule step the --init weights were trained to")
+    p.add_argument("--rewarm", type=int, default=200, help="with --init: ramp the rate up over this many steps")
     defaults = TrainConfig()
     p.add_argument("--d-model", type=int, default=defaults.d_model)
     p.add_argument("--d-ff", type=int, default=defaults.d_ff)
