@@ -124,12 +124,14 @@ def _candidates(live: Sequence[_Request], logp: Tensor) -> list[tuple[list[float
 @dataclass(frozen=True)
 class Translated:
     """What a step says about one source: its new greedy token (`token`, streamed; None for a beam
-    search or an end token), or its end (`done`: `ids` without start/eos, None when cancelled)."""
+    search or an end token), or its end (`done`: `ids` without start/eos, None when cancelled or
+    failed; `error`: why its decoder rows failed)."""
 
     key: Hashable
     token: int | None = None
     done: bool = False
     ids: list[int] | None = None
+    error: BaseException | None = None
 
 
 class BeamSearch:
@@ -221,9 +223,25 @@ class BeamSearch:
         if self._cross is None or rows != self._cross_rows:  # a source joined, left or widened to its beams
             self._cross, self._cross_rows = self._grouped(), rows
         tokens = torch.tensor(self._tokens, dtype=torch.long, device=self.device)[:, None]  # (R, 1)
-        logits = self.model.decode(tokens, self._cross, cache=self.cache.view(0, n_rows))[:, -1].float()  # (R, V)
-        self.cache.advance(1, 0, n_rows)
-        logp = logits.log_softmax(-1)  # (R, V)
+        try:
+            logits = self.model.decode(tokens, self._cross, cache=self.cache.view(0, n_rows))[:, -1]  # (R, V)
+        except Exception:
+            if len(self._live) == 1:
+                raise
+            logits, failed = self._decode_alone(tokens)
+            self.cache.advance(1, 0, n_rows)
+            if failed:
+                keep = [r for i, (req, first) in enumerate(self._offsets()) if i not in failed
+                        for r in range(first, first + req.rows)]
+                logits = logits[torch.tensor(keep, device=self.device)]  # (R', V)
+                keys = {i: self._live[i].key for i in failed}
+                self._drop(list(failed))
+                out += [Translated(keys[i], done=True, error=exc) for i, exc in failed.items()]
+                if not self._live:
+                    return out
+        else:
+            self.cache.advance(1, 0, n_rows)
+        logp = logits.float().log_softmax(-1)  # (R, V)
         if self.banned.numel():
             logp[:, self.banned] = float("-inf")
         offsets = self._offsets()
@@ -250,6 +268,29 @@ class BeamSearch:
             req.rows = len(req.seqs)
         self._keep(still, gather, new_tokens)
         return out
+
+    def _decode_alone(self, tokens: Tensor) -> tuple[Tensor, dict[int, BaseException]]:
+        """The step's decoder call again, one source's rows at a time (the call over all rows failed):
+        the rows' logits (R, V), zero for the sources whose own call fails too, and those sources
+        (indices into _live) with their errors. A failed call wrote its rows' keys/values at the
+        position the retry writes again, so the others' caches come out as a whole step leaves them."""
+        parts: list[Tensor | None] = []
+        failed: dict[int, BaseException] = {}
+        for i, (req, first) in enumerate(self._offsets()):
+            slots = torch.arange(req.rows, device=self.device)  # its rows' places in its own grid
+            try:
+                cross = self._sources.select(torch.tensor([i], device=self.device)).grouped(
+                    slots, req.params.beam_size)
+                parts.append(self.model.decode(tokens[first: first + req.rows], cross,
+                                               cache=self.cache.view(first, first + req.rows))[:, -1])  # (n, V)
+            except Exception as exc:
+                failed[i] = exc
+                parts.append(None)
+        done = next(p for p in parts if p is not None) if len(failed) < len(parts) else None
+        if done is None:  # every source failed alone: the search's state is not to be trusted
+            raise next(iter(failed.values()))
+        return torch.cat([p if p is not None else done.new_zeros(req.rows, done.size(-1))
+                          for p, req in zip(parts, self._live, strict=True)]), failed  # (R, V)
 
     def _grouped(self) -> CrossCache:
         """The sources' cross keys/values for the rows as they are: row r is slot (its source, its

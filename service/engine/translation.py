@@ -14,8 +14,10 @@ A greedy request streams its text token by token (Delta events, as generation's)
 text comes with its Finished event. Each request's result is what models.beam_search.translate_ids
 gives it alone.
 
-A step that fails fails the requests it held (their search state cannot be trusted) and the engine
-goes on with an empty search.
+When a step's decoder call fails, each source's rows are decoded alone and only the sources that
+fail again are failed (models.beam_search.BeamSearch.step); a step that fails anywhere else fails
+the requests it held (their search state cannot be trusted) and the engine goes on with an empty
+search.
 """
 
 from __future__ import annotations
@@ -184,6 +186,9 @@ class TranslationEngine(StepLoop):
             if event.done:
                 del self._running[event.key]
                 if state.closed:
+                    continue
+                if event.error is not None:  # its rows failed the step alone too; the others went on
+                    self._fail(state, event.error)
                     continue
                 if event.ids is None:
                     self._record(state.finish("cancelled", now))

@@ -130,3 +130,59 @@ def test_the_started_engine_answers_concurrent_requests_on_an_event_loop(tiny) -
         engine.shutdown()
     for i, res in enumerate(results):
         assert list(res.token_ids) == _alone(model, tok.encode(TEXTS[i]), BeamParams(BEAMS[i], NEW[i]))
+
+
+class FaultyDecoder:
+    """The tiny encoder-decoder, its decoder call raising when `fails(cross)` says so (cross: the
+    step's CrossCache, one src_keep row per source in the call)."""
+
+    def __init__(self, base, fails) -> None:
+        self.base, self.fails = base, fails
+
+    def __getattr__(self, name: str):
+        return getattr(self.base, name)
+
+    def decode(self, tokens, cross, cache=None):
+        if self.fails(cross):
+            raise RuntimeError("injected failure")
+        return self.base.decode(tokens, cross, cache=cache)
+
+
+def _run(engine: TranslationEngine, tok, texts: list[str], beams: list[int]) -> list[Finished]:
+    handles = engine.submit_many([TranslationSubmission(tok.encode(t), BeamParams(b, 8))
+                                  for t, b in zip(texts, beams, strict=True)])
+    while engine.stats().waiting or engine.stats().running:
+        engine.step()
+    return [h.result_sync(timeout=5) for h in handles]
+
+
+def test_a_failing_source_fails_alone_and_a_transient_failure_is_retried(tiny) -> None:
+    """A decoder call that fails is retried one source at a time: the source that fails again is failed
+    alone (the others get their alone results and the engine goes on); one that failed only once costs
+    nothing."""
+    model, tok = tiny
+    texts, beams = [TEXTS[1], TEXTS[4], TEXTS[2]], [4, 3, 1]
+    poison = len(tok.encode(TEXTS[4]))
+    assert sorted(len(tok.encode(t)) for t in texts).count(poison) == 1
+    engine = TranslationEngine(FaultyDecoder(model, lambda cross: poison in cross.src_keep.sum(-1).tolist()),
+                               tok, rows=8, max_new_tokens=8, banned_ids=[0])
+    results = _run(engine, tok, texts, beams)
+    assert results[1].finish_reason == "error" and "injected failure" in (results[1].error or "")
+    for i in (0, 2):
+        assert results[i].finish_reason in ("stop", "length")
+        assert list(results[i].token_ids) == _alone(model, tok.encode(texts[i]), BeamParams(beams[i], 8))
+    assert engine.stats().finished["error"] == 1
+    after = _run(engine, tok, [TEXTS[0]], [2])  # the engine goes on
+    assert list(after[0].token_ids) == _alone(model, tok.encode(TEXTS[0]), BeamParams(2, 8))
+
+    calls = {"n": 0}
+
+    def once(cross) -> bool:  # the third decoder call fails (sources have widened to their beams)
+        calls["n"] += 1
+        return calls["n"] == 3
+
+    engine = TranslationEngine(FaultyDecoder(model, once), tok, rows=8, max_new_tokens=8, banned_ids=[0])
+    results = _run(engine, tok, texts, beams)
+    assert calls["n"] > 3
+    for i, res in enumerate(results):
+        assert list(res.token_ids) == _alone(model, tok.encode(texts[i]), BeamParams(beams[i], 8)), i
