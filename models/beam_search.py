@@ -346,7 +346,9 @@ def translate_ids(
 
     `cancelled(i)`, asked once per step for each source still decoding: True drops source i's rows
     from the next step on (its caller went away or its deadline passed); its result is None. The
-    others' results are the same as without it (each request's beams are its own)."""
+    others' results are the same as without it (each request's beams are its own). A source whose
+    decoder rows fail even alone (BeamSearch.step retries a failed call source by source) fails the
+    call with its error."""
     if isinstance(params, BeamParams):
         params = [params] * len(sources)
     search = BeamSearch(model, sum(p.beam_size for p in params), max(p.max_new_tokens for p in params), banned_ids)
@@ -354,6 +356,8 @@ def translate_ids(
     out: list[list[int] | None] = [None] * len(sources)
     while search:
         for event in search.step(cancelled):
+            if event.error is not None:  # a source's decoder rows failed alone too: the call fails
+                raise event.error
             if event.done:
                 out[event.key] = event.ids
     return out

@@ -186,3 +186,12 @@ def test_a_failing_source_fails_alone_and_a_transient_failure_is_retried(tiny) -
     assert calls["n"] > 3
     for i, res in enumerate(results):
         assert list(res.token_ids) == _alone(model, tok.encode(texts[i]), BeamParams(beams[i], 8)), i
+
+
+def test_offline_translate_ids_raises_what_a_source_failed_with(tiny) -> None:
+    """Offline (request-level batches) a source failing alone fails the call, as before the retry."""
+    model, tok = tiny
+    poison = len(tok.encode(TEXTS[4]))
+    faulty = FaultyDecoder(model, lambda cross: poison in cross.src_keep.sum(-1).tolist())
+    with pytest.raises(RuntimeError, match="injected failure"):
+        translate_ids(faulty, [tok.encode(TEXTS[1]), tok.encode(TEXTS[4])], BeamParams(2, 8), banned_ids=[0])
