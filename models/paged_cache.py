@@ -135,10 +135,20 @@ class PagedKVCache(RowLengths):
             self.tables[row, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.long)
 
     def _release(self, row: int) -> None:
+        self._release_host(row)
+        self.tables[row] = 0
+
+    def _release_host(self, row: int) -> None:
+        """_release without touching `tables` (the caller writes the rows' tables at once)."""
         for b in self.host_tables[row]:
             self.unref(b)
         self.host_tables[row] = []
-        self.tables[row] = 0
+
+    def _write_tables(self, start: int, tables: Sequence[Sequence[int]]) -> None:
+        """Rows [start, start + len(tables)) of `tables` from the host's, in one write (zeros past each)."""
+        width = self.tables.size(1)
+        padded = [list(t) + [0] * (width - len(t)) for t in tables]
+        self.tables[start:start + len(tables)] = torch.tensor(padded, dtype=torch.long, device=self.tables.device)
 
     # -- the engine's surface (as models.kv_cache.KVCache) -------------------------------------
 
@@ -159,7 +169,8 @@ class PagedKVCache(RowLengths):
         """Empty rows [start, stop): their blocks go back to the pool (unless shared)."""
         stop = self.rows if stop is None else stop
         for row in range(start, stop):
-            self._release(row)
+            self._release_host(row)
+        self.tables[start:stop] = 0
         self.set_lengths(0, start, stop)
 
     def move_row(self, src: int, dst: int) -> None:
@@ -200,23 +211,22 @@ class PagedKVCache(RowLengths):
             for b in table:
                 self.ref(b)
         for i, table in enumerate(tables):
-            row = start + i
-            self._release(row)
-            self.host_tables[row] = table
-            if table:
-                self.tables[row, :len(table)] = torch.tensor(table, dtype=torch.long)
-        for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
-            if n % self.block and self._refs[table[-1]] > 1:  # copy on write
-                if not self._free:
-                    raise CacheFull("no free KV block to copy a shared partial block into")
-                own = self._free.pop()
-                self._refs[own] = 1
-                a, b = self._block_rows(table[-1]), self._block_rows(own)
-                for buf in self._flat_k + self._flat_v:
-                    buf[b] = buf[a]  # (K * BS, D)
-                self.unref(table[-1])
-                table[-1] = own
-                self.tables[start + i, len(table) - 1] = own
+            self._release_host(start + i)
+            self.host_tables[start + i] = table
+        try:
+            for table, n in zip(tables, lengths, strict=True):
+                if n % self.block and self._refs[table[-1]] > 1:  # copy on write
+                    if not self._free:
+                        raise CacheFull("no free KV block to copy a shared partial block into")
+                    own = self._free.pop()
+                    self._refs[own] = 1
+                    a, b = self._block_rows(table[-1]), self._block_rows(own)
+                    for buf in self._flat_k + self._flat_v:
+                        buf[b] = buf[a]  # (K * BS, D)
+                    self.unref(table[-1])
+                    table[-1] = own
+        finally:  # the device tables follow the host's, also when a copy found no block
+            self._write_tables(start, tables)
         self.set_lengths(lengths, start, start + len(rows))
 
     def _block_rows(self, block: int) -> slice:
