@@ -7,10 +7,12 @@ Recipe (Vaswani et al. 2017): post-norm encoder-decoder, sinusoidal positions, t
 dropout 0.1, label smoothing 0.1, Adam(0.9, 0.98, 1e-9), linear warmup then inverse-square-root
 decay. Batches hold about --batch-tokens target tokens of similar length. Fixed seeds.
 
-Resumable: every --save-minutes the model and optimizer are written to <out>/state/ as
-safetensors + a weights-only torch file + JSON, and a rerun with the same --out continues.
+Resumable: every --save-minutes the model and optimizer are written to <out>/state/ as safetensors
++ a weights-only torch file + JSON, and a rerun with the same --out continues. SIGTERM or Ctrl-C
+ends a run after its current step as --max-minutes does (state saved, model scored and exported).
 With --init DIR --init-step N a trained checkpoint is continued: the schedule resumes at step N
-with a fresh Adam, its rate ramped up again over --rewarm steps. Every --eval-steps the validation loss and greedy chrF on a validation slice are logged to
+with a fresh Adam, its rate ramped up again over --rewarm steps. Every --eval-steps the validation
+loss and greedy chrF on a validation slice are logged to
 <out>/log.jsonl (the loss curve in docs/models.md is drawn from it). The final model is written
 in our checkpoint format to <out>/final/ (and copied to --export if given).
 """
@@ -22,6 +24,8 @@ import json
 import logging
 import random
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +182,28 @@ def load_state(out: Path, model, opt) -> tuple[int, int, int]:
     return meta["step"], meta["epoch"], meta["pos"]
 
 
+class _StopOnSignal:
+    """Turns SIGTERM and SIGINT into a request to stop (the run then saves, scores and exports as at
+    its deadline); restore() puts the previous handlers back. Only in the main thread."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous = {}
+
+
 def train(args: argparse.Namespace) -> Path:
     from tokenizers import Tokenizer
 
@@ -208,44 +234,50 @@ def train(args: argparse.Namespace) -> Path:
         log.info("initialised from %s at schedule step %d (re-warm over %d steps)", args.init, step, tc.rewarm)
     model.train()
     deadline = time.monotonic() + args.max_minutes * 60
+    stop = _StopOnSignal()  # SIGTERM / SIGINT: end after the step in progress, as at the deadline
     last_save = time.monotonic()
     logf = (out / "log.jsonl").open("a")
     bar = tqdm(total=args.max_steps or None, initial=step, desc="train", unit="step", mininterval=5)
-    done = False
-    while not done:
-        batches = make_batches(train_data, tc.batch_tokens, random.Random(tc.seed + epoch))
-        for idx in batches[pos:]:
-            pos += 1
-            src, keep, tgt_in, labels = collate(train_data, idx)
-            logits = model(src, keep, tgt_in, tgt_in != PAD)  # (B, T, V)
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                   label_smoothing=tc.label_smoothing)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            step += 1
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, tc)
-            opt.step()
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", epoch=epoch)
-            if step % 50 == 0:
-                logf.write(json.dumps({"step": step, "epoch": epoch, "train_loss": loss.item(),
-                                       "lr": lr_at(step, tc), "time": time.time()}) + "\n")
-                logf.flush()
-            if step % args.eval_steps == 0:
-                metrics = evaluate(model, valid_data, tokenizer, valid_refs)
-                log.info("step %d: %s", step, metrics)
-                logf.write(json.dumps({"step": step, "epoch": epoch, **metrics, "time": time.time()}) + "\n")
-                logf.flush()
-            if time.monotonic() - last_save > args.save_minutes * 60:
-                save_state(out, model, opt, step, epoch, pos, tc)
-                last_save = time.monotonic()
-            if time.monotonic() > deadline or (args.max_steps and step >= args.max_steps):
-                done = True
-                break
-        else:
-            epoch, pos = epoch + 1, 0
+    try:
+        done = False
+        while not done:
+            batches = make_batches(train_data, tc.batch_tokens, random.Random(tc.seed + epoch))
+            for idx in batches[pos:]:
+                pos += 1
+                src, keep, tgt_in, labels = collate(train_data, idx)
+                logits = model(src, keep, tgt_in, tgt_in != PAD)  # (B, T, V)
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                       label_smoothing=tc.label_smoothing)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                step += 1
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step, tc)
+                opt.step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}", epoch=epoch)
+                if step % 50 == 0:
+                    logf.write(json.dumps({"step": step, "epoch": epoch, "train_loss": loss.item(),
+                                           "lr": lr_at(step, tc), "time": time.time()}) + "\n")
+                    logf.flush()
+                if step % args.eval_steps == 0:
+                    metrics = evaluate(model, valid_data, tokenizer, valid_refs)
+                    log.info("step %d: %s", step, metrics)
+                    logf.write(json.dumps({"step": step, "epoch": epoch, **metrics, "time": time.time()}) + "\n")
+                    logf.flush()
+                if time.monotonic() - last_save > args.save_minutes * 60:
+                    save_state(out, model, opt, step, epoch, pos, tc)
+                    last_save = time.monotonic()
+                if time.monotonic() > deadline or (args.max_steps and step >= args.max_steps) or stop.requested:
+                    done = True
+                    break
+            else:
+                epoch, pos = epoch + 1, 0
+    finally:
+        stop.restore()
     bar.close()
+    if stop.requested:
+        log.info("stopped by a signal at step %d: saving, scoring and exporting", step)
     save_state(out, model, opt, step, epoch, pos, tc)
     metrics = evaluate(model, valid_data, tokenizer, valid_refs)
     logf.write(json.dumps({"step": step, "epoch": epoch, **metrics, "time": time.time()}) + "\n")

@@ -52,3 +52,28 @@ def test_init_continues_the_checkpoint_at_its_step(tmp_path: Path) -> None:
     cos = torch.nn.functional.cosine_similarity(a["encoder.embed.tokens.weight"].flatten(),
                                                 b["encoder.embed.tokens.weight"].flatten(), dim=0)
     assert cos > 0.9
+
+
+def test_sigterm_ends_the_run_after_its_step_and_exports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal mid-run (as `kill` or Ctrl-C on a background training) saves, scores and exports."""
+    import signal
+
+    from models.train import translator
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid"):
+        (data / f"{split}.tsv").write_text("".join(f"{en}\t{es}\n" for en, es in PAIRS), encoding="utf-8")
+    plain = translator.lr_at
+
+    def lr_at(step: int, tc: TrainConfig) -> float:  # the loop sets each step's rate: signal at step 2
+        if step == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return plain(step, tc)
+
+    monkeypatch.setattr(translator, "lr_at", lr_at)
+    before = signal.getsignal(signal.SIGTERM)
+    out = _train(tmp_path, "run", "--max-steps", "1000")
+    assert json.loads((out / "state" / "state.json").read_text())["step"] == 2
+    assert load_checkpoint(out / "final") is not None
+    assert signal.getsignal(signal.SIGTERM) is before  # the handlers are put back
