@@ -286,10 +286,10 @@ class BeamSearch:
             except Exception as exc:
                 failed[i] = exc
                 parts.append(None)
-        done = next(p for p in parts if p is not None) if len(failed) < len(parts) else None
-        if done is None:  # every source failed alone: the search's state is not to be trusted
+        good = next((p for p in parts if p is not None), None)
+        if good is None:  # every source failed alone: the search's state is not to be trusted
             raise next(iter(failed.values()))
-        return torch.cat([p if p is not None else done.new_zeros(req.rows, done.size(-1))
+        return torch.cat([p if p is not None else good.new_zeros(req.rows, good.size(-1))
                           for p, req in zip(parts, self._live, strict=True)]), failed  # (R, V)
 
     def _grouped(self) -> CrossCache:
