@@ -80,9 +80,11 @@ def plot_loss(log_path: Path, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-    train = [(r["step"], r["train_loss"]) for r in rows if "train_loss" in r]
-    valid = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    chrf = [(r["step"], r["val_chrf_greedy"]) for r in rows if "val_chrf_greedy" in r]
+
+    def series(key: str) -> list[tuple[int, float]]:  # a resumed run logs its redone steps again: the last wins
+        return sorted({r["step"]: r[key] for r in rows if key in r}.items())
+
+    train, valid, chrf = series("train_loss"), series("val_loss"), series("val_chrf_greedy")
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(*zip(*train, strict=True), label="train loss (label-smoothed)", alpha=0.7)
     if valid:
