@@ -41,7 +41,7 @@ from .settings import DeploymentSettings, Settings
 from .telemetry.logs import serve_logging_config
 from .telemetry.metrics import ServiceMetrics, process_metrics, replica_actor_options
 
-log = logging.getLogger("ray.serve")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 

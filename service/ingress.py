@@ -27,7 +27,7 @@ from .messages import ModelInfo
 from .settings import Settings
 from .telemetry.logs import configure_logging
 
-log = logging.getLogger("ray.serve")
+log = logging.getLogger(__name__)
 READINESS_CACHE_S = 1.0  # /readyz answers from a look-up at most this old
 
 

@@ -62,8 +62,8 @@ class JsonFormatter(logging.Formatter):
         rid = getattr(record, "request_id", None) or current_request_id()
         if rid is not None:
             out["request_id"] = rid
-        for key, value in vars(record).items():
-            if key not in _STANDARD and key not in out:
+        for key, value in vars(record).items():  # `extra=` fields (not Ray's private _ray_* ones)
+            if key not in _STANDARD and key not in out and not key.startswith("_"):
                 out[key] = value
         if record.exc_info:
             out["exc_info"] = self.formatException(record.exc_info)
@@ -86,11 +86,17 @@ class _OurHandler(logging.StreamHandler):
 
 
 def configure_logging(json_logs: bool = True, level: int | str = logging.INFO) -> None:
-    """One stderr handler on the root logger: JSON lines (or plain text with the request id)."""
+    """One stderr handler on the root logger: JSON lines (or plain text with the request id).
+
+    It writes to the process's own stderr (`sys.__stderr__`), not to whatever `sys.stderr` is now:
+    in throughput mode Ray Serve replaces a replica's `sys.stderr` with a stream into its own logger,
+    whose file handler buffers 1,000 records (flushed early only by its own ERROR records), so our
+    lines, tracebacks included, reached no log file, and were lost when the replica died. On the real
+    stderr they go to Ray's worker log (`logs/worker-*.err`) and on to the driver's console at once."""
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, _OurHandler)]:
         root.removeHandler(handler)
-    handler = _OurHandler(sys.stderr)
+    handler = _OurHandler(sys.__stderr__ or sys.stderr)
     handler.setFormatter(JsonFormatter() if json_logs else PlainFormatter())
     root.addHandler(handler)
     root.setLevel(level)

@@ -96,6 +96,23 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 # -- life cycle, discovery ----------------------------------------------------------------------
 
+
+def test_the_replicas_own_log_lines_reach_the_worker_logs_at_once(server: Server) -> None:
+    """Our log lines in a model replica go to the process's stderr (Ray's worker-*.err, forwarded to the
+    driver), not into the stream Serve puts in place of sys.stderr in throughput mode: that one feeds a
+    logger whose file handler buffers 1,000 records, so they reached no file and died with the replica."""
+    import glob
+    import os
+
+    import ray
+
+    logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    loaded = [line for path in glob.glob(os.path.join(logs, "worker-*.err"))
+              for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+              if "service.deployments" in line and "loaded on cpu" in line]
+    assert len(loaded) >= 3, loaded  # the encoder, translator and gated replicas each log one
+    assert all(json.loads(line)["logger"] == "service.deployments" and "_ray_" not in line for line in loaded)
+
 def test_readyz_is_503_before_the_models_load_and_200_after(server: Server) -> None:
     before = server.readyz_before
     assert before.status_code == 503 and before.headers["Retry-After"] == "2"
