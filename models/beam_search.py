@@ -223,24 +223,21 @@ class BeamSearch:
         if self._cross is None or rows != self._cross_rows:  # a source joined, left or widened to its beams
             self._cross, self._cross_rows = self._grouped(), rows
         tokens = torch.tensor(self._tokens, dtype=torch.long, device=self.device)[:, None]  # (R, 1)
+        failed: dict[int, BaseException] = {}
         try:
             logits = self.model.decode(tokens, self._cross, cache=self.cache.view(0, n_rows))[:, -1]  # (R, V)
         except Exception:
             if len(self._live) == 1:
                 raise
             logits, failed = self._decode_alone(tokens)
-            self.cache.advance(1, 0, n_rows)
-            if failed:
-                keep = [r for i, (req, first) in enumerate(self._offsets()) if i not in failed
-                        for r in range(first, first + req.rows)]
-                logits = logits[torch.tensor(keep, device=self.device)]  # (R', V)
-                keys = {i: self._live[i].key for i in failed}
-                self._drop(list(failed))
-                out += [Translated(keys[i], done=True, error=exc) for i, exc in failed.items()]
-                if not self._live:
-                    return out
-        else:
-            self.cache.advance(1, 0, n_rows)
+        self.cache.advance(1, 0, n_rows)
+        if failed:  # those sources leave with their errors; the others go on with their own rows' logits
+            keep = [r for i, (req, first) in enumerate(self._offsets()) if i not in failed
+                    for r in range(first, first + req.rows)]
+            logits = logits[torch.tensor(keep, device=self.device)]  # (R', V)
+            out += self._drop(list(failed), failed)
+            if not self._live:
+                return out
         logp = logits.float().log_softmax(-1)  # (R, V)
         if self.banned.numel():
             logp[:, self.banned] = float("-inf")
@@ -307,17 +304,17 @@ class BeamSearch:
             offset += req.rows
         return out
 
-    def _drop(self, gone: list[int]) -> list[Translated]:
-        """Remove live sources `gone` (indices into _live) before a step: cancelled."""
+    def _drop(self, gone: list[int], errors: dict[int, BaseException] | None = None) -> list[Translated]:
+        """Remove live sources `gone` (indices into _live): cancelled, or failed with `errors[i]`."""
         still, gather, tokens = [], [], []
         for i, (req, first) in enumerate(self._offsets()):
             if i not in gone:
                 gather += range(first, first + req.rows)
                 tokens += self._tokens[first: first + req.rows]
                 still.append(i)
-        dropped = [self._live[i] for i in gone]
+        dropped = [(i, self._live[i]) for i in gone]
         self._keep(still, gather, tokens)
-        return [Translated(req.key, done=True, ids=None) for req in dropped]
+        return [Translated(req.key, done=True, ids=None, error=(errors or {}).get(i)) for i, req in dropped]
 
     def _keep(self, still: list[int], gather: list[int], tokens: list[int]) -> None:
         """The new row layout: live sources `still` (indices into _live, in order), row i holding old

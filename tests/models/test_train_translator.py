@@ -25,6 +25,13 @@ def test_rewarm_ramps_from_zero_to_the_schedule() -> None:
         assert lr_at(step, cont) == lr_at(step, plain)
 
 
+def _write_data(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid"):
+        (data / f"{split}.tsv").write_text("".join(f"{en}\t{es}\n" for en, es in PAIRS), encoding="utf-8")
+
+
 def _train(tmp_path: Path, out: str, *extra: str) -> Path:
     main(["--data", str(tmp_path / "data"), "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / out),
           "--d-model", "32", "--d-ff", "64", "--encoder-layers", "1", "--decoder-layers", "1",
@@ -33,10 +40,7 @@ def _train(tmp_path: Path, out: str, *extra: str) -> Path:
 
 
 def test_init_continues_the_checkpoint_at_its_step(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "valid"):
-        (data / f"{split}.tsv").write_text("".join(f"{en}\t{es}\n" for en, es in PAIRS), encoding="utf-8")
+    _write_data(tmp_path)
     first = _train(tmp_path, "first", "--max-steps", "3")
     start = load_checkpoint(first / "final")
     second = _train(tmp_path, "second", "--init", str(first / "final"), "--init-step", "3", "--rewarm", "2",
@@ -60,10 +64,7 @@ def test_sigterm_ends_the_run_after_its_step_and_exports(tmp_path: Path, monkeyp
 
     from models.train import translator
 
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "valid"):
-        (data / f"{split}.tsv").write_text("".join(f"{en}\t{es}\n" for en, es in PAIRS), encoding="utf-8")
+    _write_data(tmp_path)
     plain = translator.lr_at
 
     def lr_at(step: int, tc: TrainConfig) -> float:  # the loop sets each step's rate: signal at step 2
