@@ -11,7 +11,9 @@ Resumable: every --save-minutes the model and optimizer are written to <out>/sta
 + a weights-only torch file + JSON, and a rerun with the same --out continues. SIGTERM or Ctrl-C
 ends a run after its current step as --max-minutes does (state saved, model scored and exported).
 With --init DIR --init-step N a trained checkpoint is continued: the schedule resumes at step N
-with a fresh Adam, its rate ramped up again over --rewarm steps. Every --eval-steps the validation
+with a fresh Adam, its rate ramped up again over --rewarm steps. --decay-steps K ends a run with a
+cool-down: from --decay-from S (default: the step the run starts at) the rate falls linearly from
+the schedule's rate at S to zero at S + K, where the run stops. Every --eval-steps the validation
 loss and greedy chrF on a validation slice are logged to
 <out>/log.jsonl (the loss curve in docs/models.md is drawn from it). The final model is written
 in our checkpoint format to <out>/final/ (and copied to --export if given).
@@ -27,7 +29,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +63,8 @@ class TrainConfig:
     seed: int = 0
     init_step: int = 0  # the schedule's step of the --init weights (0: trained from scratch)
     rewarm: int = 0  # steps over which the learning rate ramps up again after --init (a fresh Adam)
+    decay_from: int = 0  # with decay_steps: the step the linear cool-down to zero starts at
+    decay_steps: int = 0  # length of the cool-down (0: none, the inverse-square-root decay goes on)
 
 
 def model_config(tc: TrainConfig, vocab_size: int) -> Seq2SeqConfig:
@@ -125,7 +129,11 @@ def collate(data, idx: list[int]) -> tuple[torch.Tensor, ...]:
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
-    """The schedule's rate; after --init it continues from init_step, ramped up over `rewarm` steps."""
+    """The schedule's rate; after --init it continues from init_step, ramped up over `rewarm` steps;
+    in a cool-down it falls linearly from the rate at decay_from to zero at decay_from + decay_steps."""
+    if tc.decay_steps and step > tc.decay_from:
+        left = max(0.0, 1.0 - (step - tc.decay_from) / tc.decay_steps)
+        return left * lr_at(tc.decay_from, replace(tc, decay_steps=0))
     ramp = min(1.0, max(step - tc.init_step, 0) / tc.rewarm) if tc.rewarm else 1.0
     step = max(step, 1)
     return ramp * tc.lr_factor * tc.d_model**-0.5 * min(step**-0.5, step * tc.warmup**-1.5)
@@ -182,6 +190,15 @@ def load_state(out: Path, model, opt) -> tuple[int, int, int]:
     return meta["step"], meta["epoch"], meta["pos"]
 
 
+def _saved_decay_from(out: Path) -> int | None:
+    """The step the saved state's cool-down started at, so that a resumed cool-down goes on from it."""
+    meta = out / "state" / "state.json"
+    if not meta.exists():
+        return None
+    train = json.loads(meta.read_text()).get("train", {})
+    return train["decay_from"] if train.get("decay_steps") else None
+
+
 class _StopOnSignal:
     """Turns SIGTERM and SIGINT into a request to stop (the run then saves, scores and exports as at
     its deadline); restore() puts the previous handlers back. Only in the main thread."""
@@ -232,12 +249,19 @@ def train(args: argparse.Namespace) -> Path:
         model.load_state_dict(load_checkpoint(args.init).state_dict())
         step = tc.init_step
         log.info("initialised from %s at schedule step %d (re-warm over %d steps)", args.init, step, tc.rewarm)
+    max_steps = args.max_steps
+    if args.decay_steps:  # the cool-down starts where asked, else where the saved one did, else here
+        started = args.decay_from if args.decay_from is not None else _saved_decay_from(out)
+        tc = replace(tc, decay_from=step if started is None else started, decay_steps=args.decay_steps)
+        max_steps = tc.decay_from + tc.decay_steps
+        log.info("cool-down from step %d (rate %.2e) to zero at step %d", tc.decay_from, lr_at(tc.decay_from, tc),
+                 max_steps)
     model.train()
     deadline = time.monotonic() + args.max_minutes * 60
     stop = _StopOnSignal()  # SIGTERM / SIGINT: end after the step in progress, as at the deadline
     last_save = time.monotonic()
     logf = (out / "log.jsonl").open("a")
-    bar = tqdm(total=args.max_steps or None, initial=step, desc="train", unit="step", mininterval=5)
+    bar = tqdm(total=max_steps or None, initial=step, desc="train", unit="step", mininterval=5)
     try:
         done = False
         while not done:
@@ -268,7 +292,7 @@ def train(args: argparse.Namespace) -> Path:
                 if time.monotonic() - last_save > args.save_minutes * 60:
                     save_state(out, model, opt, step, epoch, pos, tc)
                     last_save = time.monotonic()
-                if time.monotonic() > deadline or (args.max_steps and step >= args.max_steps) or stop.requested:
+                if time.monotonic() > deadline or (max_steps and step >= max_steps) or stop.requested:
                     done = True
                     break
             else:
@@ -309,6 +333,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="start from this checkpoint (our format, same shapes) instead of random weights")
     p.add_argument("--init-step", type=int, default=0, help="the schedule step the --init weights were trained to")
     p.add_argument("--rewarm", type=int, default=200, help="with --init: ramp the rate up over this many steps")
+    p.add_argument("--decay-steps", type=int, default=0,
+                   help="end with a linear cool-down of the rate to zero over this many steps (the run stops there)")
+    p.add_argument("--decay-from", type=int, default=None,
+                   help="the step the cool-down starts at (default: where a resumed cool-down started, "
+                   "else the step this run starts or resumes at)")
     defaults = TrainConfig()
     p.add_argument("--d-model", type=int, default=defaults.d_model)
     p.add_argument("--d-ff", type=int, default=defaults.d_ff)

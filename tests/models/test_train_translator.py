@@ -25,6 +25,16 @@ def test_rewarm_ramps_from_zero_to_the_schedule() -> None:
         assert lr_at(step, cont) == lr_at(step, plain)
 
 
+def test_cool_down_falls_linearly_to_zero_from_the_schedule() -> None:
+    plain = TrainConfig(warmup=1000)
+    cool = TrainConfig(warmup=1000, decay_from=5000, decay_steps=400)
+    for step in (10, 1000, 4999, 5000):
+        assert lr_at(step, cool) == lr_at(step, plain)
+    assert lr_at(5100, cool) == pytest.approx(lr_at(5000, plain) * 0.75)
+    assert lr_at(5300, cool) == pytest.approx(lr_at(5000, plain) * 0.25)
+    assert lr_at(5400, cool) == 0.0 and lr_at(6000, cool) == 0.0
+
+
 def _write_data(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()
@@ -78,3 +88,16 @@ def test_sigterm_ends_the_run_after_its_step_and_exports(tmp_path: Path, monkeyp
     assert json.loads((out / "state" / "state.json").read_text())["step"] == 2
     assert load_checkpoint(out / "final") is not None
     assert signal.getsignal(signal.SIGTERM) is before  # the handlers are put back
+
+
+def test_cool_down_stops_the_run_at_its_end_and_resumes_where_it_started(tmp_path: Path) -> None:
+    _write_data(tmp_path)
+    out = _train(tmp_path, "run", "--max-steps", "2")
+    _train(tmp_path, "run", "--decay-steps", "4", "--max-minutes", "0")  # starts the cool-down at 2, stops at once
+    state = json.loads((out / "state" / "state.json").read_text())
+    assert state["train"]["decay_from"] == 2 and state["train"]["decay_steps"] == 4
+    _train(tmp_path, "run", "--decay-steps", "4")  # resumed: the same cool-down, not a new one from here
+    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    state = json.loads((out / "state" / "state.json").read_text())
+    assert state["step"] == 6 and state["train"]["decay_from"] == 2
+    assert logged[-1]["step"] == 6
