@@ -24,7 +24,9 @@ from its pending token.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -36,7 +38,7 @@ from models.kv_cache import KVCache
 from models.paged_cache import PagedKVCache, blocks_for
 
 from .grammar import MaskBuilder
-from .prefix_cache import PrefixCache
+from .prefix_cache import Pin, PrefixCache
 from .sequence import SeqState
 
 # A prefill pads its prompts (T) so that B x T, the rows its Linears see, is a multiple of this
@@ -171,10 +173,29 @@ class RunningBatch:
 
     # -- blocks (paged) --------------------------------------------------------------------------
 
-    def blocks_for(self, seq: SeqState) -> int:
-        """Blocks a waiting request takes when admitted: its context and first new token, counted
-        whole (a prefix hit may save some; the admission never relies on it)."""
-        return blocks_for(len(seq.context) + 1, self.cache.block)
+    def blocks_for(self, seq: SeqState, hit: int = 0) -> int:
+        """New blocks a waiting request takes when admitted: its context and first new token, less
+        the `hit` tokens' blocks it shares from the prefix cache (pinned by the admission)."""
+        return blocks_for(len(seq.context) + 1, self.cache.block) - hit // self.cache.block
+
+    def pin_prefix(self, seq: SeqState, hit: int) -> Pin | None:
+        """Keep the prefix cache's first `hit` tokens of seq's context until unpin_prefix (None: no hit)."""
+        return self.prefix.pin(seq.context, hit) if hit and self.prefix is not None else None
+
+    def unpin_prefix(self, pin: Pin) -> None:
+        if self.prefix is not None:
+            self.prefix.unpin(pin)
+
+    @contextmanager
+    def _released_on_failure(self) -> Iterator[None]:
+        """Rows being filled hold no blocks if filling them fails: the retries of their requests (or
+        the next admission) find the pool as it was."""
+        start, free = len(self.rows), self.free
+        try:
+            yield
+        except BaseException:
+            self.cache.reset(start, start + free)
+            raise
 
     def blocks_available(self) -> int:
         """Free blocks, and blocks only the prefix cache holds (it gives them up on demand)."""
@@ -202,6 +223,10 @@ class RunningBatch:
         """Preempted requests back on fresh rows: one padded forward over each one's context (prompt
         and output but its pending token; cached prefix blocks reused), no sampling; their seen tokens
         and counts rebuilt. They decode on from their pending token as if never stopped."""
+        with self._released_on_failure():
+            self._restore_rows(group)
+
+    def _restore_rows(self, group: list[SeqState]) -> None:
         start, stop = len(self.rows), len(self.rows) + len(group)
         if len(group) > self.free:
             raise ValueError(f"{len(group)} requests do not fit the {self.free} free cache rows")
@@ -239,6 +264,10 @@ class RunningBatch:
         once: the group is reordered so each distinct prompt's first request comes first, the forward
         runs on those rows only, and the others get a copy of that row's cache and its logits (each
         still samples with its own generator)."""
+        with self._released_on_failure():
+            return self._prefill_rows(group)
+
+    def _prefill_rows(self, group: list[SeqState]) -> list[Picked]:
         start, stop = len(self.rows), len(self.rows) + len(group)
         if len(group) > self.free:
             raise ValueError(f"{len(group)} requests do not fit the {self.free} free cache rows")

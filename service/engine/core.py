@@ -15,8 +15,8 @@ Every step, on the engine's one thread:
    rows stay packed at the front of the cache.
 On a paged cache (the default; models/paged_cache.py) a request holds the 16-token blocks its tokens
 fill, so `max_running` sequences share the budget whatever their lengths. Admission takes a request
-only when blocks for its whole context and first token are free (or held only by the prefix cache,
-which gives them back). When a decode step needs more blocks than are free, the most recently
+only when blocks for its context and first token are free (or held only by the prefix cache, which
+gives them back); the blocks of its prefix hit are shared, not new, and pinned until its prefill. When a decode step needs more blocks than are free, the most recently
 admitted request is preempted: its blocks freed, it waits at the head of the queue, and when
 admitted again its prompt and output are recomputed in one forward (no sampling) and it decodes on
 from where it stopped: the same tokens as a run never preempted (its sampler's state is its own).
@@ -53,7 +53,7 @@ from .events import RequestHandle
 from .grammar import Grammars
 from .limits import EngineLimits
 from .loop import StepLoop
-from .prefix_cache import PagedPrefixCache, PrefixCache
+from .prefix_cache import PagedPrefixCache, Pin, PrefixCache
 from .sequence import SeqState
 
 log = logging.getLogger(__name__)
@@ -216,20 +216,25 @@ class GenerationEngine(StepLoop):
         True when it computed prompt tokens."""
         chunked = self._chunk()
         budget = self.prefill_budget()
-        group = taken = self._take_waiting(budget - chunked, first_fits=not chunked)
-        resumed = [seq for seq in group if seq.resume]
-        if resumed:
-            group = [seq for seq in group if not seq.resume]
-            self._restore(resumed)
-        while group:
-            lengths = [self._rest(seq) for seq in group]
-            picked = set(select_batch(lengths, len(group), budget, PREFILL_OVERHEAD_TOKENS))
-            started = time.perf_counter()
-            self._prefill([seq for i, seq in enumerate(group) if i in picked],
-                          rest=[seq for i, seq in enumerate(group) if i not in picked])
-            padded = len(picked) * max(lengths[i] for i in picked)
-            self._prefill_token_s = ewma(self._prefill_token_s, (time.perf_counter() - started) / max(padded, 1))
-            group = [seq for i, seq in enumerate(group) if i not in picked]
+        pins: list[Pin] = []
+        try:
+            group = taken = self._take_waiting(budget - chunked, pins, first_fits=not chunked)
+            resumed = [seq for seq in group if seq.resume]
+            if resumed:
+                group = [seq for seq in group if not seq.resume]
+                self._restore(resumed)
+            while group:
+                lengths = [self._rest(seq) for seq in group]
+                picked = set(select_batch(lengths, len(group), budget, PREFILL_OVERHEAD_TOKENS))
+                started = time.perf_counter()
+                self._prefill([seq for i, seq in enumerate(group) if i in picked],
+                              rest=[seq for i, seq in enumerate(group) if i not in picked])
+                padded = len(picked) * max(lengths[i] for i in picked)
+                self._prefill_token_s = ewma(self._prefill_token_s, (time.perf_counter() - started) / max(padded, 1))
+                group = [seq for i, seq in enumerate(group) if i not in picked]
+        finally:
+            for pin in pins:  # the hits are in the rows now (or their requests failed)
+                self._batch.unpin_prefix(pin)
         return bool(chunked or taken)
 
     def forget_timings(self) -> None:
@@ -351,11 +356,13 @@ class GenerationEngine(StepLoop):
                 siblings.append(sibling)
         return siblings
 
-    def _take_waiting(self, budget: int, first_fits: bool = True) -> list[SeqState]:
+    def _take_waiting(self, budget: int, pins: list[Pin], first_fits: bool = True) -> list[SeqState]:
         """FIFO while rows are free, (longest prompt) x (requests) fits the prefill budget (the first
-        one always, unless `first_fits` is False) and, paged, blocks for each whole context are
-        available (made free before returning); stops at a prompt to prefill in chunks (a preempted
-        request's context is recomputed whole)."""
+        one always, unless `first_fits` is False) and, paged, blocks for each context are available
+        (made free before returning); stops at a prompt to prefill in chunks (a preempted request's
+        context is recomputed whole). Paged, a request's prefix hit is counted as blocks it shares,
+        not new ones, and pinned (appended to `pins`; the caller unpins after the prefill) so that
+        nothing evicts it first."""
         batch = self._batch
         free, group, longest, taken = batch.free, [], 0, 0
         blocks = batch.blocks_available() if batch.paged else 0
@@ -370,10 +377,17 @@ class GenerationEngine(StepLoop):
                 if (group or not first_fits) and longest_next * (len(group) + 1) > budget:
                     break
                 if batch.paged:
-                    need = batch.blocks_for(head)
-                    if taken + need > blocks:
+                    hit = len(head.context) - rest
+                    need = batch.blocks_for(head, hit)
+                    pin = batch.pin_prefix(head, hit)
+                    lost = pin.taken if pin is not None else 0  # pinned blocks the pool can no longer reclaim
+                    if taken + need > blocks - lost:
+                        if pin is not None:
+                            batch.unpin_prefix(pin)
                         break  # running requests free blocks as they finish
-                    taken += need
+                    taken, blocks = taken + need, blocks - lost
+                    if pin is not None:
+                        pins.append(pin)
                 seq = self._waiting.popleft()
                 seq.admitted, longest = now, longest_next
                 group.append(seq)

@@ -15,12 +15,16 @@ on the row's full blocks themselves, and a hit hands the same blocks to the new 
 points at them). Those blocks count in the pool; ones no row uses are given back on demand
 (`reclaim`, least recently used first) before the engine preempts anyone.
 
+An admission counts a waiting request's hit as blocks it will not need (as vLLM's scheduler does),
+so it `pin`s the hit's entries until the request is prefilled: neither `reclaim` nor the budget's
+eviction takes a pinned entry, and the hit is still there when the prefill looks it up.
+
 The engine thread owns it (no locks).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +35,14 @@ from models.kv_cache import KVCache
 from models.paged_cache import BLOCK_TOKENS, PagedKVCache
 
 BLOCK = BLOCK_TOKENS  # tokens per cached block: a paged cache's block
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Entries an admission keeps until its prefill (`PrefixCache.pin`)."""
+
+    keys: tuple[int, ...]  # chain hashes pinned
+    taken: int  # pool blocks that were reclaimable before this pin and no longer are
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,7 @@ class PrefixCache:
         self.block_bytes = self._block_bytes()
         self.capacity = budget_bytes // self.block_bytes  # blocks
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # chain hash -> entry, least recent first
+        self._pins: Counter[int] = Counter()  # chain hash -> admissions counting on it (never evicted)
 
     def _block_bytes(self) -> int:
         k = self.cache.k[0]
@@ -115,9 +128,37 @@ class PrefixCache:
         for i, key, parent, tokens in new:
             self._entries[key] = _Entry(parent, tokens, kv[:, :, i - new[0][0]].clone())  # (2 * layers, K, BLOCK, D)
         self._touch(chain)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self._evict_past_capacity()
         return len(new)
+
+    def _evict_past_capacity(self) -> None:
+        """Least recently used entries out while past the budget; pinned ones stay (the budget may be
+        exceeded until they are unpinned)."""
+        excess = len(self._entries) - self.capacity
+        if excess > 0:
+            for key in [k for k in self._entries if k not in self._pins][:excess]:
+                self._drop(key)
+
+    def _drop(self, key: int) -> None:
+        del self._entries[key]
+
+    def pin(self, prompt: Sequence[int], tokens: int) -> Pin:
+        """Keep the entries of the prompt's first `tokens` (a lookup() result) until unpin()."""
+        keys = tuple(key for key, _, _ in self._chain(prompt, tokens // BLOCK))
+        taken = sum(1 for key in keys if self._reclaimable(key))
+        self._pins.update(keys)
+        return Pin(keys, taken)
+
+    def unpin(self, pin: Pin) -> None:
+        self._pins.subtract(pin.keys)
+        for key in pin.keys:
+            if self._pins[key] <= 0:
+                del self._pins[key]
+        self._evict_past_capacity()
+
+    def _reclaimable(self, key: int) -> bool:
+        """Whether the pool could have this entry's block back (copies hold none)."""
+        return False
 
     def _touch(self, chain: list[tuple[int, int | None, tuple[int, ...]]]) -> None:
         """Mark a chain's blocks recently used, the first block most recently: eviction then takes a
@@ -180,20 +221,24 @@ class PagedPrefixCache(PrefixCache):
                 self.cache.ref(table[i])
                 added += 1
         self._touch(chain)
-        while len(self._entries) > self.capacity:
-            self._drop(next(iter(self._entries)))
+        self._evict_past_capacity()
         return added
 
     def _drop(self, key: int) -> None:
         self.cache.unref(self._entries.pop(key).block)
 
+    def _reclaimable(self, key: int) -> bool:
+        """Only this cache holds the entry's block, and no admission counts on it."""
+        entry = self._entries.get(key)
+        return entry is not None and key not in self._pins and self.cache.refs(entry.block) == 1
+
     def reclaimable(self) -> int:
-        return sum(1 for e in self._entries.values() if self.cache.refs(e.block) == 1)
+        return sum(1 for key in self._entries if self._reclaimable(key))
 
     def reclaim(self, blocks: int) -> int:
-        """Evict least recently used entries whose block no row uses, until `blocks` are freed."""
+        """Evict least recently used unpinned entries whose block no row uses, until `blocks` are freed."""
         freed = 0
-        for key in [k for k, e in self._entries.items() if self.cache.refs(e.block) == 1]:
+        for key in [k for k in self._entries if self._reclaimable(k)]:
             if freed >= blocks:
                 break
             self._drop(key)

@@ -164,3 +164,45 @@ def test_a_chunked_prefill_is_preempted_first_and_then_completes(tiny: tuple[nn.
     wants = [reference(model, tok, p, q)[0] for p, q in zip(prompts, params, strict=True)]
     assert [list(read(h)[1].token_ids) for h in handles] == wants
     assert engine.cache.blocks_free == engine.cache.blocks_total
+
+
+def test_a_prefix_hit_counts_as_shared_blocks_at_admission(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """A pool of 16 blocks and requests sharing a 4-block system prompt: counted whole (5 blocks each)
+    three would run at once; counted as the one block each adds to the shared prompt, all seven do,
+    none preempted, each with its tokens alone."""
+    model, tok = tiny
+    engine = make(model, tok, max_running=8, kv_cache_mib=mib_for_blocks(model, 16), prefix_cache_mib=1.0)
+    system = list(range(20, 20 + 4 * BLOCK))
+    prompts = [system + [70 + i, 71, 72] for i in range(7)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    handles = [engine.submit(prompts[0], params)]
+    engine.step()  # the first one computes the system prompt and leaves it in the prefix cache
+    handles += [engine.submit(p, params) for p in prompts[1:]]
+    history = run_until_idle(engine)
+    assert max(s.running for s in history) == 7 and history[-1].preempted == 0
+    assert history[-1].cached_prompt_tokens == 6 * len(system)
+    assert [list(read(h)[1].token_ids) for h in handles] == [reference(model, tok, p, params)[0] for p in prompts]
+    assert engine.cache.blocks_free + len(engine._batch.prefix) == engine.cache.blocks_total
+
+
+def test_an_admitted_hit_is_pinned_until_its_prefill(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """The prefix cache holds a 3-block prompt no row uses (reclaimable) in a pool of 10. A request
+    with that prefix (1 new block) is admitted on its hit; a 120-token one behind it (8 blocks) must
+    wait for it: had its admission reclaimed the hit's blocks, the first one's prefill would need
+    them back and one of the two would fail for lack of blocks. Both finish with their tokens alone."""
+    model, tok = tiny
+    engine = make(model, tok, max_running=4, kv_cache_mib=mib_for_blocks(model, 10), prefix_cache_mib=1.0)
+    system = list(range(20, 20 + 3 * BLOCK))
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    warm = engine.submit(system + [90, 91], params)
+    run_until_idle(engine)
+    assert read(warm)[1].finish_reason == "length" and len(engine._batch.prefix) == 3
+    prompts = [system + [70, 71], [30 + i % 40 for i in range(120)]]
+    handles = [engine.submit(p, params) for p in prompts]
+    history = run_until_idle(engine)
+    assert max(s.running for s in history) == 1  # one after the other
+    assert history[-1].cached_prompt_tokens == len(system)  # the first one reused warm's prompt
+    finals = [read(h)[1] for h in handles]
+    assert [f.finish_reason for f in finals] == ["length", "length"]
+    assert [list(f.token_ids) for f in finals] == [reference(model, tok, p, params)[0] for p in prompts]
+    assert engine.cache.blocks_free + len(engine._batch.prefix) == engine.cache.blocks_total

@@ -69,6 +69,27 @@ def test_eviction_takes_the_least_recent_prefix_tail_first() -> None:
     assert (prefix.lookup(a), prefix.lookup(b), prefix.lookup(c)) == (BLOCK, 2 * BLOCK, BLOCK)
 
 
+def test_a_pinned_prefix_outlives_the_budget_until_unpinned() -> None:
+    """An admission pins the hit it counted on: storing past the budget evicts other entries, then,
+    with every entry pinned, none; unpinning evicts back to the budget, least recent first."""
+    cache = filled()
+    prefix = PrefixCache(cache, budget_bytes=2 * PrefixCache(cache, 0).block_bytes)
+    a = list(range(100, 100 + 2 * BLOCK)) + [1]
+    prefix.store(a, 0)
+    pin = prefix.pin(a, prefix.lookup(a))
+    assert pin.taken == 0  # copies: no pool block is held back
+    b = list(range(300, 300 + 2 * BLOCK)) + [1]
+    prefix.store(b, 1)  # over the budget with a pinned: b's own blocks cannot stay
+    assert prefix.lookup(a) == 2 * BLOCK and len(prefix) == 2
+    prefix.pin(a, 2 * BLOCK)
+    prefix.unpin(pin)
+    prefix.store(b, 1)
+    assert prefix.lookup(a) == 2 * BLOCK and prefix.lookup(b) == 0  # still pinned once
+    prefix.unpin(pin)
+    prefix.store(b, 1)
+    assert (prefix.lookup(a), prefix.lookup(b), len(prefix)) == (0, 2 * BLOCK, 2)
+
+
 @pytest.fixture(scope="module")
 def tiny() -> tuple[nn.Module, TextTokenizer]:
     """The tiny decoder with its weights spread x3: attention then depends on which keys sit where,
