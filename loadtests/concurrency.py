@@ -32,7 +32,8 @@ def requests(rng: random.Random, vocab: int, n: int) -> list[tuple[list[int], in
              skewed_int(rng, 16, 128, median=48)) for _ in range(n)]
 
 
-def measure(model, tok, cache: str, clients: int, args: argparse.Namespace) -> dict[str, float]:  # noqa: ANN001
+def measure(model, tok, cache: str, clients: int, args: argparse.Namespace,  # noqa: ANN001
+            prompt_model=None) -> dict[str, float]:  # noqa: ANN001
     from models.decoding import SamplingParams
     from service.engine.config import EngineConfig
     from service.engine.core import GenerationEngine
@@ -41,7 +42,7 @@ def measure(model, tok, cache: str, clients: int, args: argparse.Namespace) -> d
 
     config = shipped_generator_engine(max_running=clients, paged=cache == "paged", max_queued=clients,
                                       max_new_tokens=None)
-    engine = GenerationEngine(model, tok, EngineConfig(**config)).start()
+    engine = GenerationEngine(model, tok, EngineConfig(**config), prompt_model=prompt_model).start()
     work = requests(random.Random(args.seed), model.cfg.vocab_size, 100_000)
     lock, taken = threading.Lock(), [0]
     started = time.perf_counter()
@@ -84,19 +85,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--caches", default="paged,rows")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--prompt-weights", default=None,
+                        help="ModelSpec.prompt_weights values to run side by side, e.g. same,float "
+                             "(default: the shipped config's)")
     add_model_args(parser)
     args = parser.parse_args(argv)
-    model, tok, label = load_generator(args)
+    kinds = args.prompt_weights.split(",") if args.prompt_weights else [None]
+    # one load: with "float" in the list the twin is loaded once and left out for "same"
+    model, tok, label, twin = load_generator(args, "float" if "float" in kinds and not args.tiny else None)
     rows = []
     for clients in [int(c) for c in args.clients.split(",")]:
         for cache in args.caches.split(","):
-            print(f"{cache}, {clients} clients ...", file=sys.stderr, flush=True)
-            rows.append((cache, clients, measure(model, tok, cache, clients, args)))
+            for kind in kinds:
+                prompt_model = None if kind == "same" else twin
+                print(f"{cache}, {clients} clients, prompts on {kind or 'shipped'} weights ...", file=sys.stderr,
+                      flush=True)
+                rows.append((cache, kind or "shipped", clients, measure(model, tok, cache, clients, args, prompt_model)))
     print(f"\n{label}, {args.threads} threads, closed loop, greedy, {args.seconds:.0f} s after {args.warmup:.0f} s\n")
-    print("| KV cache | clients | output tok/s | most running | preempted | TTFT p50 / p95 (s) | inter-token p50 / p95 (ms) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for cache, clients, r in rows:
-        print(f"| {cache} | {clients} | {r['tok_s']:.1f} | {r['peak']} | {r['preempted']} | "
+    print("| KV cache | prompt weights | clients | output tok/s | most running | preempted | TTFT p50 / p95 (s) | "
+          "inter-token p50 / p95 (ms) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for cache, kind, clients, r in rows:
+        print(f"| {cache} | {kind} | {clients} | {r['tok_s']:.1f} | {r['peak']} | {r['preempted']} | "
               f"{r['ttft50']:.2f} / {r['ttft95']:.2f} | {r['itl50'] * 1e3:.0f} / {r['itl95'] * 1e3:.0f} |")
     return 0
 

@@ -46,8 +46,11 @@ def shipped_generator_engine(**changes: Any) -> dict[str, Any]:
     return {**dataclasses.asdict(engine), **changes}
 
 
-def load_generator(args: argparse.Namespace) -> tuple[Any, Any, str]:
-    """(model, tokenizer, label) with torch set to args.threads: the shipped generator, or the tiny one."""
+def load_generator(args: argparse.Namespace, prompt_weights: str | None = None) -> tuple[Any, Any, str, Any]:
+    """(model, tokenizer, label, prompt model or None) with torch set to args.threads: the shipped
+    generator (its prompt_weights unless given), or the tiny one."""
+    import dataclasses
+
     import torch
 
     from models.catalog import load_model
@@ -56,7 +59,10 @@ def load_generator(args: argparse.Namespace) -> tuple[Any, Any, str]:
     torch.set_num_threads(args.threads)
     if args.tiny:
         model, tok = tiny_model("decoder")
-        return model, tok, "tiny decoder"
+        return model, tok, "tiny decoder", None
     spec, dtype, cache_dir = shipped_generator()
+    if prompt_weights is not None:
+        spec = dataclasses.replace(spec, prompt_weights=prompt_weights)
     loaded = load_model(spec, cache_dir, dtype=None if dtype == "auto" else getattr(torch, dtype))
-    return loaded.model, loaded.tokenizer, f"{spec.name} ({spec.quantize or dtype}, compiled {spec.compile})"
+    label = f"{spec.name} ({spec.quantize or dtype}, compiled {spec.compile}, prompts on {spec.prompt_weights} weights)"
+    return loaded.model, loaded.tokenizer, label, loaded.prompt_model

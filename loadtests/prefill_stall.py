@@ -29,7 +29,8 @@ def inter_token(times: tuple[float, ...], start: float, stop: float) -> list[flo
     return [b - a for a, b in zip(times, times[1:], strict=False) if start <= b < stop]
 
 
-def measure(model, tok, chunk: int | None, args: argparse.Namespace) -> dict[str, float]:  # noqa: ANN001
+def measure(model, tok, chunk: int | None, args: argparse.Namespace,  # noqa: ANN001
+            prompt_model=None) -> dict[str, float]:  # noqa: ANN001
     from models.decoding import SamplingParams
     from service.engine.config import EngineConfig
     from service.engine.core import GenerationEngine
@@ -39,7 +40,7 @@ def measure(model, tok, chunk: int | None, args: argparse.Namespace) -> dict[str
     total = min(args.prompt_tokens + 64 + int(args.seconds * 2 * 100), model.cfg.max_positions)
     config = EngineConfig(max_running=args.streams + 1, max_total_tokens=total, max_new_tokens=None,
                           kv_cache_mib=4096, max_queued=256, prefill_tokens=2048, prefill_chunk=chunk)
-    engine = GenerationEngine(model, tok, config).start()
+    engine = GenerationEngine(model, tok, config, prompt_model=prompt_model).start()
     try:
         stream = SamplingParams(max_new_tokens=total - 64, ignore_eos=True)
         streams = []
@@ -81,12 +82,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each phase")
     add_model_args(parser)
     args = parser.parse_args(argv)
-    model, tok, label = load_generator(args)
+    model, tok, label, prompt_model = load_generator(args)
     rows = []
     for raw in args.chunks.split(","):
         chunk = None if raw.strip() == "none" else int(raw)
         print(f"prefill_chunk={raw.strip()} ...", file=sys.stderr, flush=True)
-        rows.append((raw.strip(), measure(model, tok, chunk, args)))
+        rows.append((raw.strip(), measure(model, tok, chunk, args, prompt_model)))
     print(f"\n{label}: {args.streams} streams; a {args.prompt_tokens}-token prompt every {args.every:g} s "
           f"for {args.seconds:g} s (threads {args.threads})\n")
     print("| prefill_chunk | ITL p50 / p95 alone (ms) | ITL p50 / p95 / max with long prompts (ms) | p95 rise | "

@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from .engine_models import add_model_args, load_generator, percentile
 
 
-def measure(model, tok, cache_mib: float, args: argparse.Namespace) -> dict[str, float]:  # noqa: ANN001
+def measure(model, tok, cache_mib: float, args: argparse.Namespace,  # noqa: ANN001
+            prompt_model=None) -> dict[str, float]:  # noqa: ANN001
     from models.decoding import SamplingParams
     from service.engine.config import EngineConfig
     from service.engine.core import GenerationEngine
@@ -34,7 +35,7 @@ def measure(model, tok, cache_mib: float, args: argparse.Namespace) -> dict[str,
     config = EngineConfig(max_running=max(8, args.clients), max_total_tokens=len(prompts[0]) + args.new_tokens + 1,
                           max_new_tokens=None, kv_cache_mib=2048, prefix_cache_mib=cache_mib)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    with GenerationEngine(model, tok, config) as engine:
+    with GenerationEngine(model, tok, config, prompt_model=prompt_model) as engine:
         engine.submit(prompts[0][:8], SamplingParams(max_new_tokens=2)).result_sync(timeout=120)  # warm
         before = engine.stats()
         started = time.perf_counter()
@@ -59,11 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=4)
     add_model_args(parser)
     args = parser.parse_args(argv)
-    model, tok, label = load_generator(args)
+    model, tok, label, prompt_model = load_generator(args)
     rows = []
     for raw in args.cache_mib.split(","):
         print(f"prefix_cache_mib={raw.strip()} ...", file=sys.stderr, flush=True)
-        rows.append((raw.strip(), measure(model, tok, float(raw), args)))
+        rows.append((raw.strip(), measure(model, tok, float(raw), args, prompt_model)))
     print(f"\n{label}: {args.requests} requests from {args.clients} clients, each a shared {args.system_tokens}-token "
           f"system prompt + {args.user_tokens} own tokens, {args.new_tokens} new tokens (threads {args.threads})\n")
     print("| prefix_cache_mib | TTFT p50 (s) | TTFT p95 (s) | requests/s | hit rate |")

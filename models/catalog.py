@@ -17,6 +17,7 @@ Loaders are looked up in a registry dict by scheme.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from .dense import pack_dense
 from .fuse import fuse_projections
 from .kernels import native
 from .panels import BLOCK_FORMATS, set_activation_bits
+from .prompt_weights import PROBE_TOKENS, prompt_speedup
 from .quant import keeps_fusion, quantize
 from .spec import DEFAULT_SPECS, ModelSpec
 from .text import TextTokenizer
@@ -57,6 +59,9 @@ class LoadedModel:
     kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/dense.py)
     compile_seconds: float = 0.0  # of load_seconds, compiling and warming up the blocks (spec.compile)
     quantize: str | None = None  # the quantization in effect (spec.quantize, unless it could not run here)
+    # spec.prompt_weights "float": the same model on float32 weights, for prompts (None: `model` does all)
+    prompt_model: nn.Module | None = None
+    prompt_speedup: float | None = None  # prompt_weights other than "same": float32 / blocks, as measured at load
 
     @property
     def device(self) -> torch.device:
@@ -160,6 +165,21 @@ def _attach_head(model: nn.Module, head_uri: str, cache_dir: Path) -> tuple[nn.M
     return with_head.eval(), labels
 
 
+def _pack_and_compile(spec: ModelSpec, model: nn.Module, dense_kernel: str) -> tuple[dict[str, str], float]:
+    """Pack its float32 CPU projections (models/dense.py), then compile its blocks if the spec says so:
+    (the kernels chosen per weight shape, seconds spent compiling and warming up)."""
+    kernels = pack_dense(model, dense_kernel)  # float32 CPU layers only
+    if not spec.compile:
+        return kernels, 0.0
+    compile_blocks(model)  # last: the compiled blocks do not re-check their layers (models/compiled.py)
+    try:
+        return kernels, warm_up(model)
+    except Exception as e:  # noqa: BLE001 - no C++ compiler for inductor, an unsupported op: run eager
+        uncompile_blocks(model)
+        log.warning("%s: compiling its blocks failed, serving them eager: %s", spec.name, str(e)[:300])
+        return kernels, 0.0
+
+
 def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
     """Load, move to device once, cast, eval. Raises zoo.WeightsMissingError naming the fetch command."""
     import time
@@ -179,21 +199,27 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
         log.warning("%s: quantize %s needs this project's CPU kernels, which are not available here (see the "
                     "log above); serving its float32 weights instead", spec.name, mode)
         mode = None
+    # prompt_weights: the float32 weights the blocks are made from (for a GGUF, the file's own values)
+    twin = copy.deepcopy(model) if spec.prompt_weights != "same" and mode in BLOCK_FORMATS else None
     if spec.fuse and keeps_fusion(mode, model):
         model = fuse_projections(model)
     if mode is not None:  # after the cast (the scales stay float32), calibrated on sample text
         model = quantize(model, mode, calibration_run(model, tokenizer))
         set_activation_bits(model, spec.block_activation_bits)
-    kernels = pack_dense(model, spec.dense_kernel)  # float32 CPU layers only
-    compile_seconds = 0.0
-    if spec.compile:  # last: the compiled blocks do not re-check their layers (models/compiled.py)
-        compile_blocks(model)
-        try:
-            compile_seconds = warm_up(model)
-        except Exception as e:  # noqa: BLE001 - no C++ compiler for inductor, an unsupported op: run eager
-            uncompile_blocks(model)
-            log.warning("%s: compiling its blocks failed, serving them eager: %s", spec.name, str(e)[:300])
+    kernels, compile_seconds = _pack_and_compile(spec, model, spec.dense_kernel)
+    prompt_model, speedup = None, None
+    if twin is not None:
+        if spec.fuse and keeps_fusion(None, twin):
+            twin = fuse_projections(twin)
+        # on our panel kernels: each row's products do not depend on the other rows, so a prompt's
+        # keys are the same in any batch
+        twin_kernels, twin_seconds = _pack_and_compile(spec, twin, "panels")
+        speedup = prompt_speedup(model, twin)
+        if spec.prompt_weights == "float" or speedup > 1.0:
+            prompt_model, compile_seconds, kernels = twin, compile_seconds + twin_seconds, {**twin_kernels, **kernels}
+        log.info("%s: a %d-token prompt ran %.2fx as fast on float32 weights as on the %s blocks: prompts on %s",
+                 spec.name, PROBE_TOKENS, speedup, mode, "float32 weights" if prompt_model is not None else "the blocks")
     longest = getattr(model.cfg, "max_tokens", model.cfg.max_positions)  # encoders: positions past an offset
     limit = min(spec.max_input_tokens or longest, longest)
     return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started, kernels,
-                       compile_seconds, mode)
+                       compile_seconds, mode, prompt_model, speedup)

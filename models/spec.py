@@ -15,6 +15,7 @@ Task = Literal["classify", "embed", "rerank", "translate", "generate"]
 Kind = Literal["encoder", "translator", "generator"]
 Quantization = Literal["int8", "q8_0", "q4_1"]
 DenseKernel = Literal["auto", "panels", "onednn", "aten"]  # float projections on CPU: models/dense.py
+PromptWeights = Literal["same", "float", "auto"]  # the weights a generator computes prompts with (ModelSpec)
 # the kind of model (and of deployment) each task needs
 TASK_KIND: dict[str, Kind] = {"classify": "encoder", "embed": "encoder", "rerank": "encoder",
                               "translate": "translator", "generate": "generator"}
@@ -43,6 +44,11 @@ class ModelSpec:
     # model's results to ~1e-5, its greedy answers kept) or 8 (one part, llama.cpp's arithmetic:
     # up to 2x faster at 8-32 rows, the same at one row; flips the float model's close calls)
     block_activation_bits: Literal[16, 8] = 16
+    # q8_0 / q4_1 generators: "float" computes prompts (prefill) with a float32 copy of the weights
+    # (for a GGUF, the file's own values) and decodes with the blocks; "auto" does so where one prompt
+    # measures faster that way at load (CPUs without 8-bit dot products: models/prompt_weights.py).
+    # Every prompt takes the same path, so tokens stay the same alone or batched.
+    prompt_weights: PromptWeights = "same"
     fuse: bool = True  # q/k/v and gate/up as one projection each (models/fuse.py): the same results, faster
     # float projections on CPU: "auto" measures MKL, oneDNN and our panel kernels per weight shape at
     # load and keeps the fastest; "panels" / "onednn" packs all with that kernel, "aten" none (models/dense.py)
@@ -77,6 +83,13 @@ class ModelSpec:
             problems.append(f"quantize must be one of {list(get_args(Quantization))} or null, got {self.quantize!r}")
         if self.block_activation_bits not in (16, 8):
             problems.append(f"block_activation_bits must be 16 or 8, got {self.block_activation_bits!r}")
+        if self.prompt_weights not in get_args(PromptWeights):
+            problems.append(f"prompt_weights must be one of {list(get_args(PromptWeights))}, got {self.prompt_weights!r}")
+        elif self.prompt_weights != "same" and self.quantize not in ("q8_0", "q4_1"):
+            problems.append(f"prompt_weights: {self.prompt_weights} needs quantize q8_0 or q4_1, got {self.quantize!r}")
+        elif self.prompt_weights != "same" and "generate" not in self.tasks:
+            problems.append(f"prompt_weights: {self.prompt_weights} is for generators (their prompts and decode "
+                            "steps differ)")
         if self.dense_kernel not in get_args(DenseKernel):
             problems.append(f"dense_kernel must be one of {list(get_args(DenseKernel))}, got {self.dense_kernel!r}")
         dims = self.defaults.get("dimensions")

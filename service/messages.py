@@ -69,6 +69,7 @@ class ModelInfo:
     kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/dense.py)
     compiled: bool = False  # its blocks run compiled (models/compiled.py)
     block_activation_bits: int | None = None  # q8_0 / q4_1: 16 or 8 (models/panels.py)
+    prompt_weights: str | None = None  # "float": prompts computed on a float32 copy (ModelSpec.prompt_weights)
 
 
 @dataclass(frozen=True)

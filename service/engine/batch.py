@@ -38,7 +38,7 @@ from models.kv_cache import KVCache
 from models.paged_cache import PagedKVCache, blocks_for
 
 from .grammar import MaskBuilder
-from .prefix_cache import Pin, PrefixCache
+from .prefix_cache import BLOCK, Pin, PrefixCache
 from .sequence import SeqState
 
 # A prefill pads its prompts (T) so that B x T, the rows its Linears see, is a multiple of this
@@ -56,8 +56,12 @@ class RunningBatch:
     """Owned by the engine thread."""
 
     def __init__(self, model: DecoderLM, cache: KVCache | PagedKVCache, vocab_size: int,
-                 prefix: PrefixCache | None = None) -> None:
+                 prefix: PrefixCache | None = None, prompt_model: DecoderLM | None = None) -> None:
+        """`prompt_model`: the model prompts are computed with (prefills, chunks, a preempted request's
+        prompt), when it is not `model` (ModelSpec.prompt_weights "float"); the decode steps, and a
+        preempted request's output when recomputed, take `model`."""
         self.model, self.cache, self.prefix = model, cache, prefix
+        self.prompt_model = prompt_model if prompt_model is not None else model
         self.paged = cache.paged
         self.device = cache.lengths.device
         self.rows: list[SeqState] = []
@@ -140,7 +144,8 @@ class RunningBatch:
         masks = self._start_masks(group) if last else None
         padded = PaddedBatch.from_token_lists([piece], device=self.device, multiple=PREFILL_MULTIPLE,
                                               limit=self.cache.max_len - done)  # (1, T): padded as prefill pads
-        logits = self.model(padded.ids, cache=self.cache.view(row, row + 1), last=padded.last_index())[:, 0]  # (1, V)
+        logits = self.prompt_model(padded.ids, cache=self.cache.view(row, row + 1),
+                                   last=padded.last_index())[:, 0]  # (1, V)
         if not last:
             self.cache.advance(len(piece), row, row + 1)
             self.partial_done += len(piece)
@@ -232,27 +237,32 @@ class RunningBatch:
             raise ValueError(f"{len(group)} requests do not fit the {self.free} free cache rows")
         self.cache.reset(start, stop)
         contexts = [seq.context for seq in group]
-        hits = [self.prefix.lookup(c) if self.prefix is not None else 0 for c in contexts]
-        if max(hits) + max(len(c) - h for c, h in zip(contexts, hits, strict=True)) > self.cache.max_len:
+        hits = [self.cached(seq) for seq in group]
+        one_forward = self.prompt_model is self.model  # else row by row (_recompute): each row fits alone
+        if one_forward and max(hits) + max(len(c) - h for c, h in zip(contexts, hits, strict=True)) > self.cache.max_len:
             hits = [0] * len(group)
         for row, (c, hit) in enumerate(zip(contexts, hits, strict=True), start):
             if hit:
                 self.prefix.load(c, hit, row)
                 self.cache.set_lengths(hit, row, row + 1)
-        multiple = PREFILL_MULTIPLE // math.gcd(len(group), PREFILL_MULTIPLE)
-        padded = PaddedBatch.from_token_lists([c[h:] for c, h in zip(contexts, hits, strict=True)],
-                                              device=self.device, multiple=multiple,
-                                              limit=self.cache.max_len - max(hits))  # (B, T)
-        self.model(padded.ids, cache=self.cache.view(start, stop), last=padded.last_index())
-        self.cache.advance(padded.lengths, start, stop)
+        if not one_forward:  # each part with the weights that first computed it
+            for row, (seq, hit) in enumerate(zip(group, hits, strict=True), start):
+                self._recompute(row, seq.context, hit, len(seq.prompt))
+        else:
+            multiple = PREFILL_MULTIPLE // math.gcd(len(group), PREFILL_MULTIPLE)
+            padded = PaddedBatch.from_token_lists([c[h:] for c, h in zip(contexts, hits, strict=True)],
+                                                  device=self.device, multiple=multiple,
+                                                  limit=self.cache.max_len - max(hits))  # (B, T)
+            self.model(padded.ids, cache=self.cache.view(start, stop), last=padded.last_index())
+            self.cache.advance(padded.lengths, start, stop)
         seen = self.seen[start:stop].zero_()  # (B, V) view
         counts = self.counts[start:stop].zero_()  # (B, V) view
         for i, seq in enumerate(group):
             seen[i, torch.tensor(seq.prompt + seq.tokens, device=self.device)] = True
             counts[i] = torch.bincount(torch.tensor(seq.tokens, device=self.device), minlength=counts.size(1))
             seq.resume = False
-            if self.prefix is not None:
-                self.prefix.store(contexts[i], start + i)
+            if self.prefix is not None:  # with a prompt model, only blocks it computed: prompts' blocks
+                self.prefix.store(contexts[i] if self.prompt_model is self.model else seq.prompt, start + i)
         self.rows.extend(group)
         self._params = None
 
@@ -289,7 +299,7 @@ class RunningBatch:
                                               device=self.device, multiple=multiple,
                                               limit=self.cache.max_len - max(hits))  # (U, T): what is left
         last = padded.last_index()  # (U,)
-        logits = self.model(padded.ids, cache=self.cache.view(start, start + n_unique), last=last)[:, 0]  # (U, V)
+        logits = self.prompt_model(padded.ids, cache=self.cache.view(start, start + n_unique), last=last)[:, 0]  # (U, V)
         seen = self._mark_prompts(start, uniques)  # (U, V) view
         index = torch.tensor(source, device=self.device)  # (B,)
         if n_unique < len(group):
@@ -320,8 +330,27 @@ class RunningBatch:
         return seen
 
     def cached(self, seq: SeqState) -> int:
-        """Tokens of seq's context (its prompt, unless preempted) the prefix cache holds now (0 without one)."""
-        return self.prefix.lookup(seq.context) if self.prefix is not None else 0
+        """Tokens of seq's context (its prompt, unless preempted) the prefix cache holds now (0 without
+        one); with a prompt model, of a preempted request's prompt only (its output is recomputed as
+        decoded)."""
+        if self.prefix is None:
+            return 0
+        hit = self.prefix.lookup(seq.context)
+        if seq.resume and self.prompt_model is not self.model:
+            hit = min(hit, len(seq.prompt) // BLOCK * BLOCK)
+        return hit
+
+    def _recompute(self, row: int, context: list[int], done: int, prompt: int) -> None:
+        """Row `row` holds context[:done]: compute the rest of its first `prompt` tokens with the prompt
+        model and the rest after them with the decode model, each padded as a prefill pads it."""
+        for model, end in ((self.prompt_model, prompt), (self.model, len(context))):
+            if done < end:
+                padded = PaddedBatch.from_token_lists([context[done:end]], device=self.device,
+                                                      multiple=PREFILL_MULTIPLE,
+                                                      limit=self.cache.max_len - done)  # (1, T)
+                model(padded.ids, cache=self.cache.view(row, row + 1), last=padded.last_index())
+                self.cache.advance(padded.lengths, row, row + 1)
+                done = end
 
     def _load_prefix(self, seq: SeqState, row: int, hit: int | None = None) -> int:
         """Copy the cached keys/values of the first `hit` tokens (default: the longest cached prefix)

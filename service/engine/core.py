@@ -84,8 +84,10 @@ class GenerationEngine(StepLoop):
 
     def __init__(self, model: DecoderLM, tokenizer: TextTokenizer, config: EngineConfig | None = None,
                  observer: EngineObserver | None = None, name: str = "generation-engine",
-                 after_step: Callable[[], object] | None = None, max_input_tokens: int | None = None) -> None:
-        """`max_input_tokens`: the model's input limit (the prompt limit when the config sets none)."""
+                 after_step: Callable[[], object] | None = None, max_input_tokens: int | None = None,
+                 prompt_model: DecoderLM | None = None) -> None:
+        """`max_input_tokens`: the model's input limit (the prompt limit when the config sets none).
+        `prompt_model`: the same model on other weights, for prompts (models.catalog.LoadedModel)."""
         weight = next(model.parameters())
         self.model, self.tokenizer = model, tokenizer
         self.device = weight.device
@@ -107,7 +109,7 @@ class GenerationEngine(StepLoop):
         if self.limits.prefix_cache_bytes and not self.cache.ring:
             kind = PagedPrefixCache if self.cache.paged else PrefixCache
             prefix = kind(self.cache, self.limits.prefix_cache_bytes)
-        self._batch = RunningBatch(model, self.cache, model.cfg.vocab_size, prefix)
+        self._batch = RunningBatch(model, self.cache, model.cfg.vocab_size, prefix, prompt_model)
         self._admitting: list[SeqState] = []
         self._prefill_token_s: float | None = None  # measured seconds per padded prefill token (a moving average)
 

@@ -42,7 +42,7 @@ def ops_router(settings: Settings, routes: ModelRoutes, backend: Backend, metric
                     languages=list(result.languages) if result.languages else None,
                     defaults=result.defaults, stats=result.stats, limits=result.limits or None,
                     quantize=result.quantize, kernels=result.kernels or None, compiled=result.compiled,
-                    block_activation_bits=result.block_activation_bits))
+                    block_activation_bits=result.block_activation_bits, prompt_weights=result.prompt_weights))
             else:
                 cards.append(ModelCard(id=dep.model.name, created=0, deployment=name, tasks=list(dep.model.tasks),
                                        ready=False, defaults=dict(dep.model.defaults), quantize=dep.model.quantize))

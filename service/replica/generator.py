@@ -63,7 +63,8 @@ class GeneratorRunner(EngineRunner):
                  observer: EngineObserver | None = None, heap: HeapTrimmer | None = None) -> None:
         super().__init__(loaded, deployment, heap)
         self.engine = GenerationEngine(loaded.model, loaded.tokenizer, config, observer, name=f"{deployment}-engine",
-                                       after_step=self.heap.maybe_trim, max_input_tokens=loaded.max_input_tokens)
+                                       after_step=self.heap.maybe_trim, max_input_tokens=loaded.max_input_tokens,
+                                       prompt_model=loaded.prompt_model)
         self.defaults = {k: v for k, v in loaded.spec.defaults.items() if k in SAMPLING_FIELDS}
         SamplingParams(**self.defaults)  # bad model defaults fail the replica at start, not each request
 

@@ -246,3 +246,42 @@ def test_int8_linear_gives_the_same_bits_either_way(monkeypatch: pytest.MonkeyPa
         assert (lin.weight_f is not None) == floats and "weight_f" not in lin.state_dict()
         out[floats] = lin(x)
     assert torch.equal(out[True], out[False])
+
+
+@needs_kernels
+def test_prompt_weights_float_loads_a_float_twin_for_prompts() -> None:
+    """prompt_weights "float": the blocks decode, a float32 copy on our panel kernels computes
+    prompts; the two agree to the blocks' rounding. Other models and modes refuse the setting."""
+    from models.panels import PanelLinear
+
+    spec = ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", quantize="q4_1", prompt_weights="float")
+    loaded = load_model(spec, Path("/nonexistent"))
+    assert any(isinstance(m, BlockLinear) for m in loaded.model.modules())
+    twin = loaded.prompt_model
+    assert twin is not None and not any(isinstance(m, BlockLinear) for m in twin.modules())
+    assert any(isinstance(m, PanelLinear) for m in twin.modules())
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(ids), loaded.model(ids), atol=0.1, rtol=0.1)
+    assert load_model(dataclasses.replace(spec, prompt_weights="same"), Path("/nonexistent")).prompt_model is None
+    with pytest.raises(ValueError, match="prompt_weights: float needs quantize"):
+        ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", prompt_weights="float")
+    with pytest.raises(ValueError, match="for generators"):
+        ModelSpec(name="e", tasks=("embed",), source="tiny:encoder", quantize="q8_0", prompt_weights="float")
+
+
+@needs_kernels
+@pytest.mark.parametrize(("measured", "twin"), [(0.8, False), (1.3, True)])
+def test_prompt_weights_auto_keeps_the_twin_only_where_it_measured_faster(
+        monkeypatch: pytest.MonkeyPatch, measured: float, twin: bool) -> None:
+    import models.catalog
+    from models.prompt_weights import prompt_speedup
+
+    tiny, _ = tiny_model("decoder")
+    assert prompt_speedup(tiny, tiny, tokens=8, rounds=1) > 0
+    monkeypatch.setattr(models.catalog, "prompt_speedup", lambda blocks, floats: measured)
+    spec = ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", quantize="q4_1", prompt_weights="auto")
+    loaded = load_model(spec, Path("/nonexistent"))
+    assert (loaded.prompt_model is not None) is twin and loaded.prompt_speedup == measured
+    forced = load_model(dataclasses.replace(spec, prompt_weights="float"), Path("/nonexistent"))
+    assert forced.prompt_model is not None  # "float" keeps it whatever it measured

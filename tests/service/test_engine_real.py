@@ -47,3 +47,42 @@ def test_smollm2_tokens_are_the_same_alone_and_among_others(dtype: torch.dtype) 
     assert mixed[3] == alone[0] and "Paris" in tok.decode(alone[0])
     assert mixed[7] == alone[1]
     assert len({tuple(m) for m in mixed}) >= 6  # the others really are other requests
+
+
+def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_preempted() -> None:
+    """The shipped Q4_1 generator with prompts on its float32 twin (prompt_weights "float", as "auto"
+    picks on CPUs without VNNI; eager here to keep the test short): a request's greedy tokens alone,
+    among others, and when preempted on a small pool are the same, and it still knows Paris."""
+    import dataclasses
+
+    from loadtests.engine_models import shipped_generator
+    from models.kernels import native
+
+    if not native.available():
+        pytest.skip("no native kernels: the shipped generator serves float32 weights and has no twin")
+    spec, _, cache_dir = shipped_generator()
+    lm = load_model(dataclasses.replace(spec, prompt_weights="float", compile=False), cache_dir)
+    assert lm.prompt_model is not None
+    tok = lm.tokenizer
+
+    def chat(text: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+    def engine(blocks: int) -> GenerationEngine:
+        cfg = lm.model.cfg
+        block_mib = 16 * 2 * cfg.n_layers * cfg.kv_heads * cfg.head_dim * 4 / 2**20
+        return GenerationEngine(lm.model, tok, EngineConfig(max_total_tokens=128, max_running=8,
+                                                            kv_cache_mib=blocks * block_mib, prefix_cache_mib=0),
+                                prompt_model=lm.prompt_model)
+
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    requests = [(chat(t), greedy) for t in ["What is the capital of France?", *OTHERS[:2]]]
+    with torch.inference_mode():
+        roomy = engine(64)
+        alone = [run(roomy, [r])[0] for r in requests]
+        mixed = run(roomy, requests)
+        small = engine(9)  # 3 requests of 4 blocks each: the newest are preempted and recomputed
+        squeezed = run(small, requests)
+    assert "Paris" in tok.decode(alone[0])
+    assert mixed == alone
+    assert small.stats().preempted >= 1 and squeezed == alone

@@ -38,7 +38,8 @@ def test_the_shipped_serve_config_is_valid() -> None:
     assert engine.max_running == 128 and engine.paged and s.deployments["generator"].num_cpus == 2
     # the default SmolLM2 from its GGUF's own 4-bit blocks, compiled, in float32 (docs/benchmarks.md)
     gen = s.deployments["generator"]
-    assert gen.model == dataclasses.replace(DEFAULT_SPECS["generator"], quantize="q4_1", compile=True)
+    assert gen.model == dataclasses.replace(DEFAULT_SPECS["generator"], quantize="q4_1", compile=True,
+                                            prompt_weights="auto")
     assert gen.dtype == "float32"
 
 
