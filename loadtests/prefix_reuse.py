@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--kv-cache-mib", type=float, default=2048,
                         help="the engine's KV pool; small, admission is bound by its blocks (a hit counts as shared)")
+    parser.add_argument("--prompt-weights", default=None, help="ModelSpec.prompt_weights (default: the shipped config's)")
     add_model_args(parser)
     args = parser.parse_args(argv)
-    model, tok, label, prompt_model = load_generator(args)
+    model, tok, label, prompt_model = load_generator(args, args.prompt_weights)
     rows = []
     for raw in args.cache_mib.split(","):
         print(f"prefix_cache_mib={raw.strip()} ...", file=sys.stderr, flush=True)
