@@ -75,7 +75,8 @@ def test_gpu_config_is_the_cpu_config_with_other_placement() -> None:
         assert changed <= may, f"{name}: {sorted(changed - may)} differ"
     cpu_s, gpu_s = settings_of(cpu), settings_of(gpu)
     cpu_models = {n: d.model for n, d in cpu_s.deployments.items()}
-    cpu_models["generator"] = dataclasses.replace(cpu_models["generator"], quantize=None, compile=False)
+    cpu_models["generator"] = dataclasses.replace(cpu_models["generator"], quantize=None, compile=False,
+                                                  prompt_weights="same")
     assert cpu_models == {n: d.model for n, d in gpu_s.deployments.items()}
 
 
