@@ -61,7 +61,7 @@ class LoadedModel:
     quantize: str | None = None  # the quantization in effect (spec.quantize, unless it could not run here)
     # spec.prompt_weights "float": the same model on float32 weights, for prompts (None: `model` does all)
     prompt_model: nn.Module | None = None
-    prompt_speedup: float | None = None  # prompt_weights other than "same": float32 / blocks, as measured at load
+    prompt_speedup: float | None = None  # prompt_weights "auto": float32 / blocks, as measured at load
 
     @property
     def device(self) -> torch.device:
@@ -214,11 +214,12 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
         # on our panel kernels: each row's products do not depend on the other rows, so a prompt's
         # keys are the same in any batch
         twin_kernels, twin_seconds = _pack_and_compile(spec, twin, "panels")
-        speedup = prompt_speedup(model, twin)
-        if spec.prompt_weights == "float" or speedup > 1.0:
+        if spec.prompt_weights == "auto":  # "float" keeps the copy unmeasured
+            speedup = prompt_speedup(model, twin)
+            log.info("%s: a %d-token prompt ran %.2fx as fast on float32 weights as on the %s blocks: prompts on %s",
+                     spec.name, PROBE_TOKENS, speedup, mode, "float32 weights" if speedup > 1.0 else "the blocks")
+        if speedup is None or speedup > 1.0:
             prompt_model, compile_seconds, kernels = twin, compile_seconds + twin_seconds, {**twin_kernels, **kernels}
-        log.info("%s: a %d-token prompt ran %.2fx as fast on float32 weights as on the %s blocks: prompts on %s",
-                 spec.name, PROBE_TOKENS, speedup, mode, "float32 weights" if prompt_model is not None else "the blocks")
     longest = getattr(model.cfg, "max_tokens", model.cfg.max_positions)  # encoders: positions past an offset
     limit = min(spec.max_input_tokens or longest, longest)
     return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started, kernels,

@@ -62,6 +62,7 @@ class RunningBatch:
         preempted request's output when recomputed, take `model`."""
         self.model, self.cache, self.prefix = model, cache, prefix
         self.prompt_model = prompt_model if prompt_model is not None else model
+        self.split = self.prompt_model is not model  # prompts and decode steps on different weights
         self.paged = cache.paged
         self.device = cache.lengths.device
         self.rows: list[SeqState] = []
@@ -238,14 +239,13 @@ class RunningBatch:
         self.cache.reset(start, stop)
         contexts = [seq.context for seq in group]
         hits = [self.cached(seq) for seq in group]
-        one_forward = self.prompt_model is self.model  # else row by row (_recompute): each row fits alone
-        if one_forward and max(hits) + max(len(c) - h for c, h in zip(contexts, hits, strict=True)) > self.cache.max_len:
+        if not self.split and max(hits) + max(len(c) - h for c, h in zip(contexts, hits, strict=True)) > self.cache.max_len:
             hits = [0] * len(group)
         for row, (c, hit) in enumerate(zip(contexts, hits, strict=True), start):
             if hit:
                 self.prefix.load(c, hit, row)
                 self.cache.set_lengths(hit, row, row + 1)
-        if not one_forward:  # each part with the weights that first computed it
+        if self.split:  # each part with the weights that first computed it, row by row (each fits alone)
             for row, (seq, hit) in enumerate(zip(group, hits, strict=True), start):
                 self._recompute(row, seq.context, hit, len(seq.prompt))
         else:
@@ -262,7 +262,7 @@ class RunningBatch:
             counts[i] = torch.bincount(torch.tensor(seq.tokens, device=self.device), minlength=counts.size(1))
             seq.resume = False
             if self.prefix is not None:  # with a prompt model, only blocks it computed: prompts' blocks
-                self.prefix.store(contexts[i] if self.prompt_model is self.model else seq.prompt, start + i)
+                self.prefix.store(seq.prompt if self.split else contexts[i], start + i)
         self.rows.extend(group)
         self._params = None
 
@@ -336,7 +336,7 @@ class RunningBatch:
         if self.prefix is None:
             return 0
         hit = self.prefix.lookup(seq.context)
-        if seq.resume and self.prompt_model is not self.model:
+        if seq.resume and self.split:
             hit = min(hit, len(seq.prompt) // BLOCK * BLOCK)
         return hit
 
