@@ -3,6 +3,8 @@ and among others admitted in the same steps, in float32 and in bfloat16, greedy 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -59,7 +61,9 @@ def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_p
     from models.kernels import native
 
     if not native.available():
-        pytest.skip("no native kernels: the shipped generator serves float32 weights and has no twin")
+        if os.environ.get("REQUIRE_NATIVE_KERNELS"):  # CI: the kernels must build there
+            pytest.fail("REQUIRE_NATIVE_KERNELS is set but the native kernels are not available")
+        pytest.skip("no AVX2 or AVX-512 CPU, or no compiler: the shipped generator serves float32 weights there")
     spec, _, cache_dir = shipped_generator()
     lm = load_model(dataclasses.replace(spec, prompt_weights="float", compile=False), cache_dir)
     assert lm.prompt_model is not None
