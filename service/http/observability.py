@@ -9,7 +9,11 @@
 - metrics: requests by endpoint and status, latency to the last byte (a whole SSE stream),
   requests in progress, 503 refusals by error type (service/telemetry/metrics.py);
 - an access-log line per request only when `access_log` is on;
-- an unexpected exception becomes the generic JSON 500 here, so it carries the id too.
+- an unexpected exception becomes the generic JSON 500 here, so it carries the id too;
+- a `receive` that fails is the client gone, not an error: behind Ray Serve, the proxy cancels the
+  replica's pending `receive` when the client disconnects (Ray's TaskCancelledError), which a
+  streaming response is awaiting the whole time. The app is told `http.disconnect` (the ASGI way), so
+  the stream stops quietly instead of logging three tracebacks per disconnected client.
 `endpoint` is the route's path, or "other" for paths the API does not have (bounded cardinality).
 """
 
@@ -86,10 +90,17 @@ class Observability:
                 reject_reason = _error_type(message.get("body", b""))
             await send(message)
 
+        async def guarded_receive() -> Message:
+            try:
+                return await receive()
+            except Exception as exc:  # noqa: BLE001 - whatever the transport raises, the client is gone
+                log.debug("receive failed (%s): the client disconnected", type(exc).__name__)
+                return {"type": "http.disconnect"}
+
         token = REQUEST_ID.set(rid)
         self.metrics.request_started(endpoint)
         try:
-            await self.app(scope, receive, observed_send)
+            await self.app(scope, guarded_receive, observed_send)
         except Exception:
             log.exception("unexpected error on %s %s", scope["method"], printable(scope["path"]))
             if response_started:
