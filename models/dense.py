@@ -68,6 +68,21 @@ class PackedLinear(RepackedLinear):
 Shape = tuple[int, int]  # (N, K)
 
 
+def kernels_per_shape(model: nn.Module) -> bool:
+    """Whether `model`'s projections keep a compiled kernel per input shape: oneDNN does (about 1.7 MiB
+    per row count for SmolLM2's MLP in bfloat16; docs/reliability.md, Heap trimming), for 16-bit float
+    weights on CPU (F.linear goes to oneDNN) and for PackedLinear; MKL, our panel and block kernels
+    (models/panels.py) and CUDA keep none. Callers that pick input shapes (a prefill's padding) bound
+    the variety of row counts where this is True."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            return True
+        if isinstance(m, nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype in (torch.bfloat16,
+                                                                                             torch.float16):
+            return True
+    return False
+
+
 @dataclass(frozen=True)
 class Slot:
     """A float projection of the model: where it lives, its weights, and whether it is a tied copy."""

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from models.decoder import DecoderLM
 from models.decoding import BatchParams, Choice, RowSampler, choose
+from models.dense import kernels_per_shape
 from models.inputs import PaddedBatch
 from models.kv_cache import KVCache
 from models.paged_cache import PagedKVCache, blocks_for
@@ -41,12 +42,25 @@ from .grammar import MaskBuilder
 from .prefix_cache import BLOCK, Pin, PrefixCache
 from .sequence import SeqState
 
-# A prefill pads its prompts (T) so that B x T, the rows its Linears see, is a multiple of this
-# (within the cache row). In bfloat16 on CPU, oneDNN keeps kernels for every distinct number of
-# rows a Linear sees (about 1.7 MiB each for SmolLM2's MLP): any B x T would make the replica's
-# memory grow with the variety of prompt lengths (docs/reliability.md, Heap trimming). With it, a
-# prefill budget of 2048 tokens allows 64 distinct row counts; decode steps add one per batch size.
+# A prefill pads its prompts (T) so that B x T, the rows its Linears see, is a multiple of
+# prefill_multiple() (within the cache row). Where the Linears keep a oneDNN kernel per row count
+# (bfloat16 on CPU: about 1.7 MiB each for SmolLM2's MLP), any B x T would make the replica's memory
+# grow with the variety of prompt lengths (docs/reliability.md, Heap trimming); with 32, a prefill
+# budget of 2048 tokens allows 64 distinct row counts, and decode steps add one per batch size.
+# Elsewhere (float32 on our panel and block kernels or MKL, CUDA) nothing is kept per shape, and
+# padding to 32 computed ~20 % of a closed loop's prompt tokens for nothing (prompts of 10-200
+# tokens: 0.79 of the padded tokens real, 0.98 with 2; prefill 1.09x faster: docs/benchmarks.md).
+# There 2, which keeps a one-prompt prefill from being one token wide (the decode step's shape).
 PREFILL_MULTIPLE = 32
+SHAPE_FREE_MULTIPLE = 2
+
+
+def prefill_multiple(*models: torch.nn.Module) -> int:
+    """B x T of a prefill is a multiple of this: PREFILL_MULTIPLE where a model's projections keep
+    kernels per shape (models.dense.kernels_per_shape), else SHAPE_FREE_MULTIPLE."""
+    return PREFILL_MULTIPLE if any(kernels_per_shape(m) for m in models) else SHAPE_FREE_MULTIPLE
+
+
 # a row's sampled token, and (its log-probability, ((token id, log-probability) of the best k, best
 # first)) when the request asked for log-probabilities
 Picked = tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]
@@ -65,6 +79,7 @@ class RunningBatch:
         self.split = self.prompt_model is not model  # prompts and decode steps on different weights
         self.paged = cache.paged
         self.device = cache.lengths.device
+        self.multiple = prefill_multiple(self.model, self.prompt_model)  # of B x T in every prompt forward
         self.rows: list[SeqState] = []
         self.seen = torch.zeros(cache.rows, vocab_size, dtype=torch.bool, device=self.device)  # (R, V)
         self.counts = torch.zeros(cache.rows, vocab_size, dtype=torch.int32, device=self.device)  # (R, V)
@@ -143,7 +158,7 @@ class RunningBatch:
         last = done + len(piece) == len(seq.prompt)
         group = [seq, *siblings] if last else [seq]
         masks = self._start_masks(group) if last else None
-        padded = PaddedBatch.from_token_lists([piece], device=self.device, multiple=PREFILL_MULTIPLE,
+        padded = PaddedBatch.from_token_lists([piece], device=self.device, multiple=self.multiple,
                                               limit=self.cache.max_len - done)  # (1, T): padded as prefill pads
         logits = self.prompt_model(padded.ids, cache=self.cache.view(row, row + 1),
                                    last=padded.last_index())[:, 0]  # (1, V)
@@ -249,7 +264,7 @@ class RunningBatch:
             for row, (seq, hit) in enumerate(zip(group, hits, strict=True), start):
                 self._recompute(row, seq.context, hit, len(seq.prompt))
         else:
-            multiple = PREFILL_MULTIPLE // math.gcd(len(group), PREFILL_MULTIPLE)
+            multiple = self.multiple // math.gcd(len(group), self.multiple)
             padded = PaddedBatch.from_token_lists([c[h:] for c, h in zip(contexts, hits, strict=True)],
                                                   device=self.device, multiple=multiple,
                                                   limit=self.cache.max_len - max(hits))  # (B, T)
@@ -294,7 +309,7 @@ class RunningBatch:
         if max(hits) + max(len(seq.prompt) - hit for seq, hit in zip(uniques, hits, strict=True)) > self.cache.max_len:
             hits = [0] * n_unique  # one padded forward must fit every row: prefill these whole
         hits = [self._load_prefix(seq, start + i, hit) for i, (seq, hit) in enumerate(zip(uniques, hits, strict=True))]
-        multiple = PREFILL_MULTIPLE // math.gcd(n_unique, PREFILL_MULTIPLE)  # of T, for B x T
+        multiple = self.multiple // math.gcd(n_unique, self.multiple)  # of T, for B x T
         padded = PaddedBatch.from_token_lists([seq.prompt[hit:] for seq, hit in zip(uniques, hits, strict=True)],
                                               device=self.device, multiple=multiple,
                                               limit=self.cache.max_len - max(hits))  # (U, T): what is left
@@ -346,7 +361,7 @@ class RunningBatch:
         for model, end in ((self.prompt_model, prompt), (self.model, len(context))):
             if done < end:
                 padded = PaddedBatch.from_token_lists([context[done:end]], device=self.device,
-                                                      multiple=PREFILL_MULTIPLE,
+                                                      multiple=self.multiple,
                                                       limit=self.cache.max_len - done)  # (1, T)
                 model(padded.ids, cache=self.cache.view(row, row + 1), last=padded.last_index())
                 self.cache.advance(padded.lengths, row, row + 1)

@@ -3,6 +3,7 @@ an ordinary state_dict, and a kernel chosen per weight shape by what the timer m
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.catalog import ModelSpec, load_model
-from models.dense import PackedLinear, kernels_here, onednn_available, pack_dense
+from models.dense import PackedLinear, kernels_here, kernels_per_shape, onednn_available, pack_dense
 from models.fuse import unfused_state_dict
 from models.kv_cache import KVCache
 from models.tiny import tiny_model
@@ -122,3 +123,20 @@ def test_quantized_models_pack_only_the_layers_left_in_float() -> None:
     with torch.inference_mode():
         torch.testing.assert_close(block.ff.down(x), F.linear(x, block.ff.down.weight, block.ff.down.bias),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_kernels_per_shape_names_the_models_whose_projections_keep_one_per_row_count() -> None:
+    """oneDNN keeps a kernel per input shape: 16-bit float Linears on CPU and PackedLinear; float32
+    F.linear (MKL) and our panels keep none (service/engine/batch.py pads prefills accordingly)."""
+    model, _ = tiny_model("decoder")
+    assert not kernels_per_shape(model)
+    assert kernels_per_shape(copy.deepcopy(model).to(torch.bfloat16))
+    assert kernels_per_shape(copy.deepcopy(model).to(torch.float16))
+    if kernels_here() != ["aten"]:
+        panels = copy.deepcopy(model)
+        pack_dense(panels, "panels" if "panels" in kernels_here() else "onednn")
+        assert kernels_per_shape(panels) == ("panels" not in kernels_here())
+    if onednn_available():
+        packed = copy.deepcopy(model)
+        pack_dense(packed, "onednn")
+        assert kernels_per_shape(packed)

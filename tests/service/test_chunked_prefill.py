@@ -15,7 +15,6 @@ from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.text import TextTokenizer
 from models.tiny import tiny_model
-from service.engine.batch import PREFILL_MULTIPLE
 
 from .test_engine import (
     POISON,
@@ -55,8 +54,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(tiny: tuple[nn
         engine.step()
         assert engine.stats().running == 2  # the chunked request holds its row
     shapes = [tuple(ids.shape) for ids in spy.calls]
-    # each step: one chunk of the long prompt (one row, padded to PREFILL_MULTIPLE) and a decode step of the short one
-    assert shapes == [(1, PREFILL_MULTIPLE), (1, 1)] * 3, shapes
+    # each step: one chunk of the long prompt (one row of CHUNK tokens, float32 on CPU: padded to an even
+    # width) and a decode step of the short one
+    assert shapes == [(1, CHUNK), (1, 1)] * 3, shapes
     assert len(read_partial(engine)) == 0  # no token of the long request yet
     run_until_idle(engine)
     assert list(read(running)[1].token_ids) == reference(model, tok, short, params)[0]
@@ -98,7 +98,7 @@ def test_siblings_of_a_long_prompt_share_its_chunked_prefill(tiny: tuple[nn.Modu
     handles = [engine.submit(prompt, p) for p in params]
     run_until_idle(engine)
     prefills = [tuple(ids.shape) for ids in spy.calls if ids.size(1) > 1]
-    assert prefills == [(1, PREFILL_MULTIPLE)] * 3  # 8 + 8 + 4 tokens, once for the three
+    assert prefills == [(1, 8), (1, 8), (1, 4)]  # 8 + 8 + 4 tokens, once for the three
     outputs = [list(read(h)[1].token_ids) for h in handles]
     assert outputs == [reference(model, tok, prompt, p)[0] for p in params]
     assert len({tuple(o) for o in outputs}) == 3

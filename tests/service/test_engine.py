@@ -8,6 +8,7 @@ happens at each step is exact; a few run the engine thread and the asyncio front
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from models.quant import quantize_int8
 from models.text import TextTokenizer
 from models.tiny import EOS, tiny_model
 from service.engine.admission import Ask
-from service.engine.batch import PREFILL_MULTIPLE
+from service.engine.batch import SHAPE_FREE_MULTIPLE, PREFILL_MULTIPLE
 from service.engine.config import EngineConfig
 from service.engine.core import GenerationEngine
 from service.engine.events import Delta, Finished, RequestHandle
@@ -174,8 +175,9 @@ def test_prompts_of_very_different_lengths_are_prefilled_in_separate_forwards(
     handles = [engine.submit(p, params) for p in prompts]
     engine.step()  # all five admitted in one step
     prefills = sorted(tuple(ids.shape) for ids in spy.calls[:-1])  # the last call is the decode step
-    # not one (5, 90) forward, 85 % padding; each B x T padded to a multiple of 32 (PREFILL_MULTIPLE)
-    assert prefills == [(2, 96), (3, 32)], prefills
+    # not one (5, 90) forward, 85 % padding; in float32 on CPU each B x T padded only to a multiple of
+    # 2 (SHAPE_FREE_MULTIPLE): (3, 3) would be 9 rows
+    assert prefills == [(2, 90), (3, 4)], prefills
     assert tuple(spy.calls[-1].shape) == (5, 1)
     run_until_idle(engine)
     for prompt, handle in zip(prompts, handles, strict=True):
@@ -201,12 +203,18 @@ def test_requests_with_the_same_prompt_share_one_prefill(tiny: tuple[nn.Module, 
     assert len({tuple(o) for o in outputs[:4]}) == 4  # four seeds, four different continuations
 
 
-def test_prefill_row_counts_are_multiples_of_32_within_the_cache_row(tiny: tuple[nn.Module, TextTokenizer]) -> None:
-    """B x T of every prefill is a multiple of PREFILL_MULTIPLE (a bounded set of Linear shapes),
-    except where the cache row ends first; the answers are those of unpadded offline decoding."""
+@pytest.mark.parametrize(("dtype", "multiple"), [(torch.bfloat16, PREFILL_MULTIPLE), (torch.float32, SHAPE_FREE_MULTIPLE)],
+                         ids=["bfloat16", "float32"])
+def test_prefill_row_counts_are_multiples_within_the_cache_row(tiny: tuple[nn.Module, TextTokenizer],
+                                                               dtype: torch.dtype, multiple: int) -> None:
+    """B x T of every prefill is a multiple of 32 in 16-bit floats (a bounded set of oneDNN Linear
+    shapes) and of 2 in float32 on CPU (little padding), except where the cache row ends first; the
+    answers are those of unpadded offline decoding."""
     model, tok = tiny
+    model = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
     spy = FaultyLM(model, lambda ids, cache: False)
     engine = make(spy, tok, max_running=8, max_total_tokens=40, prefill_tokens=64, prefix_cache_mib=0)  # shared prefixes
+    assert engine._batch.multiple == multiple
     prompts = [list(range(3, 3 + n)) for n in (5, 7, 6, 30, 1, 2, 3, 38)]
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     handles = [engine.submit(p, params) for p in prompts]
@@ -214,8 +222,9 @@ def test_prefill_row_counts_are_multiples_of_32_within_the_cache_row(tiny: tuple
     prefills = [tuple(ids.shape) for ids in spy.calls if ids.shape[1] > 1]
     assert prefills, spy.calls
     for b, t in prefills:
-        assert (b * t) % PREFILL_MULTIPLE == 0 or t == 40, prefills  # 40: max_total_tokens, the cache row
-    assert any(t == 40 for _, t in prefills)  # the 38-token prompt: padded to the row's end, not 64
+        assert (b * t) % multiple == 0 or t == 40, prefills  # 40: max_total_tokens, the cache row
+    # the 38-token prompt: in bfloat16 padded to the row's end, not 64; in float32 not padded past 38
+    assert any(t == 40 for _, t in prefills) == (multiple == PREFILL_MULTIPLE), prefills
     for prompt, handle in zip(prompts, handles, strict=True):
         assert list(read(handle)[1].token_ids) == reference(model, tok, prompt, params)[0]
 

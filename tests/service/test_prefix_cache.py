@@ -124,9 +124,10 @@ def test_a_shared_system_prompt_is_computed_once_and_the_tokens_do_not_change(
     stats = engine.stats()
     assert stats.prompt_tokens == sum(len(p) for p in prompts)
     assert stats.cached_prompt_tokens == 3 * 2 * BLOCK and stats.prefix_cache_bytes > 0
-    # prefill widths (each forward padded to 32): the first computes its 43 tokens, in one forward or
-    # in 6 chunks of 8; the others only the 11 after the 32 cached, in one forward or in 2 chunks
-    assert computed == ([64, 32, 32, 32] if chunk is None else [192, 64, 64, 64]), computed
+    # prefill widths (float32 on CPU: each forward padded to an even width): the first computes its 43
+    # tokens, in one forward (44) or in chunks of 8 (5 x 8 + 4); the others only the 11 after the 32
+    # cached, in one forward (12) or in 2 chunks (8 + 4)
+    assert computed == [44, 12, 12, 12], computed
     finals = [read(h)[1] for h in handles]
     outputs = [list(f.token_ids) for f in finals]
     assert outputs == [reference(model, tok, p, params[i % 2])[0] for i, p in enumerate(prompts)]
@@ -188,7 +189,7 @@ def test_a_hit_that_would_not_fit_beside_a_long_prompt_is_prefilled_whole(
     spy.calls.clear()
     handles = [engine.submit(p, params) for p in prompts]
     engine.step()
-    assert [tuple(ids.shape) for ids in spy.calls[:-1]] == [(2, 64)]  # whole prompts, padded to the row
+    assert [tuple(ids.shape) for ids in spy.calls[:-1]] == [(2, 50)]  # whole prompts, no hit loaded
     assert engine.stats().cached_prompt_tokens == 0
     run_until_idle(engine)
     assert [list(read(h)[1].token_ids) for h in handles] == [reference(model, tok, p, params)[0] for p in prompts]
