@@ -26,7 +26,7 @@ from models.quant import quantize_int8
 from models.text import TextTokenizer
 from models.tiny import EOS, tiny_model
 from service.engine.admission import Ask
-from service.engine.batch import SHAPE_FREE_MULTIPLE, PREFILL_MULTIPLE
+from service.engine.batch import PREFILL_MULTIPLE, SHAPE_FREE_MULTIPLE
 from service.engine.config import EngineConfig
 from service.engine.core import GenerationEngine
 from service.engine.events import Delta, Finished, RequestHandle
