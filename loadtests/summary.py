@@ -22,7 +22,9 @@ from typing import Any
 from .loadgen import RunOutcome, Sample
 
 # /v1/models stats that are levels, not counters (reported as they are after the run)
-GAUGE_HINTS = ("largest", "efficiency", "usage", "running", "queued", "waiting", "rows", "loaded")
+# stats that are a state, not a running total: reported as they are after a run, never differenced
+GAUGE_HINTS = ("largest", "efficiency", "usage", "running", "queued", "waiting", "rows", "loaded", "kv_blocks",
+               "_bytes")
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

@@ -141,6 +141,19 @@ def test_stats_delta_derives_batching() -> None:
     assert d["gauges"] == {"largest_batch": 8}
 
 
+def test_stats_delta_keeps_the_generators_states_as_gauges() -> None:
+    """The engine's block pool and cache sizes are states: a run that frees blocks must not show a
+    negative count of them (seen as kv_blocks_free -287 in a bench run)."""
+    before = {"generated_tokens": 100, "steps": 10, "kv_blocks": 2000, "kv_blocks_free": 1900,
+              "cache_bytes": 5, "prefix_cache_bytes": 7}
+    after = {"generated_tokens": 400, "steps": 20, "kv_blocks": 2000, "kv_blocks_free": 1600,
+             "cache_bytes": 5, "prefix_cache_bytes": 9}
+    d = stats_delta(before, after)
+    assert d["counters"] == {"generated_tokens": 300, "steps": 10}
+    assert d["gauges"] == {"kv_blocks": 2000, "kv_blocks_free": 1600, "cache_bytes": 5, "prefix_cache_bytes": 9}
+    assert d["tokens_per_decode_step"] == pytest.approx(30.0)
+
+
 def test_compare_level_prefers_the_wanted_one() -> None:
     assert compare_level([1, 8, 32, 64], 32) == 32
     assert compare_level([1, 8, 64], 32) == 8  # the nearest measured level
