@@ -49,7 +49,8 @@ from .sequence import SeqState
 # budget of 2048 tokens allows 64 distinct row counts, and decode steps add one per batch size.
 # Elsewhere (float32 on our panel and block kernels or MKL, CUDA) nothing is kept per shape, and
 # padding to 32 computed ~20 % of a closed loop's prompt tokens for nothing (prompts of 10-200
-# tokens: 0.79 of the padded tokens real, 0.98 with 2; prefill 1.09x faster: docs/benchmarks.md).
+# tokens: 0.79 of the padded tokens real, 0.98 with 2; prefill 1.15x faster with 2:
+# loadtests/prefill_padding.py, docs/benchmarks.md).
 # There 2, which keeps a one-prompt prefill from being one token wide (the decode step's shape).
 PREFILL_MULTIPLE = 32
 SHAPE_FREE_MULTIPLE = 2
@@ -88,6 +89,11 @@ class RunningBatch:
         self.partial_done = 0  # its prompt tokens in the cache
         self._masks = MaskBuilder(vocab_size)
         self._mask_thread: ThreadPoolExecutor | None = None  # structured outputs: masks beside the forward
+
+    def _width_multiple(self, rows: int) -> int:
+        """What a prompt forward of `rows` rows pads its width T to a multiple of, so that B x T is a
+        multiple of self.multiple."""
+        return self.multiple // math.gcd(rows, self.multiple)
 
     def _to_device(self, rows: list[list[int]]) -> Tensor:
         """Token ids from the host on the engine's device; on CUDA through pinned memory without
@@ -158,7 +164,7 @@ class RunningBatch:
         last = done + len(piece) == len(seq.prompt)
         group = [seq, *siblings] if last else [seq]
         masks = self._start_masks(group) if last else None
-        padded = PaddedBatch.from_token_lists([piece], device=self.device, multiple=self.multiple,
+        padded = PaddedBatch.from_token_lists([piece], device=self.device, multiple=self._width_multiple(1),
                                               limit=self.cache.max_len - done)  # (1, T): padded as prefill pads
         logits = self.prompt_model(padded.ids, cache=self.cache.view(row, row + 1),
                                    last=padded.last_index())[:, 0]  # (1, V)
@@ -264,9 +270,8 @@ class RunningBatch:
             for row, (seq, hit) in enumerate(zip(group, hits, strict=True), start):
                 self._recompute(row, seq.context, hit, len(seq.prompt))
         else:
-            multiple = self.multiple // math.gcd(len(group), self.multiple)
             padded = PaddedBatch.from_token_lists([c[h:] for c, h in zip(contexts, hits, strict=True)],
-                                                  device=self.device, multiple=multiple,
+                                                  device=self.device, multiple=self._width_multiple(len(group)),
                                                   limit=self.cache.max_len - max(hits))  # (B, T)
             self.model(padded.ids, cache=self.cache.view(start, stop), last=padded.last_index())
             self.cache.advance(padded.lengths, start, stop)
@@ -309,9 +314,8 @@ class RunningBatch:
         if max(hits) + max(len(seq.prompt) - hit for seq, hit in zip(uniques, hits, strict=True)) > self.cache.max_len:
             hits = [0] * n_unique  # one padded forward must fit every row: prefill these whole
         hits = [self._load_prefix(seq, start + i, hit) for i, (seq, hit) in enumerate(zip(uniques, hits, strict=True))]
-        multiple = self.multiple // math.gcd(n_unique, self.multiple)  # of T, for B x T
         padded = PaddedBatch.from_token_lists([seq.prompt[hit:] for seq, hit in zip(uniques, hits, strict=True)],
-                                              device=self.device, multiple=multiple,
+                                              device=self.device, multiple=self._width_multiple(n_unique),
                                               limit=self.cache.max_len - max(hits))  # (U, T): what is left
         last = padded.last_index()  # (U,)
         logits = self.prompt_model(padded.ids, cache=self.cache.view(start, start + n_unique), last=last)[:, 0]  # (U, V)
@@ -361,7 +365,7 @@ class RunningBatch:
         for model, end in ((self.prompt_model, prompt), (self.model, len(context))):
             if done < end:
                 padded = PaddedBatch.from_token_lists([context[done:end]], device=self.device,
-                                                      multiple=self.multiple,
+                                                      multiple=self._width_multiple(1),
                                                       limit=self.cache.max_len - done)  # (1, T)
                 model(padded.ids, cache=self.cache.view(row, row + 1), last=padded.last_index())
                 self.cache.advance(padded.lengths, row, row + 1)
