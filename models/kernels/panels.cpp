@@ -212,6 +212,16 @@ struct Q41Format {
   }
 };
 
+// Records a pass reads ahead of the one it computes: a panel's records, and the next panel's after
+// them, lie one after another, but at one row the hardware prefetcher alone lets the first groups of
+// every panel wait on memory (a 576 x 576 Q4_1 projection ran at 3 GB/s with cold weights, 11 GB/s
+// hot). Past the end of the weights it fetches nothing (a prefetch never faults).
+constexpr int64_t AHEAD = 8;
+template <int64_t BYTES>
+TS_TARGET inline void prefetch_record(const uint8_t* rec) {
+  for (int64_t line = 0; line < BYTES; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + line), _MM_HINT_T0);
+}
+
 template <typename Format, bool FINE>
 struct Blocks {
   static constexpr int ROWS = MR8;
@@ -226,6 +236,7 @@ struct Blocks {
       for (int v = 0; v < NV; ++v) acc[r][v] = zero();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* rec = q + (p * G + g) * Format::RECORD;
+      prefetch_record<Format::RECORD>(rec + AHEAD * Format::RECORD);
       Sums coarse[R], fine[R];  // the activations' two parts
       for (int i = 0; i < R; ++i)
         for (int v = 0; v < NV; ++v) coarse[i].dot[v] = fine[i].dot[v] = zero_i();
