@@ -20,6 +20,10 @@ translator's encoder and decoder, a second model in the process) still get their
 parameters' values are inputs, but compile after the model's layers are final (quantized, packed):
 load_model does it last.
 
+A Llama-style stack's decode steps on a paged cache skip the blocks altogether: one native op per
+layer (models/native_decode.py), which at one row costs less than entering a compiled graph. The
+compiled blocks serve its prefills, and every step of the other families.
+
 Inductor caches its output ($TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER): a restart
 on the same machine skips most of the work. Results: the same arithmetic fused in another order,
 within ~1e-5 of eager (tests/models/test_compiled.py; the shipped models' greedy tokens are equal,

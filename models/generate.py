@@ -16,12 +16,22 @@ from .decoder import DecoderLM
 from .decoding import BatchParams, RowSampler, SamplingParams, find_stop, next_tokens
 from .inputs import PaddedBatch
 from .kv_cache import KVCache
+from .paged_cache import PagedKVCache, blocks_for, kernel_runs
 
 
 @dataclass
 class Generated:
     tokens: list[int]  # new tokens, without the prompt (and without a final stop token)
     finish_reason: str  # "stop" (stop token or string) or "length"
+
+
+def _cache(model: DecoderLM, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache | PagedKVCache:
+    """The cache the engine would decode on: paged, each row's blocks reserved up front, where its decode
+    kernel runs (and through it, a Llama-style stack's one op per layer: models/native_decode.py); the
+    dense one elsewhere and for a sliding window."""
+    if model.cfg.sliding_window is None and kernel_runs(dtype, device):
+        return PagedKVCache.for_model(model.cfg, rows, rows * blocks_for(max_len) + 1, max_len, dtype, device)
+    return KVCache.for_model(model.cfg, rows, max_len, dtype=dtype, device=device)
 
 
 @torch.inference_mode()
@@ -45,7 +55,7 @@ def generate(
     max_len = max(len(p) for p in prompts) + max(p.max_new_tokens for p in params)
     if max_len > model.cfg.max_positions:
         raise ValueError(f"prompt + max_new_tokens = {max_len} exceeds the model's {model.cfg.max_positions}")
-    cache = KVCache.for_model(model.cfg, b, max_len, dtype=dtype, device=device)
+    cache = _cache(model, b, max_len, dtype, device)
     samplers = [RowSampler(p) for p in params]
     batch = BatchParams.build(list(params), device)
     padded = PaddedBatch.from_token_lists(prompts, device=device)  # (B, T)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from . import native_decode
 from .attention import AttentionMask, causal_mask, padding_mask, positions_from_mask
 from .config import BlockConfig
 from .kv_cache import CacheView, CrossCache
@@ -89,6 +90,12 @@ class CausalStack(nn.Module):
         cross_mask = None  # (B, 1, 1, S_src): built once per request with its CrossCache
         if cross is not None:
             cross_mask = cross.mask if cross.mask is not None else AttentionMask.build(padding_mask(cross.src_keep))
+        layers = None
+        if cross is None and bias is None and native_decode.runs(cache, t, x, rope):
+            layers = native_decode.stack_args(self.blocks)  # None unless every block is Llama-style
+        if layers is not None:  # one native op per layer (models/native_decode.py)
+            x = native_decode.decode_layers(layers, x, rope, cache)  # (B, 1, C)
+            return self.norm(x) if self.norm is not None else x
         for i, block in enumerate(self.blocks):
             kv = cross.layer_kv(i) if cross is not None else None
             x = block(x, mask, rope, cache.layer(i) if cache is not None else None, kv, cross_mask, bias=bias)

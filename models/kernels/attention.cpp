@@ -21,6 +21,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -175,6 +176,12 @@ at::Tensor paged_decode_f32(const at::Tensor& q, const at::Tensor& k_pool, const
 }
 
 }  // namespace
+
+at::Tensor ts::paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& tables, const at::Tensor& lengths, int64_t kv_heads, int64_t block,
+                            double scale) {
+  return paged_decode_f32(q, k_pool, v_pool, tables, lengths, kv_heads, block, scale);
+}
 
 TORCH_LIBRARY_FRAGMENT(ts_panels, m) {
   m.def("paged_decode_f32(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lengths, int kv_heads, int block, float scale) -> Tensor");

@@ -1,5 +1,6 @@
 """Building and loading models/kernels/: the `torch.ops.ts_panels` kernels, the projections
-(panels.cpp) and decode attention over a paged KV cache (attention.cpp).
+(panels.cpp), decode attention over a paged KV cache (attention.cpp) and a whole Llama-style block's
+decode step on them (decode_layer.cpp).
 
 The sources are compiled once per machine with torch's own extension builder (g++, the headers of the
 installed torch) into torch's extension cache ($TORCH_EXTENSIONS_DIR, default
@@ -34,8 +35,8 @@ import torch
 
 log = logging.getLogger("models.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("panels.cpp", "attention.cpp")]
-HEADERS = [Path(__file__).with_name("simd.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("panels.cpp", "attention.cpp", "decode_layer.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
 NAME = "ts_panels"  # the ops' namespace: torch.ops.ts_panels
 DISABLE_ENV = "TS_NATIVE_KERNELS"
 ISA_ENV = "TS_NATIVE_ISA"
@@ -110,6 +111,11 @@ def _register_fakes() -> None:
         return torch.empty_like(q)
 
     torch.library.register_fake(f"{NAME}::paged_decode_f32", fake_attention)
+
+    def fake_layer(x: torch.Tensor, *args: object) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    torch.library.register_fake(f"{NAME}::decode_layer", fake_layer)
 
 
 if __name__ == "__main__":

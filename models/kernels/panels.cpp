@@ -35,6 +35,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -335,6 +336,19 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const c10::op
 }
 
 }  // namespace
+
+at::Tensor ts::project(Kind kind, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                       int64_t n, int64_t parts) {
+  switch (kind) {
+    case Kind::F32:
+      return linear_f32(x, w, bias, n);
+    case Kind::Q4_1:
+      return linear_blocks<Q41Format>(x, w, bias, n, parts);
+    case Kind::Q8_0:
+      return linear_blocks<Q80Format>(x, w, bias, n, parts);
+  }
+  TORCH_CHECK(false, "unknown projection kind ", static_cast<int64_t>(kind));
+}
 
 TORCH_LIBRARY(ts_panels, m) {
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
