@@ -1,0 +1,97 @@
+"""A decode step through the compiled blocks against one native op per layer (models/native_decode.py).
+
+    python -m loadtests.decode_step                         # shipped generator, 1 and 32 rows
+    python -m loadtests.decode_step --tiny --rounds 1 --steps 4    # a smoke run
+
+In one process, on the shipped generator (as deploy/serve_config.yaml deploys it) or the tiny decoder
+(its projections fused and in 4-bit blocks, so the op applies): for each `--rows` count, a prompt of
+`--prompt` tokens per row is prefilled on a paged cache, then `--steps` greedy decode steps are timed,
+with the op on and off in turn, round after round (a machine that slows down mid-run slows both).
+Prints the median milliseconds per step of each, their ratio, how many steps took the op, and whether
+both gave the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from .engine_models import add_model_args, load_generator
+
+
+def decode(model, rows: int, prompt: int, steps: int, native: bool) -> tuple[float, list[list[int]], int]:  # noqa: ANN001
+    """(ms per decode step, the tokens, steps that took the op) of one run on a fresh paged cache."""
+    import torch
+
+    from models import native_decode
+    from models.paged_cache import PagedKVCache, blocks_for
+
+    total = prompt + steps
+    cache = PagedKVCache.for_model(model.cfg, rows, rows * blocks_for(total) + 1, total)
+    real_runs, real_layers = native_decode.runs, native_decode.decode_layers
+    taken = [0]
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        taken[0] += 1
+        return real_layers(*args)
+
+    native_decode.runs = real_runs if native else (lambda *a: False)
+    native_decode.decode_layers = counted
+    try:
+        with torch.inference_mode():
+            ids = torch.arange(rows * prompt).remainder(model.cfg.vocab_size - 10).add(5).view(rows, prompt)  # (B, T)
+            logits = model(ids, cache=cache.view())[:, -1]  # (B, V)
+            cache.advance(prompt)
+            tokens = []
+            started = time.perf_counter()
+            for _ in range(steps):
+                nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
+                tokens.append(nxt)
+                logits = model(nxt, cache=cache.view())[:, -1]  # (B, V)
+                cache.advance(1)
+            seconds = time.perf_counter() - started
+    finally:
+        native_decode.runs, native_decode.decode_layers = real_runs, real_layers
+    return seconds / steps * 1e3, torch.cat(tokens, 1).tolist(), taken[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,32")
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=5)
+    add_model_args(parser)
+    args = parser.parse_args(argv)
+    model, _, label, _ = load_generator(args)
+    if args.tiny:  # as the shipped generator holds its projections, so that the op applies
+        from models.fuse import fuse_projections
+        from models.quant import quantize
+
+        model, label = quantize(fuse_projections(model), "q4_1"), "tiny decoder (q4_1, fused)"
+    from models.compiled import thread_settings
+
+    thread_settings()
+    print(f"\n{label}, {args.threads} threads, {args.prompt}-token prompts, {args.steps} greedy steps, "
+          f"median of {args.rounds} rounds\n")
+    print("| rows | blocks (ms/step) | one op per layer (ms/step) | gain | steps through the op | same tokens |")
+    print("|---:|---:|---:|---:|---:|---|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        times: dict[bool, list[float]] = {False: [], True: []}
+        tokens, taken = {}, {}
+        for rnd in range(args.rounds + 1):  # round 0 warms up (first shapes, allocations)
+            for native in (False, True):
+                ms, tokens[native], taken[native] = decode(model, rows, args.prompt, args.steps, native)
+                if rnd:
+                    times[native].append(ms)
+            print(f"rows {rows}, round {rnd}/{args.rounds} done", file=sys.stderr, flush=True)
+        off, on = statistics.median(times[False]), statistics.median(times[True])
+        same = "yes" if tokens[False] == tokens[True] else "no"
+        print(f"| {rows} | {off:.2f} | {on:.2f} | {off / on:.2f}x | {taken[True]} / {args.steps} | {same} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
