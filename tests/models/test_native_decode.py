@@ -105,3 +105,20 @@ def test_other_blocks_keep_their_own_path() -> None:
     assert native_decode.stack_args(quantize(post, "q4_1").stack.blocks) is None
     model.train()
     assert native_decode.stack_args(model.stack.blocks) is None
+
+
+def test_the_arguments_follow_the_model_after_load() -> None:
+    """stack_args is cached per stack, and rebuilt when what it read changes: the activation bits, a
+    projection swapped, train mode."""
+    from models.panels import set_activation_bits
+
+    model = fast_model("q4_1")
+    first = native_decode.stack_args(model.stack.blocks)
+    assert first is not None and native_decode.stack_args(model.stack.blocks) is first  # cached
+    assert {p for layer in first for p in layer[7]} == {2}  # two 8-bit activation parts
+    set_activation_bits(model, 8)
+    eight = native_decode.stack_args(model.stack.blocks)
+    assert eight is not first and {p for layer in eight for p in layer[7]} == {1}
+    attn = model.stack.blocks[1].self_attn
+    attn.qkv = torch.nn.Linear(attn.qkv.in_features, attn.qkv.out_features, bias=False)
+    assert native_decode.stack_args(model.stack.blocks) is None
