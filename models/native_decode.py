@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -91,8 +92,6 @@ def stack_args(blocks: nn.ModuleList) -> list[tuple] | None:
 def decode_layers(layers: list[tuple], x: Tensor, rope: tuple[Tensor, Tensor], cache) -> Tensor:
     """x (B, 1, C) float32 through every layer's decode_layer; rope: cos, sin (B, 1, 1, D); cache: a
     PagedCacheView after begin(1) whose layers attend through the decode kernel. Returns (B, 1, C)."""
-    import torch
-
     b, _, c = x.shape
     cos, sin = (r.reshape(b, -1).contiguous() for r in rope)  # (B, D) each
     h = x.reshape(b, c).contiguous()  # (B, C)
@@ -105,8 +104,7 @@ def decode_layers(layers: list[tuple], x: Tensor, rope: tuple[Tensor, Tensor], c
 
 
 def runs(cache, t: int, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> bool:
-    """Whether this step can take decode_layers: one float32 token per row on a paged cache whose
-    decode kernel runs, with rotary positions."""
-    return (t == 1 and rope is not None and getattr(cache, "cache", None) is not None
-            and getattr(cache.cache, "paged", False) and cache.cache.decode_kernel and x.dtype.is_floating_point
-            and x.dtype.itemsize == 4 and x.device.type == "cpu")
+    """Whether this step can take decode_layers: one float32 token per row with rotary positions, on a
+    paged cache whose decode kernel runs (float32 on the CPU)."""
+    return (t == 1 and rope is not None and cache is not None and cache.cache.paged and cache.cache.decode_kernel
+            and x.dtype == torch.float32)

@@ -72,30 +72,31 @@ class CausalStack(nn.Module):
         b, t = ids.shape
         if cache is not None:
             positions, _ = cache.begin(t, keep)  # (B, T); S = longest past + T (at most the cache's L)
-            k_pos = cache.key_positions()  # (S,) or (B, S): the position each key slot holds
-            # every query sees at least its own key: no dead rows to look for (no host sync)
-            mask = AttentionMask(causal_mask(positions, k_pos, self.window), None)  # (B, 1, T, S)
         else:
             if keep is None:
                 keep = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
             positions = positions_from_mask(keep)  # (B, T)
+        x = self.embed(ids, positions)  # (B, T, C)
+        rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2
+        if cross is None and native_decode.runs(cache, t, x, rope):
+            layers = native_decode.stack_args(self.blocks)  # None unless every block is Llama-style
+            if layers is not None:  # one native op per layer (models/native_decode.py): no mask to build
+                x = native_decode.decode_layers(layers, x, rope, cache)  # (B, 1, C)
+                return self.norm(x) if self.norm is not None else x
+        if cache is not None:
+            k_pos = cache.key_positions()  # (S,) or (B, S): the position each key slot holds
+            # every query sees at least its own key: no dead rows to look for (no host sync)
+            mask = AttentionMask(causal_mask(positions, k_pos, self.window), None)  # (B, 1, T, S)
+        else:
             k_pos = positions  # (B, T): the keys are these tokens
             slots = torch.arange(t, device=ids.device)  # (T,)
             # a row's real tokens are contiguous (left or right padding): slot distances are position distances
             mask = causal_mask(slots.expand(b, t), slots, self.window) & padding_mask(keep)  # (B, 1, T, T)
             mask = AttentionMask.build(mask)  # once for every layer
         bias = self.relative_bias(positions, k_pos) if self.relative_bias is not None else None  # (B, H, T, S)
-        x = self.embed(ids, positions)  # (B, T, C)
-        rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2
         cross_mask = None  # (B, 1, 1, S_src): built once per request with its CrossCache
         if cross is not None:
             cross_mask = cross.mask if cross.mask is not None else AttentionMask.build(padding_mask(cross.src_keep))
-        layers = None
-        if cross is None and bias is None and native_decode.runs(cache, t, x, rope):
-            layers = native_decode.stack_args(self.blocks)  # None unless every block is Llama-style
-        if layers is not None:  # one native op per layer (models/native_decode.py)
-            x = native_decode.decode_layers(layers, x, rope, cache)  # (B, 1, C)
-            return self.norm(x) if self.norm is not None else x
         for i, block in enumerate(self.blocks):
             kv = cross.layer_kv(i) if cross is not None else None
             x = block(x, mask, rope, cache.layer(i) if cache is not None else None, kv, cross_mask, bias=bias)
