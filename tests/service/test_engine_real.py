@@ -51,13 +51,16 @@ def test_smollm2_tokens_are_the_same_alone_and_among_others(dtype: torch.dtype) 
     assert len({tuple(m) for m in mixed}) >= 6  # the others really are other requests
 
 
-def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_preempted() -> None:
+def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_preempted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The shipped Q4_1 generator with prompts on its float32 twin (prompt_weights "float", as "auto"
     picks on CPUs without VNNI; eager here to keep the test short): a request's greedy tokens alone,
-    among others, and when preempted on a small pool are the same, and it still knows Paris."""
+    among others, and when preempted on a small pool are the same, and it still knows Paris. Its decode
+    steps run as one native op per layer (models/native_decode.py)."""
     import dataclasses
 
     from loadtests.engine_models import shipped_generator
+    from models import native_decode
     from models.kernels import native
 
     if not native.available():
@@ -79,6 +82,9 @@ def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_p
                                                             kv_cache_mib=blocks * block_mib, prefix_cache_mib=0),
                                 prompt_model=lm.prompt_model)
 
+    steps = []
+    real = native_decode.decode_layers
+    monkeypatch.setattr(native_decode, "decode_layers", lambda *a: steps.append(a[1].size(0)) or real(*a))
     greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
     requests = [(chat(t), greedy) for t in ["What is the capital of France?", *OTHERS[:2]]]
     with torch.inference_mode():
@@ -90,3 +96,4 @@ def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_p
     assert "Paris" in tok.decode(alone[0])
     assert mixed == alone
     assert small.stats().preempted >= 1 and squeezed == alone
+    assert len(steps) >= 4 * 23 and max(steps) == 3  # every decode step, alone and with three rows, took the op
