@@ -21,7 +21,7 @@ finished row, `view(start, stop)` hands a contiguous (copy-free) slice of rows t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -328,6 +328,21 @@ class CrossCache:
     mask: AttentionMask | None = None
     rows: Tensor | None = None  # (R,) long: each decoder row's grid slot; None = one kv row per decoder row
     width: int = 1  # grid slots per source
+    _row_sources: tuple | None = field(default=None, repr=False, compare=False)  # row_sources(); () = none
+
+    def row_sources(self) -> tuple[Tensor, Tensor] | None:
+        """For the native decode step (models/native_decode.py): each decoder row's source (R, 1) long
+        and its real key count (R,) long; None when a source's real keys are not a prefix of S_src (left
+        padding) or it has none. Computed once per cache object (a row layout), with one host sync."""
+        if self._row_sources is None:
+            keep = self.src_keep  # (N, S_src)
+            lengths = keep.sum(-1)  # (N,)
+            prefix = torch.arange(keep.size(1), device=keep.device)[None, :] < lengths[:, None]  # (N, S_src)
+            ok = bool(torch.equal(prefix, keep)) and bool((lengths > 0).all())
+            n = keep.size(0)
+            sources = torch.arange(n, device=keep.device) if self.rows is None else self.rows // self.width  # (R,)
+            self._row_sources = (sources[:, None].contiguous(), lengths[sources].contiguous()) if ok else ()
+        return self._row_sources or None
 
     def grouped(self, rows: Tensor, width: int) -> CrossCache:
         """These per-source keys/values for decoder rows in grid slots `rows` (R,) of width `width`."""

@@ -14,14 +14,16 @@ from .norms import make_norm
 from .positions import LearnedPositions, SinusoidalPositions
 from .projections import stack_linears
 
-_ACT = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-}
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """GELU's tanh approximation (GPT-2, T5 v1.1's gated variant)."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACT = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": gelu_tanh, "silu": F.silu}
 # gated feed-forwards: the activation applied to the gate
-_GATED = {"swiglu": F.silu, "geglu": F.gelu, "geglu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_GATED = {"swiglu": F.silu, "geglu": F.gelu, "geglu_tanh": gelu_tanh}
 
 
 class FeedForward(nn.Module):

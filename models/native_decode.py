@@ -1,20 +1,24 @@
-"""Decode steps of a Llama-style causal stack in native code, one op per layer.
+"""Decode steps of a causal stack in native code, one op per layer.
 
-At one new token per row the work of a block is four projections and an attention over each row's
-cached keys; everything between them (two RMSNorms, rotary positions, the cache write, the residuals,
-SiLU(gate) * up) is a few thousand floats per row. Run as a compiled graph per block, entering the
-graph (its guards, its Python wrapper) cost SmolLM2 more per step than the 4-bit products themselves
-(docs/benchmarks.md, "One op per layer"). models/kernels/decode_layer.cpp runs the whole block on the
-same projection and attention kernels, so a step is one call per layer.
+At one new token per row the work of a block is a few projections and attention over each row's
+cached keys (and, in an encoder-decoder, over its source's encoder keys); everything between them
+(norms, rotary positions, the cache write, the residuals, the activation) is a few thousand floats
+per row. Run as a compiled graph per block, entering the graph (its guards, its Python wrapper) cost
+SmolLM2 more per step than the 4-bit products themselves; run eagerly, the small translator's block
+is a few dozen dispatches of microseconds each (docs/benchmarks.md, "One op per layer").
+models/kernels/decode_layer.cpp runs the whole block on the same projection and attention kernels,
+so a step is one call per layer.
 
-It serves exactly the blocks it computes the same way as the model code, and nothing else: pre-norm,
-RMSNorm, fused q/k/v and gate/up projections (models/projections.py) held as float32 panels or
-GGUF-style blocks (models/panels.py), rotary positions, no q/k norm, no attention bias table, no cross
-attention, SwiGLU, in eval mode, on a paged KV cache whose decode kernel runs (float32 on an AVX2 or
-AVX-512 CPU). `layer_args` returns None for any other block and the stack runs its blocks as before.
-Results are the same arithmetic as the blocks' path with the float operations of the glue in another
-order (within ~1e-5; tests/models/test_native_decode.py), and a row's result does not depend on its
-batch (bitwise), as for the kernels.
+It serves exactly the blocks it computes the same way as the model code, and nothing else: RMSNorm or
+LayerNorm, pre- or post-norm, a fused q/k/v projection (models/projections.py) and the other
+projections held as float32 panels or GGUF-style blocks (models/panels.py), rotary or absolute
+positions, no q/k norm, no relative position bias or sliding window, cross-attention over right-padded
+sources, a fused gated feed-forward or a plain one (ReLU, GELU, SiLU), in eval mode, on a paged KV
+cache whose decode kernel runs (float32 on an AVX2 or AVX-512 CPU). Llama-style decoders and Marian
+translators take it; for any other block `layer_args` returns None and the stack runs its blocks as
+before. Results are the same arithmetic as the blocks' path with the float operations of the glue in
+another order (within ~1e-5; tests/models/test_native_decode.py), and a row's result does not depend
+on its batch (bitwise), as for the kernels.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layers import Block
+from .kv_cache import CrossCache
+from .layers import Block, gelu_tanh
 from .norms import RMSNorm
 from .panels import BlockLinear, PanelLinear
 
 KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # ops.h's Kind
+ACTS = {F.silu: 0, F.relu: 1, F.gelu: 2, gelu_tanh: 3}  # decode_layer.cpp's Act
 
 
 def _projection(m: nn.Module | None) -> tuple | None:
@@ -41,33 +47,54 @@ def _projection(m: nn.Module | None) -> tuple | None:
     return None
 
 
+def _norms(norms: list[nn.Module]) -> tuple[list[Tensor], list[Tensor | None], float, bool] | None:
+    """(weights, biases, eps, is RMSNorm) of the sublayers' norms, or None unless all are RMSNorm or
+    all a LayerNorm over the last dim with weights, with one eps."""
+    eps = {getattr(n, "eps", None) for n in norms}
+    if len(eps) != 1:
+        return None
+    if all(isinstance(n, RMSNorm) for n in norms):
+        return [n.weight for n in norms], [None] * len(norms), eps.pop(), True
+    if all(isinstance(n, nn.LayerNorm) and n.elementwise_affine and len(n.normalized_shape) == 1 for n in norms):
+        return [n.weight for n in norms], [n.bias for n in norms], eps.pop(), False
+    return None
+
+
 def layer_args(block: Block) -> tuple | None:
-    """The decode_layer arguments that describe `block` (norms, eps, the four projections' lists,
-    heads, kv heads, scale), or None when decode_layer does not compute it as the block does."""
-    attn, ff = block.self_attn, block.ff
-    if (block.training or not block.prenorm or block.cross_attn is not None or attn.q_norm is not None
-            or ff.gate_up is None or ff.act is not F.silu):
+    """The decode_layer arguments that describe `block` (norms, their biases, eps, RMSNorm or not,
+    pre-norm or not, the projections' lists, activation, gated or not, heads, kv heads, scale), or None
+    when decode_layer does not compute it as the block does."""
+    attn, cross, ff = block.self_attn, block.cross_attn, block.ff
+    if block.training or attn.qkv is None or attn.q_norm is not None or ff.gate is not None:
         return None
-    norms = block.self_norm, block.ff_norm
-    if not all(isinstance(n, RMSNorm) for n in norms) or norms[0].eps != norms[1].eps:
+    if cross is not None and (cross.q_norm is not None or cross.scale != attn.scale):
         return None
-    projections = [_projection(m) for m in (attn.qkv, attn.o_proj, ff.gate_up, ff.down)]
+    act = ACTS.get(ff.act)
+    norms = _norms([block.self_norm, *([block.cross_norm] if cross is not None else []), block.ff_norm])
+    if act is None or norms is None:
+        return None
+    gated = ff.gate_up is not None
+    modules = [attn.qkv, attn.o_proj, *((cross.q_proj, cross.o_proj) if cross is not None else ()),
+               ff.gate_up if gated else ff.up, ff.down]
+    projections = [_projection(m) for m in modules]
     if any(p is None for p in projections):
         return None
     weights, biases, kinds, outs, parts = (list(column) for column in zip(*projections, strict=True))
     scale = attn.head_dim ** -0.5 if attn.scale is None else attn.scale
-    return (norms[0].weight, norms[1].weight, norms[0].eps, weights, biases, kinds, outs, parts,
-            attn.n_heads, attn.n_kv_heads, scale)
+    return (*norms, block.prenorm, weights, biases, kinds, outs, parts, act, gated, attn.n_heads, attn.n_kv_heads,
+            scale)
 
 
 def _signature(block: Block) -> tuple:
     """What layer_args reads that can change after load (modules swapped by quantizing or packing, the
     activation bits, train/eval), read straight from the modules' dictionaries: ~1 us a block, where
     building layer_args through nn.Module's attribute lookups took ~20."""
-    attn, ff = block._modules["self_attn"], block._modules["ff"]
-    mods = (attn._modules.get("qkv"), attn._modules.get("o_proj"), attn._modules.get("q_norm"),
-            ff._modules.get("gate_up"), ff._modules.get("down"), block._modules.get("self_norm"),
-            block._modules.get("ff_norm"), block._modules.get("cross_attn"))
+    subs = block._modules
+    mods = [subs.get(name) for name in ("self_norm", "cross_norm", "ff_norm")]
+    for name in ("self_attn", "cross_attn", "ff"):
+        sub = subs.get(name)
+        if sub is not None:
+            mods += [sub._modules.get(p) for p in ("qkv", "q_proj", "o_proj", "q_norm", "gate_up", "gate", "up", "down")]
     return (block.training, *mods, *(m.__dict__.get("activation_bits") for m in mods if m is not None))
 
 
@@ -89,22 +116,36 @@ def stack_args(blocks: nn.ModuleList) -> list[tuple] | None:
     return built
 
 
-def decode_layers(layers: list[tuple], x: Tensor, rope: tuple[Tensor, Tensor], cache) -> Tensor:
-    """x (B, 1, C) float32 through every layer's decode_layer; rope: cos, sin (B, 1, 1, D); cache: a
-    PagedCacheView after begin(1) whose layers attend through the decode kernel. Returns (B, 1, C)."""
+def runs(cache, t: int, x: Tensor) -> bool:
+    """Whether this step can take decode_layers: one float32 token per row on a paged cache whose
+    decode kernel runs (float32 on the CPU)."""
+    return t == 1 and cache is not None and cache.cache.paged and cache.cache.decode_kernel and x.dtype == torch.float32
+
+
+def decode_layers(layers: list[tuple], x: Tensor, rope: tuple[Tensor, Tensor] | None, cache,
+                  cross: CrossCache | None = None) -> Tensor | None:
+    """x (B, 1, C) float32 through every layer's decode_layer; rope: cos, sin (B, 1, 1, D) or None;
+    cache: a PagedCacheView after begin(1) whose layers attend through the decode kernel; cross: the
+    encoder's keys/values (an encoder-decoder's stack). Returns (B, 1, C), or None when this step's
+    cross-attention is not one decode_layer runs (the caller runs its blocks)."""
     b, _, c = x.shape
-    cos, sin = (r.reshape(b, -1).contiguous() for r in rope)  # (B, D) each
+    if (cross is not None) != (len(layers[0][5]) == 6):  # the blocks' cross-attention and this step's
+        return None
+    sources = source_keys = None
+    if cross is not None:
+        row_sources = cross.row_sources()
+        if row_sources is None or row_sources[0].size(0) != b:
+            return None
+        sources, source_keys = row_sources  # (B, 1), (B,)
+    cos, sin = (r.reshape(b, -1).contiguous() for r in rope) if rope is not None else (None, None)  # (B, D) each
     h = x.reshape(b, c).contiguous()  # (B, C)
     op = torch.ops.ts_panels.decode_layer
-    for i, (norm1, norm2, eps, weights, biases, kinds, outs, parts, heads, kv_heads, scale) in enumerate(layers):
+    for i, (norms, norm_biases, eps, rms, prenorm, weights, biases, kinds, outs, parts, act, gated, heads, kv_heads,
+            scale) in enumerate(layers):
         lc = cache.layer(i)
-        h = op(h, norm1, norm2, eps, weights, biases, kinds, outs, parts, cos, sin, lc.flat_k, lc.flat_v, lc.slots,
-               lc.tables, lc.keys, heads, kv_heads, lc.block, scale)  # (B, C)
+        ck, cv = cross.kv[i] if cross is not None else (None, None)  # (N, K, S, D) each
+        h = op(h, norms, norm_biases, eps, rms, prenorm, weights, biases, kinds, outs, parts, act, gated, cos, sin,
+               lc.flat_k, lc.flat_v, lc.slots, lc.tables, lc.keys,
+               ck.contiguous() if ck is not None else None, cv.contiguous() if cv is not None else None,
+               sources, source_keys, heads, kv_heads, lc.block, scale)  # (B, C)
     return h.view(b, 1, c)  # (B, 1, C)
-
-
-def runs(cache, t: int, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> bool:
-    """Whether this step can take decode_layers: one float32 token per row with rotary positions, on a
-    paged cache whose decode kernel runs (float32 on the CPU)."""
-    return (t == 1 and rope is not None and cache is not None and cache.cache.paged and cache.cache.decode_kernel
-            and x.dtype == torch.float32)

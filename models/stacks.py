@@ -78,11 +78,12 @@ class CausalStack(nn.Module):
             positions = positions_from_mask(keep)  # (B, T)
         x = self.embed(ids, positions)  # (B, T, C)
         rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2
-        if cross is None and native_decode.runs(cache, t, x, rope):
-            layers = native_decode.stack_args(self.blocks)  # None unless every block is Llama-style
-            if layers is not None:  # one native op per layer (models/native_decode.py): no mask to build
-                x = native_decode.decode_layers(layers, x, rope, cache)  # (B, 1, C)
-                return self.norm(x) if self.norm is not None else x
+        if self.relative_bias is None and self.window is None and native_decode.runs(cache, t, x):
+            layers = native_decode.stack_args(self.blocks)  # None unless decode_layer computes every block
+            # one native op per layer (models/native_decode.py): no mask to build
+            out = native_decode.decode_layers(layers, x, rope, cache, cross) if layers is not None else None
+            if out is not None:
+                return self.norm(out) if self.norm is not None else out  # (B, 1, C)
         if cache is not None:
             k_pos = cache.key_positions()  # (S,) or (B, S): the position each key slot holds
             # every query sees at least its own key: no dead rows to look for (no host sync)

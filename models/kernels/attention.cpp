@@ -125,11 +125,11 @@ TS_TARGET void attend(const float* q, const float* k_pool, const float* v_pool, 
   }
 }
 
-// q (B, H, D); k_pool, v_pool (N * K * BS + 1, D); tables (B, M) int64; lengths (B,) int64: keys per
-// row, this step's included (>= 1). Returns (B, H, D).
-at::Tensor paged_decode_f32(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                            const at::Tensor& tables, const at::Tensor& lengths, int64_t kv_heads, int64_t block,
-                            double scale) {
+// q (B, H, D); k_pool, v_pool (blocks * K * BS [+ 1], D); tables (B, M) int64; lengths (B,) int64:
+// keys per row, this step's included (>= 1). Returns (B, H, D).
+at::Tensor attend_pool(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                       const at::Tensor& tables, const at::Tensor& lengths, int64_t kv_heads, int64_t block,
+                       double scale, int64_t blocks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be a contiguous (B, H, D) float32 tensor");
   TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
                   v_pool.is_contiguous() && k_pool.dim() == 2 && k_pool.size(1) == q.size(2) && k_pool.sizes() == v_pool.sizes(),
@@ -140,7 +140,7 @@ at::Tensor paged_decode_f32(const at::Tensor& q, const at::Tensor& k_pool, const
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), M = tables.size(1);
   TORCH_CHECK(kv_heads > 0 && H % kv_heads == 0 && block > 0, "H must be a multiple of kv_heads");
   const int64_t G = H / kv_heads;
-  const int64_t blocks = (k_pool.size(0) - 1) / (kv_heads * block);
+  TORCH_CHECK(blocks * kv_heads * block <= k_pool.size(0), "the pool holds fewer than ", blocks, " blocks");
   const at::Tensor lens = lengths.contiguous();
   const int64_t* len = lens.data_ptr<int64_t>();
   const int64_t* tab = tables.data_ptr<int64_t>();
@@ -175,12 +175,31 @@ at::Tensor paged_decode_f32(const at::Tensor& q, const at::Tensor& k_pool, const
   return out;
 }
 
+// The torch op: a paged KV cache's pool, (N * K * BS + 1, D) with its trash row last.
+at::Tensor paged_decode_f32(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& tables, const at::Tensor& lengths, int64_t kv_heads, int64_t block,
+                            double scale) {
+  TORCH_CHECK(kv_heads > 0 && block > 0, "kv_heads and block must be positive");
+  return attend_pool(q, k_pool, v_pool, tables, lengths, kv_heads, block, scale,
+                     (k_pool.size(0) - 1) / (kv_heads * block));
+}
+
 }  // namespace
 
 at::Tensor ts::paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& tables, const at::Tensor& lengths, int64_t kv_heads, int64_t block,
                             double scale) {
   return paged_decode_f32(q, k_pool, v_pool, tables, lengths, kv_heads, block, scale);
+}
+
+at::Tensor ts::sources_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& sources, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(3) == q.size(2) && k.is_contiguous() && v.is_contiguous(),
+              "cross keys and values must be contiguous (N, K, S, D) tensors");
+  const int64_t N = k.size(0), K = k.size(1), S = k.size(2), D = k.size(3);
+  TORCH_CHECK(S > 0, "cross keys need a source position");
+  // source n's keys are block n of a pool whose blocks hold S slots: its table is just n
+  return attend_pool(q, k.view({N * K * S, D}), v.view({N * K * S, D}), sources, lengths, K, S, scale, N);
 }
 
 TORCH_LIBRARY_FRAGMENT(ts_panels, m) {

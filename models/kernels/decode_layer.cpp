@@ -1,19 +1,26 @@
-// One decode step of a pre-norm Llama-style block in one op (models/native_decode.py calls it for
-// every layer of a causal stack): RMSNorm, the fused q/k/v projection, rotary positions, the new
-// key and value written into the paged pool, decode attention over each row's own keys, the output
-// projection and residual, RMSNorm, the fused gate/up projection, SiLU(gate) * up, the down
-// projection and residual.
+// One decode step of a transformer block in one op (models/native_decode.py calls it for every layer
+// of a causal stack): self-attention (the fused q/k/v projection, rotary positions where the model
+// has them, the new key and value written into the paged pool, decode attention over each row's own
+// keys, the output projection), cross-attention for an encoder-decoder (the query projection,
+// attention over the encoder keys of each row's source, the output projection) and the feed-forward
+// (a fused gate/up projection with SiLU(gate) * up, or one up projection with ReLU / GELU / SiLU,
+// then down), each sublayer with its residual and norm (RMSNorm or LayerNorm), before it (pre-norm,
+// Llama) or after the residual (post-norm, Marian and the original Transformer).
 //
 // The projections and the attention are the kernels of panels.cpp and attention.cpp (ops.h); what
 // this adds is the glue between them, written as plain loops over each row, so a step costs one
-// call per layer instead of a compiled graph's entry, guards and wrapper (at one row those took
-// more time than the products: docs/benchmarks.md). Every row is computed on its own, in a fixed
-// order, so a row's result does not depend on what it is batched with (bitwise), like the kernels.
+// call per layer instead of a compiled graph's entry, guards and wrapper, or an eager block's few
+// dozen small ops (at a few rows either took more time than the products: docs/benchmarks.md).
+// Every row is computed on its own, in a fixed order, so a row's result does not depend on what it
+// is batched with (bitwise), like the kernels.
 //
-// x (B, C) float32: one new token per row. cos, sin (B, D): each row's rotary angles. slots (B * K,):
-// the pool row each new key/value goes to (row b, head k at b * K + k); tables (B, M) and keys (B,):
-// each row's blocks and key count after this step (models/paged_cache.py). Projections: qkv, o,
-// gate_up, down, each as weights, bias, kind (ops.h), outputs, activation parts.
+// x (B, C) float32: one new token per row. norms: the sublayers' norm weights (self, [cross,] ff),
+// norm_biases their biases (LayerNorm; None: none). Projections, each as weights, bias, kind (ops.h),
+// outputs, activation parts: qkv, o, [cross q, cross o,] up (gate_up when gated), down. cos, sin
+// (B, D): each row's rotary angles (None: no rotary). slots (B * K,): the pool row each new key/value
+// goes to (row b, head k at b * K + k); tables (B, M) and keys (B,): each row's blocks and key count
+// after this step (models/paged_cache.py). cross_k, cross_v (N, K, S, D): the encoder's keys/values,
+// one row per source; sources (B, 1): each row's source; source_keys (B,): its real keys.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,7 +37,11 @@ namespace {
 
 using namespace ts;
 
-// y = w * (x / sqrt(mean(x^2) + eps)), as RMSNorm (models/norms.py) computes it in float32
+// the feed-forward's activation (models/layers.py's _ACT and _GATED)
+enum class Act : int64_t { SILU = 0, RELU = 1, GELU = 2, GELU_TANH = 3 };
+constexpr int64_t GRAIN = 4;  // rows per task of the glue loops
+
+// y = w * (x / sqrt(mean(x^2) + eps)), as RMSNorm (models/norms.py) computes it in float32; y may be x
 TS_TARGET void rms_norm(const float* x, const float* w, float eps, int64_t C, float* y) {
   vf acc = zero();
   int64_t i = 0;
@@ -41,17 +52,37 @@ TS_TARGET void rms_norm(const float* x, const float* w, float eps, int64_t C, fl
   for (int64_t j = 0; j < C; ++j) y[j] = w[j] * (x[j] * r);
 }
 
+// y = (x - mean) / sqrt(var + eps) * w + b (b may be null), the biased variance, as nn.LayerNorm;
+// the moments in double (torch's differ in the last bits); y may be x
+void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t C, float* y) {
+  double sum = 0.0;
+  for (int64_t j = 0; j < C; ++j) sum += x[j];
+  const double mean = sum / static_cast<double>(C);
+  double ss = 0.0;
+  for (int64_t j = 0; j < C; ++j) ss += (x[j] - mean) * (x[j] - mean);
+  const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(C) + eps));
+  const float m = static_cast<float>(mean);
+  for (int64_t j = 0; j < C; ++j) y[j] = (x[j] - m) * r * w[j] + (b != nullptr ? b[j] : 0.0f);
+}
+
+inline float activate(Act act, float v) {
+  switch (act) {
+    case Act::SILU: return v / (1.0f + std::exp(-v));
+    case Act::RELU: return v > 0.0f ? v : 0.0f;
+    case Act::GELU: return 0.5f * v * (1.0f + std::erf(v * static_cast<float>(M_SQRT1_2)));
+    case Act::GELU_TANH: {
+      const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+      return 0.5f * v * (1.0f + std::tanh(k * (v + 0.044715f * v * v * v)));
+    }
+  }
+  return v;
+}
+
 // rotary positions on one head (apply_rotary in models/positions.py): x cos + rotate_half(x) sin
 inline void rotate(const float* x, const float* cos, const float* sin, int64_t D, float* y) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; ++i) y[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
   for (int64_t i = half; i < D; ++i) y[i] = x[i] * cos[i] + x[i - half] * sin[i];
-}
-
-at::Tensor project(const std::vector<at::Tensor>& weights, const std::vector<c10::optional<at::Tensor>>& biases,
-                   const std::vector<int64_t>& kinds, const std::vector<int64_t>& outs,
-                   const std::vector<int64_t>& parts, int which, const at::Tensor& x) {
-  return ts::project(static_cast<Kind>(kinds[which]), x, weights[which], biases[which], outs[which], parts[which]);
 }
 
 void check_rows(const at::Tensor& t, int64_t rows, int64_t cols, const char* name) {
@@ -60,25 +91,100 @@ void check_rows(const at::Tensor& t, int64_t rows, int64_t cols, const char* nam
               name, " must be a contiguous (", rows, ", ", cols, ") float32 tensor");
 }
 
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& self_norm, const at::Tensor& ff_norm, double eps,
+void check_vector(const c10::optional<at::Tensor>& t, int64_t n, const char* name) {
+  TORCH_CHECK(!t.has_value() || (t->numel() == n && t->scalar_type() == at::kFloat && t->is_contiguous()), name,
+              " must be a contiguous float32 (", n, ",) tensor");
+}
+
+struct Layer {
+  const std::vector<at::Tensor>& weights;
+  const std::vector<c10::optional<at::Tensor>>& biases;
+  const std::vector<int64_t>& kinds;
+  const std::vector<int64_t>& outs;
+  const std::vector<int64_t>& parts;
+  const std::vector<at::Tensor>& norms;
+  const std::vector<c10::optional<at::Tensor>>& norm_biases;
+  float eps;
+  bool rms, prenorm;
+
+  at::Tensor project(size_t which, const at::Tensor& x) const {
+    return ts::project(static_cast<Kind>(kinds[which]), x, weights[which], biases[which], outs[which], parts[which]);
+  }
+
+  // row of C floats -> its norm n, in place
+  void normalize(size_t n, float* row, int64_t C) const {
+    const float* w = norms[n].data_ptr<float>();
+    if (rms) {
+      rms_norm(row, w, eps, C, row);
+    } else {
+      layer_norm(row, w, norm_biases[n].has_value() ? norm_biases[n]->data_ptr<float>() : nullptr, eps, C, row);
+    }
+  }
+
+  // one sublayer with its residual: pre-norm x + f(norm(x)), post-norm norm(x + f(x))
+  template <typename F>
+  at::Tensor sublayer(size_t n, const at::Tensor& x, F&& f) const {
+    const int64_t B = x.size(0), C = x.size(1);
+    const float* xp = x.data_ptr<float>();
+    at::Tensor in = x;
+    if (prenorm) {
+      in = at::empty_like(x);
+      float* hp = in.data_ptr<float>();
+      at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          std::copy(xp + b * C, xp + (b + 1) * C, hp + b * C);
+          normalize(n, hp + b * C, C);
+        }
+      });
+    }
+    at::Tensor out = f(in);  // (B, C), a new tensor: the residual goes into it
+    check_rows(out, B, C, "a sublayer's output");
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        for (int64_t j = 0; j < C; ++j) op[b * C + j] += xp[b * C + j];
+        if (!prenorm) normalize(n, op + b * C, C);
+      }
+    });
+    return out;
+  }
+};
+
+at::Tensor decode_layer(const at::Tensor& x, std::vector<at::Tensor> norms,
+                        std::vector<c10::optional<at::Tensor>> norm_biases, double eps, bool rms, bool prenorm,
                         std::vector<at::Tensor> weights, std::vector<c10::optional<at::Tensor>> biases,
                         std::vector<int64_t> kinds, std::vector<int64_t> outs, std::vector<int64_t> parts,
-                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
-                        const at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& tables,
-                        const at::Tensor& keys, int64_t heads, int64_t kv_heads, int64_t block, double scale) {
+                        int64_t act, bool gated, const c10::optional<at::Tensor>& cos,
+                        const c10::optional<at::Tensor>& sin, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& keys,
+                        const c10::optional<at::Tensor>& cross_k, const c10::optional<at::Tensor>& cross_v,
+                        const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& source_keys,
+                        int64_t heads, int64_t kv_heads, int64_t block, double scale) {
   TORCH_CHECK(x.dim() == 2, "x must be (B, C)");
   const int64_t B = x.size(0), C = x.size(1), D = k_pool.size(1), H = heads, K = kv_heads;
-  TORCH_CHECK(weights.size() == 4 && biases.size() == 4 && kinds.size() == 4 && outs.size() == 4 && parts.size() == 4,
-              "four projections: qkv, o, gate_up, down");
-  TORCH_CHECK(outs[0] == (H + 2 * K) * D && outs[1] == C && outs[2] % 2 == 0 && outs[3] == C,
+  const bool cross = cross_k.has_value();
+  TORCH_CHECK(cross_v.has_value() == cross && sources.has_value() == cross && source_keys.has_value() == cross,
+              "cross-attention needs cross_k, cross_v, sources and source_keys together");
+  const size_t P = cross ? 6 : 4, ff = cross ? 4 : 2;  // projections; the first feed-forward one
+  TORCH_CHECK(weights.size() == P && biases.size() == P && kinds.size() == P && outs.size() == P && parts.size() == P,
+              P, " projections: qkv, o, ", cross ? "cross q, cross o, " : "", "up, down");
+  TORCH_CHECK(norms.size() == P / 2 && norm_biases.size() == P / 2, P / 2, " norms, one per sublayer");
+  TORCH_CHECK(act >= 0 && act <= 3, "unknown activation ", act);
+  TORCH_CHECK(outs[0] == (H + 2 * K) * D && outs[1] == C && outs[ff + 1] == C && (!gated || outs[ff] % 2 == 0),
               "the projections' sizes do not match the heads");
-  TORCH_CHECK(D % 2 == 0 && H % K == 0, "an even head dim and H a multiple of K");
+  TORCH_CHECK(!cross || (outs[2] == H * D && outs[3] == C), "the cross projections' sizes do not match the heads");
+  TORCH_CHECK(H % K == 0, "H must be a multiple of K");
   check_rows(x, B, C, "x");
-  check_rows(cos, B, D, "cos");
-  check_rows(sin, B, D, "sin");
-  TORCH_CHECK(self_norm.numel() == C && ff_norm.numel() == C && self_norm.scalar_type() == at::kFloat &&
-                  ff_norm.scalar_type() == at::kFloat && self_norm.is_contiguous() && ff_norm.is_contiguous(),
-              "the norms' weights must be contiguous float32 (C,)");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "rotary needs cos and sin");
+  if (cos.has_value()) {
+    TORCH_CHECK(D % 2 == 0, "rotary needs an even head dim");
+    check_rows(*cos, B, D, "cos");
+    check_rows(*sin, B, D, "sin");
+  }
+  for (size_t n = 0; n < norms.size(); ++n) {
+    check_vector(norms[n], C, "a norm's weight");
+    check_vector(norm_biases[n], C, "a norm's bias");
+  }
   TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
                   v_pool.is_contiguous() && k_pool.dim() == 2 && k_pool.sizes() == v_pool.sizes(),
               "the pools must be contiguous (N * K * BS + 1, D) float32 tensors");
@@ -87,71 +193,73 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& self_norm, const 
   const int64_t pool_rows = k_pool.size(0);
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * K; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_rows, "slot ", slot[i], " outside the pool");
-  const float fe = static_cast<float>(eps);
-  const int64_t F = outs[2] / 2;
-  constexpr int64_t GRAIN = 4;  // rows per task of the glue loops
+  const Layer layer{weights, biases, kinds, outs, parts, norms, norm_biases, static_cast<float>(eps), rms, prenorm};
 
-  // attention: norm, q/k/v, rotary, the new key and value into the pool, then every row's keys
-  at::Tensor h = at::empty({B, C}, x.options());
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) rms_norm(xp + b * C, self_norm.data_ptr<float>(), fe, C, h.data_ptr<float>() + b * C);
-  });
-  const at::Tensor qkv = project(weights, biases, kinds, outs, parts, 0, h);  // (B, (H + 2K) D)
-  at::Tensor q = at::empty({B, H, D}, x.options());
-  const float* qkvp = qkv.data_ptr<float>();
-  float* kp = k_pool.data_ptr<float>();
-  float* vp = v_pool.data_ptr<float>();
-  at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* row = qkvp + b * (H + 2 * K) * D;
-      const float* c = cos.data_ptr<float>() + b * D;
-      const float* s = sin.data_ptr<float>() + b * D;
-      for (int64_t hh = 0; hh < H; ++hh) rotate(row + hh * D, c, s, D, q.data_ptr<float>() + (b * H + hh) * D);
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t at = slot[b * K + k];
-        rotate(row + (H + k) * D, c, s, D, kp + at * D);
-        std::copy(row + (H + K + k) * D, row + (H + K + k + 1) * D, vp + at * D);
+  // self-attention: q/k/v, rotary, the new key and value into the pool, then every row's keys
+  at::Tensor h = layer.sublayer(0, x, [&](const at::Tensor& in) {
+    const at::Tensor qkv = layer.project(0, in);  // (B, (H + 2K) D)
+    at::Tensor q = at::empty({B, H, D}, x.options());
+    const float* qkvp = qkv.data_ptr<float>();
+    float* qp = q.data_ptr<float>();
+    float* kp = k_pool.data_ptr<float>();
+    float* vp = v_pool.data_ptr<float>();
+    at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float* row = qkvp + b * (H + 2 * K) * D;
+        if (cos.has_value()) {
+          const float* c = cos->data_ptr<float>() + b * D;
+          const float* s = sin->data_ptr<float>() + b * D;
+          for (int64_t hh = 0; hh < H; ++hh) rotate(row + hh * D, c, s, D, qp + (b * H + hh) * D);
+          for (int64_t k = 0; k < K; ++k) rotate(row + (H + k) * D, c, s, D, kp + slot[b * K + k] * D);
+        } else {
+          std::copy(row, row + H * D, qp + b * H * D);
+          for (int64_t k = 0; k < K; ++k) std::copy(row + (H + k) * D, row + (H + k + 1) * D, kp + slot[b * K + k] * D);
+        }
+        for (int64_t k = 0; k < K; ++k) std::copy(row + (H + K + k) * D, row + (H + K + k + 1) * D, vp + slot[b * K + k] * D);
       }
-    }
+    });
+    const at::Tensor attn = paged_decode(q, k_pool, v_pool, tables, keys, K, block, scale).view({B, H * D});
+    return layer.project(1, attn);  // (B, C)
   });
-  const at::Tensor attn = paged_decode(q, k_pool, v_pool, tables, keys, K, block, scale).view({B, H * D});
-  const at::Tensor o = project(weights, biases, kinds, outs, parts, 1, attn);  // (B, C)
 
-  // feed-forward: residual, norm, gate/up, SiLU(gate) * up, down, residual
-  at::Tensor mid = at::empty({B, C}, x.options());
-  const float* op = o.data_ptr<float>();
-  float* midp = mid.data_ptr<float>();
-  at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t j = 0; j < C; ++j) midp[b * C + j] = xp[b * C + j] + op[b * C + j];
-      rms_norm(midp + b * C, ff_norm.data_ptr<float>(), fe, C, h.data_ptr<float>() + b * C);
-    }
-  });
-  const at::Tensor gate_up = project(weights, biases, kinds, outs, parts, 2, h);  // (B, 2F)
-  at::Tensor act = at::empty({B, F}, x.options());
-  const float* gup = gate_up.data_ptr<float>();
-  float* ap = act.data_ptr<float>();
-  at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t j = 0; j < F; ++j) {
-        const float g = gup[b * 2 * F + j];
-        ap[b * F + j] = g / (1.0f + std::exp(-g)) * gup[b * 2 * F + F + j];
+  // cross-attention: each row's query against its source's encoder keys
+  if (cross) {
+    h = layer.sublayer(1, h, [&](const at::Tensor& in) {
+      const at::Tensor q = layer.project(2, in).view({B, H, D});
+      const at::Tensor attn = sources_attend(q, *cross_k, *cross_v, *sources, *source_keys, scale).view({B, H * D});
+      return layer.project(3, attn);  // (B, C)
+    });
+  }
+
+  // feed-forward: up (or gate/up), the activation, down
+  return layer.sublayer(ff / 2, h, [&](const at::Tensor& in) {
+    at::Tensor up = layer.project(ff, in);  // (B, F) or (B, 2F)
+    const Act fn = static_cast<Act>(act);
+    const int64_t F = gated ? outs[ff] / 2 : outs[ff];
+    at::Tensor a = gated ? at::empty({B, F}, x.options()) : up;
+    const float* up_p = up.data_ptr<float>();
+    float* ap = a.data_ptr<float>();
+    at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        if (gated) {
+          for (int64_t j = 0; j < F; ++j) ap[b * F + j] = activate(fn, up_p[b * 2 * F + j]) * up_p[b * 2 * F + F + j];
+        } else {
+          for (int64_t j = 0; j < F; ++j) ap[b * F + j] = activate(fn, ap[b * F + j]);
+        }
       }
-    }
+    });
+    return layer.project(ff + 1, a);  // (B, C)
   });
-  at::Tensor out = project(weights, biases, kinds, outs, parts, 3, act);  // (B, C)
-  float* outp = out.data_ptr<float>();
-  for (int64_t i = 0; i < B * C; ++i) outp[i] += midp[i];
-  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ts_panels, m) {
-  m.def("decode_layer(Tensor x, Tensor self_norm, Tensor ff_norm, float eps, Tensor[] weights, Tensor?[] biases, "
-        "int[] kinds, int[] outs, int[] parts, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
-        "Tensor slots, Tensor tables, Tensor keys, int heads, int kv_heads, int block, float scale) -> Tensor");
+  m.def("decode_layer(Tensor x, Tensor[] norms, Tensor?[] norm_biases, float eps, bool rms, bool prenorm, "
+        "Tensor[] weights, Tensor?[] biases, int[] kinds, int[] outs, int[] parts, int act, bool gated, "
+        "Tensor? cos, Tensor? sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor tables, Tensor keys, "
+        "Tensor? cross_k, Tensor? cross_v, Tensor? sources, Tensor? source_keys, int heads, int kv_heads, int block, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ts_panels, CPU, m) {

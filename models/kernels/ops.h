@@ -21,4 +21,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
                         const at::Tensor& tables, const at::Tensor& lengths, int64_t kv_heads, int64_t block,
                         double scale);
 
+// q (B, H, D) against the encoder's keys of each row's source: k, v (N, K, S, D) contiguous, sources
+// (B, 1) int64 the source of each row, lengths (B,) int64 its real keys (a prefix of S) -> (B, H, D)
+at::Tensor sources_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sources,
+                          const at::Tensor& lengths, double scale);
+
 }  // namespace ts

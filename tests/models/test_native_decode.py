@@ -1,6 +1,7 @@
-"""models/native_decode.py: a Llama-style stack's decode step as one native op per layer equals the
-blocks' own path (to float32 rounding), gives a row the same bits alone and among others, and is
-taken exactly where it computes what the blocks compute.
+"""models/native_decode.py: a causal stack's decode step as one native op per layer (Llama-style
+decoders, post-norm LayerNorm decoders, encoder-decoders with cross-attention) equals the blocks' own
+path (to float32 rounding), gives a row the same bits alone and among others, and is taken exactly
+where it computes what the blocks compute.
 
 Dimension legend: B rows, V vocabulary, C model dim.
 """
@@ -18,7 +19,8 @@ from models.fuse import fuse_projections
 from models.generate import generate
 from models.paged_cache import PagedKVCache
 from models.quant import quantize
-from models.tiny import tiny_model
+from models.seq2seq import Seq2Seq
+from models.tiny import SEQ2SEQ_SPREAD, tiny_model
 
 from .test_paged_cache import PROMPTS, gqa_model, run
 from .test_quant import needs_kernels
@@ -26,14 +28,24 @@ from .test_quant import needs_kernels
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), needs_kernels]
 
 
-def fast_model(weights: str) -> DecoderLM:
-    """SmolLM2's attention shape in small (G = 3, D = 64), its projections fused, then as the shipped
-    generator holds them (q4_1 blocks, a Q8_0 head) or as float32 panels."""
-    model = fuse_projections(gqa_model())
-    if weights == "q4_1":
-        return quantize(model, "q4_1")
+def fast_model(weights: str, **changes: object) -> DecoderLM:
+    """SmolLM2's attention shape in small (G = 3, D = 64) (with the config `changes`), its projections
+    fused, then as the shipped generator holds them (q4_1 blocks, a Q8_0 head), as 8-bit blocks, or as
+    float32 panels."""
+    model = gqa_model()
+    if changes:
+        torch.manual_seed(0)
+        model = DecoderLM(model.cfg.replace(**changes)).eval()
+    model = fuse_projections(model)
+    if weights in ("q4_1", "q8_0"):
+        return quantize(model, weights)
     pack_dense(model, "panels")
     return model
+
+
+# a GPT-2-like block: post-norm LayerNorm with biases, learned positions, a plain GELU MLP, biases
+POST_NORM = {"prenorm": False, "norm": "layernorm", "position": "learned", "activation": "gelu",
+             "attn_bias": True, "mlp_bias": True}
 
 
 def steps(model: DecoderLM, native: bool, monkeypatch: pytest.MonkeyPatch, prompts=PROMPTS) -> list[torch.Tensor]:
@@ -56,15 +68,18 @@ def steps(model: DecoderLM, native: bool, monkeypatch: pytest.MonkeyPatch, promp
     return out
 
 
-@pytest.mark.parametrize("weights", ["q4_1", "f32"])
-def test_native_decode_equals_the_blocks(weights: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = fast_model(weights)
+@pytest.mark.parametrize(("weights", "changes"), [
+    ("q4_1", {}), ("f32", {}), ("f32", POST_NORM), ("q8_0", {**POST_NORM, "activation": "relu", "n_kv_heads": 6}),
+    ("f32", {"activation": "gelu_tanh", "norm": "layernorm", "norm_bias": False}),
+])
+def test_native_decode_equals_the_blocks(weights: str, changes: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = fast_model(weights, **changes)
     assert native_decode.stack_args(model.stack.blocks) is not None
     blocks = steps(model, False, monkeypatch)
     native = steps(model, True, monkeypatch)
-    # the 4-bit blocks quantize activations: fp32 rounding that differs (the glue's order) can move one
+    # the block formats quantize activations: fp32 rounding that differs (the glue's order) can move one
     # across a step of its 16-bit (two-part) codes, ~1e-5 of the group's largest input (test_compiled)
-    atol = 1e-4 if weights == "q4_1" else 1e-5
+    atol = 1e-4 if weights != "f32" else 1e-5
     for step, (b, n) in enumerate(zip(blocks, native, strict=True)):
         torch.testing.assert_close(n, b, rtol=1e-5, atol=atol, msg=f"step {step}")
         assert torch.equal(n.argmax(-1), b.argmax(-1))
@@ -102,7 +117,9 @@ def test_other_blocks_keep_their_own_path() -> None:
     qk = fuse_projections(DecoderLM(gqa_model().cfg.replace(qk_norm=True)).eval())
     assert native_decode.stack_args(quantize(qk, "q4_1").stack.blocks) is None
     post = fuse_projections(DecoderLM(gqa_model().cfg.replace(prenorm=False)).eval())
-    assert native_decode.stack_args(quantize(post, "q4_1").stack.blocks) is None
+    assert native_decode.stack_args(quantize(post, "q4_1").stack.blocks) is not None  # post-norm is served
+    int8 = quantize(fuse_projections(gqa_model()), "int8")  # fbgemm's dynamic int8 Linear: not one of ours
+    assert native_decode.stack_args(int8.stack.blocks) is None
     model.train()
     assert native_decode.stack_args(model.stack.blocks) is None
 
@@ -115,10 +132,141 @@ def test_the_arguments_follow_the_model_after_load() -> None:
     model = fast_model("q4_1")
     first = native_decode.stack_args(model.stack.blocks)
     assert first is not None and native_decode.stack_args(model.stack.blocks) is first  # cached
-    assert {p for layer in first for p in layer[7]} == {2}  # two 8-bit activation parts
+    assert {p for layer in first for p in layer[9]} == {2}  # two 8-bit activation parts
     set_activation_bits(model, 8)
     eight = native_decode.stack_args(model.stack.blocks)
-    assert eight is not first and {p for layer in eight for p in layer[7]} == {1}
+    assert eight is not first and {p for layer in eight for p in layer[9]} == {1}
     attn = model.stack.blocks[1].self_attn
     attn.qkv = torch.nn.Linear(attn.qkv.in_features, attn.qkv.out_features, bias=False)
     assert native_decode.stack_args(model.stack.blocks) is None
+
+
+def translator(weights: str = "f32") -> Seq2Seq:
+    """tiny:seq2seq at the shipped translator's head shape (4 heads of D = 64, post-norm LayerNorm,
+    ReLU, biases, sinusoidal positions), its weights spread as tiny_model does (outputs depend on the
+    source and the beam size), fused and packed as load_model leaves it."""
+    base, _ = tiny_model("seq2seq")
+    torch.manual_seed(0)
+    model = Seq2Seq(base.cfg.replace(d_model=256, n_heads=4, d_ff=128)).eval()
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() >= 2:
+                weight.mul_(SEQ2SEQ_SPREAD)
+    model = fuse_projections(model)
+    if weights != "f32":
+        return quantize(model, weights)
+    pack_dense(model, "panels")
+    return model
+
+
+SOURCES = [[5, 80, 81, 9, 70, 66, 1], [100, 7, 1], [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 1]]
+
+
+def spied(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[bool]:
+    """Count decode_layers calls that ran the op (not None); native False: never try it."""
+    taken: list[bool] = []
+    real = native_decode.decode_layers
+    monkeypatch.setattr(native_decode, "decode_layers", lambda *a: taken.append((out := real(*a)) is not None) or out)
+    if not native:
+        monkeypatch.setattr(native_decode, "runs", lambda *a: False)
+    return taken
+
+
+def cross_steps(model: Seq2Seq, sources: list[list[int]], n: int, rows: list[int] | None = None) -> list[torch.Tensor]:
+    """Encode `sources` (right-padded), then n greedy decode steps on a paged cache for the sources at
+    `rows` (all by default): each step's logits (B, V)."""
+    from models.inputs import PaddedBatch
+
+    src = PaddedBatch.from_token_lists(sources, model.cfg.pad_token_id)
+    rows = list(range(len(sources))) if rows is None else rows
+    cache = PagedKVCache.for_model(model.cfg, len(rows), blocks=4 * len(rows), max_len=n + 1)
+    tokens = torch.full((len(rows), 1), model.cfg.decoder_start_token_id)  # (B, 1)
+    out = []
+    with torch.inference_mode():
+        cross = model.cross_cache(model.encode(src.ids, src.keep), src.keep).select(torch.tensor(rows))
+        for _ in range(n):
+            logits = model.decode(tokens, cross, cache=cache.view())[:, -1]  # (B, V)
+            cache.advance(1)
+            out.append(logits)
+            tokens = logits.argmax(-1, keepdim=True)  # (B, 1)
+    return out
+
+
+@pytest.mark.parametrize("weights", ["f32", "q8_0"])
+def test_native_cross_attention_step_equals_the_blocks(weights: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encoder-decoder's decode steps (post-norm, cross-attention over right-padded sources of 3 to 13
+    tokens) through the op: the blocks' logits to float32 rounding, every step taking the op."""
+    model = translator(weights)
+    taken = spied(monkeypatch, False)
+    blocks = cross_steps(model, SOURCES, 12)
+    monkeypatch.undo()
+    taken = spied(monkeypatch, True)
+    native = cross_steps(model, SOURCES, 12)
+    assert taken == [True] * 12
+    for step, (b, n) in enumerate(zip(blocks, native, strict=True)):
+        torch.testing.assert_close(n, b, rtol=1e-5, atol=1e-5 if weights == "f32" else 1e-4, msg=f"step {step}")
+        assert torch.equal(n.argmax(-1), b.argmax(-1))
+
+
+def test_native_cross_attention_gives_a_row_the_same_bits_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoder rows of the same encoder output (one encoder pass: its padded batch is not what is tested
+    here) give the same bits alone and among others."""
+    model = translator()
+    taken = spied(monkeypatch, True)
+    together = cross_steps(model, SOURCES, 10)
+    for row in range(len(SOURCES)):
+        alone = cross_steps(model, SOURCES, 10, rows=[row])
+        for step, (t, a) in enumerate(zip(together, alone, strict=True)):
+            assert torch.equal(t[row], a[0]), f"row {row}, step {step}"
+    assert taken and all(taken)
+
+
+@pytest.fixture(scope="module")
+def shipped_translator():
+    """The committed en->es translator with every float projection as panels (the op's layout; "auto"
+    keeps the fastest kernel per shape on the machine), and the first 24 held-out sentences."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from models.catalog import DEFAULT_SPECS, load_model
+    from models.train.eval_translator import read_test
+
+    loaded = load_model(replace(DEFAULT_SPECS["translator"], dense_kernel="panels"), Path("/nonexistent-cache"))
+    sources, _ = read_test(Path(__file__).parents[2] / "models/weights/translator-en-es/test.tsv")
+    return loaded.model, loaded.tokenizer.encode_batch(sources[:24])
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_beam_search_through_the_op_keeps_its_translations(beam: int, shipped_translator,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """translate_ids (the offline search and the engine's BeamSearch, beams grouped per source) on the
+    shipped translator takes the op on every step and gives the blocks' path's tokens, together and
+    each source alone."""
+    from models.beam_search import BeamParams, translate_ids
+
+    model, sources = shipped_translator
+    params = BeamParams(beam, 64)
+    spied(monkeypatch, False)
+    expected = translate_ids(model, sources, params)
+    monkeypatch.undo()
+    taken = spied(monkeypatch, True)
+    assert translate_ids(model, sources, params) == expected
+    assert taken and all(taken)
+    assert [translate_ids(model, [s], params)[0] for s in sources[:6]] == expected[:6]
+    assert len({tuple(e) for e in expected}) == len(sources)  # the outputs depend on the source
+
+
+def test_left_padded_sources_keep_the_blocks_path() -> None:
+    """The op attends a prefix of each source's keys: a left-padded source (real keys not a prefix) has
+    no row_sources, and the stack runs its blocks."""
+    from models.kv_cache import CrossCache
+
+    k = torch.zeros(2, 4, 3, 64)  # (N, K, S, D)
+    right = CrossCache.build([(k, k)], torch.tensor([[True, True, False], [True, True, True]]))
+    left = CrossCache.build([(k, k)], torch.tensor([[False, True, True], [True, True, True]]))
+    sources, lengths = right.row_sources()
+    assert sources.view(-1).tolist() == [0, 1] and lengths.tolist() == [2, 3]
+    assert left.row_sources() is None
+    grouped = right.grouped(torch.tensor([0, 1, 4]), width=4)  # two beams of source 0, one of source 1
+    sources, lengths = grouped.row_sources()
+    assert sources.view(-1).tolist() == [0, 0, 1] and lengths.tolist() == [2, 2, 3]
