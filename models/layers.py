@@ -15,7 +15,6 @@ from .positions import LearnedPositions, SinusoidalPositions
 from .projections import stack_linears
 
 
-
 def gelu_tanh(x: Tensor) -> Tensor:
     """GELU's tanh approximation (GPT-2, T5 v1.1's gated variant)."""
     return F.gelu(x, approximate="tanh")
