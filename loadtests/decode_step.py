@@ -1,4 +1,4 @@
-"""A decode step through the compiled blocks against one native op per layer (models/native_decode.py).
+"""A decode step through the compiled blocks against one native op per layer (models/native_blocks.py).
 
     python -m loadtests.decode_step                         # shipped generator, 1 and 32 rows
     python -m loadtests.decode_step --tiny --rounds 1 --steps 4    # a smoke run
@@ -25,20 +25,20 @@ def decode(model, rows: int, prompt: int, steps: int, native: bool) -> tuple[flo
     """(ms per decode step, the tokens, steps that took the op) of one run on a fresh paged cache."""
     import torch
 
-    from models import native_decode
+    from models import native_blocks
     from models.paged_cache import PagedKVCache, blocks_for
 
     total = prompt + steps
     cache = PagedKVCache.for_model(model.cfg, rows, rows * blocks_for(total) + 1, total)
-    real_runs, real_layers = native_decode.runs, native_decode.decode_layers
+    real_runs, real_layers = native_blocks.runs, native_blocks.decode_layers
     taken = [0]
 
     def counted(*args):  # noqa: ANN002, ANN202
         taken[0] += 1
         return real_layers(*args)
 
-    native_decode.runs = real_runs if native else (lambda *a: False)
-    native_decode.decode_layers = counted
+    native_blocks.runs = real_runs if native else (lambda *a: False)
+    native_blocks.decode_layers = counted
     try:
         with torch.inference_mode():
             ids = torch.arange(rows * prompt).remainder(model.cfg.vocab_size - 10).add(5).view(rows, prompt)  # (B, T)
@@ -53,7 +53,7 @@ def decode(model, rows: int, prompt: int, steps: int, native: bool) -> tuple[flo
                 cache.advance(1)
             seconds = time.perf_counter() - started
     finally:
-        native_decode.runs, native_decode.decode_layers = real_runs, real_layers
+        native_blocks.runs, native_blocks.decode_layers = real_runs, real_layers
     return seconds / steps * 1e3, torch.cat(tokens, 1).tolist(), taken[0]
 
 

@@ -21,7 +21,7 @@ parameters' values are inputs, but compile after the model's layers are final (q
 load_model does it last.
 
 A Llama-style stack's decode steps on a paged cache skip the blocks altogether: one native op per
-layer (models/native_decode.py), which at one row costs less than entering a compiled graph. The
+layer (models/native_blocks.py), which at one row costs less than entering a compiled graph. The
 compiled blocks serve its prefills, and every step of the other families.
 
 Inductor caches its output ($TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER): a restart

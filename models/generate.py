@@ -27,7 +27,7 @@ class Generated:
 
 def _cache(model: DecoderLM, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache | PagedKVCache:
     """The cache the engine would decode on: paged, each row's blocks reserved up front, where its decode
-    kernel runs (and through it, a Llama-style stack's one op per layer: models/native_decode.py); the
+    kernel runs (and through it, a Llama-style stack's one op per layer: models/native_blocks.py); the
     dense one elsewhere and for a sliding window."""
     if model.cfg.sliding_window is None and kernel_runs(dtype, device):
         return PagedKVCache.for_model(model.cfg, rows, rows * blocks_for(max_len) + 1, max_len, dtype, device)

@@ -331,7 +331,7 @@ class CrossCache:
     _row_sources: tuple | None = field(default=None, repr=False, compare=False)  # row_sources(); () = none
 
     def row_sources(self) -> tuple[Tensor, Tensor] | None:
-        """For the native decode step (models/native_decode.py): each decoder row's source (R, 1) long
+        """For the native decode step (models/native_blocks.py): each decoder row's source (R, 1) long
         and its real key count (R,) long; None when a source's real keys are not a prefix of S_src (left
         padding) or it has none. Computed once per cache object (a row layout), with one host sync."""
         if self._row_sources is None:

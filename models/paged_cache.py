@@ -278,6 +278,8 @@ class PagedCacheView:
             c.ensure(row, n + r)
         nb = min(blocks_for(longest, c.block), c.width)
         self.step_len = nb * c.block
+        if t == 1 and keep is None and c.tables.device.type == "cpu":
+            return self._begin_decode(lengths, nb), self.step_len
         base = self.lengths  # (B,)
         positions = base[:, None] + torch.arange(t, device=base.device)[None, :]  # (B, T)
         tables = c.tables[self.start:self.stop]  # (B, M)
@@ -289,6 +291,22 @@ class PagedCacheView:
         self._tables = torch.empty(len(lengths), nb, dtype=tables.dtype, device=tables.device).copy_(tables[:, :nb])
         self._keys = base + t  # (B,)
         return positions, self.step_len
+
+    def _begin_decode(self, lengths: list[int], nb: int) -> Tensor:
+        """begin(1) on the CPU from the host's lengths and tables (a decode step: one token a row),
+        without the dozen small tensor operations of the general case; the same values. Returns the
+        positions (B, 1)."""
+        c = self.cache
+        heads, bs = range(c.kv_heads), c.block
+        slots = []
+        for row, n in enumerate(lengths, self.start):
+            table = c.host_tables[row]
+            first = table[n // bs] * c.kv_heads * bs + n % bs  # head 0's slot (begin gave the row its blocks)
+            slots.extend(first + k * bs for k in heads)
+        self._slots = torch.tensor(slots, dtype=torch.long)  # (B * K,)
+        self._tables = torch.empty(len(lengths), nb, dtype=torch.long).copy_(c.tables[self.start:self.stop, :nb])
+        self._keys = torch.tensor(lengths, dtype=torch.long) + 1  # (B,)
+        return torch.tensor(lengths, dtype=torch.long)[:, None]  # (B, 1)
 
     def key_positions(self) -> Tensor:
         """The position each of the gathered path's S keys holds: (S,) (slot i of the gathered rows is

@@ -33,7 +33,7 @@ class Seq2Seq(nn.Module):
 
     def cross_cache(self, memory: Tensor, src_keep: Tensor) -> CrossCache:
         """Encoder keys/values for every decoder layer, computed once per request."""
-        # contiguous: every decode step reads them, and the native step (models/native_decode.py) needs it
+        # contiguous: every decode step reads them, and the native step (models/native_blocks.py) needs it
         kv = [tuple(t.contiguous() for t in block.cross_attn.project_kv(memory))
               for block in self.decoder.blocks]  # (B, K, S, D) x2
         return CrossCache.build(kv, src_keep)

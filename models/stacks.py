@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import native_decode
+from . import native_blocks
 from .attention import AttentionMask, causal_mask, padding_mask, positions_from_mask
 from .config import BlockConfig
 from .kv_cache import CacheView, CrossCache
@@ -35,6 +35,12 @@ class EncoderStack(nn.Module):
             keep = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
         positions = positions_from_mask(keep)  # (B, T): pad-invariant for left or right padding
         x = self.embed(ids, positions, token_types)  # (B, T, C)
+        if self.relative_bias is None:
+            layers = native_blocks.stack_args(self.blocks)  # None unless block_step computes every block
+            # one native op per layer over the real tokens (models/native_blocks.py): no mask to build
+            out = native_blocks.encode_layers(layers, x, keep) if layers is not None else None
+            if out is not None:
+                return self.norm(out) if self.norm is not None else out  # (B, T, C)
         mask = AttentionMask.build(padding_mask(keep))  # (B, 1, 1, T)
         bias = self.relative_bias(positions, positions) if self.relative_bias is not None else None  # (B, H, T, T)
         for block in self.blocks:
@@ -78,10 +84,10 @@ class CausalStack(nn.Module):
             positions = positions_from_mask(keep)  # (B, T)
         x = self.embed(ids, positions)  # (B, T, C)
         rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2
-        if self.relative_bias is None and self.window is None and native_decode.runs(cache, t, x):
-            layers = native_decode.stack_args(self.blocks)  # None unless decode_layer computes every block
-            # one native op per layer (models/native_decode.py): no mask to build
-            out = native_decode.decode_layers(layers, x, rope, cache, cross) if layers is not None else None
+        if self.relative_bias is None and self.window is None and native_blocks.runs(cache, t, x):
+            layers = native_blocks.stack_args(self.blocks)  # None unless block_step computes every block
+            # one native op per layer (models/native_blocks.py): no mask to build
+            out = native_blocks.decode_layers(layers, x, rope, cache, cross) if layers is not None else None
             if out is not None:
                 return self.norm(out) if self.norm is not None else out  # (B, 1, C)
         if cache is not None:

@@ -1,6 +1,6 @@
 """Building and loading models/kernels/: the `torch.ops.ts_panels` kernels, the projections
 (panels.cpp), decode attention over a paged KV cache (attention.cpp) and a whole Llama-style block's
-decode step on them (decode_layer.cpp).
+decode step on them (block_step.cpp).
 
 The sources are compiled once per machine with torch's own extension builder (g++, the headers of the
 installed torch) into torch's extension cache ($TORCH_EXTENSIONS_DIR, default
@@ -35,7 +35,7 @@ import torch
 
 log = logging.getLogger("models.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("panels.cpp", "attention.cpp", "decode_layer.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("panels.cpp", "attention.cpp", "block_step.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
 NAME = "ts_panels"  # the ops' namespace: torch.ops.ts_panels
 DISABLE_ENV = "TS_NATIVE_KERNELS"
@@ -115,7 +115,7 @@ def _register_fakes() -> None:
     def fake_layer(x: torch.Tensor, *args: object) -> torch.Tensor:
         return torch.empty_like(x)
 
-    torch.library.register_fake(f"{NAME}::decode_layer", fake_layer)
+    torch.library.register_fake(f"{NAME}::block_step", fake_layer)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-// The kernels one source calls from another (decode_layer.cpp runs the projections and the decode
+// The kernels one source calls from another (block_step.cpp runs the projections and the decode
 // attention of panels.cpp and attention.cpp inside one op), with the checks of their torch ops.
 
 #pragma once

@@ -56,11 +56,11 @@ def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_p
     """The shipped Q4_1 generator with prompts on its float32 twin (prompt_weights "float", as "auto"
     picks on CPUs without VNNI; eager here to keep the test short): a request's greedy tokens alone,
     among others, and when preempted on a small pool are the same, and it still knows Paris. Its decode
-    steps run as one native op per layer (models/native_decode.py)."""
+    steps run as one native op per layer (models/native_blocks.py)."""
     import dataclasses
 
     from loadtests.engine_models import shipped_generator
-    from models import native_decode
+    from models import native_blocks
     from models.kernels import native
 
     if not native.available():
@@ -83,8 +83,8 @@ def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_p
                                 prompt_model=lm.prompt_model)
 
     steps = []
-    real = native_decode.decode_layers
-    monkeypatch.setattr(native_decode, "decode_layers", lambda *a: steps.append(a[1].size(0)) or real(*a))
+    real = native_blocks.decode_layers
+    monkeypatch.setattr(native_blocks, "decode_layers", lambda *a: steps.append(a[1].size(0)) or real(*a))
     greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
     requests = [(chat(t), greedy) for t in ["What is the capital of France?", *OTHERS[:2]]]
     with torch.inference_mode():

@@ -1,4 +1,4 @@
-// One decode step of a transformer block in one op (models/native_decode.py calls it for every layer
+// One decode step of a transformer block in one op (models/native_blocks.py calls it for every layer
 // of a causal stack): self-attention (the fused q/k/v projection, rotary positions where the model
 // has them, the new key and value written into the paged pool, decode attention over each row's own
 // keys, the output projection), cross-attention for an encoder-decoder (the query projection,
@@ -150,7 +150,7 @@ struct Layer {
   }
 };
 
-at::Tensor decode_layer(const at::Tensor& x, std::vector<at::Tensor> norms,
+at::Tensor block_step(const at::Tensor& x, std::vector<at::Tensor> norms,
                         std::vector<c10::optional<at::Tensor>> norm_biases, double eps, bool rms, bool prenorm,
                         std::vector<at::Tensor> weights, std::vector<c10::optional<at::Tensor>> biases,
                         std::vector<int64_t> kinds, std::vector<int64_t> outs, std::vector<int64_t> parts,
@@ -255,7 +255,7 @@ at::Tensor decode_layer(const at::Tensor& x, std::vector<at::Tensor> norms,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ts_panels, m) {
-  m.def("decode_layer(Tensor x, Tensor[] norms, Tensor?[] norm_biases, float eps, bool rms, bool prenorm, "
+  m.def("block_step(Tensor x, Tensor[] norms, Tensor?[] norm_biases, float eps, bool rms, bool prenorm, "
         "Tensor[] weights, Tensor?[] biases, int[] kinds, int[] outs, int[] parts, int act, bool gated, "
         "Tensor? cos, Tensor? sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor tables, Tensor keys, "
         "Tensor? cross_k, Tensor? cross_v, Tensor? sources, Tensor? source_keys, int heads, int kv_heads, int block, "
@@ -263,5 +263,5 @@ TORCH_LIBRARY_FRAGMENT(ts_panels, m) {
 }
 
 TORCH_LIBRARY_IMPL(ts_panels, CPU, m) {
-  m.impl("decode_layer", &decode_layer);
+  m.impl("block_step", &block_step);
 }

@@ -1,4 +1,4 @@
-"""models/native_decode.py: a causal stack's decode step as one native op per layer (Llama-style
+"""models/native_blocks.py: a causal stack's decode step as one native op per layer (Llama-style
 decoders, post-norm LayerNorm decoders, encoder-decoders with cross-attention) equals the blocks' own
 path (to float32 rounding), gives a row the same bits alone and among others, and is taken exactly
 where it computes what the blocks compute.
@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import native_decode
+from models import native_blocks
 from models.decoder import DecoderLM
+from models.encoder import EncoderModel
 from models.decoding import SamplingParams
 from models.dense import pack_dense
 from models.fuse import fuse_projections
@@ -52,15 +53,15 @@ def steps(model: DecoderLM, native: bool, monkeypatch: pytest.MonkeyPatch, promp
     """Each step's logits (B, V) of a prefill and 20 greedy decode steps on a paged cache, with the decode
     steps through decode_layer or through the blocks."""
     taken = []
-    real = native_decode.decode_layers
+    real = native_blocks.decode_layers
 
     def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         taken.append(True)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(native_decode, "decode_layers", spy)
+    monkeypatch.setattr(native_blocks, "decode_layers", spy)
     if not native:
-        monkeypatch.setattr(native_decode, "runs", lambda *a: False)
+        monkeypatch.setattr(native_blocks, "runs", lambda *a: False)
     out = run(model, PagedKVCache.for_model(model.cfg, rows=len(prompts), blocks=20, max_len=64), prompts, 20)
     monkeypatch.undo()
     one_token = max(map(len, prompts)) == 1  # a prefill of one token per row is a decode step too
@@ -72,9 +73,9 @@ def steps(model: DecoderLM, native: bool, monkeypatch: pytest.MonkeyPatch, promp
     ("q4_1", {}), ("f32", {}), ("f32", POST_NORM), ("q8_0", {**POST_NORM, "activation": "relu", "n_kv_heads": 6}),
     ("f32", {"activation": "gelu_tanh", "norm": "layernorm", "norm_bias": False}),
 ])
-def test_native_decode_equals_the_blocks(weights: str, changes: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_blocks_equals_the_blocks(weights: str, changes: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     model = fast_model(weights, **changes)
-    assert native_decode.stack_args(model.stack.blocks) is not None
+    assert native_blocks.stack_args(model.stack.blocks) is not None
     blocks = steps(model, False, monkeypatch)
     native = steps(model, True, monkeypatch)
     # the block formats quantize activations: fp32 rounding that differs (the glue's order) can move one
@@ -85,7 +86,7 @@ def test_native_decode_equals_the_blocks(weights: str, changes: dict, monkeypatc
         assert torch.equal(n.argmax(-1), b.argmax(-1))
 
 
-def test_native_decode_gives_a_row_the_same_bits_alone_and_among_others(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_blocks_gives_a_row_the_same_bits_alone_and_among_others(monkeypatch: pytest.MonkeyPatch) -> None:
     model = fast_model("q4_1")
     together = steps(model, True, monkeypatch)
     for row, prompt in enumerate(PROMPTS):
@@ -100,28 +101,28 @@ def test_generate_decodes_through_the_op_and_keeps_its_tokens(monkeypatch: pytes
     model = fast_model("q4_1")
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     calls = []
-    real = native_decode.decode_layers
-    monkeypatch.setattr(native_decode, "decode_layers", lambda *a: calls.append(1) or real(*a))
+    real = native_blocks.decode_layers
+    monkeypatch.setattr(native_blocks, "decode_layers", lambda *a: calls.append(1) or real(*a))
     fast = [g.tokens for g in generate(model, PROMPTS, params)]
     assert len(calls) == 11
-    monkeypatch.setattr(native_decode, "runs", lambda *a: False)
+    monkeypatch.setattr(native_blocks, "runs", lambda *a: False)
     assert [g.tokens for g in generate(model, PROMPTS, params)] == fast
 
 
 def test_other_blocks_keep_their_own_path() -> None:
     """A stack is taken only when decode_layer computes every block the way the block does."""
     model = fast_model("q4_1")
-    assert native_decode.stack_args(model.stack.blocks) is not None
+    assert native_blocks.stack_args(model.stack.blocks) is not None
     plain, _ = tiny_model("decoder")  # unfused nn.Linear projections
-    assert native_decode.stack_args(plain.stack.blocks) is None
+    assert native_blocks.stack_args(plain.stack.blocks) is None
     qk = fuse_projections(DecoderLM(gqa_model().cfg.replace(qk_norm=True)).eval())
-    assert native_decode.stack_args(quantize(qk, "q4_1").stack.blocks) is None
+    assert native_blocks.stack_args(quantize(qk, "q4_1").stack.blocks) is None
     post = fuse_projections(DecoderLM(gqa_model().cfg.replace(prenorm=False)).eval())
-    assert native_decode.stack_args(quantize(post, "q4_1").stack.blocks) is not None  # post-norm is served
+    assert native_blocks.stack_args(quantize(post, "q4_1").stack.blocks) is not None  # post-norm is served
     int8 = quantize(fuse_projections(gqa_model()), "int8")  # fbgemm's dynamic int8 Linear: not one of ours
-    assert native_decode.stack_args(int8.stack.blocks) is None
+    assert native_blocks.stack_args(int8.stack.blocks) is None
     model.train()
-    assert native_decode.stack_args(model.stack.blocks) is None
+    assert native_blocks.stack_args(model.stack.blocks) is None
 
 
 def test_the_arguments_follow_the_model_after_load() -> None:
@@ -130,15 +131,15 @@ def test_the_arguments_follow_the_model_after_load() -> None:
     from models.panels import set_activation_bits
 
     model = fast_model("q4_1")
-    first = native_decode.stack_args(model.stack.blocks)
-    assert first is not None and native_decode.stack_args(model.stack.blocks) is first  # cached
+    first = native_blocks.stack_args(model.stack.blocks)
+    assert first is not None and native_blocks.stack_args(model.stack.blocks) is first  # cached
     assert {p for layer in first for p in layer[9]} == {2}  # two 8-bit activation parts
     set_activation_bits(model, 8)
-    eight = native_decode.stack_args(model.stack.blocks)
+    eight = native_blocks.stack_args(model.stack.blocks)
     assert eight is not first and {p for layer in eight for p in layer[9]} == {1}
     attn = model.stack.blocks[1].self_attn
     attn.qkv = torch.nn.Linear(attn.qkv.in_features, attn.qkv.out_features, bias=False)
-    assert native_decode.stack_args(model.stack.blocks) is None
+    assert native_blocks.stack_args(model.stack.blocks) is None
 
 
 def translator(weights: str = "f32") -> Seq2Seq:
@@ -165,10 +166,10 @@ SOURCES = [[5, 80, 81, 9, 70, 66, 1], [100, 7, 1], [33, 34, 35, 36, 37, 38, 39, 
 def spied(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[bool]:
     """Count decode_layers calls that ran the op (not None); native False: never try it."""
     taken: list[bool] = []
-    real = native_decode.decode_layers
-    monkeypatch.setattr(native_decode, "decode_layers", lambda *a: taken.append((out := real(*a)) is not None) or out)
+    real = native_blocks.decode_layers
+    monkeypatch.setattr(native_blocks, "decode_layers", lambda *a: taken.append((out := real(*a)) is not None) or out)
     if not native:
-        monkeypatch.setattr(native_decode, "runs", lambda *a: False)
+        monkeypatch.setattr(native_blocks, "runs", lambda *a: False)
     return taken
 
 
@@ -204,7 +205,9 @@ def test_native_cross_attention_step_equals_the_blocks(weights: str, monkeypatch
     native = cross_steps(model, SOURCES, 12)
     assert taken == [True] * 12
     for step, (b, n) in enumerate(zip(blocks, native, strict=True)):
-        torch.testing.assert_close(n, b, rtol=1e-5, atol=1e-5 if weights == "f32" else 1e-4, msg=f"step {step}")
+        # q8_0 quantizes activations (two 8-bit parts): a code moved by the glue's fp32 order shows as
+        # ~5e-5 of the logits' scale (here ~2, the spread weights)
+        torch.testing.assert_close(n, b, rtol=1e-5, atol=1e-5 if weights == "f32" else 3e-4, msg=f"step {step}")
         assert torch.equal(n.argmax(-1), b.argmax(-1))
 
 
@@ -270,3 +273,59 @@ def test_left_padded_sources_keep_the_blocks_path() -> None:
     grouped = right.grouped(torch.tensor([0, 1, 4]), width=4)  # two beams of source 0, one of source 1
     sources, lengths = grouped.row_sources()
     assert sources.view(-1).tolist() == [0, 0, 1] and lengths.tolist() == [2, 2, 3]
+
+
+def fast_encoder(weights: str = "f32") -> EncoderModel:
+    """tiny:encoder at MiniLM's head shape (12 heads of D = 32, post-norm LayerNorm, GELU, learned
+    positions, token types), fused and packed (or 8-bit blocks) as load_model leaves it."""
+    base, _ = tiny_model("encoder")
+    torch.manual_seed(0)
+    model = fuse_projections(EncoderModel(base.cfg.replace(d_model=384, n_heads=12, d_ff=128)).eval())
+    if weights != "f32":
+        return quantize(model, weights)
+    pack_dense(model, "panels")
+    return model
+
+
+def encoded(model: EncoderModel, rows: list[list[int]], left: bool, native: bool,
+            monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states (B, T, C) and keep (B, T) of `rows` padded on one side, through the op or the blocks."""
+    taken = []
+    real = native_blocks.encode_layers
+    monkeypatch.setattr(native_blocks, "encode_layers",
+                        lambda *a: taken.append(1) or (real(*a) if native else None))
+    t = max(map(len, rows))
+    ids = torch.zeros(len(rows), t, dtype=torch.long)
+    keep = torch.zeros(len(rows), t, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        span = slice(t - len(r), t) if left else slice(0, len(r))
+        ids[i, span], keep[i, span] = torch.tensor(r), True
+    with torch.inference_mode():
+        hidden = model(ids, keep)
+    monkeypatch.undo()
+    assert taken == [1]
+    return hidden, keep
+
+
+@pytest.mark.parametrize("weights", ["f32", "q8_0"])
+@pytest.mark.parametrize("left", [False, True])
+def test_native_encoder_equals_the_blocks(weights: str, left: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encoder's forward pass through the op over the real tokens: the blocks' hidden states at every
+    real token (to float32 rounding; the block formats' activation codes), zeros at padding."""
+    model = fast_encoder(weights)
+    rows = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0][3:]]
+    blocks, keep = encoded(model, rows, left, False, monkeypatch)
+    native, _ = encoded(model, rows, left, True, monkeypatch)
+    torch.testing.assert_close(native[keep], blocks[keep], rtol=1e-5, atol=1e-5 if weights == "f32" else 1e-4)
+    assert not native[~keep].any()
+    torch.testing.assert_close(model.pool(native, keep), model.pool(blocks, keep),
+                               rtol=1e-5, atol=1e-5 if weights == "f32" else 1e-4)
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_native_encoder_gives_a_sequence_the_same_bits_alone(left: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = fast_encoder()
+    together, keep = encoded(model, PROMPTS, left, True, monkeypatch)
+    for i, row in enumerate(PROMPTS):
+        alone, _ = encoded(model, [row], left, True, monkeypatch)
+        assert torch.equal(together[i][keep[i]], alone[0]), f"row {i}"

@@ -1,4 +1,5 @@
-"""Decode steps of a causal stack in native code, one op per layer.
+"""Transformer blocks in native code, one op per layer: a causal stack's decode steps, and an encoder
+stack's forward pass.
 
 At one new token per row the work of a block is a few projections and attention over each row's
 cached keys (and, in an encoder-decoder, over its source's encoder keys); everything between them
@@ -6,8 +7,12 @@ cached keys (and, in an encoder-decoder, over its source's encoder keys); everyt
 per row. Run as a compiled graph per block, entering the graph (its guards, its Python wrapper) cost
 SmolLM2 more per step than the 4-bit products themselves; run eagerly, the small translator's block
 is a few dozen dispatches of microseconds each (docs/benchmarks.md, "One op per layer").
-models/kernels/decode_layer.cpp runs the whole block on the same projection and attention kernels,
+models/kernels/block_step.cpp runs the whole block on the same projection and attention kernels,
 so a step is one call per layer.
+
+An encoder's forward pass is the same op over its real tokens only (no padding rows): each sequence's
+keys and values go to one block of a pool as long as the longest sequence, and every token attends the
+first n slots of its sequence's block (n its real tokens), as a decode row attends its cached keys.
 
 It serves exactly the blocks it computes the same way as the model code, and nothing else: RMSNorm or
 LayerNorm, pre- or post-norm, a fused q/k/v projection (models/projections.py) and the other
@@ -17,7 +22,7 @@ sources, a fused gated feed-forward or a plain one (ReLU, GELU, SiLU), in eval m
 cache whose decode kernel runs (float32 on an AVX2 or AVX-512 CPU). Llama-style decoders and Marian
 translators take it; for any other block `layer_args` returns None and the stack runs its blocks as
 before. Results are the same arithmetic as the blocks' path with the float operations of the glue in
-another order (within ~1e-5; tests/models/test_native_decode.py), and a row's result does not depend
+another order (within ~1e-5; tests/models/test_native_blocks.py), and a row's result does not depend
 on its batch (bitwise), as for the kernels.
 """
 
@@ -29,17 +34,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .kernels import native
 from .kv_cache import CrossCache
 from .layers import Block, gelu_tanh
 from .norms import RMSNorm
 from .panels import BlockLinear, PanelLinear
 
 KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # ops.h's Kind
-ACTS = {F.silu: 0, F.relu: 1, F.gelu: 2, gelu_tanh: 3}  # decode_layer.cpp's Act
+ACTS = {F.silu: 0, F.relu: 1, F.gelu: 2, gelu_tanh: 3}  # block_step.cpp's Act
 
 
 def _projection(m: nn.Module | None) -> tuple | None:
-    """(weights, bias, kind, outputs, activation parts) of a projection decode_layer runs, else None."""
+    """(weights, bias, kind, outputs, activation parts) of a projection block_step runs, else None."""
     if isinstance(m, BlockLinear):
         return m.records, m.bias, KINDS[m.fmt], m.out_features, m.activation_bits // 8
     if isinstance(m, PanelLinear) and not m.copy:
@@ -61,9 +67,9 @@ def _norms(norms: list[nn.Module]) -> tuple[list[Tensor], list[Tensor | None], f
 
 
 def layer_args(block: Block) -> tuple | None:
-    """The decode_layer arguments that describe `block` (norms, their biases, eps, RMSNorm or not,
+    """The block_step arguments that describe `block` (norms, their biases, eps, RMSNorm or not,
     pre-norm or not, the projections' lists, activation, gated or not, heads, kv heads, scale), or None
-    when decode_layer does not compute it as the block does."""
+    when block_step does not compute it as the block does."""
     attn, cross, ff = block.self_attn, block.cross_attn, block.ff
     if block.training or attn.qkv is None or attn.q_norm is not None or ff.gate is not None:
         return None
@@ -104,7 +110,7 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def stack_args(blocks: nn.ModuleList) -> list[tuple] | None:
-    """layer_args of every block, or None unless decode_layer computes all of them (rebuilt when a
+    """layer_args of every block, or None unless block_step computes all of them (rebuilt when a
     block's signature changes)."""
     signatures = [_signature(b) for b in blocks]
     cached = _CACHE.get(blocks)
@@ -122,12 +128,48 @@ def runs(cache, t: int, x: Tensor) -> bool:
     return t == 1 and cache is not None and cache.cache.paged and cache.cache.decode_kernel and x.dtype == torch.float32
 
 
+def _native_here(x: Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and native.available()
+
+
+def encode_layers(layers: list[tuple], x: Tensor, keep: Tensor) -> Tensor | None:
+    """An encoder stack's blocks over x (B, T, C) float32, keep (B, T) True = real token (left or right
+    padding): one block_step per layer over the real tokens. Returns (B, T, C) with zeros at padding
+    (what the blocks' path leaves there is never read: pooling and cross-attention mask it), or None
+    when the op does not run here or the blocks attend across sequences (cross-attention)."""
+    if not _native_here(x) or len(layers[0][5]) != 4:
+        return None
+    b, t, c = x.shape
+    heads, kv_heads = layers[0][12], layers[0][13]
+    flat_keep = keep.reshape(-1)  # (B * T,)
+    real = flat_keep.nonzero().squeeze(1)  # (M,) flat index of each real token
+    lengths = keep.sum(-1)  # (B,)
+    longest = int(lengths.max())
+    if longest == 0:
+        return None
+    d = layers[0][8][0] // (heads + 2 * kv_heads)
+    seq = real // t  # (M,) each token's sequence
+    rank = keep.cumsum(-1).reshape(-1).index_select(0, real) - 1  # (M,) its place among the real tokens
+    # sequence s's keys: block s of the pool (slot j = its j-th real token), plus the trash row last
+    k_pool = x.new_empty(b * kv_heads * longest + 1, d)  # (B * K * S + 1, D)
+    v_pool = torch.empty_like(k_pool)
+    heads_k = torch.arange(kv_heads, device=x.device)  # (K,)
+    slots = ((seq[:, None] * kv_heads + heads_k[None, :]) * longest + rank[:, None]).reshape(-1)  # (M * K,)
+    tables, keys = seq[:, None].contiguous(), lengths.index_select(0, seq)  # (M, 1), (M,)
+    h = x.reshape(b * t, c).index_select(0, real)  # (M, C)
+    op = torch.ops.ts_panels.block_step
+    for norms, norm_biases, eps, rms, prenorm, weights, biases, kinds, outs, parts, act, gated, _, _, scale in layers:
+        h = op(h, norms, norm_biases, eps, rms, prenorm, weights, biases, kinds, outs, parts, act, gated, None, None,
+               k_pool, v_pool, slots, tables, keys, None, None, None, None, heads, kv_heads, longest, scale)  # (M, C)
+    return x.new_zeros(b * t, c).index_copy_(0, real, h).view(b, t, c)  # (B, T, C)
+
+
 def decode_layers(layers: list[tuple], x: Tensor, rope: tuple[Tensor, Tensor] | None, cache,
                   cross: CrossCache | None = None) -> Tensor | None:
-    """x (B, 1, C) float32 through every layer's decode_layer; rope: cos, sin (B, 1, 1, D) or None;
+    """x (B, 1, C) float32 through every layer's block_step; rope: cos, sin (B, 1, 1, D) or None;
     cache: a PagedCacheView after begin(1) whose layers attend through the decode kernel; cross: the
     encoder's keys/values (an encoder-decoder's stack). Returns (B, 1, C), or None when this step's
-    cross-attention is not one decode_layer runs (the caller runs its blocks)."""
+    cross-attention is not one block_step runs (the caller runs its blocks)."""
     b, _, c = x.shape
     if (cross is not None) != (len(layers[0][5]) == 6):  # the blocks' cross-attention and this step's
         return None
@@ -139,7 +181,7 @@ def decode_layers(layers: list[tuple], x: Tensor, rope: tuple[Tensor, Tensor] | 
         sources, source_keys = row_sources  # (B, 1), (B,)
     cos, sin = (r.reshape(b, -1).contiguous() for r in rope) if rope is not None else (None, None)  # (B, D) each
     h = x.reshape(b, c).contiguous()  # (B, C)
-    op = torch.ops.ts_panels.decode_layer
+    op = torch.ops.ts_panels.block_step
     for i, (norms, norm_biases, eps, rms, prenorm, weights, biases, kinds, outs, parts, act, gated, heads, kv_heads,
             scale) in enumerate(layers):
         lc = cache.layer(i)
