@@ -13,9 +13,9 @@ import torch
 
 from models import native_blocks
 from models.decoder import DecoderLM
-from models.encoder import EncoderModel
 from models.decoding import SamplingParams
 from models.dense import pack_dense
+from models.encoder import EncoderModel
 from models.fuse import fuse_projections
 from models.generate import generate
 from models.paged_cache import PagedKVCache
