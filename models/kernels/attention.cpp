@@ -44,14 +44,31 @@ TS_TARGET inline void axpy(float w, const float* x, float* y, int64_t d) {
   for (; i < d; ++i) y[i] += w * x[i];
 }
 
-// softmax numerators in place, exp(x - max), over a row of S scores; returns their sum.
-inline float exp_shifted(float* row, int64_t S) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t s = 0; s < S; ++s) m = std::max(m, row[s]);
-  float sum = 0.0f;
-  for (int64_t s = 0; s < S; ++s) {
-    row[s] = std::exp(row[s] - m);
-    sum += row[s];
+// softmax numerators in place, exp(x - max), over a row of S scores; returns their sum (the lanes'
+// partial sums, then the tail's, in a fixed order).
+TS_TARGET inline float exp_shifted(float* row, int64_t S) {
+  vf mv = set1(-std::numeric_limits<float>::infinity());
+  int64_t s = 0;
+  for (; s + LANES <= S; s += LANES) mv = max(mv, load(row + s));
+  float m = reduce_max(mv);
+  for (; s < S; ++s) m = std::max(m, row[s]);
+  const vf shift = set1(-m);
+  vf acc = zero();
+  for (s = 0; s + LANES <= S; s += LANES) {
+    const vf e = ts::exp(add(load(row + s), shift));
+    store(row + s, e);
+    acc = add(acc, e);
+  }
+  float sum = reduce_add(acc);
+  if (s < S) {
+    alignas(64) float buf[LANES];
+    const int64_t n = S - s;
+    for (int64_t i = 0; i < LANES; ++i) buf[i] = i < n ? row[s + i] - m : 0.0f;
+    store(buf, ts::exp(load(buf)));
+    for (int64_t i = 0; i < n; ++i) {
+      row[s + i] = buf[i];
+      sum += buf[i];
+    }
   }
   return sum;
 }
@@ -163,7 +180,9 @@ at::Tensor attend_pool(const at::Tensor& q, const at::Tensor& k_pool, const at::
       scores.resize(G * len[b]);
       const int64_t head = (b * H + kh * G) * D;  // its first query head
       const int64_t* t = tab + b * M;
-      if (D == 64) {
+      if (D == 32) {
+        attend_fixed<32>(qp + head, kp, vp, t, len[b], kv_heads, kh, block, G, sc, op + head, scores.data());
+      } else if (D == 64) {
         attend_fixed<64>(qp + head, kp, vp, t, len[b], kv_heads, kh, block, G, sc, op + head, scores.data());
       } else if (D == 128) {
         attend_fixed<128>(qp + head, kp, vp, t, len[b], kv_heads, kh, block, G, sc, op + head, scores.data());

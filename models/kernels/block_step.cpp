@@ -1,5 +1,5 @@
-// One decode step of a transformer block in one op (models/native_blocks.py calls it for every layer
-// of a causal stack): self-attention (the fused q/k/v projection, rotary positions where the model
+// A transformer block over rows of tokens in one op (models/native_blocks.py calls it for every layer
+// of a causal stack's decode step, and of an encoder's forward pass): self-attention (the fused q/k/v projection, rotary positions where the model
 // has them, the new key and value written into the paged pool, decode attention over each row's own
 // keys, the output projection), cross-attention for an encoder-decoder (the query projection,
 // attention over the encoder keys of each row's source, the output projection) and the feed-forward
@@ -14,7 +14,11 @@
 // Every row is computed on its own, in a fixed order, so a row's result does not depend on what it
 // is batched with (bitwise), like the kernels.
 //
-// x (B, C) float32: one new token per row. norms: the sublayers' norm weights (self, [cross,] ff),
+// Each row attends its own keys in a paged pool through its block table: a decode row its cached keys
+// (this step's written first), an encoder's token the keys of its sequence, which occupies one block
+// as long as the longest sequence (the keys of every row are written before any row attends).
+//
+// x (B, C) float32: one token per row. norms: the sublayers' norm weights (self, [cross,] ff),
 // norm_biases their biases (LayerNorm; None: none). Projections, each as weights, bias, kind (ops.h),
 // outputs, activation parts: qkv, o, [cross q, cross o,] up (gate_up when gated), down. cos, sin
 // (B, D): each row's rotary angles (None: no rotary). slots (B * K,): the pool row each new key/value
@@ -65,17 +69,33 @@ void layer_norm(const float* x, const float* w, const float* b, float eps, int64
   for (int64_t j = 0; j < C; ++j) y[j] = (x[j] - m) * r * w[j] + (b != nullptr ? b[j] : 0.0f);
 }
 
-inline float activate(Act act, float v) {
-  switch (act) {
-    case Act::SILU: return v / (1.0f + std::exp(-v));
-    case Act::RELU: return v > 0.0f ? v : 0.0f;
-    case Act::GELU: return 0.5f * v * (1.0f + std::erf(v * static_cast<float>(M_SQRT1_2)));
-    case Act::GELU_TANH: {
-      const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-      return 0.5f * v * (1.0f + std::tanh(k * (v + 0.044715f * v * v * v)));
+// y[j] = act(x[j]) (* up[j] when gated: up non-null), lane by lane on simd.h's exp and erf (torch's
+// vectorised functions differ in the last bits); y may be x
+TS_TARGET void activate(Act act, const float* x, const float* up, int64_t n, float* y) {
+  auto one = [act](vf v) {
+    switch (act) {
+      case Act::SILU: return div(v, add(set1(1.0f), ts::exp(mul(v, set1(-1.0f)))));
+      case Act::RELU: return max(v, zero());
+      case Act::GELU: return mul(mul(set1(0.5f), v), add(set1(1.0f), ts::erf(mul(v, set1(0.7071067811865476f)))));
+      case Act::GELU_TANH: {  // 0.5 v (1 + tanh(u)), tanh(u) = 1 - 2 / (exp(2u) + 1)
+        const vf u = mul(set1(0.7978845608028654f), fmadd(mul(set1(0.044715f), v), mul(v, v), v));
+        const vf th = fnmadd(set1(2.0f), div(set1(1.0f), add(ts::exp(add(u, u)), set1(1.0f))), set1(1.0f));
+        return mul(mul(set1(0.5f), v), add(set1(1.0f), th));
+      }
     }
+    return v;
+  };
+  int64_t j = 0;
+  for (; j + LANES <= n; j += LANES) {
+    const vf a = one(load(x + j));
+    store(y + j, up != nullptr ? mul(a, load(up + j)) : a);
   }
-  return v;
+  if (j < n) {
+    alignas(64) float buf[LANES] = {};
+    std::copy(x + j, x + n, buf);
+    store(buf, one(load(buf)));
+    for (int64_t i = 0; i < n - j; ++i) y[j + i] = up != nullptr ? buf[i] * up[j + i] : buf[i];
+  }
 }
 
 // rotary positions on one head (apply_rotary in models/positions.py): x cos + rotate_half(x) sin
@@ -242,9 +262,9 @@ at::Tensor block_step(const at::Tensor& x, std::vector<at::Tensor> norms,
     at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         if (gated) {
-          for (int64_t j = 0; j < F; ++j) ap[b * F + j] = activate(fn, up_p[b * 2 * F + j]) * up_p[b * 2 * F + F + j];
+          activate(fn, up_p + b * 2 * F, up_p + b * 2 * F + F, F, ap + b * F);
         } else {
-          for (int64_t j = 0; j < F; ++j) ap[b * F + j] = activate(fn, ap[b * F + j]);
+          activate(fn, ap + b * F, nullptr, F, ap + b * F);
         }
       }
     });

@@ -33,6 +33,14 @@ TS_TARGET inline vi set1_i16(int16_t x) { return _mm256_set1_epi16(x); }
 TS_TARGET inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 TS_TARGET inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 TS_TARGET inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+TS_TARGET inline vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
+TS_TARGET inline vi slli_i32(vi a, int n) { return _mm256_slli_epi32(a, n); }
+TS_TARGET inline vf as_float(vi a) { return _mm256_castsi256_ps(a); }  // the same bits
+TS_TARGET inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
+TS_TARGET inline vf copysign(vf mag, vf sign) {  // |mag| with sign's sign
+  const __m256 bit = _mm256_set1_ps(-0.0f);
+  return _mm256_or_ps(_mm256_andnot_ps(bit, mag), _mm256_and_ps(bit, sign));
+}
 TS_TARGET inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 TS_TARGET inline vf fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 TS_TARGET inline vf abs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
@@ -109,6 +117,15 @@ TS_TARGET inline vi set1_i16(int16_t x) { return _mm512_set1_epi16(x); }
 TS_TARGET inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 TS_TARGET inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 TS_TARGET inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+TS_TARGET inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+TS_TARGET inline vi slli_i32(vi a, int n) { return _mm512_slli_epi32(a, n); }
+TS_TARGET inline vf as_float(vi a) { return _mm512_castsi512_ps(a); }  // the same bits
+TS_TARGET inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+TS_TARGET inline vf copysign(vf mag, vf sign) {  // |mag| with sign's sign
+  const __m512i bit = _mm512_set1_epi32(INT32_MIN);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(bit, _mm512_castps_si512(mag)),
+                                             _mm512_and_si512(bit, _mm512_castps_si512(sign))));
+}
 TS_TARGET inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 TS_TARGET inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
 TS_TARGET inline vf abs(vf a) { return _mm512_abs_ps(a); }
@@ -180,6 +197,38 @@ TS_TARGET inline vi nibbles_sum(vi partial) {
 #else
   return madd_i16(partial, set1_i16(1));
 #endif
+}
+
+// exp(x) lane by lane, Cephes' single-precision polynomial (within ~2 ulp of the exact value; torch's
+// vectorised exp is within 1): x clamped to [-87.3, 88.4] (so exp(-inf), a masked score, is ~1e-38,
+// not 0: nothing here sums fewer than one whole term).
+TS_TARGET inline vf exp(vf x) {
+  x = min(max(x, set1(-87.33654f)), set1(88.3762626647949f));
+  const vf n = to_float(round_i32(mul(x, set1(1.44269504088896341f))));  // round(x / ln 2)
+  x = fnmadd(n, set1(0.693359375f), x);
+  x = fnmadd(n, set1(-2.12194440e-4f), x);  // x - n ln 2, in two parts
+  vf y = set1(1.9875691500e-4f);
+  y = fmadd(y, x, set1(1.3981999507e-3f));
+  y = fmadd(y, x, set1(8.3334519073e-3f));
+  y = fmadd(y, x, set1(4.1665795894e-2f));
+  y = fmadd(y, x, set1(1.6666665459e-1f));
+  y = fmadd(y, x, set1(5.0000001201e-1f));
+  y = fmadd(y, mul(x, x), add(x, set1(1.0f)));
+  const vi pow2 = slli_i32(add_i32(round_i32(n), set1_i32(127)), 23);  // 2^n as float bits
+  return mul(y, as_float(pow2));
+}
+
+// erf(x) lane by lane (Abramowitz and Stegun 7.1.26: within 1.5e-7 of the exact value)
+TS_TARGET inline vf erf(vf x) {
+  const vf a = abs(x);
+  const vf t = div(set1(1.0f), fmadd(set1(0.3275911f), a, set1(1.0f)));
+  vf p = set1(1.061405429f);
+  p = fmadd(p, t, set1(-1.453152027f));
+  p = fmadd(p, t, set1(1.421413741f));
+  p = fmadd(p, t, set1(-0.284496736f));
+  p = fmadd(p, t, set1(0.254829592f));
+  const vf e = fnmadd(mul(p, t), exp(mul(mul(a, a), set1(-1.0f))), set1(1.0f));  // 1 - p t exp(-x^2)
+  return copysign(e, x);
 }
 
 }  // namespace ts

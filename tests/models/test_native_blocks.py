@@ -86,13 +86,38 @@ def test_native_blocks_equals_the_blocks(weights: str, changes: dict, monkeypatc
         assert torch.equal(n.argmax(-1), b.argmax(-1))
 
 
-def test_native_blocks_gives_a_row_the_same_bits_alone_and_among_others(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = fast_model("q4_1")
-    together = steps(model, True, monkeypatch)
-    for row, prompt in enumerate(PROMPTS):
-        alone = steps(model, True, monkeypatch, [prompt])
+def decoded_apart(model: DecoderLM, prompts: list[list[int]], n: int) -> list[torch.Tensor]:
+    """Each prompt prefilled on its own (its own row of one paged cache, the same computation whatever
+    else is in the batch: a padded prefill is not what is tested here), then n greedy decode steps of
+    all rows together through the op: each decode step's logits (B, V)."""
+    cache = PagedKVCache.for_model(model.cfg, rows=len(prompts), blocks=20, max_len=64)
+    first = []
+    with torch.inference_mode():
+        for row, p in enumerate(prompts):
+            first.append(model(torch.tensor([p]), cache=cache.view(row, row + 1))[:, -1])  # (1, V)
+            cache.advance([len(p)], row, row + 1)
+        logits, out = torch.cat(first), []  # (B, V)
+        for _ in range(n):
+            logits = model(logits.argmax(-1)[:, None], cache=cache.view())[:, 0]  # (B, V)
+            cache.advance(1)
+            out.append(logits)
+    return out
+
+
+@pytest.mark.parametrize("weights", ["q4_1", "f32"])
+def test_native_blocks_gives_a_row_the_same_bits_alone_and_among_others(weights: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of 19, 4 and 2 tokens (different key counts every step): a row's decode steps through the op
+    give the same bits alone and among the others."""
+    model = fast_model(weights)
+    prompts = [PROMPTS[0], PROMPTS[1], [50, 51]]
+    taken = spied(monkeypatch, True)
+    together = decoded_apart(model, prompts, 20)
+    for row, prompt in enumerate(prompts):
+        alone = decoded_apart(model, [prompt], 20)
         for step, (t, a) in enumerate(zip(together, alone, strict=True)):
             assert torch.equal(t[row], a[0]), f"row {row}, step {step}"
+    assert taken and all(taken)
 
 
 def test_generate_decodes_through_the_op_and_keeps_its_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
