@@ -29,6 +29,7 @@ on its batch (bitwise), as for the kernels.
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,35 @@ from .panels import BlockLinear, PanelLinear
 
 KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # ops.h's Kind
 ACTS = {F.silu: 0, F.relu: 1, F.gelu: 2, gelu_tanh: 3}  # block_step.cpp's Act
+
+
+class LayerArgs(NamedTuple):
+    """block_step's arguments that describe one block (the rest describe the step: rows, cache, cross)."""
+
+    norms: list[Tensor]  # the sublayers' norm weights: self[, cross], ff
+    norm_biases: list[Tensor | None]
+    eps: float
+    rms: bool  # RMSNorm, else LayerNorm
+    prenorm: bool
+    weights: list[Tensor]  # projections: qkv, o[, cross q, cross o], up (gate_up), down
+    biases: list[Tensor | None]
+    kinds: list[int]  # KINDS
+    outs: list[int]
+    parts: list[int]  # the activations' 8-bit parts (block formats)
+    act: int  # ACTS
+    gated: bool
+    heads: int
+    kv_heads: int
+    scale: float
+
+    @property
+    def cross(self) -> bool:
+        """Whether the block has cross-attention (its two projections)."""
+        return len(self.weights) == 6
+
+    @property
+    def head_dim(self) -> int:
+        return self.outs[0] // (self.heads + 2 * self.kv_heads)
 
 
 def _projection(m: nn.Module | None) -> tuple | None:
@@ -66,7 +96,7 @@ def _norms(norms: list[nn.Module]) -> tuple[list[Tensor], list[Tensor | None], f
     return None
 
 
-def layer_args(block: Block) -> tuple | None:
+def layer_args(block: Block) -> LayerArgs | None:
     """The block_step arguments that describe `block` (norms, their biases, eps, RMSNorm or not,
     pre-norm or not, the projections' lists, activation, gated or not, heads, kv heads, scale), or None
     when block_step does not compute it as the block does."""
@@ -87,8 +117,8 @@ def layer_args(block: Block) -> tuple | None:
         return None
     weights, biases, kinds, outs, parts = (list(column) for column in zip(*projections, strict=True))
     scale = attn.head_dim ** -0.5 if attn.scale is None else attn.scale
-    return (*norms, block.prenorm, weights, biases, kinds, outs, parts, act, gated, attn.n_heads, attn.n_kv_heads,
-            scale)
+    return LayerArgs(*norms, block.prenorm, weights, biases, kinds, outs, parts, act, gated, attn.n_heads,
+                     attn.n_kv_heads, scale)
 
 
 def _signature(block: Block) -> tuple:
@@ -109,7 +139,7 @@ def _signature(block: Block) -> tuple:
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def stack_args(blocks: nn.ModuleList) -> list[tuple] | None:
+def stack_args(blocks: nn.ModuleList) -> list[LayerArgs] | None:
     """layer_args of every block, or None unless block_step computes all of them (rebuilt when a
     block's signature changes)."""
     signatures = [_signature(b) for b in blocks]
@@ -132,62 +162,67 @@ def _native_here(x: Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and native.available()
 
 
-def encode_layers(layers: list[tuple], x: Tensor, keep: Tensor) -> Tensor | None:
+def encode_layers(layers: list[LayerArgs], x: Tensor, keep: Tensor) -> Tensor | None:
     """An encoder stack's blocks over x (B, T, C) float32, keep (B, T) True = real token (left or right
     padding): one block_step per layer over the real tokens. Returns (B, T, C) with zeros at padding
     (what the blocks' path leaves there is never read: pooling and cross-attention mask it), or None
     when the op does not run here or the blocks attend across sequences (cross-attention)."""
-    if not _native_here(x) or len(layers[0][5]) != 4:
+    first = layers[0]
+    if not _native_here(x) or first.cross:
         return None
     b, t, c = x.shape
-    heads, kv_heads = layers[0][12], layers[0][13]
-    flat_keep = keep.reshape(-1)  # (B * T,)
-    real = flat_keep.nonzero().squeeze(1)  # (M,) flat index of each real token
+    real = keep.reshape(-1).nonzero().squeeze(1)  # (M,) flat index of each real token
     lengths = keep.sum(-1)  # (B,)
     longest = int(lengths.max())
     if longest == 0:
         return None
-    d = layers[0][8][0] // (heads + 2 * kv_heads)
     seq = real // t  # (M,) each token's sequence
     rank = keep.cumsum(-1).reshape(-1).index_select(0, real) - 1  # (M,) its place among the real tokens
     # sequence s's keys: block s of the pool (slot j = its j-th real token), plus the trash row last
-    k_pool = x.new_empty(b * kv_heads * longest + 1, d)  # (B * K * S + 1, D)
+    k_pool = x.new_empty(b * first.kv_heads * longest + 1, first.head_dim)  # (B * K * S + 1, D)
     v_pool = torch.empty_like(k_pool)
-    heads_k = torch.arange(kv_heads, device=x.device)  # (K,)
-    slots = ((seq[:, None] * kv_heads + heads_k[None, :]) * longest + rank[:, None]).reshape(-1)  # (M * K,)
+    heads_k = torch.arange(first.kv_heads, device=x.device)  # (K,)
+    slots = ((seq[:, None] * first.kv_heads + heads_k[None, :]) * longest + rank[:, None]).reshape(-1)  # (M * K,)
     tables, keys = seq[:, None].contiguous(), lengths.index_select(0, seq)  # (M, 1), (M,)
     h = x.reshape(b * t, c).index_select(0, real)  # (M, C)
-    op = torch.ops.ts_panels.block_step
-    for norms, norm_biases, eps, rms, prenorm, weights, biases, kinds, outs, parts, act, gated, _, _, scale in layers:
-        h = op(h, norms, norm_biases, eps, rms, prenorm, weights, biases, kinds, outs, parts, act, gated, None, None,
-               k_pool, v_pool, slots, tables, keys, None, None, None, None, heads, kv_heads, longest, scale)  # (M, C)
+    for layer in layers:
+        h = _step(layer, h, None, k_pool, v_pool, slots, tables, keys, longest)  # (M, C)
     return x.new_zeros(b * t, c).index_copy_(0, real, h).view(b, t, c)  # (B, T, C)
 
 
-def decode_layers(layers: list[tuple], x: Tensor, rope: tuple[Tensor, Tensor] | None, cache,
+def decode_layers(layers: list[LayerArgs], x: Tensor, rope: tuple[Tensor, Tensor] | None, cache,
                   cross: CrossCache | None = None) -> Tensor | None:
     """x (B, 1, C) float32 through every layer's block_step; rope: cos, sin (B, 1, 1, D) or None;
     cache: a PagedCacheView after begin(1) whose layers attend through the decode kernel; cross: the
     encoder's keys/values (an encoder-decoder's stack). Returns (B, 1, C), or None when this step's
     cross-attention is not one block_step runs (the caller runs its blocks)."""
     b, _, c = x.shape
-    if (cross is not None) != (len(layers[0][5]) == 6):  # the blocks' cross-attention and this step's
+    if (cross is not None) != layers[0].cross:  # the blocks' cross-attention and this step's
         return None
-    sources = source_keys = None
+    sources = None
     if cross is not None:
-        row_sources = cross.row_sources()
-        if row_sources is None or row_sources[0].size(0) != b:
+        sources = cross.row_sources()  # (B, 1), (B,)
+        if sources is None or sources[0].size(0) != b:
             return None
-        sources, source_keys = row_sources  # (B, 1), (B,)
-    cos, sin = (r.reshape(b, -1).contiguous() for r in rope) if rope is not None else (None, None)  # (B, D) each
+    rope = tuple(r.reshape(b, -1).contiguous() for r in rope) if rope is not None else None  # (B, D) each
     h = x.reshape(b, c).contiguous()  # (B, C)
-    op = torch.ops.ts_panels.block_step
-    for i, (norms, norm_biases, eps, rms, prenorm, weights, biases, kinds, outs, parts, act, gated, heads, kv_heads,
-            scale) in enumerate(layers):
+    for i, layer in enumerate(layers):
         lc = cache.layer(i)
-        ck, cv = cross.kv[i] if cross is not None else (None, None)  # (N, K, S, D) each
-        h = op(h, norms, norm_biases, eps, rms, prenorm, weights, biases, kinds, outs, parts, act, gated, cos, sin,
-               lc.flat_k, lc.flat_v, lc.slots, lc.tables, lc.keys,
-               ck.contiguous() if ck is not None else None, cv.contiguous() if cv is not None else None,
-               sources, source_keys, heads, kv_heads, lc.block, scale)  # (B, C)
+        kv = cross.kv[i] if cross is not None else None  # (N, K, S, D) each
+        h = _step(layer, h, rope, lc.flat_k, lc.flat_v, lc.slots, lc.tables, lc.keys, lc.block,
+                  kv, sources)  # (B, C)
     return h.view(b, 1, c)  # (B, 1, C)
+
+
+def _step(layer: LayerArgs, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_pool: Tensor, v_pool: Tensor,
+          slots: Tensor, tables: Tensor, keys: Tensor, block: int, kv: tuple[Tensor, Tensor] | None = None,
+          sources: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """One block_step: h (B, C) -> (B, C); rope (B, D) each; kv, sources: cross-attention's keys/values
+    (N, K, S, D) and each row's source with its key count (CrossCache.row_sources)."""
+    cos, sin = rope if rope is not None else (None, None)
+    ck, cv = (t.contiguous() for t in kv) if kv is not None else (None, None)
+    src, src_keys = sources if sources is not None else (None, None)
+    return torch.ops.ts_panels.block_step(
+        h, layer.norms, layer.norm_biases, layer.eps, layer.rms, layer.prenorm, layer.weights, layer.biases,
+        layer.kinds, layer.outs, layer.parts, layer.act, layer.gated, cos, sin, k_pool, v_pool, slots, tables, keys,
+        ck, cv, src, src_keys, layer.heads, layer.kv_heads, block, layer.scale)  # (B, C)
