@@ -33,10 +33,16 @@ async def hang_up_mid_stream(client: httpx.AsyncClient) -> str:
     raise AssertionError("the stream ended before its first event")
 
 
-async def give_up(client: httpx.AsyncClient, path: str, body: dict[str, Any], after_s: float) -> None:
-    """A client whose own timeout fires while the server still works on the request."""
-    with pytest.raises(httpx.ReadTimeout):
-        await client.post(path, json=body, timeout=after_s)
+async def give_up(client: httpx.AsyncClient, path: str, body: dict[str, Any], after_s: float) -> str:
+    """A client whose own timeout fires while the server still works on the request: "gave up", or
+    "answered" when the whole answer came first (a fast CPU runs the tiny model's 400 tokens of the
+    first requests admitted in well under a second)."""
+    try:
+        r = await client.post(path, json=body, timeout=after_s)
+    except httpx.ReadTimeout:
+        return "gave up"
+    assert r.status_code == 200, r.text
+    return "answered"
 
 
 async def hang_up_once_queued(live: Live, client: httpx.AsyncClient) -> tuple[list[Any], int]:
@@ -88,11 +94,19 @@ def test_a_hundred_clients_that_disconnect_leave_nothing_behind(live: Live) -> N
     after_gen = live.wait_stats("generator", engine_idle, timeout_s=10)
     log.info("generator before %s, after %s; slow before %s", before_gen, after_gen, before_slow)
     # A request whose client left before Serve handed it to the replica never reaches the engine (or
-    # the batcher below): nothing to free there. The others must have been cancelled, not run out.
-    cancelled = after_gen["finished"].get("cancelled", 0) - before_gen["finished"].get("cancelled", 0)
-    assert 0 < cancelled <= STREAMS + WHOLE, after_gen
-    assert sum(after_gen["finished"].values()) - sum(before_gen["finished"].values()) == cancelled, after_gen
-    assert after_gen["generated_tokens"] - before_gen["generated_tokens"] < (STREAMS + WHOLE) * LONG["max_new_tokens"]
+    # the batcher below): nothing to free there.
+    # The others were cancelled, or ran out their 400 tokens before their client's disconnect reached
+    # the engine: on a fast CPU the tiny model runs a first wave of 16 rows x 400 tokens in ~0.35 s,
+    # less than a disconnect can take to arrive through Serve's proxy amid this storm (measured here,
+    # 2026-12-04: 16 of 70, one wave, ran out in one run). Nothing else: no error, no early stop.
+    finished = {reason: n - before_gen["finished"].get(reason, 0) for reason, n in after_gen["finished"].items()}
+    finished = {reason: n for reason, n in finished.items() if n}
+    cancelled, ran_out = finished.get("cancelled", 0), finished.get("length", 0)
+    assert set(finished) <= {"cancelled", "length"}, after_gen
+    assert 0 < cancelled <= STREAMS + WHOLE - results.count("answered"), after_gen
+    assert ran_out >= results.count("answered") and cancelled + ran_out <= STREAMS + WHOLE, after_gen
+    generated = after_gen["generated_tokens"] - before_gen["generated_tokens"]
+    assert generated < (cancelled + ran_out) * LONG["max_new_tokens"]  # the cancelled stopped early
     # the batcher: the inputs still queued were dropped when their batch came up, never computed
     after_slow = live.wait_stats("slow", lambda s: s["queued"] == 0 and s["cancelled"] > before_slow["cancelled"],
                                  timeout_s=15)  # the batch comes up 8 s after its first input
