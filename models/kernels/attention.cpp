@@ -73,6 +73,23 @@ TS_TARGET inline float exp_shifted(float* row, int64_t S) {
   return sum;
 }
 
+// A row's key (or value) slots in order through its block table, without a division per key:
+// slot s is at ((table[s / BS] * K + kh) * BS + s % BS) * D of the pool.
+struct Slots {
+  const float* pool;
+  const int64_t* table;
+  int64_t K, kh, BS, D;
+  int64_t block = 0, offset = 0;
+  const float* next() {
+    const float* p = pool + ((table[block] * K + kh) * BS + offset) * D;
+    if (++offset == BS) {
+      ++block;
+      offset = 0;
+    }
+    return p;
+  }
+};
+
 // attend() for a head dim of DV (a multiple of LANES): q and the output accumulators in registers, the
 // scores of LANES keys at a time summed by one shuffle tree, each query head over the row's keys in turn.
 template <int DV>
@@ -84,14 +101,14 @@ TS_TARGET void attend_fixed(const float* q, const float* k_pool, const float* v_
     vf qv[NV];
     for (int i = 0; i < NV; ++i) qv[i] = load(q + g * DV + LANES * i);
     float* row = scores + g * S;
+    Slots keys{k_pool, table, K, kh, BS, DV};
     for (int64_t s0 = 0; s0 < S; s0 += LANES) {  // LANES keys (a block holds BS = 16)
       vf acc[LANES];
       const int64_t n = std::min<int64_t>(LANES, S - s0);
       for (int t = 0; t < LANES; ++t) {
         acc[t] = zero();
         if (t >= n) continue;
-        const int64_t s = s0 + t;
-        const float* kp = k_pool + ((table[s / BS] * K + kh) * BS + s % BS) * DV;
+        const float* kp = keys.next();
         for (int i = 0; i < NV; ++i) acc[t] = fmadd(qv[i], load(kp + LANES * i), acc[t]);
       }
       const vf sc = mul(sum_lanes(acc), set1(scale));
@@ -104,8 +121,9 @@ TS_TARGET void attend_fixed(const float* q, const float* k_pool, const float* v_
     const float sum = exp_shifted(row, S);
     vf o[NV];
     for (int i = 0; i < NV; ++i) o[i] = zero();
+    Slots values{v_pool, table, K, kh, BS, DV};
     for (int64_t s = 0; s < S; ++s) {
-      const float* vp = v_pool + ((table[s / BS] * K + kh) * BS + s % BS) * DV;
+      const float* vp = values.next();
       const vf w = set1(row[s]);
       for (int i = 0; i < NV; ++i) o[i] = fmadd(w, load(vp + LANES * i), o[i]);
     }

@@ -56,17 +56,25 @@ TS_TARGET void rms_norm(const float* x, const float* w, float eps, int64_t C, fl
   for (int64_t j = 0; j < C; ++j) y[j] = w[j] * (x[j] * r);
 }
 
-// y = (x - mean) / sqrt(var + eps) * w + b (b may be null), the biased variance, as nn.LayerNorm;
-// the moments in double (torch's differ in the last bits); y may be x
-void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t C, float* y) {
-  double sum = 0.0;
-  for (int64_t j = 0; j < C; ++j) sum += x[j];
-  const double mean = sum / static_cast<double>(C);
-  double ss = 0.0;
-  for (int64_t j = 0; j < C; ++j) ss += (x[j] - mean) * (x[j] - mean);
-  const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(C) + eps));
-  const float m = static_cast<float>(mean);
-  for (int64_t j = 0; j < C; ++j) y[j] = (x[j] - m) * r * w[j] + (b != nullptr ? b[j] : 0.0f);
+// y = (x - mean) / sqrt(var + eps) * w + b (b may be null), the biased variance, as nn.LayerNorm: the
+// moments in float32 lane by lane, then across lanes (torch's differ in the last bits); y may be x
+TS_TARGET void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t C, float* y) {
+  vf acc = zero();
+  int64_t i = 0;
+  for (; i + LANES <= C; i += LANES) acc = add(acc, load(x + i));
+  float sum = reduce_add(acc);
+  for (; i < C; ++i) sum += x[i];
+  const float mean = sum / static_cast<float>(C);
+  const vf m = set1(mean);
+  acc = zero();
+  for (i = 0; i + LANES <= C; i += LANES) {
+    const vf d = fnmadd(m, set1(1.0f), load(x + i));  // x - mean
+    acc = fmadd(d, d, acc);
+  }
+  float ss = reduce_add(acc);
+  for (; i < C; ++i) ss += (x[i] - mean) * (x[i] - mean);
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(C) + eps);
+  for (int64_t j = 0; j < C; ++j) y[j] = (x[j] - mean) * r * w[j] + (b != nullptr ? b[j] : 0.0f);
 }
 
 // y[j] = act(x[j]) (* up[j] when gated: up non-null), lane by lane on simd.h's exp and erf (torch's
