@@ -155,7 +155,7 @@ def stack_args(blocks: nn.ModuleList) -> list[LayerArgs] | None:
 def runs(cache, t: int, x: Tensor) -> bool:
     """Whether this step can take decode_layers: one float32 token per row on a paged cache whose
     decode kernel runs (float32 on the CPU)."""
-    return t == 1 and cache is not None and cache.cache.paged and cache.cache.decode_kernel and x.dtype == torch.float32
+    return t == 1 and cache is not None and cache.cache.paged and cache.decode_kernel and x.dtype == torch.float32
 
 
 def _native_here(x: Tensor) -> bool:

@@ -260,6 +260,12 @@ class PagedCacheView:
     _slots: Tensor | None = None  # (B * K * T,) flat slot of each new key, set by begin()
     _tables: Tensor | None = None  # (B, nb) the rows' first nb blocks, contiguous
     _keys: Tensor | None = None  # (B,) keys per row after the step
+    native: bool = True  # whether this step may attend through the decode kernel (a captured step may not)
+
+    @property
+    def decode_kernel(self) -> bool:
+        """Whether this step's one-token rows attend through models/kernels/attention.cpp."""
+        return self.native and self.cache.decode_kernel
 
     @property
     def lengths(self) -> Tensor:
@@ -320,7 +326,7 @@ class PagedCacheView:
             raise RuntimeError("PagedCacheView.layer() before begin()")
         c = self.cache
         return PagedLayerCache(c._flat_k[i], c._flat_v[i], self._slots, self._tables, self._keys, c.block,
-                               c.decode_kernel)
+                               self.decode_kernel)
 
 
 @dataclass(frozen=True)

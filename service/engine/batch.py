@@ -23,6 +23,7 @@ from its pending token.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,10 +38,13 @@ from models.dense import kernels_per_shape
 from models.inputs import PaddedBatch
 from models.kv_cache import KVCache
 from models.paged_cache import PagedKVCache, blocks_for
+from models.step_graphs import DecodeGraphs, GraphCaptureError
 
 from .grammar import MaskBuilder
 from .prefix_cache import BLOCK, Pin, PrefixCache
 from .sequence import SeqState
+
+log = logging.getLogger(__name__)
 
 # A prefill pads its prompts (T) so that B x T, the rows its Linears see, is a multiple of
 # prefill_multiple() (within the cache row). Where the Linears keep a oneDNN kernel per row count
@@ -71,10 +75,13 @@ class RunningBatch:
     """Owned by the engine thread."""
 
     def __init__(self, model: DecoderLM, cache: KVCache | PagedKVCache, vocab_size: int,
-                 prefix: PrefixCache | None = None, prompt_model: DecoderLM | None = None) -> None:
+                 prefix: PrefixCache | None = None, prompt_model: DecoderLM | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
         """`prompt_model`: the model prompts are computed with (prefills, chunks, a preempted request's
         prompt), when it is not `model` (ModelSpec.prompt_weights "float"); the decode steps, and a
-        preempted request's output when recomputed, take `model`."""
+        preempted request's output when recomputed, take `model`. `graphs`: decode steps through
+        padded, captured steps of `model` (models/step_graphs.py)."""
+        self.graphs = graphs
         self.model, self.cache, self.prefix = model, cache, prefix
         self.prompt_model = prompt_model if prompt_model is not None else model
         self.split = self.prompt_model is not model  # prompts and decode steps on different weights
@@ -386,9 +393,17 @@ class RunningBatch:
         """One step for rows [start, stop): each row's pending token in, one sampled token out."""
         stop = len(self.rows) if stop is None else stop
         seqs = self.rows[start:stop]
-        ids = self._to_device([[s.pending] for s in seqs])  # (B, 1)
         masks = self._start_masks(seqs)
-        logits = self.model(ids, cache=self.cache.view(start, stop))[:, 0]  # (B, V)
+        logits = None
+        if self.graphs is not None:
+            try:
+                logits = self.graphs.step([s.pending for s in seqs], start, stop)  # (B, V)
+            except GraphCaptureError:  # correct eager steps beat none
+                log.exception("capturing a decode-step graph failed; decoding eagerly from now on")
+                self.graphs = None
+        if logits is None:
+            ids = self._to_device([[s.pending] for s in seqs])  # (B, 1)
+            logits = self.model(ids, cache=self.cache.view(start, stop))[:, 0]  # (B, V)
         if (start, stop) == (0, len(self.rows)):
             params, samplers = self._batch_params()
         else:

@@ -43,6 +43,7 @@ from models.decoding import SamplingParams
 from models.inputs import select_batch
 from models.kv_cache import KVCache
 from models.paged_cache import PagedKVCache
+from models.step_graphs import DecodeGraphs, GraphCaptureError
 from models.text import TextTokenizer
 
 from ..telemetry.hooks import EngineObserver
@@ -109,9 +110,27 @@ class GenerationEngine(StepLoop):
         if self.limits.prefix_cache_bytes and not self.cache.ring:
             kind = PagedPrefixCache if self.cache.paged else PrefixCache
             prefix = kind(self.cache, self.limits.prefix_cache_bytes)
-        self._batch = RunningBatch(model, self.cache, model.cfg.vocab_size, prefix, prompt_model)
+        graphs = self.config.decode_graphs
+        if graphs is None:
+            graphs = self.device.type == "cuda"
+        self._batch = RunningBatch(model, self.cache, model.cfg.vocab_size, prefix, prompt_model,
+                                   DecodeGraphs(model, self.cache) if graphs and DecodeGraphs.supported(model, self.cache)
+                                   else None)
         self._admitting: list[SeqState] = []
         self._prefill_token_s: float | None = None  # measured seconds per padded prefill token (a moving average)
+
+    def capture_graphs(self) -> int:
+        """Capture every decode-step graph now (a replica's warm-up, before start()), so no request
+        pays for one; 0 when the engine steps eagerly. A capture that fails leaves eager steps."""
+        graphs = self._batch.graphs
+        if graphs is None:
+            return 0
+        try:
+            return graphs.capture_all()
+        except GraphCaptureError:  # an op that cannot be captured: correct eager steps beat none
+            log.exception("%s: capturing the decode-step graphs failed; decoding eagerly", self.name)
+            self._batch.graphs = None
+            return 0
 
     # -- front (any thread) --------------------------------------------------------------------
 

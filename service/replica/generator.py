@@ -272,6 +272,10 @@ class GeneratorRunner(EngineRunner):
         for constraint in (None, grammar):
             self.engine.submit(ids, SamplingParams(max_new_tokens=2), f"warm-up-{uuid.uuid4().hex}", constraint)
             self.warm_up_steps(WARM_UP_STEPS, "the warm-up request")
+        started = time.perf_counter()
+        if graphs := self.engine.capture_graphs():  # CUDA: every decode-step graph, before the first request
+            log.info("%s: captured %d decode-step graphs in %.1f s", self.deployment, graphs,
+                     time.perf_counter() - started)
 
     @property
     def queue_capacity(self) -> int:

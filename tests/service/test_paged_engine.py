@@ -57,9 +57,13 @@ def test_short_sequences_run_beyond_the_rows_a_budget_of_full_rows_holds(tiny: t
     assert engine.cache.blocks_free + len(engine._batch.prefix) == engine.cache.blocks_total
 
 
-def run_four(model: nn.Module, tok: TextTokenizer, blocks: int, prefix_mib: float) -> tuple[list, list]:
-    """PARAMS' four requests on a pool of `blocks`: their Finished events and the stats of every step."""
-    engine = make(model, tok, max_running=4, kv_cache_mib=mib_for_blocks(model, blocks), prefix_cache_mib=prefix_mib)
+def run_four(model: nn.Module, tok: TextTokenizer, blocks: int, prefix_mib: float,
+             graphs: bool = False) -> tuple[list, list]:
+    """PARAMS' four requests on a pool of `blocks`: their Finished events and the stats of every step.
+    `graphs`: decode steps padded to buckets over static buffers (models/step_graphs.py; eager here)."""
+    engine = make(model, tok, max_running=4, kv_cache_mib=mib_for_blocks(model, blocks), prefix_cache_mib=prefix_mib,
+                  decode_graphs=graphs)
+    assert (engine._batch.graphs is not None) == graphs
     handles = [engine.submit(p, q) for p, q in zip(PROMPTS(tok), PARAMS, strict=True)]
     history = run_until_idle(engine)
     held = len(engine._batch.prefix) if engine._batch.prefix is not None else 0
@@ -71,14 +75,15 @@ def PROMPTS(tok: TextTokenizer) -> list[list[int]]:  # noqa: N802 - a constant o
     return [tok.encode(f"request number {i} says", add_special_tokens=False) for i in range(4)]
 
 
-@pytest.mark.parametrize("prefix_mib", [0.0, 1.0])
+@pytest.mark.parametrize(("prefix_mib", "graphs"), [(0.0, False), (1.0, False), (1.0, True)])
 def test_preempted_requests_give_the_tokens_of_an_uninterrupted_run(tiny: tuple[nn.Module, TextTokenizer],
-                                                                   prefix_mib: float) -> None:
+                                                                   prefix_mib: float, graphs: bool) -> None:
     """Four requests growing to 5 blocks each on a pool of 10: the newest are preempted (blocks freed)
     and recomputed later, greedy, penalised and seeded alike; each gives the tokens it gets on a pool
-    where nobody is preempted (and offline decoding's, where that has its parameters)."""
+    where nobody is preempted (and offline decoding's, where that has its parameters). With `graphs`
+    the decode steps are padded to row and key-block buckets (what CUDA graphs replay)."""
     model, tok = tiny
-    finals, history = run_four(model, tok, 10, prefix_mib)
+    finals, history = run_four(model, tok, 10, prefix_mib, graphs)
     assert history[-1].preempted >= 2, [s.preempted for s in history]
     assert max(s.running for s in history) >= 2 and history[-1].kv_blocks == 10
     roomy, calm = run_four(model, tok, 100, prefix_mib)
