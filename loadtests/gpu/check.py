@@ -68,8 +68,10 @@ TINY = {
 class Run:
     """The run's clock, its device and sizes, and the results collected so far."""
 
-    def __init__(self, device: str, tiny: bool, budget_s: float) -> None:
-        self.device, self.tiny, self.budget_s = torch.device(device), tiny, budget_s
+    def __init__(self, device: str, tiny: bool, budget_s: float, out: Path | None = None,
+                 only: set[str] | None = None) -> None:
+        self.device, self.tiny, self.budget_s, self.out = torch.device(device), tiny, budget_s, out
+        self.only = only or set()  # run only these sections (and the environment); empty: all
         self.started = time.perf_counter()
         self.results: dict[str, Any] = {"tiny": tiny, "device": device}
         self.shapes = TINY if tiny else SHAPES
@@ -80,6 +82,8 @@ class Run:
         return self.budget_s - (time.perf_counter() - self.started)
 
     def section(self, name: str, fn: Callable[[Run], Any]) -> None:
+        if self.only and name not in self.only | {"environment"}:
+            return
         if self.left_s() <= 0:
             self.results[name] = {"skipped": f"the {self.budget_s:.0f} s budget was spent"}
             return
@@ -90,6 +94,15 @@ class Run:
             self.results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
         if isinstance(self.results[name], dict):
             self.results[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        if self.out is not None:  # what ran so far survives a run killed at its limit
+            self.save()
+
+    def save(self) -> None:
+        assert self.out is not None
+        self.results["total_seconds"] = round(time.perf_counter() - self.started, 1)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu-check.json").write_text(json.dumps(self.results, indent=2))
+        (self.out / "gpu-check.md").write_text(markdown(self.results))
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -134,15 +147,32 @@ def padded_batch(run: Run, vocab: int, lengths: list[int], seed: int = 0) -> tup
     return ids.masked_fill(~keep, 0).to(run.device), keep.to(run.device)
 
 
+def kv_mib(model: Any, sequences: int, tokens: int) -> float:
+    """A KV pool just big enough for `sequences` of `tokens` (with a margin): the engine allocates its
+    whole budget at once, so a generous fixed budget would take the card's memory for nothing."""
+    cfg, item = model.cfg, next(model.parameters()).element_size()
+    per_token = 2 * cfg.n_layers * cfg.kv_heads * cfg.head_dim * item
+    return max(16.0, 1.25 * sequences * tokens * per_token / 2**20)
+
+
+def free_device(run: Run) -> None:
+    import gc
+
+    gc.collect()
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def hf_decoder(run: Run, shape: str) -> tuple[Any, Any]:
     """A random transformers Llama at `shape` and ours with the same weights, on the device, float32."""
     import transformers as hf
 
     from models.checkpoints import llama
+    from models.fuse import fuse_projections
 
     torch.manual_seed(0)
     ref = hf.LlamaForCausalLM(hf.LlamaConfig(**run.shapes[shape], attn_implementation="sdpa")).eval()
-    ours = llama.from_hf(ref.config.to_dict(), ref.state_dict())
+    ours = fuse_projections(llama.from_hf(ref.config.to_dict(), ref.state_dict()))  # as models.catalog serves it
     return ref.to(run.device), ours.to(run.device).eval()
 
 
@@ -160,7 +190,17 @@ def environment(run: Run) -> dict[str, Any]:
                                            capture_output=True, text=True, timeout=20).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             out["driver"] = None
+        out["copy_gb_s"] = copy_bandwidth(run)
     return out
+
+
+def copy_bandwidth(run: Run) -> float:
+    """A 4 GiB device-to-device copy: GB/s of bytes read plus written, the ceiling decode is measured against."""
+    src = torch.randn(2**29, device=run.device, dtype=torch.bfloat16)  # 1 GiB
+    src = torch.cat([src, src, src, src])  # 4 GiB
+    dst = torch.empty_like(src)
+    size = src.numel() * src.element_size()
+    return round(2 * size / timed(run, lambda: dst.copy_(src), repeat=5) / 1e9, 1)
 
 
 def correctness(run: Run) -> dict[str, Any]:
@@ -229,7 +269,8 @@ def correctness(run: Run) -> dict[str, Any]:
 
 
 def alone_vs_among(run: Run, model: Any, vocab: int) -> dict[str, Any]:
-    """One greedy request alone in the engine, then among 31 others: the same tokens?"""
+    """One greedy request alone in the engine, then among 31 others: the same tokens? Through the
+    engine's default decode steps (captured graphs on CUDA), and the 32 through graphs vs eager steps."""
     from models.decoding import SamplingParams
     from service.engine.config import EngineConfig
     from service.engine.core import GenerationEngine
@@ -240,17 +281,22 @@ def alone_vs_among(run: Run, model: Any, vocab: int) -> dict[str, Any]:
                for n in torch.randint(4, 40, (32,), generator=g)]
     params = SamplingParams(max_new_tokens=run.new_tokens, ignore_eos=True)
 
-    def answers(batch: list[list[int]]) -> list[list[int]]:
-        engine = GenerationEngine(model, tok, EngineConfig(max_running=32, kv_cache_mib=4096, max_total_tokens=256,
-                                                           max_new_tokens=128, max_queued=64))
+    def answers(batch: list[list[int]], graphs: bool | None = None) -> list[list[int]]:
+        engine = GenerationEngine(model, tok, EngineConfig(max_running=32, kv_cache_mib=kv_mib(model, 32, 256),
+                                                           max_total_tokens=256, max_new_tokens=128, max_queued=64,
+                                                           decode_graphs=graphs))
         handles = [engine.submit(p, params) for p in batch]
         while any(not h._done for h in handles) and (engine.stats().running or engine.stats().waiting):
             engine.step()
         return [list(h.result_sync(timeout=60).token_ids) for h in handles]
 
-    alone = answers(prompts[:1])[0]
-    among = answers(prompts)[0]
-    return {"engine_alone_eq_among_31_bf16": alone == among}
+    graphs = True if run.tiny else None  # the tiny CPU mode: the padded steps, eagerly
+    alone = answers(prompts[:1], graphs)[0]
+    among = answers(prompts, graphs)
+    eager = answers(prompts, graphs=False)
+    same = sum(a == b for x, y in zip(among, eager, strict=True) for a, b in zip(x, y, strict=True))
+    return {"engine_alone_eq_among_31_bf16": alone == among[0],
+            "engine_graphs_eq_eager_tokens_bf16": f"{same}/{sum(map(len, eager))}"}
 
 
 def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
@@ -266,13 +312,18 @@ def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
     tok = synthetic_tokenizer(vocab)
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     rows: list[dict[str, Any]] = []
-    for n in run.concurrency:
-        if run.left_s() <= 0:
-            break
-        prompts = [[3 + (i * 7 + j) % (vocab - 3) for j in range(32)] for i in range(n)]
+
+    def engine_run(prompts: list[list[int]], graphs: bool) -> dict[str, float]:
+        """Decode `prompts` to run.new_tokens each: tok/s and ms per step past the first step, and the
+        seconds capturing the decode-step graphs took (before the clock starts)."""
+        n = len(prompts)
+        engine = GenerationEngine(ours, tok, EngineConfig(max_running=n, kv_cache_mib=kv_mib(ours, n, 256),
+                                                          max_total_tokens=256, max_new_tokens=200, max_queued=n,
+                                                          prefill_tokens=16384, decode_graphs=graphs))
+        t0 = time.perf_counter()
+        captured = engine.capture_graphs()
+        capture_s = time.perf_counter() - t0
         params = SamplingParams(max_new_tokens=run.new_tokens, ignore_eos=True)
-        engine = GenerationEngine(ours, tok, EngineConfig(max_running=n, kv_cache_mib=65536, max_total_tokens=256,
-                                                          max_new_tokens=200, max_queued=n, prefill_tokens=16384))
         handles = [engine.submit(p, params) for p in prompts]
         engine.step()  # admission and the first decode step
         run.sync()
@@ -283,7 +334,21 @@ def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
         run.sync()
         elapsed = time.perf_counter() - t0
         tokens = sum(len(h.result_sync(timeout=60).token_ids) for h in handles) - 2 * n  # past the first step
-        row = {"sequences": n, "ours_tok_s": round(tokens / elapsed, 1), "ours_step_ms": round(1e3 * elapsed / max(steps, 1), 2)}
+        del engine, handles
+        free_device(run)
+        return {"tok_s": tokens / elapsed, "step_ms": 1e3 * elapsed / max(steps, 1), "graphs": captured,
+                "capture_s": capture_s}
+
+    graphs = run.device.type == "cuda"
+    for n in run.concurrency:
+        if run.left_s() <= 0:
+            break
+        prompts = [[3 + (i * 7 + j) % (vocab - 3) for j in range(32)] for i in range(n)]
+        fast = engine_run(prompts, graphs or run.tiny)  # the tiny CPU mode runs the padded steps eagerly
+        eager = engine_run(prompts, False)
+        row = {"sequences": n, "ours_tok_s": round(fast["tok_s"], 1), "ours_step_ms": round(fast["step_ms"], 2),
+               "graphs": fast["graphs"], "capture_s": round(fast["capture_s"], 1),
+               "eager_tok_s": round(eager["tok_s"], 1), "eager_step_ms": round(eager["step_ms"], 2)}
         ids = torch.tensor(prompts, device=run.device)
         with torch.no_grad():
             t_hf = timed(run, lambda ids=ids: ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -292,13 +357,78 @@ def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
         row["transformers_tok_s"] = round(n * run.new_tokens / t_hf, 1)
         row["ratio"] = round(row["ours_tok_s"] / row["transformers_tok_s"], 2)
         if n == 1:
-            gbps = weight_bytes / (elapsed / max(steps, 1)) / 1e9
+            gbps = weight_bytes / (fast["step_ms"] / 1e3) / 1e9
             name = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else ""
             peak = next((v for k, v in PEAK_GBPS.items() if k in name), None)
             row["weights_gb_s"] = round(gbps, 1)
             row["bandwidth_pct"] = round(100 * gbps / peak, 1) if peak else None
+            copy = run.results.get("environment", {}).get("copy_gb_s")
+            row["pct_of_measured_copy"] = round(100 * gbps / copy, 1) if copy else None
         rows.append(row)
     return {"dtype": str(dtype).removeprefix("torch."), "weight_bytes": weight_bytes, "rows": rows}
+
+
+def step_profile(run: Run, shape: str = "smollm2",
+                 modes: tuple[tuple[int, bool], ...] = ((1, False), (1, True), (32, True))) -> dict[str, Any]:
+    """Where a decode step's time goes (serving dtype): wall ms per step, the device's busy ms per
+    step, kernel launches, host synchronisations and copies per step, the host ops and the device
+    kernels that cost most, from torch.profiler over 10 engine steps, for each (sequences, graphs)
+    of `modes`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from models.decoding import SamplingParams
+    from service.engine.config import EngineConfig
+    from service.engine.core import GenerationEngine
+
+    _, ours = hf_decoder(run, shape)
+    dtype = torch.bfloat16 if run.device.type == "cuda" else torch.float32
+    ours = ours.to(dtype)
+    vocab = run.shapes[shape]["vocab_size"]
+    tok = synthetic_tokenizer(vocab)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
+    rows = []
+    for n, graphs in modes if not run.tiny else tuple((min(n, 4), g) for n, g in modes):
+        engine = GenerationEngine(ours, tok, EngineConfig(max_running=n, kv_cache_mib=kv_mib(ours, n, 256),
+                                                          max_total_tokens=256, max_new_tokens=200, max_queued=n,
+                                                          decode_graphs=graphs))
+        engine.capture_graphs()
+        params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+        for i in range(n):
+            engine.submit([3 + (i * 7 + j) % (vocab - 3) for j in range(32)], params)
+        for _ in range(4):  # admission, then warm decode steps
+            engine.step()
+        run.sync()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            engine.step()
+        run.sync()
+        wall = (time.perf_counter() - t0) / 10
+        with profile(activities=activities) as prof:
+            for _ in range(10):
+                engine.step()
+            run.sync()
+        events = prof.key_averages()
+
+        def count(*names: str, events: Any = events) -> float:
+            return sum(e.count for e in events if e.key in names) / 10
+
+        device_us = sum(getattr(e, "self_device_time_total", 0) for e in events if e.device_type.name == "CUDA")
+        host = sorted((e for e in events if e.device_type.name == "CPU" and not e.key.startswith("cuda")),
+                      key=lambda e: -e.self_cpu_time_total)[:8]
+        kernels = sorted((e for e in events if e.device_type.name == "CUDA"),
+                         key=lambda e: -getattr(e, "self_device_time_total", 0))[:10]
+        rows.append({"sequences": n, "graphs": graphs, "wall_ms_per_step": round(1e3 * wall, 2),
+                     "device_busy_ms_per_step": round(device_us / 1e3 / 10, 3),
+                     "kernel_launches_per_step": count("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                       "cudaLaunchKernelExC"),
+                     "syncs_per_step": count("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+                     "copies_per_step": count("cudaMemcpyAsync", "cudaMemcpy"),
+                     "top_host_ops": [f"{e.key} x{e.count // 10} {e.self_cpu_time_total / 10:.0f}us" for e in host],
+                     "top_kernels": [f"{e.key[:60]} x{e.count / 10:g} {e.self_device_time_total / 10:.0f}us"
+                                     for e in kernels]})
+        del engine
+        free_device(run)
+    return {"dtype": str(dtype).removeprefix("torch."), "rows": rows}
 
 
 def serving_pair(run: Run, shape: str, model_cls: str, config_cls: str, importer: Callable[..., Any]
@@ -307,9 +437,11 @@ def serving_pair(run: Run, shape: str, model_cls: str, config_cls: str, importer
     dtype (bfloat16 on CUDA, float32 on CPU)."""
     import transformers as hf
 
+    from models.fuse import fuse_projections
+
     torch.manual_seed(0)
     ref = getattr(hf, model_cls)(getattr(hf, config_cls)(**run.shapes[shape], attn_implementation="sdpa")).eval()
-    ours = importer(ref.config.to_dict(), ref.state_dict()).eval()
+    ours = fuse_projections(importer(ref.config.to_dict(), ref.state_dict())).eval()  # as models.catalog serves it
     dtype = torch.bfloat16 if run.device.type == "cuda" else torch.float32
     return ref.to(run.device, dtype), ours.to(run.device, dtype), dtype
 
@@ -359,9 +491,12 @@ def markdown(results: dict[str, Any]) -> str:
     corr = results.get("correctness", {})
     lines += ["## Correctness", "", "| check | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in corr.items() if k not in ("traceback", "seconds")]
-    for name, key, unit in (("generation_smollm2", "sequences", "tok/s"), ("generation_llama_1b", "sequences", "tok/s"),
+    for name, key, unit in (("step_profile", "sequences", "per decode step"),
+                            ("step_profile_llama_1b", "sequences", "per decode step"), ("generation_smollm2", "sequences", "tok/s"), ("generation_llama_1b", "sequences", "tok/s"),
                             ("encoder", "batch", "texts/s"), ("translator", "batch", "sentences/s")):
-        section = results.get(name, {})
+        if name not in results:
+            continue
+        section = results[name]
         lines += ["", f"## {name} ({section.get('dtype', '')}, {unit})", ""]
         if "rows" not in section:
             lines.append(f"{section.get('error') or section.get('skipped')}")
@@ -378,18 +513,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and counts (CPU, in make test)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="no new measurement starts after this")
+    parser.add_argument("--sections", default="", help="comma-separated section names to run (default: all)")
     args = parser.parse_args(argv)
-    run = Run(args.device, args.tiny, args.budget_s)
+    run = Run(args.device, args.tiny, args.budget_s, args.out, set(filter(None, args.sections.split(","))))
     run.section("environment", environment)
+    free_device(run)  # the bandwidth probe's buffers
     run.section("correctness", correctness)
     run.section("generation_smollm2", lambda r: engine_throughput(r, "smollm2"))
     run.section("generation_llama_1b", lambda r: engine_throughput(r, "llama-1b"))
+    run.section("step_profile", step_profile)
+    run.section("step_profile_llama_1b", lambda r: step_profile(r, "llama-1b", ((1, True), (256, True))))
     run.section("encoder", encoder_throughput)
     run.section("translator", translator_throughput)
-    run.results["total_seconds"] = round(time.perf_counter() - run.started, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu-check.json").write_text(json.dumps(run.results, indent=2))
-    (args.out / "gpu-check.md").write_text(markdown(run.results))
+    run.save()
     print(markdown(run.results))
     return 0
 
