@@ -56,10 +56,15 @@ def positions_from_mask(keep: Tensor) -> Tensor:
 class AttentionMask:
     """A boolean mask (True = attend) made ready for scaled_dot_product_attention once per forward
     pass, so the layers do not redo it: query rows with no key to attend ("dead" rows, e.g. padding
-    queries of an encoder) attend everywhere in `safe`, and their outputs are zeroed after."""
+    queries of an encoder) attend everywhere in `safe`, and their outputs are zeroed after.
 
-    safe: Tensor  # (B, 1, T, S) bool: the mask, with dead rows all True
+    `causal` (then `safe` is None): query i attends keys 0..i and nothing else is masked, which
+    SDPA's `is_causal` computes without a mask in memory, so it may pick its flash kernels (a prompt
+    prefilled into empty cache rows, right-padded: a real query never reaches a padded key)."""
+
+    safe: Tensor | None  # (B, 1, T, S) bool: the mask, with dead rows all True; None when causal
     dead: Tensor | None  # (B, 1, T, 1) bool: rows with no key; None when every row has one
+    causal: bool = False
 
     @classmethod
     def build(cls, mask: Tensor) -> AttentionMask:
@@ -67,6 +72,11 @@ class AttentionMask:
         if bool(live.all()):
             return cls(mask, None)
         return cls(mask | ~live, ~live)  # (B, 1, T, S), (B, 1, T, 1)
+
+    @classmethod
+    def lower_triangle(cls) -> AttentionMask:
+        """Query i attends keys 0..i (keys aligned with the queries from the first; S >= T)."""
+        return cls(None, None, causal=True)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | AttentionMask | None,
@@ -83,6 +93,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | AttentionMask | No
         gqa = bool(k.size(1) != q.size(1))  # a Python bool also under tracing (ONNX export)
     if mask is not None and not isinstance(mask, AttentionMask):
         mask = AttentionMask.build(mask)
+    if mask is not None and mask.causal:
+        if bias is not None:
+            raise ValueError("a causal AttentionMask takes no bias: build the mask for a biased attention")
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, is_causal=True,
+                                              enable_gqa=gqa)  # (B, H, T, D)
     attn_mask = mask.safe if mask is not None else None  # (B, 1, T, S) bool
     if bias is not None:
         attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))  # (B, H, T, S)

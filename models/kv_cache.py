@@ -180,6 +180,10 @@ class CacheView:
     _positions: Tensor | None = None  # (B, T) of the step in progress, set by begin()
     _slots: Tensor | None = None  # flat slot index (B*K*T,) of the step in progress, set by begin()
 
+    def fresh(self) -> bool:
+        """Whether every row starts this step empty (a prefill from the first token; host lengths)."""
+        return not any(self.cache.host_lengths[self.start:self.stop])
+
     @property
     def lengths(self) -> Tensor:
         return self.cache.lengths[self.start:self.stop]  # (B,)

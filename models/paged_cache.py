@@ -267,6 +267,10 @@ class PagedCacheView:
         """Whether this step's one-token rows attend through models/kernels/attention.cpp."""
         return self.native and self.cache.decode_kernel
 
+    def fresh(self) -> bool:
+        """Whether every row starts this step empty (a prefill from the first token; host lengths)."""
+        return not any(self.cache.host_lengths[self.start:self.stop])
+
     @property
     def lengths(self) -> Tensor:
         return self.cache.lengths[self.start:self.stop]  # (B,)

@@ -76,6 +76,7 @@ class CausalStack(nn.Module):
     ) -> Tensor:
         """ids: (B, T) long; keep: (B, T) bool; cache: rows to read/write; cross: encoder keys/values."""
         b, t = ids.shape
+        unpadded = keep is None
         if cache is not None:
             positions, _ = cache.begin(t, keep)  # (B, T); S = longest past + T (at most the cache's L)
         else:
@@ -90,10 +91,16 @@ class CausalStack(nn.Module):
             out = native_blocks.decode_layers(layers, x, rope, cache, cross) if layers is not None else None
             if out is not None:
                 return self.norm(out) if self.norm is not None else out  # (B, 1, C)
+        plain = self.window is None and self.relative_bias is None  # masks that only say "causal"
         if cache is not None:
             k_pos = cache.key_positions()  # (S,) or (B, S): the position each key slot holds
-            # every query sees at least its own key: no dead rows to look for (no host sync)
-            mask = AttentionMask(causal_mask(positions, k_pos, self.window), None)  # (B, 1, T, S)
+            if plain and t > 1 and cache.fresh():
+                # empty rows, right-padded: slot j holds position j, a real query sees only real keys
+                mask = AttentionMask.lower_triangle()
+            else:  # every query sees at least its own key: no dead rows to look for (no host sync)
+                mask = AttentionMask(causal_mask(positions, k_pos, self.window), None)  # (B, 1, T, S)
+        elif plain and unpadded:
+            k_pos, mask = positions, AttentionMask.lower_triangle()
         else:
             k_pos = positions  # (B, T): the keys are these tokens
             slots = torch.arange(t, device=ids.device)  # (T,)
