@@ -195,6 +195,15 @@ def next_tokens(
     return choose(logits, params, samplers, seen, counts).tokens
 
 
+def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One draw per row: probs (S, V) (rows need not sum to 1), uniforms (S,) in [0, 1) -> token ids
+    (S,): the first token whose cumulative probability passes u * the row's total. A token of zero
+    probability is never drawn. Row by row, so a row's draw does not depend on the others."""
+    cdf = probs.cumsum(-1)  # (S, V)
+    target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]  # (S, 1)
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=probs.size(-1) - 1)  # (S,)
+
+
 def choose(
     logits: Tensor,
     params: BatchParams,
@@ -222,9 +231,15 @@ def choose(
         if params.any_filter:
             scaled = filter_top_k_top_p(scaled, params.top_k, params.top_p)
         probs = scaled.float().softmax(-1)  # (B, V)
-        for row, sampler in enumerate(samplers):
-            if not sampler.params.greedy:
-                choice[row] = torch.multinomial(probs[row].cpu(), 1, generator=sampler.generator)[0]
+        rows = [row for row, sampler in enumerate(samplers) if not sampler.params.greedy]
+        # one uniform per sampled row from the row's own generator (on the host: the same draws alone
+        # or batched), then each row's token on the logits' device: no per-row copy or synchronisation
+        uniforms = torch.tensor([float(torch.rand((), generator=samplers[row].generator)) for row in rows])  # (S,)
+        index = torch.tensor(rows)  # (S,)
+        if probs.is_cuda:
+            uniforms = uniforms.pin_memory().to(probs.device, non_blocking=True)
+            index = index.pin_memory().to(probs.device, non_blocking=True)
+        choice = choice.index_copy(0, index, inverse_cdf(probs.index_select(0, index), uniforms))  # (B,)
         greedy = (params.temperature == 0)[:, None]  # (B, 1)
         final = torch.where(greedy, logits, scaled)  # (B, V)
     if params.top_logprobs is None:

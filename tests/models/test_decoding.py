@@ -27,6 +27,7 @@ from models.decoding import (
     choose,
     filter_top_k_top_p,
     find_stop,
+    inverse_cdf,
     next_tokens,
     stop_holdback,
 )
@@ -335,3 +336,19 @@ def test_logprobs_are_those_of_the_distribution_drawn_from() -> None:
 def test_out_of_range_openai_parameters_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_inverse_cdf_draws_each_token_at_its_probability_and_never_a_filtered_one() -> None:
+    """20,000 draws of one row (unnormalised, two tokens filtered to 0): frequencies within 0.01 of the
+    probabilities; the same row among others draws the same tokens; u = 0 takes the first possible token."""
+    probs = torch.tensor([0.0, 2.0, 1.0, 0.0, 4.0, 1.0])  # (V,) sums to 8
+    u = torch.rand(20_000, generator=torch.Generator().manual_seed(0))  # (N,)
+    alone = inverse_cdf(probs.expand(u.numel(), -1), u)  # (N,)
+    freq = torch.bincount(alone, minlength=6).float() / u.numel()
+    assert freq[0] == 0 and freq[3] == 0
+    assert torch.allclose(freq, probs / probs.sum(), atol=0.01), freq
+    others = torch.rand(u.numel(), 6, generator=torch.Generator().manual_seed(1))  # (N, V)
+    batch = torch.stack([others, probs.expand_as(others)], 1).reshape(-1, 6)  # rows interleaved
+    assert torch.equal(inverse_cdf(batch, u.repeat_interleave(2))[1::2], alone)
+    assert inverse_cdf(probs[None], torch.zeros(1)).tolist() == [1]
+    assert inverse_cdf(probs[None], torch.tensor([1 - 1e-7])).tolist() == [5]
