@@ -187,10 +187,11 @@ class DecodeGraphs:
                 self._get(rows, blocks)
         return len(self._steps)
 
-    def step(self, pending: list[int], start: int, stop: int) -> Tensor:
+    def step(self, pending: list[int], start: int, stop: int, ids: Tensor | None = None) -> Tensor:
         """Logits (B, V) of one decode step for cache rows [start, stop) whose next input tokens are
-        `pending`; the cache lengths do not advance (the caller advances them after sampling). The
-        result is the graph's buffer: read it before the next step."""
+        `pending`, or `ids` (B,) on the device (then pending is ignored: a step launched before its
+        tokens reached the host); the cache lengths do not advance (the caller advances them after
+        sampling). The result is the graph's buffer: read it before the next step."""
         c, rows = self.cache, list(range(start, stop))
         for row in rows:
             c.ensure(row, c.host_lengths[row] + 1)
@@ -199,7 +200,9 @@ class DecodeGraphs:
             raise ValueError(f"KV cache holds {c.max_len} tokens per row; this step needs {longest}")
         step, out, graph = self._get(bucket(len(rows), self.row_buckets),
                                      bucket(min(blocks_for(longest, c.block), c.width), self.block_buckets))
-        step.packed.copy_(step.host_inputs(pending, rows), non_blocking=True)
+        step.packed.copy_(step.host_inputs(pending if ids is None else [0] * len(rows), rows), non_blocking=True)
+        if ids is not None:
+            step.packed[:len(rows)].copy_(ids)  # after the host's copy on the same stream: the ids win
         if graph is None:
             return self._forward(step)[:len(rows)]  # (B, V)
         graph.replay()

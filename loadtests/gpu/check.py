@@ -313,13 +313,15 @@ def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     rows: list[dict[str, Any]] = []
 
-    def engine_run(prompts: list[list[int]], graphs: bool) -> dict[str, float]:
+    def engine_run(prompts: list[list[int]], graphs: bool, ahead: bool = True) -> dict[str, float]:
         """Decode `prompts` to run.new_tokens each: tok/s and ms per step past the first step, and the
-        seconds capturing the decode-step graphs took (before the clock starts)."""
+        seconds capturing the decode-step graphs took (before the clock starts). `ahead`: with graphs,
+        each step launched before the previous one's tokens are handed out."""
         n = len(prompts)
         engine = GenerationEngine(ours, tok, EngineConfig(max_running=n, kv_cache_mib=kv_mib(ours, n, 256),
                                                           max_total_tokens=256, max_new_tokens=200, max_queued=n,
-                                                          prefill_tokens=16384, decode_graphs=graphs))
+                                                          prefill_tokens=16384, decode_graphs=graphs,
+                                                          decode_ahead=ahead))
         t0 = time.perf_counter()
         captured = engine.capture_graphs()
         capture_s = time.perf_counter() - t0
@@ -346,8 +348,10 @@ def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
         prompts = [[3 + (i * 7 + j) % (vocab - 3) for j in range(32)] for i in range(n)]
         fast = engine_run(prompts, graphs or run.tiny)  # the tiny CPU mode runs the padded steps eagerly
         eager = engine_run(prompts, False)
+        serial = engine_run(prompts, graphs or run.tiny, ahead=False)
         row = {"sequences": n, "ours_tok_s": round(fast["tok_s"], 1), "ours_step_ms": round(fast["step_ms"], 2),
                "graphs": fast["graphs"], "capture_s": round(fast["capture_s"], 1),
+               "no_ahead_tok_s": round(serial["tok_s"], 1), "no_ahead_step_ms": round(serial["step_ms"], 2),
                "eager_tok_s": round(eager["tok_s"], 1), "eager_step_ms": round(eager["step_ms"], 2)}
         ids = torch.tensor(prompts, device=run.device)
         with torch.no_grad():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -41,6 +41,7 @@ from models.paged_cache import PagedKVCache, blocks_for
 from models.step_graphs import DecodeGraphs, GraphCaptureError
 
 from .grammar import MaskBuilder
+from .lookahead import Ahead, launch_states, read, to_host
 from .prefix_cache import BLOCK, Pin, PrefixCache
 from .sequence import SeqState
 
@@ -82,6 +83,7 @@ class RunningBatch:
         preempted request's output when recomputed, take `model`. `graphs`: decode steps through
         padded, captured steps of `model` (models/step_graphs.py)."""
         self.graphs = graphs
+        self._ahead: Ahead | None = None  # a decode step launched before its input tokens were handed out
         self.model, self.cache, self.prefix = model, cache, prefix
         self.prompt_model = prompt_model if prompt_model is not None else model
         self.split = self.prompt_model is not model  # prompts and decode steps on different weights
@@ -389,9 +391,18 @@ class RunningBatch:
         seq.cached_tokens = hit
         return hit
 
-    def decode(self, start: int = 0, stop: int | None = None) -> list[Picked]:
-        """One step for rows [start, stop): each row's pending token in, one sampled token out."""
+    def decode(self, start: int = 0, stop: int | None = None, ahead: bool = False) -> list[Picked]:
+        """One step for rows [start, stop): each row's pending token in, one sampled token out.
+
+        `ahead` (a step of every row; with decode graphs): launch the next step on this step's tokens
+        before handing them out (engine/lookahead.py); a step already launched that way is collected
+        here instead of computed."""
         stop = len(self.rows) if stop is None else stop
+        whole = (start, stop) == (0, len(self.rows))
+        if self._ahead is not None:
+            if whole and self._ahead.covers(self.rows):
+                return self._collect(ahead)
+            self._drop_ahead()
         seqs = self.rows[start:stop]
         masks = self._start_masks(seqs)
         logits = None
@@ -404,14 +415,83 @@ class RunningBatch:
         if logits is None:
             ids = self._to_device([[s.pending] for s in seqs])  # (B, 1)
             logits = self.model(ids, cache=self.cache.view(start, stop))[:, 0]  # (B, V)
-        if (start, stop) == (0, len(self.rows)):
+        if whole:
             params, samplers = self._batch_params()
         else:
             params, samplers = BatchParams.build([s.params for s in seqs], self.device), [s.sampler for s in seqs]
         choice = choose(logits.float(), params, samplers, self.seen[start:stop], self.counts[start:stop],
                         self._allowed(masks))  # (B,)
         self.cache.advance(1, start, stop)
+        if whole and ahead and self.can_look_ahead():
+            host, ready = to_host(choice.tokens)  # queued before the next step: waits for this one only
+            return self._hand_out(choice.tokens, lambda: read(host, ready))
         return self._took(choice, start, seqs)
+
+    # -- one step ahead (engine/lookahead.py) ----------------------------------------------------
+
+    def can_look_ahead(self) -> bool:
+        """Whether the next step may be launched before this one's tokens are handed out: decode
+        graphs; no prompt in chunks (it joins the batch after its last chunk); no row whose next step
+        needs its token on the host first (a structured output's mask) or that reads log-probabilities;
+        room for one more token in every row, and the blocks for it."""
+        if self.graphs is None or self.partial is not None:
+            return False
+        if any(s.matcher is not None or s.params.logprobs is not None for s in self.rows):
+            return False
+        c, n = self.cache, len(self.rows)
+        if any(c.host_lengths[row] + 1 > c.max_len for row in range(n)):
+            return False
+        return self.make_room(sum(c.blocks_needed(row, c.host_lengths[row] + 1) for row in range(n)))
+
+    def _hand_out(self, tokens: Tensor, read_tokens: Callable[[], list[int]]) -> list[Picked]:
+        """Every row's sampled token (B,) on the device: marked seen and counted, the next step
+        launched on them when it may be, then read back."""
+        rows = torch.arange(len(self.rows), device=self.device)  # (B,)
+        self.seen[rows, tokens] = True
+        self.counts[rows, tokens] += 1
+        if self.can_look_ahead():
+            self._launch(tokens)
+        return [(t, None) for t in read_tokens()]
+
+    def _launch(self, tokens: Tensor) -> None:
+        """The next decode step of every row on `tokens` (B,), sampled, its tokens on their way to the host."""
+        assert self.graphs is not None
+        seqs, n = list(self.rows), len(self.rows)
+        states = launch_states(seqs)
+        try:
+            logits = self.graphs.step([], 0, n, ids=tokens)  # (B, V)
+        except GraphCaptureError:
+            log.exception("capturing a decode-step graph failed; decoding eagerly from now on")
+            self.graphs = None
+            return
+        params, samplers = self._batch_params()
+        choice = choose(logits.float(), params, samplers, self.seen[:n], self.counts[:n])  # (B,)
+        host, ready = to_host(choice.tokens)
+        self._ahead = Ahead(seqs, choice.tokens, host, ready, states)
+
+    def _collect(self, ahead: bool) -> list[Picked]:
+        """The step launched ahead, for the rows still here (some may have left, others moved)."""
+        a, self._ahead = self._ahead, None
+        assert a is not None
+        a.give_back(keep=self.rows)  # a preempted row draws again when it comes back
+        order = a.order(self.rows)
+        tokens = a.tokens  # (B',)
+        if order != list(range(len(a.seqs))):
+            tokens = tokens.index_select(0, torch.tensor(order, device=self.device))  # (B,)
+        self.cache.advance(1, 0, len(self.rows))
+        if not ahead:
+            rows = torch.arange(len(self.rows), device=self.device)  # (B,)
+            self.seen[rows, tokens] = True
+            self.counts[rows, tokens] += 1
+            return [(t, None) for t in a.read(order)]
+        return self._hand_out(tokens, lambda: a.read(order))
+
+    def _drop_ahead(self) -> None:
+        """Forget the step launched ahead (the batch changed): its rows draw again from where they were;
+        the keys it wrote past their lengths are overwritten by the step that runs instead."""
+        if self._ahead is not None:
+            self._ahead.give_back()
+            self._ahead = None
 
     def remove(self, dead: list[int]) -> list[SeqState]:
         """Free rows `dead` (ascending): the last live rows move into the holes, the tail is reset."""
@@ -432,7 +512,7 @@ class RunningBatch:
 
     def clear(self) -> list[SeqState]:
         """Drop every row and the chunked prefill in progress; returns their requests."""
-        removed, self.rows, self._params = self.rows, [], None
+        removed, self.rows, self._params, self._ahead = self.rows, [], None, None
         partial = self.drop_partial()
         self.cache.reset()
         return removed + ([partial] if partial is not None else [])

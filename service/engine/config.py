@@ -40,6 +40,10 @@ class EngineConfig:
     # captured at warm-up; None: on CUDA with a paged cache. True on a CPU runs the same padded steps
     # eagerly (tests); false: eager steps of the exact size
     decode_graphs: bool | None = None
+    # with decode graphs, launch each decode step before the previous one's tokens are handed out, so
+    # the host's per-row work overlaps the device's next step (engine/lookahead.py); only while no
+    # request waits for a row
+    decode_ahead: bool = True
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be a positive integer, got {getattr(self, name)!r}"

@@ -422,7 +422,8 @@ class GenerationEngine(StepLoop):
         n = len(self._batch)
         results: list[tuple[int, Picked]] = []
         try:
-            results = list(enumerate(self._batch.decode()))
+            # no request waits for a row: launch the next step before this one's tokens are handed out
+            results = list(enumerate(self._batch.decode(ahead=self.config.decode_ahead and not self._waiting)))
         except Exception as exc:
             if n == 1:
                 self._fail(self._batch.rows[0], exc)

@@ -8,6 +8,8 @@ wrong block, a lost seen-token mask or a resumed request that resamples shows up
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from torch import nn
 
@@ -211,3 +213,45 @@ def test_an_admitted_hit_is_pinned_until_its_prefill(tiny: tuple[nn.Module, Text
     assert [f.finish_reason for f in finals] == ["length", "length"]
     assert [list(f.token_ids) for f in finals] == [reference(model, tok, p, params)[0] for p in prompts]
     assert engine.cache.blocks_free + len(engine._batch.prefix) == engine.cache.blocks_total
+
+
+def test_steps_launched_ahead_give_every_request_its_tokens(tiny: tuple[nn.Module, TextTokenizer],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode graphs (padded steps, eager here) with each step launched before the previous one's
+    tokens are handed out (engine/lookahead.py), on a pool small enough to preempt: greedy, seeded,
+    penalised rows of different lengths, one cancelled mid-way, two admitted mid-way. Every request
+    gets the tokens of the same run with no step ahead, and steps ahead were collected (the sampled
+    rows' draws were given back when a step ahead was dropped or a row preempted)."""
+    from service.engine import batch as batch_module
+
+    model, tok = tiny
+    collected = []
+    real = batch_module.RunningBatch._collect
+
+    def spy(self: batch_module.RunningBatch, ahead: bool) -> list:
+        collected.append(len(self.rows))
+        return real(self, ahead)
+
+    monkeypatch.setattr(batch_module.RunningBatch, "_collect", spy)
+    params = [dataclasses.replace(p, max_new_tokens=n) for p, n in zip(PARAMS, (60, 35, 47, 52), strict=True)]
+    late = [tok.encode("a later request", add_special_tokens=False), tok.encode("and one more", add_special_tokens=False)]
+
+    def run(ahead: bool) -> tuple[list[list[int]], list[str]]:
+        engine = make(model, tok, max_running=6, kv_cache_mib=mib_for_blocks(model, 14), prefix_cache_mib=0,
+                      decode_graphs=True, decode_ahead=ahead)
+        handles = [engine.submit(p, q) for p, q in zip(PROMPTS(tok), params, strict=True)]
+        for _ in range(8):
+            engine.step()
+        handles[1].cancel()
+        for _ in range(4):
+            engine.step()
+        handles += [engine.submit(p, params[i % 2 + 1]) for i, p in enumerate(late)]
+        history = run_until_idle(engine)
+        assert history[-1].preempted >= 1
+        finals = [read(h)[1] for h in handles]
+        return [list(f.token_ids) for f in finals], [f.finish_reason for f in finals]
+
+    plain = run(False)
+    assert not collected
+    assert run(True) == plain
+    assert len(collected) > 40 and plain[1][1] == "cancelled"
