@@ -156,6 +156,23 @@ def test_engine_metrics_observe_what_the_engine_did(metrics: ServiceMetrics) -> 
     assert 2**20 < value(metrics, "replica_resident_memory_bytes", **m) == pytest.approx(resident_bytes(), rel=0.5)
 
 
+def test_admission_estimates_and_refusals_reach_their_metrics(metrics: ServiceMetrics) -> None:
+    """Both observers' on_admission (the engines' and the batchers' deadline admission): every wait
+    estimate observed, every refusal counted by its reason, per model."""
+    engine, batcher = PrometheusEngineObserver(metrics, "gen"), PrometheusBatchObserver(metrics, "enc")
+    engine.on_admission(0.0, None)
+    engine.on_admission(0.4, "deadline")
+    batcher.on_admission(2.5, "deadline")
+    batcher.on_admission(None, "queue_full")
+    assert value(metrics, "admission_wait_estimate_seconds_count", model="gen") == 2
+    assert value(metrics, "admission_wait_estimate_seconds_sum", model="gen") == pytest.approx(0.4)
+    assert value(metrics, "admission_wait_estimate_seconds_count", model="enc") == 1
+    assert value(metrics, "admission_refused_total", model="gen", reason="deadline") == 1
+    assert value(metrics, "admission_refused_total", model="enc", reason="deadline") == 1
+    assert value(metrics, "admission_refused_total", model="enc", reason="queue_full") == 1
+    assert value(metrics, "admission_refused_total", model="gen", reason="queue_full") == 0
+
+
 # -- the ingress --------------------------------------------------------------------------------------
 
 class Backend:

@@ -83,6 +83,34 @@ def test_encoder_requests_through_the_batcher(encoder: EncoderRunner) -> None:
     assert embeddings.prompt_tokens == sum(len(t.encode()) for t in TEXTS[:2])
 
 
+def test_a_long_text_is_tokenized_off_the_event_loop(encoder: EncoderRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Texts over INLINE_TOKENIZE_CHARS in all are tokenized in a worker thread, so a long one never
+    stalls the replica's other requests; short ones on the loop (a thread hop costs more than them)."""
+    import threading
+
+    from service.replica.runner import INLINE_TOKENIZE_CHARS
+
+    tok = encoder.loaded.tokenizer
+    threads: list[threading.Thread] = []
+    real = tok.encode
+
+    def encode(text: str, *args: object, **kwargs: object) -> list[int]:
+        threads.append(threading.current_thread())
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", encode)
+
+    async def main() -> threading.Thread:
+        await encoder.embed(["short text"], True, 5.0)
+        await encoder.embed(["x" * (INLINE_TOKENIZE_CHARS + 1)], True, 5.0)
+        await encoder.classify(["y" * 3000, "z" * 3000], True, 5.0)  # long in all
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(main())
+    assert len(threads) >= 4  # (a truncated text may be encoded more than once)
+    assert threads[0] is loop_thread and all(t is not loop_thread for t in threads[1:])
+
+
 def test_translator_params_defaults_and_limits(translator: TranslatorRunner) -> None:
     assert translator.params(TranslateOptions()) == BeamParams(3, 6)
     assert translator.params(TranslateOptions(beam_size=1, max_new_tokens=2)) == BeamParams(1, 2)

@@ -195,3 +195,41 @@ def test_offline_translate_ids_raises_what_a_source_failed_with(tiny) -> None:
     faulty = FaultyDecoder(model, lambda cross: poison in cross.src_keep.sum(-1).tolist())
     with pytest.raises(RuntimeError, match="injected failure"):
         translate_ids(faulty, [tok.encode(TEXTS[1]), tok.encode(TEXTS[4])], BeamParams(2, 8), banned_ids=[0])
+
+
+def test_a_request_that_cannot_be_translated_before_its_deadline_is_refused_at_once(tiny) -> None:
+    """The translation engine's own admission: once its steps are timed, a request whose wait for rows
+    plus its own decoding outlasts its deadline is refused at submit (EngineOverloaded naming the
+    deadline), nothing queued; with time enough it is queued and gets its alone result."""
+    import time
+
+    from service.telemetry.hooks import EngineObserver
+
+    class Log(EngineObserver):
+        def __init__(self) -> None:
+            self.calls: list[tuple[float | None, str | None]] = []
+
+        def on_admission(self, wait_s: float | None, refused: str | None) -> None:
+            self.calls.append((wait_s, refused))
+
+    model, tok = tiny
+    log = Log()
+    engine = TranslationEngine(model, tok, rows=4, max_new_tokens=8, banned_ids=[0], observer=log,
+                               after_step=lambda: time.sleep(0.01))  # steps of ~10 ms: a wait worth refusing
+    first = engine.submit_many([TranslationSubmission(tok.encode(TEXTS[4]), BeamParams(4, 8))])
+    for _ in range(3):
+        engine.step()  # the step time is measured; the first request holds every row
+    before = engine.stats()
+    with pytest.raises(EngineOverloaded, match="deadline"):
+        engine.submit_many([TranslationSubmission(tok.encode(TEXTS[1]), BeamParams(4, 8),
+                                                  deadline=time.perf_counter() + 0.005)])
+    after = engine.stats()
+    assert (after.waiting, after.running) == (before.waiting, before.running)
+    late = engine.submit_many([TranslationSubmission(tok.encode(TEXTS[1]), BeamParams(4, 8),
+                                                     deadline=time.perf_counter() + 60)])
+    while engine.stats().waiting or engine.stats().running:
+        engine.step()
+    assert [refused for _, refused in log.calls] == [None, "deadline", None]
+    assert log.calls[1][0] is not None and log.calls[1][0] > 0.005
+    assert list(late[0].result_sync(timeout=5).token_ids) == _alone(model, tok.encode(TEXTS[1]), BeamParams(4, 8))
+    assert first[0].result_sync(timeout=5).finish_reason in ("stop", "length")
