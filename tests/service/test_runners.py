@@ -83,12 +83,15 @@ def test_encoder_requests_through_the_batcher(encoder: EncoderRunner) -> None:
     assert embeddings.prompt_tokens == sum(len(t.encode()) for t in TEXTS[:2])
 
 
-def test_a_long_text_is_tokenized_off_the_event_loop(encoder: EncoderRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_long_text_is_tokenized_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """Texts over INLINE_TOKENIZE_CHARS in all are tokenized in a worker thread, so a long one never
     stalls the replica's other requests; short ones on the loop (a thread hop costs more than them)."""
     import threading
 
     from service.replica.runner import INLINE_TOKENIZE_CHARS
+
+    # its own runner: a batcher belongs to the event loop it first ran on
+    encoder = EncoderRunner(_load("encoder", ("classify", "embed")), "encoder", BatchLimits(max_wait_ms=10))
 
     tok = encoder.loaded.tokenizer
     threads: list[threading.Thread] = []
