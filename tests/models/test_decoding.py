@@ -352,3 +352,27 @@ def test_inverse_cdf_draws_each_token_at_its_probability_and_never_a_filtered_on
     assert torch.equal(inverse_cdf(batch, u.repeat_interleave(2))[1::2], alone)
     assert inverse_cdf(probs[None], torch.zeros(1)).tolist() == [1]
     assert inverse_cdf(probs[None], torch.tensor([1 - 1e-7])).tolist() == [5]
+
+
+def test_a_nucleus_among_the_best_candidates_keeps_what_the_full_sort_keeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of a 2,000-token vocabulary with top-k and top-p mixed per row, most peaked as a language
+    model's and a few flat: the filter keeps exactly the tokens and values the sort of every row's
+    whole vocabulary keeps; the peaked rows never reach the sort (their nuclei are inside the best
+    128), the flat ones do (a nucleus of ~1,800 tokens), row by row."""
+    from models import decoding
+
+    g = torch.Generator().manual_seed(0)
+    spread = torch.cat([torch.linspace(4.0, 9.0, 44), torch.full((4,), 0.1)])  # (B,) peaked .. flat
+    logits = torch.randn(48, 2000, generator=g) * spread[:, None]  # (B, V)
+    top_k = torch.tensor([0, 5, 40, 0] * 12)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.3, 0.99] * 8)
+    _, wide = decoding._filter_among_candidates(logits, top_k, top_p, 128)
+    flat = (top_k[44:] == 0) & (top_p[44:] < 1)
+    assert not wide[:44].any() and torch.equal(wide[44:], flat) and flat.any()
+    sorted_rows = []
+    real = decoding._filter_sorted
+    monkeypatch.setattr(decoding, "_filter_sorted", lambda x, k, p: sorted_rows.append(x.size(0)) or real(x, k, p))
+    fast = decoding.filter_top_k_top_p(logits, top_k, top_p)  # (B, V)
+    assert sorted_rows == [int(flat.sum())]
+    assert torch.equal(fast, real(logits, top_k, top_p))
+    assert 1 < int((fast[0] > NEG_INF).sum()) < 128 and int((fast[44] > NEG_INF).sum()) > 500
