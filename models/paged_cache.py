@@ -109,6 +109,13 @@ class PagedKVCache(RowLengths):
         """New blocks row needs to hold `tokens` tokens."""
         return max(0, blocks_for(tokens, self.block) - len(self.host_tables[row]))
 
+    def key_slots(self, row: int, position: int) -> list[int]:
+        """The flat slots of each key/value head for row's key at `position`, from the host's table
+        (the row must hold a block for it: `ensure`)."""
+        bs, heads = self.block, self.kv_heads
+        first = self.host_tables[row][position // bs] * heads * bs + position % bs  # head 0's slot
+        return [first + k * bs for k in range(heads)]
+
     def ensure(self, row: int, tokens: int) -> None:
         """Give row blocks for `tokens` tokens (at most max_len); CacheFull when the pool is out."""
         need = self.blocks_needed(row, min(tokens, self.max_len))
@@ -307,12 +314,7 @@ class PagedCacheView:
         without the dozen small tensor operations of the general case; the same values. Returns the
         positions (B, 1)."""
         c = self.cache
-        heads, bs = range(c.kv_heads), c.block
-        slots = []
-        for row, n in enumerate(lengths, self.start):
-            table = c.host_tables[row]
-            first = table[n // bs] * c.kv_heads * bs + n % bs  # head 0's slot (begin gave the row its blocks)
-            slots.extend(first + k * bs for k in heads)
+        slots = [slot for row, n in enumerate(lengths, self.start) for slot in c.key_slots(row, n)]
         self._slots = torch.tensor(slots, dtype=torch.long)  # (B * K,)
         self._tables = torch.empty(len(lengths), nb, dtype=torch.long).copy_(c.tables[self.start:self.stop, :nb])
         self._keys = torch.tensor(lengths, dtype=torch.long) + 1  # (B,)

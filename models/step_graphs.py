@@ -89,7 +89,7 @@ class FixedStep(PagedCacheView):
         return self._views()[0]  # (R, 1)
 
     def begin(self, t: int, keep: Tensor | None = None) -> tuple[Tensor, int]:
-        """The step's positions (R, 1) and S = nb * BS: the host filled the buffers (`fill`)."""
+        """The step's positions (R, 1) and S = nb * BS: the host filled the buffers (`host_inputs`)."""
         if t != 1 or keep is not None:
             raise ValueError("a fixed step takes one token per row, unpadded")
         _, positions, self._slots, self._tables, self._keys = self._views()
@@ -99,16 +99,14 @@ class FixedStep(PagedCacheView):
     def host_inputs(self, pending: list[int], rows: list[int]) -> Tensor:
         """The packed inputs for cache rows `rows` (their blocks already ensured) whose pending tokens
         are `pending`, padded to R rows: a pinned host tensor where the device is CUDA."""
-        c, heads, bs = self.cache, range(self.cache.kv_heads), self.cache.block
+        c = self.cache
         pad = self.rows - len(rows)
         lengths = [c.host_lengths[r] for r in rows]
         slots: list[int] = []
         tables: list[int] = []
         for row, n in zip(rows, lengths, strict=True):
-            table = c.host_tables[row]
-            first = table[n // bs] * c.kv_heads * bs + n % bs  # head 0's slot of the new key
-            slots.extend(first + k * bs for k in heads)
-            head = table[:self.blocks]
+            slots += c.key_slots(row, n)
+            head = c.host_tables[row][:self.blocks]
             tables.extend(head + [0] * (self.blocks - len(head)))  # past the row's blocks: the null block
         values = (pending + [0] * pad  # ids
                   + lengths + [0] * pad  # positions: padding rows at 0 ...
@@ -130,7 +128,6 @@ class DecodeGraphs:
         self.block_buckets = buckets(cache.width)
         self._steps: dict[tuple[int, int], tuple[FixedStep, Tensor, torch.cuda.CUDAGraph | None]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.failed: str | None = None  # why capturing failed: the caller then steps eagerly
 
     @staticmethod
     def supported(model: nn.Module, cache: object) -> bool:
@@ -156,8 +153,7 @@ class DecodeGraphs:
                 return step, out, graph
             except Exception as exc:  # noqa: BLE001 - the next backends, or the caller steps eagerly
                 errors.append(f"{type(exc).__name__}: {exc}"[:500])
-        self.failed = "; ".join(errors)
-        raise GraphCaptureError(f"decode step of {rows} rows x {blocks} key blocks: {self.failed}")
+        raise GraphCaptureError(f"decode step of {rows} rows x {blocks} key blocks: {'; '.join(errors)}")
 
     def _capture(self, step: FixedStep, backends: list | None) -> tuple[Tensor, torch.cuda.CUDAGraph]:
         with sdpa_kernel(backends) if backends else nullcontext():
@@ -207,6 +203,3 @@ class DecodeGraphs:
             return self._forward(step)[:len(rows)]  # (B, V)
         graph.replay()
         return out[:len(rows)]  # (B, V)
-
-    def __len__(self) -> int:
-        return len(self._steps)

@@ -405,13 +405,7 @@ class RunningBatch:
             self._drop_ahead()
         seqs = self.rows[start:stop]
         masks = self._start_masks(seqs)
-        logits = None
-        if self.graphs is not None:
-            try:
-                logits = self.graphs.step([s.pending for s in seqs], start, stop)  # (B, V)
-            except GraphCaptureError:  # correct eager steps beat none
-                log.exception("capturing a decode-step graph failed; decoding eagerly from now on")
-                self.graphs = None
+        logits = self._graph_step([s.pending for s in seqs], start, stop)  # (B, V) or None
         if logits is None:
             ids = self._to_device([[s.pending] for s in seqs])  # (B, 1)
             logits = self.model(ids, cache=self.cache.view(start, stop))[:, 0]  # (B, V)
@@ -424,8 +418,20 @@ class RunningBatch:
         self.cache.advance(1, start, stop)
         if whole and ahead and self.can_look_ahead():
             host, ready = to_host(choice.tokens)  # queued before the next step: waits for this one only
-            return self._hand_out(choice.tokens, lambda: read(host, ready))
+            return self._hand_out(choice.tokens, lambda: read(host, ready), launch=True)
         return self._took(choice, start, seqs)
+
+    def _graph_step(self, pending: list[int], start: int, stop: int, ids: Tensor | None = None) -> Tensor | None:
+        """Logits (B, V) of rows [start, stop) through the decode graphs, or None where there are none
+        (a capture that fails leaves eager steps from then on: correct eager steps beat none)."""
+        if self.graphs is None:
+            return None
+        try:
+            return self.graphs.step(pending, start, stop, ids)  # (B, V)
+        except GraphCaptureError:
+            log.exception("capturing a decode-step graph failed; decoding eagerly from now on")
+            self.graphs = None
+            return None
 
     # -- one step ahead (engine/lookahead.py) ----------------------------------------------------
 
@@ -443,26 +449,20 @@ class RunningBatch:
             return False
         return self.make_room(sum(c.blocks_needed(row, c.host_lengths[row] + 1) for row in range(n)))
 
-    def _hand_out(self, tokens: Tensor, read_tokens: Callable[[], list[int]]) -> list[Picked]:
+    def _hand_out(self, tokens: Tensor, read_tokens: Callable[[], list[int]], launch: bool) -> list[Picked]:
         """Every row's sampled token (B,) on the device: marked seen and counted, the next step
-        launched on them when it may be, then read back."""
-        rows = torch.arange(len(self.rows), device=self.device)  # (B,)
-        self.seen[rows, tokens] = True
-        self.counts[rows, tokens] += 1
-        if self.can_look_ahead():
+        launched on them when `launch` (can_look_ahead held), then read back."""
+        self._mark(tokens, 0)
+        if launch:
             self._launch(tokens)
         return [(t, None) for t in read_tokens()]
 
     def _launch(self, tokens: Tensor) -> None:
         """The next decode step of every row on `tokens` (B,), sampled, its tokens on their way to the host."""
-        assert self.graphs is not None
         seqs, n = list(self.rows), len(self.rows)
         states = launch_states(seqs)
-        try:
-            logits = self.graphs.step([], 0, n, ids=tokens)  # (B, V)
-        except GraphCaptureError:
-            log.exception("capturing a decode-step graph failed; decoding eagerly from now on")
-            self.graphs = None
+        logits = self._graph_step([], 0, n, ids=tokens)  # (B, V)
+        if logits is None:
             return
         params, samplers = self._batch_params()
         choice = choose(logits.float(), params, samplers, self.seen[:n], self.counts[:n])  # (B,)
@@ -479,12 +479,7 @@ class RunningBatch:
         if order != list(range(len(a.seqs))):
             tokens = tokens.index_select(0, torch.tensor(order, device=self.device))  # (B,)
         self.cache.advance(1, 0, len(self.rows))
-        if not ahead:
-            rows = torch.arange(len(self.rows), device=self.device)  # (B,)
-            self.seen[rows, tokens] = True
-            self.counts[rows, tokens] += 1
-            return [(t, None) for t in a.read(order)]
-        return self._hand_out(tokens, lambda: a.read(order))
+        return self._hand_out(tokens, lambda: a.read(order), launch=ahead and self.can_look_ahead())
 
     def _drop_ahead(self) -> None:
         """Forget the step launched ahead (the batch changed): its rows draw again from where they were;
@@ -521,9 +516,7 @@ class RunningBatch:
         """Mark the sampled tokens (B,) as seen (and counted) by their rows; each row's token and,
         when it asked for them, its log-probabilities."""
         tokens = choice.tokens  # (B,)
-        rows = torch.arange(start, start + tokens.numel(), device=self.device)  # (B,)
-        self.seen[rows, tokens] = True
-        self.counts[rows, tokens] += 1
+        self._mark(tokens, start)
         ids = tokens.tolist()
         if choice.logprobs is None:
             return [(t, None) for t in ids]
@@ -536,6 +529,12 @@ class RunningBatch:
             entry = None if k is None else (chosen[i], tuple(zip(top_ids[i][:k], top_lp[i][:k], strict=True)))
             picked.append((token, entry))
         return picked
+
+    def _mark(self, tokens: Tensor, start: int) -> None:
+        """Rows start.. took `tokens` (B,): seen (repetition penalty) and counted (output penalties)."""
+        rows = torch.arange(start, start + tokens.numel(), device=self.device)  # (B,)
+        self.seen[rows, tokens] = True
+        self.counts[rows, tokens] += 1
 
     def _batch_params(self) -> tuple[BatchParams, list[RowSampler]]:
         """The live rows' parameters, rebuilt only when the set (or order) of rows changed."""
