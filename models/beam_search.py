@@ -113,12 +113,22 @@ def _candidates(live: Sequence[_Request], logp: Tensor) -> list[tuple[list[float
         index = [first + r for _, first in members for r in range(rows)]
         sub = logp if index == list(range(logp.size(0))) else logp[torch.tensor(index, device=logp.device)]  # (G*rows, V)
         scores = torch.tensor([live[i].scores for i, _ in members], device=logp.device)  # (G, rows)
-        total = (sub.view(len(members), rows, vocab) + scores[:, :, None]).view(len(members), -1)  # (G, rows*V)
-        top_scores, top_idx = total.topk(2 * n, dim=-1)  # (G, 2n) each
+        top_scores, top_idx = _top(sub, scores, 2 * n)  # (G, 2n) each
         beams, tokens = (top_idx // vocab).tolist(), (top_idx % vocab).tolist()
         for (i, _), sc, b, t in zip(members, top_scores.tolist(), beams, tokens, strict=True):
             out[i] = (sc, b, t)
     return out
+
+
+def _top(logp: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k best of (scores[g, r] + logp[g * rows + r, v]) over each group g's rows * V candidates,
+    best first: values (G, k) and flat indices r * V + v (G, k). One pass of the native kernel on a
+    CPU with float32 log-probs (equal values lowest index first), else torch's add and topk."""
+    groups, rows = scores.shape
+    if scores.dtype == torch.float32 and kernel_runs(logp.dtype, logp.device):
+        return torch.ops.ts_panels.beam_top(logp.contiguous(), scores.contiguous(), k)
+    total = (logp.view(groups, rows, -1) + scores[:, :, None]).view(groups, -1)  # (G, rows*V)
+    return total.topk(k, dim=-1)  # (G, k) each
 
 
 @dataclass(frozen=True)

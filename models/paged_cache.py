@@ -61,8 +61,10 @@ class PagedKVCache(RowLengths):
         self.width = blocks_for(max_len, block)  # M: table entries per row
         self.trash = blocks * kv_heads * block  # flat index of the trash slot
         with torch.inference_mode(False):  # ordinary tensors even when built under inference_mode
-            self._flat_k = [torch.zeros(self.trash + 1, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
-            self._flat_v = [torch.zeros(self.trash + 1, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+            # keys then values of every layer in one buffer: a block is copied in one op for all of them
+            self._pool = torch.zeros(2, n_layers, self.trash + 1, head_dim, dtype=dtype, device=device)
+            self._flat_k = list(self._pool[0])  # (N * K * BS + 1, D) each, contiguous views
+            self._flat_v = list(self._pool[1])
             self.tables = torch.zeros(rows, self.width, dtype=torch.long, device=device)  # (R, M): 0 = null block
             RowLengths.__init__(self, rows, device)
         self.host_tables: list[list[int]] = [[] for _ in range(rows)]
@@ -160,7 +162,7 @@ class PagedKVCache(RowLengths):
     # -- the engine's surface (as models.kv_cache.KVCache) -------------------------------------
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._flat_k + self._flat_v)
+        return self._pool.numel() * self._pool.element_size()
 
     def held(self) -> list[int]:
         return list(self.host_lengths)
@@ -191,9 +193,7 @@ class PagedKVCache(RowLengths):
         self.share(dst, self.host_tables[src][:full])
         if n % self.block:
             self.ensure(dst, n)
-            a, b = self._block_rows(self.host_tables[src][full]), self._block_rows(self.host_tables[dst][full])
-            for buf in self._flat_k + self._flat_v:
-                buf[b] = buf[a]  # (K * BS, D)
+            self._copy_blocks([(self.host_tables[src][full], self.host_tables[dst][full])])
         self.set_lengths(n, dst, dst + 1)
 
     def relocate(self, src: int, dst: int) -> None:
@@ -220,6 +220,7 @@ class PagedKVCache(RowLengths):
         for i, table in enumerate(tables):
             self._release_host(start + i)
             self.host_tables[start + i] = table
+        copies: list[tuple[int, int]] = []  # (shared block, its copy)
         try:
             for table, n in zip(tables, lengths, strict=True):
                 if n % self.block and self._refs[table[-1]] > 1:  # copy on write
@@ -227,14 +228,24 @@ class PagedKVCache(RowLengths):
                         raise CacheFull("no free KV block to copy a shared partial block into")
                     own = self._free.pop()
                     self._refs[own] = 1
-                    a, b = self._block_rows(table[-1]), self._block_rows(own)
-                    for buf in self._flat_k + self._flat_v:
-                        buf[b] = buf[a]  # (K * BS, D)
+                    copies.append((table[-1], own))
                     self.unref(table[-1])
                     table[-1] = own
         finally:  # the device tables follow the host's, also when a copy found no block
+            self._copy_blocks(copies)
             self._write_tables(start, tables)
         self.set_lengths(lengths, start, start + len(rows))
+
+    def _copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Block b becomes a copy of block a for every (a, b) in pairs, in every layer's keys and values:
+        one gather and one scatter in all (the sources are read before any block is written)."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.tables.device)  # (P,)
+        dst = torch.tensor([b for _, b in pairs], device=self.tables.device)  # (P,)
+        two, layers, _, d = self._pool.shape
+        blocks = self._pool[:, :, :self.trash].view(two * layers, self.n_blocks, self.kv_heads * self.block, d)  # (2L, N, K * BS, D)
+        blocks.index_copy_(1, dst, blocks.index_select(1, src))  # (2L, P, K * BS, D)
 
     def _block_rows(self, block: int) -> slice:
         """A block's K * BS rows in a flat pool."""
