@@ -123,19 +123,24 @@ def kernels_here() -> list[str]:
 def measure(slots: list[Slot], candidates: Candidates) -> dict[Shape, dict[str, float]]:
     """Seconds per weight shape and kernel, from sweeps over all the model's projections in model
     order at PROBE_ROWS rows, one kernel at a time: each layer is timed where the model would run
-    it, after the others, so the caches hold what they would hold in a forward pass (a decoder's
-    weights stream from memory; a small translator's stay in cache, except what its head evicts)."""
+    it, after the others, and each timed sweep right after an untimed sweep of the same kernel, so
+    the caches hold what a forward pass after another leaves there (a decoder's weights stream from
+    memory; a small translator's stay in cache, except what its head evicts). Timed after another
+    kernel's sweep instead, a translator ran every candidate from memory (the candidates' copies
+    together outgrow the cache), where its head's kernels tie, and the choice flipped between
+    loads: oneDNN at 86-138 us a step, where the panels take 61-73 in cache (8000 x 256, one row)."""
     totals: dict[Shape, dict[str, float]] = {slot.shape: dict.fromkeys(candidates, 0.0) for slot in slots}
     with torch.inference_mode():
         for rows in PROBE_ROWS:
             xs = {k: torch.randn(rows, k) for k in {slot.shape[1] for slot in slots}}
-            for sweep in range(PROBE_SWEEPS + 1):  # the first sweep warms up
+            for _ in range(PROBE_SWEEPS):  # kernels take turns, so a slow moment of the machine hits all
                 for kernel, modules in candidates.items():
-                    for slot, module in zip(slots, modules, strict=True):
-                        start = time.perf_counter()
-                        module(xs[slot.shape[1]])
-                        if sweep:
-                            totals[slot.shape][kernel] += time.perf_counter() - start
+                    for timed in (False, True):
+                        for slot, module in zip(slots, modules, strict=True):
+                            start = time.perf_counter()
+                            module(xs[slot.shape[1]])
+                            if timed:
+                                totals[slot.shape][kernel] += time.perf_counter() - start
     return totals
 
 
