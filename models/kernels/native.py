@@ -1,6 +1,6 @@
 """Building and loading models/kernels/: the `torch.ops.ts_panels` kernels, the projections
-(panels.cpp), decode attention over a paged KV cache (attention.cpp) and a whole Llama-style block's
-decode step on them (block_step.cpp).
+(panels.cpp), decode attention over a paged KV cache (attention.cpp), a whole Llama-style block's
+decode step on them (block_step.cpp) and a beam search step's candidates (select.cpp).
 
 The sources are compiled once per machine with torch's own extension builder (g++, the headers of the
 installed torch) into torch's extension cache ($TORCH_EXTENSIONS_DIR, default
