@@ -167,7 +167,9 @@ class BeamSearch:
         self.cache: KVCache | PagedKVCache
         if kernel_runs(weight.dtype, self.device):  # each row attends its own keys; reorders share blocks
             blocks = rows * blocks_for(max_new_tokens + 1) + 1
-            self.cache = PagedKVCache.for_model(cfg, rows, blocks, max_new_tokens + 1, weight.dtype, self.device)
+            # every step is one token a row through the decode kernel: the pool needs no zeroing
+            self.cache = PagedKVCache.for_model(cfg, rows, blocks, max_new_tokens + 1, weight.dtype, self.device,
+                                                zeroed=False)
         else:
             self.cache = KVCache.for_model(cfg, rows, max_new_tokens + 1, dtype=weight.dtype, device=self.device)
         self.banned = torch.as_tensor(list(banned_ids), dtype=torch.long, device=self.device)  # (N,)

@@ -53,7 +53,11 @@ class PagedKVCache(RowLengths):
 
     def __init__(self, n_layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, blocks: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 block: int = BLOCK_TOKENS, decode_kernel: bool | None = None) -> None:
+                 block: int = BLOCK_TOKENS, decode_kernel: bool | None = None, zeroed: bool = True) -> None:
+        """zeroed False: the pool's blocks start uninitialised (their pages are touched only when a row
+        writes them; the null block is zeroed still), for a cache whose every step attends through the
+        decode kernel, which reads only the keys the rows hold (a beam search: its pool is sized for
+        every beam's longest output, and zeroing it took ~20 ms a call at 32 sources)."""
         if blocks < 2:
             raise ValueError(f"a paged cache needs at least 2 blocks (one is the null block), got {blocks}")
         self.block, self.kv_heads, self.max_len, self.n_blocks = block, kv_heads, max_len, blocks
@@ -62,7 +66,10 @@ class PagedKVCache(RowLengths):
         self.trash = blocks * kv_heads * block  # flat index of the trash slot
         with torch.inference_mode(False):  # ordinary tensors even when built under inference_mode
             # keys then values of every layer in one buffer: a block is copied in one op for all of them
-            self._pool = torch.zeros(2, n_layers, self.trash + 1, head_dim, dtype=dtype, device=device)
+            self._pool = (torch.zeros if zeroed else torch.empty)(2, n_layers, self.trash + 1, head_dim,
+                                                                  dtype=dtype, device=device)
+            self._pool[:, :, :kv_heads * block].zero_()  # the null block
+            self._pool[:, :, self.trash].zero_()
             self._flat_k = list(self._pool[0])  # (N * K * BS + 1, D) each, contiguous views
             self._flat_v = list(self._pool[1])
             self.tables = torch.zeros(rows, self.width, dtype=torch.long, device=device)  # (R, M): 0 = null block
@@ -77,13 +84,13 @@ class PagedKVCache(RowLengths):
 
     @classmethod
     def for_model(cls, cfg, rows: int, blocks: int, max_len: int | None = None, dtype=None, device=None,
-                  decode_kernel: bool | None = None) -> PagedKVCache:
+                  decode_kernel: bool | None = None, zeroed: bool = True) -> PagedKVCache:
         """A pool shaped for a decoder config (no sliding window: windowed models keep the dense ring)."""
         if getattr(cfg, "sliding_window", None) is not None:
             raise ValueError("a sliding-window model keeps the dense cache's ring (models.kv_cache.KVCache)")
         n_layers = getattr(cfg, "n_decoder_layers", cfg.n_layers)
         return cls(n_layers, rows, cfg.kv_heads, max_len or cfg.max_positions, cfg.head_dim, blocks,
-                   dtype or torch.float32, device or "cpu", decode_kernel=decode_kernel)
+                   dtype or torch.float32, device or "cpu", decode_kernel=decode_kernel, zeroed=zeroed)
 
     # -- blocks --------------------------------------------------------------------------------
 
@@ -241,11 +248,13 @@ class PagedKVCache(RowLengths):
         one gather and one scatter in all (the sources are read before any block is written)."""
         if not pairs:
             return
-        src = torch.tensor([a for a, _ in pairs], device=self.tables.device)  # (P,)
-        dst = torch.tensor([b for _, b in pairs], device=self.tables.device)  # (P,)
-        two, layers, _, d = self._pool.shape
-        blocks = self._pool[:, :, :self.trash].view(two * layers, self.n_blocks, self.kv_heads * self.block, d)  # (2L, N, K * BS, D)
-        blocks.index_copy_(1, dst, blocks.index_select(1, src))  # (2L, P, K * BS, D)
+        size = self.kv_heads * self.block  # a block's rows in a flat pool
+        within = torch.arange(size, device=self.tables.device)  # (K * BS,)
+        src = (torch.tensor([a for a, _ in pairs], device=within.device)[:, None] * size + within).view(-1)  # (P * K * BS,)
+        dst = (torch.tensor([b for _, b in pairs], device=within.device)[:, None] * size + within).view(-1)  # (P * K * BS,)
+        two, layers, rows, d = self._pool.shape
+        flat = self._pool.view(two * layers, rows, d)  # (2L, N * K * BS + 1, D), contiguous
+        flat.index_copy_(1, dst, flat.index_select(1, src))  # (2L, P * K * BS, D)
 
     def _block_rows(self, block: int) -> slice:
         """A block's K * BS rows in a flat pool."""

@@ -208,3 +208,28 @@ def test_beam_search_on_the_paged_cache_equals_the_dense_one(monkeypatch: pytest
     monkeypatch.setattr(beam_search, "kernel_runs", lambda dtype, device: False)
     dense = translate_ids(model, sources, params)
     assert paged == dense and len({tuple(p) for p in paged}) == 3
+
+
+@needs_kernels
+def test_a_beam_search_never_reads_what_its_rows_did_not_write() -> None:
+    """BeamSearch's pool starts uninitialised (zeroed=False): filled with NaN past the null block before
+    the search, the translations are those of a zeroed pool (the decode kernel reads only the keys each
+    row holds)."""
+    from models.beam_search import BeamParams, BeamSearch, translate_ids
+
+    model, _ = tiny_model("seq2seq")
+    sources = [[5, 9, 12, 7, 0], [30, 31, 0], [44, 8, 19, 23, 61, 7, 3, 0]]
+    params = [BeamParams(4, 12), BeamParams(1, 9), BeamParams(3, 12)]
+    search = BeamSearch(model, 8, 12)
+    cache = search.cache
+    assert isinstance(cache, PagedKVCache)
+    null = cache.kv_heads * cache.block
+    cache._pool[:, :, null:cache.trash] = float("nan")  # every block rows may be given
+    search.add(sources, params, keys=range(3))
+    out: list = [None] * 3
+    while search:
+        for event in search.step():
+            if event.done:
+                out[event.key] = event.ids
+    assert out == translate_ids(model, sources, params)
+    assert all(not t.isnan().any() for t in cache.block_kv(0))  # the null block stays zero
