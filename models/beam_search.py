@@ -167,7 +167,7 @@ class BeamSearch:
         self.cache: KVCache | PagedKVCache
         if kernel_runs(weight.dtype, self.device):  # each row attends its own keys; reorders share blocks
             blocks = rows * blocks_for(max_new_tokens + 1) + 1
-            # every step is one token a row through the decode kernel: the pool needs no zeroing
+            # blocks zeroed as rows take them: a search touches only the pages it uses
             self.cache = PagedKVCache.for_model(cfg, rows, blocks, max_new_tokens + 1, weight.dtype, self.device,
                                                 zeroed=False)
         else:

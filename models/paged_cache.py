@@ -54,10 +54,9 @@ class PagedKVCache(RowLengths):
     def __init__(self, n_layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, blocks: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  block: int = BLOCK_TOKENS, decode_kernel: bool | None = None, zeroed: bool = True) -> None:
-        """zeroed False: the pool's blocks start uninitialised (their pages are touched only when a row
-        writes them; the null block is zeroed still), for a cache whose every step attends through the
-        decode kernel, which reads only the keys the rows hold (a beam search: its pool is sized for
-        every beam's longest output, and zeroing it took ~20 ms a call at 32 sources)."""
+        """zeroed False: the pool starts uninitialised and each block is zeroed when `ensure` hands it
+        out, so only the pages of blocks in use are ever touched (a beam search: its pool is sized for
+        every beam's longest output, and zeroing all of it took ~20 ms a call at 32 sources)."""
         if blocks < 2:
             raise ValueError(f"a paged cache needs at least 2 blocks (one is the null block), got {blocks}")
         self.block, self.kv_heads, self.max_len, self.n_blocks = block, kv_heads, max_len, blocks
@@ -68,12 +67,14 @@ class PagedKVCache(RowLengths):
             # keys then values of every layer in one buffer: a block is copied in one op for all of them
             self._pool = (torch.zeros if zeroed else torch.empty)(2, n_layers, self.trash + 1, head_dim,
                                                                   dtype=dtype, device=device)
-            self._pool[:, :, :kv_heads * block].zero_()  # the null block
-            self._pool[:, :, self.trash].zero_()
+            if not zeroed:
+                self._pool[:, :, :kv_heads * block].zero_()  # the null block
+                self._pool[:, :, self.trash].zero_()
             self._flat_k = list(self._pool[0])  # (N * K * BS + 1, D) each, contiguous views
             self._flat_v = list(self._pool[1])
             self.tables = torch.zeros(rows, self.width, dtype=torch.long, device=device)  # (R, M): 0 = null block
             RowLengths.__init__(self, rows, device)
+        self.zeroed = zeroed
         self.host_tables: list[list[int]] = [[] for _ in range(rows)]
         self._refs = [0] * blocks
         self._free = list(range(blocks - 1, 0, -1))  # a stack: the lowest ids first
@@ -136,6 +137,8 @@ class PagedKVCache(RowLengths):
         new = [self._free.pop() for _ in range(need)]
         for b in new:
             self._refs[b] = 1
+            if not self.zeroed:  # the gathered path reads a row's whole blocks (masked past its length)
+                self._pool[:, :, self._block_rows(b)].zero_()
         self.tables[row, len(table):len(table) + need] = torch.tensor(new, dtype=torch.long)
         table.extend(new)
 

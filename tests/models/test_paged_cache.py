@@ -211,10 +211,11 @@ def test_beam_search_on_the_paged_cache_equals_the_dense_one(monkeypatch: pytest
 
 
 @needs_kernels
-def test_a_beam_search_never_reads_what_its_rows_did_not_write() -> None:
-    """BeamSearch's pool starts uninitialised (zeroed=False): filled with NaN past the null block before
-    the search, the translations are those of a zeroed pool (the decode kernel reads only the keys each
-    row holds)."""
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_beam_search_never_reads_what_its_rows_did_not_write(kernel: bool) -> None:
+    """BeamSearch's pool starts uninitialised (zeroed=False; blocks are zeroed as rows take them):
+    filled with NaN past the null block before the search, the translations are those of a zeroed
+    pool, through the decode kernel and through the gathered path (which reads whole blocks, masked)."""
     from models.beam_search import BeamParams, BeamSearch, translate_ids
 
     model, _ = tiny_model("seq2seq")
@@ -223,6 +224,7 @@ def test_a_beam_search_never_reads_what_its_rows_did_not_write() -> None:
     search = BeamSearch(model, 8, 12)
     cache = search.cache
     assert isinstance(cache, PagedKVCache)
+    cache.decode_kernel = kernel
     null = cache.kv_heads * cache.block
     cache._pool[:, :, null:cache.trash] = float("nan")  # every block rows may be given
     search.add(sources, params, keys=range(3))
