@@ -134,22 +134,60 @@ def _signature(block: Block) -> tuple:
     return (block.training, *mods, *(m.__dict__.get("activation_bits") for m in mods if m is not None))
 
 
-# stack's blocks -> (their signatures, their layer_args or None): kept outside the modules, so that
-# nothing a compiled block could guard on changes
+# Submodules, parameters and buffers assigned anywhere since the kernels were first asked for a stack
+# (nn.Module's global registration hooks, installed on that first call): a count that only a swap
+# moves, so a step checks its stack's cached layer_args against the modules (~1 us a block, 20 us a
+# translator step in practice) only after something was assigned
+_assigned = [0]
+_watching: list = []
+
+
+def _count(*_: object) -> None:
+    _assigned[0] += 1
+
+
+def _watch() -> None:
+    if not _watching:
+        from torch.nn.modules import module
+
+        _watching.extend(register(_count) for register in (module.register_module_module_registration_hook,
+                                                            module.register_module_parameter_registration_hook,
+                                                            module.register_module_buffer_registration_hook))
+
+
+class _Cached(NamedTuple):
+    quick: tuple  # the assignment count, the blocks' train flags and activation bits when it was checked
+    signatures: list[tuple]
+    args: list[LayerArgs] | None
+    bits: list[nn.Module]  # the modules whose activation_bits layer_args read
+
+
+# stack's blocks -> what was built for them: kept outside the modules, so that nothing a compiled block
+# could guard on changes
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def stack_args(blocks: nn.ModuleList) -> list[LayerArgs] | None:
     """layer_args of every block, or None unless block_step computes all of them (rebuilt when a
-    block's signature changes)."""
-    signatures = [_signature(b) for b in blocks]
+    block's signature changes; the signatures are read again only after a module, parameter or buffer
+    was assigned somewhere, or a block's train mode or activation bits changed)."""
+    _watch()
     cached = _CACHE.get(blocks)
-    if cached is not None and cached[0] == signatures:  # modules compare by identity
-        return cached[1]
-    args = [layer_args(b) for b in blocks]
-    built = None if any(a is None for a in args) else args
-    _CACHE[blocks] = (signatures, built)
+    if cached is not None and cached.quick == _quick(blocks, cached.bits):
+        return cached.args
+    signatures = [_signature(b) for b in blocks]
+    if cached is not None and cached.signatures == signatures:  # modules compare by identity
+        built = cached.args
+    else:
+        args = [layer_args(b) for b in blocks]
+        built = None if any(a is None for a in args) else args
+    bits = [m for sig in signatures for m in sig if isinstance(m, nn.Module) and "activation_bits" in m.__dict__]
+    _CACHE[blocks] = _Cached(_quick(blocks, bits), signatures, built, bits)
     return built
+
+
+def _quick(blocks: nn.ModuleList, bits: list[nn.Module]) -> tuple:
+    return (_assigned[0], *[b.training for b in blocks], *[m.__dict__["activation_bits"] for m in bits])
 
 
 def runs(cache, t: int, x: Tensor) -> bool:

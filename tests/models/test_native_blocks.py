@@ -162,6 +162,11 @@ def test_the_arguments_follow_the_model_after_load() -> None:
     set_activation_bits(model, 8)
     eight = native_blocks.stack_args(model.stack.blocks)
     assert eight is not first and {p for layer in eight for p in layer[9]} == {1}
+    assert native_blocks.stack_args(model.stack.blocks) is eight  # nothing changed since: cached
+    model.stack.blocks[0].train()
+    assert native_blocks.stack_args(model.stack.blocks) is None  # the op computes eval mode only
+    model.eval()
+    assert native_blocks.stack_args(model.stack.blocks) is not None
     attn = model.stack.blocks[1].self_attn
     attn.qkv = torch.nn.Linear(attn.qkv.in_features, attn.qkv.out_features, bias=False)
     assert native_blocks.stack_args(model.stack.blocks) is None
