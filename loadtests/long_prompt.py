@@ -23,19 +23,42 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from . import workload
 from .engine_models import percentile
 from .loadgen import Sample, http_client, send
 from .prefill_stall import inter_token
-from .protocol import GenerateAPI, discover_generate
+from .protocol import DONE, GenerateAPI, RequestSpec, completion_text, discover_generate, parse_stream_line
 
 log = logging.getLogger("loadtests.long_prompt")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def gaps(samples: list[Sample], start: float, stop: float) -> list[float]:
+def gaps(streams: list[list[float]], start: float, stop: float) -> list[float]:
     """Gaps between consecutive pieces of each stream whose later piece arrived in [start, stop)."""
-    return [gap for s in samples for gap in inter_token(s.piece_times, start, stop)]
+    return [gap for times in streams for gap in inter_token(tuple(times), start, stop)]
+
+
+async def _stream(client: httpx.AsyncClient, spec: RequestSpec, t0: float, times: list[float]) -> bool:
+    """Send a streamed request, appending each piece's arrival (seconds since t0) to `times` as it comes;
+    False when it fails (a status other than 200, an error event, a dropped connection)."""
+    try:
+        async with client.stream("POST", spec.path, json=spec.body) as r:
+            if r.status_code != 200:
+                return False
+            async for line in r.aiter_lines():
+                event = parse_stream_line(line)
+                if event is DONE:
+                    return True
+                if isinstance(event, dict):
+                    if "error" in event:
+                        return False
+                    if completion_text(event):
+                        times.append(time.perf_counter() - t0)
+    except httpx.HTTPError:
+        return False
+    return True
 
 
 def long_text(tokens: int, count, rng: random.Random) -> str:  # noqa: ANN001
@@ -48,7 +71,8 @@ def long_text(tokens: int, count, rng: random.Random) -> str:  # noqa: ANN001
 
 async def measure(url: str, api: GenerateAPI, args: argparse.Namespace, prompts: list[str],
                   long_prompts: list[str]) -> dict[str, Any]:
-    streams: list[Sample] = []
+    streams: list[list[float]] = []  # each stream request's piece arrival times
+    failed: list[int] = []
     longs: list[Sample] = []
     stop = 2 * args.seconds + args.settle
     async with http_client(url, args.streams + 16, 600.0) as client:
@@ -57,7 +81,10 @@ async def measure(url: str, api: GenerateAPI, args: argparse.Namespace, prompts:
         async def stream_client(k: int) -> None:
             while time.perf_counter() - t0 < stop:
                 spec = api.request(prompts[k % len(prompts)], args.stream_tokens, stream=True, exact=True)
-                streams.append(await send(client, spec, t0))
+                times: list[float] = []  # kept as they arrive: a stream cut off at the end still counts
+                streams.append(times)
+                if not await _stream(client, spec, t0, times):
+                    failed.append(k)
 
         clients = [asyncio.create_task(stream_client(k)) for k in range(args.streams)]
         await asyncio.sleep(args.settle + args.seconds)  # the streams' own prefills, then the baseline
@@ -77,7 +104,7 @@ async def measure(url: str, api: GenerateAPI, args: argparse.Namespace, prompts:
         longs = list(await asyncio.gather(*pending))
     base = gaps(streams, args.settle, load_start)
     loaded = gaps(streams, load_start, load_start + args.seconds)
-    row: dict[str, Any] = {"streams_failed": sum(not s.ok for s in streams),
+    row: dict[str, Any] = {"streams_failed": len(failed),
                            "long_prompts": len(longs), "long_failed": sum(not s.ok for s in longs)}
     for name, values in (("alone", base), ("long", loaded)):
         row[name] = {q: 1e3 * percentile(values, q / 100) for q in (50, 95)} | {"max": 1e3 * max(values, default=0.0),
@@ -140,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="ours,vllm_cpu")
     p.add_argument("--streams", type=int, default=16)
-    p.add_argument("--stream-tokens", type=int, default=512, help="tokens each streamed request asks for")
+    p.add_argument("--stream-tokens", type=int, default=256, help="tokens each streamed request asks for")
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--every", type=float, default=3.0)
     p.add_argument("--seconds", type=float, default=20.0, help="each phase: alone, then with long prompts")

@@ -8,12 +8,10 @@ import argparse
 import pytest
 
 from loadtests import long_prompt
-from loadtests.loadgen import Sample
 
 
 def test_gaps_are_per_stream_and_inside_the_window() -> None:
-    a = Sample(0.0, 1.0, True, piece_times=(0.1, 0.2, 0.4))
-    b = Sample(0.0, 2.0, True, piece_times=(0.35, 0.9, 1.5))  # no gap across the two streams
+    a, b = [0.1, 0.2, 0.4], [0.35, 0.9, 1.5]  # no gap across the two streams
     assert sorted(long_prompt.gaps([a, b], 0.3, 1.0)) == pytest.approx([0.2, 0.55])
 
 
