@@ -8,9 +8,10 @@ and 6-9 GB/s at 2-32 rows, while oneDNN with the weight reordered once into its 
 1.8-2.8x faster decode step at the same fp32 precision; our own kernels (models/panels.py, where
 the CPU has AVX-512 or AVX2 and a compiler built them) stream a decoder's weights at one row about 2x faster
 again. Which one wins depends on the CPU and the shape (MKL is at its best on Intel; oneDNN at a few
-hundred rows), so `pack_dense(model, "auto")` times every candidate at load on every projection, in
-sweeps over the model's layers in order (so the caches hold what a forward pass leaves in them),
-and keeps the fastest per weight shape; "panels" or "onednn" packs every float layer with that
+hundred rows), so `pack_dense(model, "auto")` times every candidate at load on the projections
+outside transformer blocks, in sweeps over the model's layers in order (so the caches hold what a
+forward pass leaves in them), and keeps the fastest per weight shape; a block's projections take
+the panels where our kernels run, since the op that runs a whole block in one call needs them; "panels" or "onednn" packs every float layer with that
 kernel, "aten" leaves the model as it is. Only float32 weights on the CPU are packed (bf16 and CUDA
 keep F.linear).
 
@@ -156,8 +157,9 @@ def _slots(model: nn.Module) -> list[Slot]:
 
 def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = measure) -> dict[str, str]:
     """Swap float32 CPU nn.Linear layers of `model` (in place) for packed ones where `kernel` says:
-    "panels" or "onednn" all (with that kernel), "auto" each weight shape with the kernel `timer`
-    measures fastest, "aten" none. A tied head is packed as a copy. For inference only (a packed copy
+    "panels" or "onednn" all (with that kernel), "auto" the projections of transformer blocks with
+    the panels where they exist (models/native_blocks.py runs such a block in one op) and every other
+    weight shape with the kernel `timer` measures fastest, "aten" none. A tied head is packed as a copy. For inference only (a packed copy
     does not follow training updates). A kernel this process cannot run falls back to "auto".
     Returns the choice per weight shape: "NxK" -> "panels 1.9x" (the winner and how much faster it
     ran than the next best kernel) or just the kernel's name when it was not measured."""
@@ -168,19 +170,38 @@ def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = me
         log.warning("dense kernel %r is not available here (%s); measuring the others", kernel, here)
         kernel = "auto"
     slots = _slots(model)
-    names = here if kernel == "auto" else [kernel]
-    candidates = {name: [BUILDERS[name](s.weight, s.bias, copy=s.copy) for s in slots] for name in names}
     if kernel != "auto":
-        use = {slot.shape: kernel for slot in slots}
-        report = {f"{n}x{k}": kernel for n, k in use}
+        chosen = [(slot, kernel) for slot in slots]
+        report = {f"{n}x{k}": kernel for n, k in {slot.shape for slot in slots}}
     else:
+        # a block's projections go to the panels where they exist: the native op that runs a whole block
+        # in one call takes only panels, and it beat every per-projection choice (a translator step
+        # 0.87 -> 0.41 ms); timed one projection at a time they tie with oneDNN within the machine's
+        # noise, so a load could lose the op to a coin toss. The other projections are timed.
+        blocks = _block_parts(model) if "panels" in here else set()
+        timed = [slot for slot in slots if id(slot.parent) not in blocks]
+        candidates = {name: [BUILDERS[name](s.weight, s.bias, copy=s.copy) for s in timed] for name in here}
         use, report = {}, {}
-        for (n, k), seconds in timer(slots, candidates).items():
+        for (n, k), seconds in (timer(timed, candidates).items() if timed else ()):
             ranked = sorted(seconds, key=seconds.__getitem__)
             use[(n, k)] = ranked[0]
             report[f"{n}x{k}"] = f"{ranked[0]} {seconds[ranked[1]] / seconds[ranked[0]]:.2f}x"
-    for i, slot in enumerate(slots):
-        if use[slot.shape] != "aten":
-            setattr(slot.parent, slot.name, candidates[use[slot.shape]][i])
+        built = {id(slot): candidates[use[slot.shape]][i] for i, slot in enumerate(timed)}
+        chosen = [(slot, built.get(id(slot), "panels")) for slot in slots]
+        for slot in slots:
+            if id(slot.parent) in blocks:
+                report.setdefault(f"{slot.shape[0]}x{slot.shape[1]}", "panels (blocks)")
+    for slot, choice in chosen:
+        module = BUILDERS[choice](slot.weight, slot.bias, copy=slot.copy) if isinstance(choice, str) else choice
+        if not isinstance(module, AtenLinear):
+            setattr(slot.parent, slot.name, module)
     log.info("dense kernels (%s): %s", kernel, report)
     return report
+
+
+def _block_parts(model: nn.Module) -> set[int]:
+    """ids of the attention and feed-forward modules of `model`'s transformer blocks."""
+    from .layers import Block
+
+    return {id(part) for block in model.modules() if isinstance(block, Block)
+            for part in (block.self_attn, block.cross_attn, block.ff) if part is not None}

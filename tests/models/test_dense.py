@@ -15,7 +15,11 @@ from models.catalog import ModelSpec, load_model
 from models.dense import PackedLinear, kernels_here, kernels_per_shape, onednn_available, pack_dense
 from models.fuse import unfused_state_dict
 from models.kv_cache import KVCache
+from models.panels import PanelLinear
+from models.projections import RepackedLinear
 from models.tiny import tiny_model
+
+from .test_quant import needs_kernels
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")]
@@ -65,7 +69,11 @@ def test_packed_models_match_and_keep_their_checkpoint_layout(family: str) -> No
             torch.testing.assert_close(packed(ids, keep, tgt), plain(ids, keep, tgt), **close)
 
 
-def test_auto_packs_only_the_shapes_the_timer_measures_faster() -> None:
+def test_auto_packs_only_the_shapes_the_timer_measures_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without our panels (no compiler, no AVX2), every projection's kernel is the timer's choice."""
+    from models import dense
+
+    monkeypatch.setattr(dense, "kernels_here", lambda: [k for k in kernels_here() if k != "panels"])
     model, _ = tiny_model("decoder")
     shapes = {tuple(m.weight.shape) for m in model.modules() if type(m) is nn.Linear}
     slow_shape = max(shapes)  # oneDNN "slower" than MKL on this one shape only
@@ -73,7 +81,7 @@ def test_auto_packs_only_the_shapes_the_timer_measures_faster() -> None:
 
     def timer(slots, candidates):  # noqa: ANN001, ANN202
         seen.append(len(slots))
-        assert set(candidates) == set(kernels_here()) and all(len(c) == len(slots) for c in candidates.values())
+        assert set(candidates) == set(dense.kernels_here()) and all(len(c) == len(slots) for c in candidates.values())
         assert slots[-1].copy  # the tied head comes last, as a copy
         others = {k: 3.0 for k in candidates if k not in ("aten", "onednn")}  # our panels: slowest here
         return {s.shape: {"aten": 1.0, "onednn": 2.0, **others} if s.shape == slow_shape
@@ -88,6 +96,29 @@ def test_auto_packs_only_the_shapes_the_timer_measures_faster() -> None:
             assert (m.out_features, m.in_features) != slow_shape
     assert report[f"{slow_shape[0]}x{slow_shape[1]}"] == "aten 2.00x"
     assert {v for k, v in report.items() if k != f"{slow_shape[0]}x{slow_shape[1]}"} == {"onednn 2.00x"}
+
+
+@needs_kernels
+def test_auto_gives_the_blocks_the_panels_and_times_the_rest() -> None:
+    """With our panels, a block's projections take them untimed (the native op that runs a whole block
+    needs them); the timer sees only the others (here the tied head) and decides those."""
+    from models import native_blocks
+    from models.fuse import fuse_projections
+
+    model = fuse_projections(tiny_model("seq2seq")[0].eval())  # as load_model leaves it before packing
+    seen: list = []
+
+    def timer(slots, candidates):  # noqa: ANN001, ANN202
+        seen.extend(slots)
+        return {s.shape: {k: (0.5 if k == "onednn" else 1.0) for k in candidates} for s in slots}
+
+    report = pack_dense(model, "auto", timer=timer)
+    assert [s.name for s in seen] == ["lm_head"] and seen[0].copy
+    assert isinstance(model.lm_head, PackedLinear)  # the timer's choice
+    blocks = [*model.encoder.blocks, *model.decoder.blocks]
+    assert all(isinstance(m, PanelLinear) for b in blocks for m in b.modules() if isinstance(m, RepackedLinear))
+    assert native_blocks.stack_args(model.decoder.blocks) is not None  # the one-op step runs
+    assert "panels (blocks)" in report.values()
 
 
 def test_the_real_timer_measures_every_shape_and_kernel() -> None:
