@@ -134,8 +134,15 @@ def test_models_report_the_dense_kernels_their_config_chose(server: Server) -> N
         cards = {m["deployment"]: m for m in c.get("/v1/models").json()["data"]}
     if onednn_available():  # the translator's config says onednn: every float shape packed
         assert cards["translator"]["kernels"] and set(cards["translator"]["kernels"].values()) == {"onednn"}
-    auto = cards["encoder"]["kernels"] or {}  # auto: whatever this CPU measured, with the measured ratio
-    assert all(v.split()[0] in ("onednn", "aten", "panels") and v.endswith("x") for v in auto.values())
+    # auto: a block's projections on our panels where they build, every other shape whatever this CPU
+    # measured, with the measured ratio
+    auto = cards["encoder"]["kernels"] or {}
+    assert all(v == "panels (blocks)" or v.split()[0] in ("onednn", "aten", "panels") and v.endswith("x")
+               for v in auto.values())
+    from models.kernels import native
+
+    if native.available():
+        assert "panels (blocks)" in auto.values()
 
 
 def test_a_quantized_deployment_serves_its_int8_model(server: Server) -> None:
