@@ -57,13 +57,16 @@ class RunOutcome:
 
 
 async def send(
-    client: httpx.AsyncClient, spec: RequestSpec, t0: float, scheduled: float | None = None
+    client: httpx.AsyncClient, spec: RequestSpec, t0: float, scheduled: float | None = None,
+    pieces: list[float] | None = None,
 ) -> Sample:
-    """Send one request; never raises for HTTP or connection errors (they become a failed Sample)."""
+    """Send one request; never raises for HTTP or connection errors (they become a failed Sample).
+    `pieces`: a streamed answer's piece arrival times are appended there as they come (a caller that
+    cancels the request keeps what arrived)."""
     start = time.perf_counter() - t0 if scheduled is None else scheduled
     try:
         if spec.stream:
-            return await _streamed(client, spec, t0, start)
+            return await _streamed(client, spec, t0, start, [] if pieces is None else pieces)
         r = await client.post(spec.path, json=spec.body)
         end = time.perf_counter() - t0
         if r.status_code != 200:
@@ -76,9 +79,9 @@ async def send(
         return Sample(start, time.perf_counter() - t0, False, None, f"{type(e).__name__}: {e}"[:300])
 
 
-async def _streamed(client: httpx.AsyncClient, spec: RequestSpec, t0: float, start: float) -> Sample:
+async def _streamed(client: httpx.AsyncClient, spec: RequestSpec, t0: float, start: float,
+                    times: list[float]) -> Sample:
     ttft, usage = None, None
-    times: list[float] = []
     async with client.stream("POST", spec.path, json=spec.body) as r:
         if r.status_code != 200:
             body = (await r.aread()).decode(errors="replace")

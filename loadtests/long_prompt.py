@@ -23,13 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from . import workload
 from .engine_models import percentile
 from .loadgen import Sample, http_client, send
 from .prefill_stall import inter_token
-from .protocol import DONE, GenerateAPI, RequestSpec, completion_text, discover_generate, parse_stream_line
+from .protocol import GenerateAPI, discover_generate
 
 log = logging.getLogger("loadtests.long_prompt")
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,27 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def gaps(streams: list[list[float]], start: float, stop: float) -> list[float]:
     """Gaps between consecutive pieces of each stream whose later piece arrived in [start, stop)."""
     return [gap for times in streams for gap in inter_token(tuple(times), start, stop)]
-
-
-async def _stream(client: httpx.AsyncClient, spec: RequestSpec, t0: float, times: list[float]) -> bool:
-    """Send a streamed request, appending each piece's arrival (seconds since t0) to `times` as it comes;
-    False when it fails (a status other than 200, an error event, a dropped connection)."""
-    try:
-        async with client.stream("POST", spec.path, json=spec.body) as r:
-            if r.status_code != 200:
-                return False
-            async for line in r.aiter_lines():
-                event = parse_stream_line(line)
-                if event is DONE:
-                    return True
-                if isinstance(event, dict):
-                    if "error" in event:
-                        return False
-                    if completion_text(event):
-                        times.append(time.perf_counter() - t0)
-    except httpx.HTTPError:
-        return False
-    return True
 
 
 def long_text(tokens: int, count, rng: random.Random) -> str:  # noqa: ANN001
@@ -83,7 +60,7 @@ async def measure(url: str, api: GenerateAPI, args: argparse.Namespace, prompts:
                 spec = api.request(prompts[k % len(prompts)], args.stream_tokens, stream=True, exact=True)
                 times: list[float] = []  # kept as they arrive: a stream cut off at the end still counts
                 streams.append(times)
-                if not await _stream(client, spec, t0, times):
+                if not (await send(client, spec, t0, pieces=times)).ok:
                     failed.append(k)
 
         clients = [asyncio.create_task(stream_client(k)) for k in range(args.streams)]

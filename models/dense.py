@@ -170,9 +170,10 @@ def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = me
         log.warning("dense kernel %r is not available here (%s); measuring the others", kernel, here)
         kernel = "auto"
     slots = _slots(model)
+    build = lambda name, slot: BUILDERS[name](slot.weight, slot.bias, copy=slot.copy)  # noqa: E731
     if kernel != "auto":
-        chosen = [(slot, kernel) for slot in slots]
-        report = {f"{n}x{k}": kernel for n, k in {slot.shape for slot in slots}}
+        modules = {id(slot): build(kernel, slot) for slot in slots}
+        report = {_shape_name(slot.shape): kernel for slot in slots}
     else:
         # a block's projections go to the panels where they exist: the native op that runs a whole block
         # in one call takes only panels, and it beat every per-projection choice (a translator step
@@ -180,23 +181,26 @@ def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = me
         # noise, so a load could lose the op to a coin toss. The other projections are timed.
         blocks = _block_parts(model) if "panels" in here else set()
         timed = [slot for slot in slots if id(slot.parent) not in blocks]
-        candidates = {name: [BUILDERS[name](s.weight, s.bias, copy=s.copy) for s in timed] for name in here}
+        candidates = {name: [build(name, s) for s in timed] for name in here}
         use, report = {}, {}
-        for (n, k), seconds in (timer(timed, candidates).items() if timed else ()):
+        for shape, seconds in (timer(timed, candidates).items() if timed else ()):
             ranked = sorted(seconds, key=seconds.__getitem__)
-            use[(n, k)] = ranked[0]
-            report[f"{n}x{k}"] = f"{ranked[0]} {seconds[ranked[1]] / seconds[ranked[0]]:.2f}x"
-        built = {id(slot): candidates[use[slot.shape]][i] for i, slot in enumerate(timed)}
-        chosen = [(slot, built.get(id(slot), "panels")) for slot in slots]
+            use[shape] = ranked[0]
+            report[_shape_name(shape)] = f"{ranked[0]} {seconds[ranked[1]] / seconds[ranked[0]]:.2f}x"
+        modules = {id(slot): candidates[use[slot.shape]][i] for i, slot in enumerate(timed)}
         for slot in slots:
             if id(slot.parent) in blocks:
-                report.setdefault(f"{slot.shape[0]}x{slot.shape[1]}", "panels (blocks)")
-    for slot, choice in chosen:
-        module = BUILDERS[choice](slot.weight, slot.bias, copy=slot.copy) if isinstance(choice, str) else choice
-        if not isinstance(module, AtenLinear):
-            setattr(slot.parent, slot.name, module)
+                modules[id(slot)] = build("panels", slot)
+                report.setdefault(_shape_name(slot.shape), "panels (blocks)")
+    for slot in slots:
+        if not isinstance(modules[id(slot)], AtenLinear):
+            setattr(slot.parent, slot.name, modules[id(slot)])
     log.info("dense kernels (%s): %s", kernel, report)
     return report
+
+
+def _shape_name(shape: Shape) -> str:
+    return f"{shape[0]}x{shape[1]}"
 
 
 def _block_parts(model: nn.Module) -> set[int]:
