@@ -8,10 +8,10 @@ and 6-9 GB/s at 2-32 rows, while oneDNN with the weight reordered once into its 
 1.8-2.8x faster decode step at the same fp32 precision; our own kernels (models/panels.py, where
 the CPU has AVX-512 or AVX2 and a compiler built them) stream a decoder's weights at one row about 2x faster
 again. Which one wins depends on the CPU and the shape (MKL is at its best on Intel; oneDNN at a few
-hundred rows), so `pack_dense(model, "auto")` times every candidate at load on the projections
-outside transformer blocks, in sweeps over the model's layers in order (so the caches hold what a
-forward pass leaves in them), and keeps the fastest per weight shape; a block's projections take
-the panels where our kernels run, since the op that runs a whole block in one call needs them; "panels" or "onednn" packs every float layer with that
+hundred rows), so `pack_dense(model, "auto")` times every candidate at load on every projection, in
+sweeps over the model's layers in order (so the caches hold what a forward pass leaves in them), and
+keeps the fastest per weight shape, except that a block's projections take the panels where our
+kernels run, since the op that runs a whole block in one call needs them; "panels" or "onednn" packs every float layer with that
 kernel, "aten" leaves the model as it is. Only float32 weights on the CPU are packed (bf16 and CUDA
 keep F.linear).
 
@@ -178,20 +178,21 @@ def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = me
         # a block's projections go to the panels where they exist: the native op that runs a whole block
         # in one call takes only panels, and it beat every per-projection choice (a translator step
         # 0.87 -> 0.41 ms); timed one projection at a time they tie with oneDNN within the machine's
-        # noise, so a load could lose the op to a coin toss. The other projections are timed.
+        # noise, so a load could lose the op to a coin toss. Every projection is still timed, in model
+        # order, so the others (heads) are measured with the caches as a forward pass leaves them.
         blocks = _block_parts(model) if "panels" in here else set()
-        timed = [slot for slot in slots if id(slot.parent) not in blocks]
-        candidates = {name: [build(name, s) for s in timed] for name in here}
+        candidates = {name: [build(name, s) for s in slots] for name in here}
         use, report = {}, {}
-        for shape, seconds in (timer(timed, candidates).items() if timed else ()):
+        for shape, seconds in timer(slots, candidates).items():
             ranked = sorted(seconds, key=seconds.__getitem__)
             use[shape] = ranked[0]
             report[_shape_name(shape)] = f"{ranked[0]} {seconds[ranked[1]] / seconds[ranked[0]]:.2f}x"
-        modules = {id(slot): candidates[use[slot.shape]][i] for i, slot in enumerate(timed)}
-        for slot in slots:
-            if id(slot.parent) in blocks:
-                modules[id(slot)] = build("panels", slot)
-                report.setdefault(_shape_name(slot.shape), "panels (blocks)")
+        pinned = [id(slot.parent) in blocks for slot in slots]
+        modules = {id(slot): candidates["panels" if pin else use[slot.shape]][i]
+                   for i, (slot, pin) in enumerate(zip(slots, pinned, strict=True))}
+        measured = {slot.shape for slot, pin in zip(slots, pinned, strict=True) if not pin}
+        report.update({_shape_name(slot.shape): "panels (blocks)"
+                       for slot, pin in zip(slots, pinned, strict=True) if pin and slot.shape not in measured})
     for slot in slots:
         if not isinstance(modules[id(slot)], AtenLinear):
             setattr(slot.parent, slot.name, modules[id(slot)])
