@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, ClassVar, TypeVar
 
+import ray
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
@@ -39,7 +40,7 @@ from .replica.runner import ModelRunner
 from .replica.translator import TranslatorEngineRunner, TranslatorRunner, for_translator
 from .settings import DeploymentSettings, Settings
 from .telemetry.logs import serve_logging_config
-from .telemetry.metrics import ServiceMetrics, process_metrics, replica_actor_options
+from .telemetry.metrics import ServiceMetrics, bind_to_node, process_metrics, replica_actor_options
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,6 +75,7 @@ class ModelDeployment:
     runner_class: ClassVar[type[ModelRunner]]
 
     def __init__(self, name: str, settings: Settings) -> None:
+        bind_to_node(ray.get_runtime_context().get_node_id())
         dep, loaded = load_for_deployment(name, settings)
         metrics = process_metrics()
         self.runner = self.build_runner(loaded, name, dep, metrics)

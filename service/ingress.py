@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from fastapi import FastAPI
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
@@ -26,6 +27,7 @@ from .http.routing import probed_readiness
 from .messages import ModelInfo
 from .settings import Settings
 from .telemetry.logs import configure_logging
+from .telemetry.metrics import bind_to_node
 
 log = logging.getLogger(__name__)
 READINESS_CACHE_S = 1.0  # /readyz answers from a look-up at most this old
@@ -166,6 +168,7 @@ class Ingress:
 
     def __init__(self, settings: Settings, handles: dict[str, DeploymentHandle]) -> None:
         configure_logging(settings.log_json)
+        bind_to_node(ray.get_runtime_context().get_node_id())  # /metrics: this node's replicas
         self.settings = settings
         self.backend = ServeBackend(handles, settings.readiness_timeout_s)
 

@@ -7,8 +7,10 @@ deployment/kind/device/dtype on `model_info`. Never request content.
 
 Every replica of the service (the ingress, each model replica) is its own Ray worker process. In
 a replica started by the app (service/app.py, service/deployments.py) the environment variable PROMETHEUS_MULTIPROC_DIR
-is set through the Ray runtime_env before Python starts, so prometheus_client writes each
-process's values to files in that per-node directory (multiprocess mode). `GET /metrics` on the
+is set through the Ray runtime_env before Python starts, so prometheus_client runs in multiprocess
+mode; each replica then points it at its own node's subdirectory (`bind_to_node`, before its
+metrics are built), so prometheus_client writes each process's values to files that only the
+processes of its node share, even where several Ray nodes run on one host. `GET /metrics` on the
 ingress (`render`) merges the files of every process of its node with a MultiProcessCollector,
 after dropping the live gauges of processes that died (`clean_dead_processes`). Without the
 variable (tests, a plain process) `render` serves this process's own registry.
@@ -178,6 +180,27 @@ def multiproc_dir() -> Path | None:
     """The node's metrics directory when this process runs in multiprocess mode, else None."""
     path = os.environ.get(MULTIPROC_ENV)
     return Path(path) if path else None
+
+
+NODE_DIR_PREFIX = "node-"
+
+
+def bind_to_node(node_id: str) -> Path | None:
+    """Point this process's metrics files at `<app dir>/node-<node_id>`: the processes of one Ray
+    node share it and no other node's do, wherever the nodes run (on Kubernetes each pod has its
+    own disk anyway; several raylets on one host would otherwise merge into one /metrics). Call
+    before the process's metrics are built; calling again with the same node changes nothing.
+    Returns the directory, None outside multiprocess mode."""
+    path = multiproc_dir()
+    if path is None:
+        return None
+    if path.name == NODE_DIR_PREFIX + node_id:
+        return path
+    if process_metrics.cache_info().currsize:
+        raise RuntimeError("bind_to_node after this process's metrics were built")
+    path = path / (NODE_DIR_PREFIX + node_id)
+    os.environ[MULTIPROC_ENV] = str(path)
+    return path
 
 
 @functools.cache

@@ -9,6 +9,7 @@ Every test reads a fresh CollectorRegistry (`ServiceMetrics(CollectorRegistry())
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -36,9 +37,17 @@ from service.messages import Classification, ModelInfo
 from service.replica.batcher import DynamicBatcher
 from service.replica.config import BatchLimits
 from service.settings import Settings
+from service.telemetry import metrics as metrics_module
 from service.telemetry.logs import REQUEST_ID, JsonFormatter, PlainFormatter, valid_request_id
 from service.telemetry.memory import resident_bytes
-from service.telemetry.metrics import PREFIX, SPECS, ServiceMetrics, clean_dead_processes, render
+from service.telemetry.metrics import (
+    PREFIX,
+    SPECS,
+    ServiceMetrics,
+    bind_to_node,
+    clean_dead_processes,
+    render,
+)
 from service.telemetry.observers import PrometheusBatchObserver, PrometheusEngineObserver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -271,7 +280,8 @@ def test_metrics_route_serves_the_text_format(metrics: ServiceMetrics) -> None:
 
 CHILD = textwrap.dedent("""
     import sys
-    from service.telemetry.metrics import process_metrics
+    from service.telemetry.metrics import bind_to_node, process_metrics
+    bind_to_node(sys.argv[2])  # as every replica does with its Ray node id
     m = process_metrics()
     m["requests_total"].labels("/v1/classify", "200").inc(int(sys.argv[1]))
     m["generation_running_requests"].labels("gen").set(int(sys.argv[1]))
@@ -284,8 +294,8 @@ CHILD = textwrap.dedent("""
 @pytest.fixture
 def children(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen[str]]]]:
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"), "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(n)], env=env, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for n in (2, 5)]
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(n), node], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for n, node in ((2, "a"), (5, "a"), (11, "b"))]
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -299,7 +309,8 @@ def children(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen[str]]
 
 def test_render_merges_the_processes_of_a_node_and_forgets_dead_gauges(
         children: tuple[Path, list[subprocess.Popen[str]]], monkeypatch: pytest.MonkeyPatch) -> None:
-    path, (live, dying) = children
+    base, (live, dying, elsewhere) = children
+    path = base / "node-a"  # the two processes of node a; node b's process writes to its own directory
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(path))
 
     def scrape() -> dict[tuple[str, str], float]:
@@ -318,6 +329,23 @@ def test_render_merges_the_processes_of_a_node_and_forgets_dead_gauges(
     assert after[(PREFIX + "generation_running_requests", "gen")] == 2  # only the live process
     assert after[(PREFIX + "model_load_seconds", "gen")] == 2
     live.communicate("\n")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(base / "node-b"))
+    assert scrape()[(PREFIX + "requests_total", "/v1/classify")] == 11  # node b: only its own process
+    elsewhere.communicate("\n")
+
+
+def test_a_process_binds_to_its_node_before_its_metrics_exist(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(metrics_module, "process_metrics", functools.cache(lambda: "built"))
+    assert bind_to_node("n1") == tmp_path / "node-n1"
+    assert bind_to_node("n1") == tmp_path / "node-n1"  # again: unchanged, not node-n1/node-n1
+    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path / "node-n1")
+    metrics_module.process_metrics()
+    with pytest.raises(RuntimeError, match="after this process's metrics were built"):
+        bind_to_node("n2")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+    assert bind_to_node("n3") is None  # one process, its own registry: nothing to bind
 
 
 # -- logs ---------------------------------------------------------------------------------------------

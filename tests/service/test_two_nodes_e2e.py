@@ -2,7 +2,8 @@
 an ingress and an encoder replica on each node, a worker node killed under load: every request in
 flight ends with an answer or a clear JSON 503 (never a hang or a 500: the proxy's own error for a
 lost ingress replica is turned into ours, service/http/proxy_headers.py), the rest succeed, and the
-service is whole again without a restart. docs/reliability.md has the figures."""
+service is whole again without a restart; and each node's /metrics covers its own replicas only.
+docs/reliability.md has the figures."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import ray
 from ray import serve
 
 from service.testing.cluster import ROOT, deploy, free_port, local_ray_env, wait_for
+from service.telemetry.metrics import PREFIX
 
 pytestmark = pytest.mark.e2e
 log = logging.getLogger(__name__)
@@ -70,6 +72,49 @@ def two_nodes() -> Iterator[TwoNodes]:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+
+
+def ingress_urls() -> list[str]:
+    """Each ingress replica's own HTTP address: throughput mode's direct ingress gives every ingress
+    replica a port of its own (30000 and up), which Serve reports to a load balancer as its HTTP
+    targets (the controller's target groups, as Ray's own Serve tests read them). They listen on
+    `http_options.host` (127.0.0.1 here), while a target names the node's address."""
+    from ray.serve.context import _get_global_client
+
+    groups = ray.get(_get_global_client()._controller.get_target_groups.remote(APP))
+    return sorted(f"http://127.0.0.1:{t.port}" for g in groups if g.protocol == "HTTP" for t in g.targets)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Two series of a node's /metrics: classify requests answered 200, and live encoder replicas."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = httpx.get(url + "/metrics", timeout=10).text
+    out = {"classify": 0.0, "encoders": 0.0}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            if s.name == PREFIX + "requests_total" and s.labels == {"endpoint": "/v1/classify", "status": "200"}:
+                out["classify"] += s.value
+            elif s.name == PREFIX + "model_info" and s.labels.get("model") == "tiny-encoder":
+                out["encoders"] += s.value
+    return out
+
+
+def test_each_nodes_metrics_are_its_own_replicas(two_nodes: TwoNodes) -> None:
+    """/metrics on a node's ingress covers that node's replicas only (docs/observability.md), even with
+    both raylets on one host: each node's processes write to their own subdirectory of the app's
+    metrics directory. With one directory for both, each node would report both encoders and every
+    request twice over."""
+    urls = ingress_urls()
+    assert len(urls) == 2, urls
+    before = [scrape(u) for u in urls]
+    for url, n in zip(urls, (3, 7), strict=True):
+        with httpx.Client(base_url=url, timeout=DEADLINE_S) as c:
+            assert all(c.post("/v1/classify", json=BODY).status_code == 200 for _ in range(n))
+    after = [scrape(u) for u in urls]
+    log.info("per-node /metrics: before %s, after %s", before, after)
+    assert [a["classify"] - b["classify"] for a, b in zip(after, before, strict=True)] == [3, 7]
+    assert [a["encoders"] for a in after] == [1, 1]  # one encoder replica on each node
 
 
 async def keep_busy(client: httpx.AsyncClient, stop: asyncio.Event, out: list[tuple[int, float, str | None]]) -> None:
