@@ -22,7 +22,7 @@ import httpx
 
 BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "generate": ("/v1/generate", {"prompt": "Write a short story about a robot.", "max_new_tokens": 48,
-                                  "temperature": 0.8, "seed": 1}),
+                                  "temperature": 0.8, "seed": 1, "ignore_eos": True}),
     "classify": ("/v1/classify", {"inputs": "I absolutely loved this film, the actors were wonderful."}),
     "translate": ("/v1/translate", {"inputs": "Where is the train station, please?", "source_lang": "en",
                                     "target_lang": "es"}),

@@ -11,6 +11,7 @@ Finished event; the loop needs nothing else of it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -105,10 +106,10 @@ class StepLoop:
             taken = [i for i in ids if i in self._live] or [i for i in ids if ids.count(i) > 1]
             if taken:
                 raise InvalidRequest(f"request_id {taken[0]!r} is already in use", "request_id")
-            if len(self._waiting) + len(states) > self.max_queued:
+            if self._beyond_free_rows(states) > self.max_queued:
                 self._observe("on_admission", None, "queue_full")
-                raise EngineOverloaded(f"{len(self._waiting)} {self.kind} requests are waiting (max_queued="
-                                       f"{self.max_queued}); retry later")
+                raise EngineOverloaded(f"{len(self._waiting)} {self.kind} requests are waiting, more than the free "
+                                       f"rows take at the next step and max_queued={self.max_queued}; retry later")
             self._wait.on_asked([ask.max_tokens for ask in asks])
             ahead = sum(map(self._rows_of, self._waiting)) + sum(map(self._rows_of, states))
             wait = self._wait.wait_s(ahead, self.rows - self._snapshot[0], self.rows)
@@ -123,6 +124,18 @@ class StepLoop:
                 self._waiting.append(state)
                 self._live[state.request_id] = state
             self._cond.notify()
+
+    def _beyond_free_rows(self, states: Sequence[Any]) -> int:
+        """How many of the waiting requests, then `states`, the rows free after the last step will not
+        take: what max_queued bounds (under _cond). A request that a free row takes at the next step
+        does not wait for a row, so a burst that arrives between two steps fills the free rows first
+        (before, the queue filled first and requests an idle engine could take were refused)."""
+        free = self.rows - self._snapshot[0]
+        beyond = 0
+        for state in itertools.chain(self._waiting, states):
+            free -= self._rows_of(state)
+            beyond += free < 0
+        return beyond
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request (its client went away). A waiting one is finished here and never

@@ -326,14 +326,19 @@ def test_cancelled_waiting_request_is_never_prefilled(tiny: tuple[nn.Module, Tex
 
 # -- limits ----------------------------------------------------------------------------------------
 
-def test_overloaded_at_submit(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+def test_overloaded_at_submit_past_the_free_rows_and_the_queue(tiny: tuple[nn.Module, TextTokenizer]) -> None:
     model, tok = tiny
-    engine = make(model, tok, max_queued=2)
-    engine.submit([5, 6]), engine.submit([7, 8])
+    engine = make(model, tok, max_running=3, max_queued=2)
+    for i in range(5):  # 3 for the free rows (taken at the next step), 2 queued
+        engine.submit([5, 6 + i])
     with pytest.raises(EngineOverloaded, match="max_queued") as err:
         engine.submit([9])
     assert isinstance(err.value, Overloaded) and err.value.status == 503
-    assert engine.stats().waiting == 2
+    assert engine.stats().waiting == 5
+    engine.step()  # admits 3: their rows are held now
+    assert engine.stats().running == 3 and engine.stats().waiting == 2
+    with pytest.raises(EngineOverloaded, match="max_queued"):
+        engine.submit([9])  # no free row: the 2 waiting fill the queue
 
 
 @pytest.mark.parametrize("prompt_len, max_new, limit", [

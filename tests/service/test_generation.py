@@ -144,7 +144,8 @@ def test_whole_answers_streams_and_cancellation() -> None:
 def test_siblings_are_submitted_together_and_share_one_prefill_on_an_idle_engine() -> None:
     """A group (n > 1 siblings) reaches the running engine in one submission: the engine admits all of
     them in one step and computes the shared prompt once (one prefill row), where separate submissions
-    on an idle engine let the first one be admitted alone. A full queue refuses the whole group."""
+    on an idle engine let the first one be admitted alone. A group past the free rows and the queue is
+    refused whole."""
     r = runner(EngineConfig(max_total_tokens=None, max_running=8, max_queued=8))
     prefill_rows: list[int] = []
     model = r.engine._batch.model
@@ -181,10 +182,10 @@ def test_siblings_are_submitted_together_and_share_one_prefill_on_an_idle_engine
         assert prefill_rows == [1] * 6, prefill_rows  # the group once, each alone once, the streamed group once
 
         async def refused() -> None:
-            await r.submit_group([GenerationRequest(f"q{i}", prompt="go") for i in range(9)])
+            await r.submit_group([GenerationRequest(f"q{i}", prompt="go") for i in range(17)])
 
-        with pytest.raises(EngineOverloaded):
+        with pytest.raises(EngineOverloaded):  # 8 free rows + 8 queued: one too many
             asyncio.run(refused())
-        assert r.engine.stats().waiting == 0  # none of the nine was queued
+        assert r.engine.stats().waiting == 0  # none of the seventeen was queued
     finally:
         r.close()

@@ -110,8 +110,10 @@ def test_overload_and_limits_are_refused_at_submit(tiny) -> None:
         engine.submit_many([TranslationSubmission(tok.encode("a"), BeamParams(5, 8))])
     with pytest.raises(ValueError, match="max_new_tokens 9"):
         engine.submit_many([TranslationSubmission(tok.encode("a"), BeamParams(1, 9))])
-    with pytest.raises(EngineOverloaded):
-        engine.submit_many([TranslationSubmission(tok.encode(t), BeamParams(1, 8)) for t in TEXTS[:3]])
+    with pytest.raises(EngineOverloaded):  # 4 free rows: 2 beam-2 sentences take them, 2 queue, 1 too many
+        engine.submit_many([TranslationSubmission(tok.encode(t), BeamParams(2, 8)) for t in TEXTS[:5]])
+    engine.submit_many([TranslationSubmission(tok.encode(t), BeamParams(2, 8)) for t in TEXTS[:4]])
+    assert engine.stats().waiting == 4
 
 
 def test_the_started_engine_answers_concurrent_requests_on_an_event_loop(tiny) -> None:
