@@ -9,7 +9,8 @@ k-th request past the free rows starts after about k x L x tau / rows seconds. I
 about min(max_new_tokens, L) x tau_d (all of max_new_tokens when it ignores eos), tau_d: the time of
 a step that prefilled nothing (one long prompt's step would otherwise count for hundreds of tokens).
 Until a step was measured each estimate is 0 (a cold engine never refuses); until a request finished,
-L is the mean `max_new_tokens` of those asked for. A replica's warm-up steps (cold: first calls
+L is the mean of what the requests asked for are expected to take (`Ask.expected`: a generation's
+max_new_tokens; a translation's about twice its source, never past its max_new_tokens). A replica's warm-up steps (cold: first calls
 allocate and compile) are forgotten (StepLoop.forget_timings).
 """
 
@@ -35,6 +36,11 @@ class Ask:
     exact: bool = False
     deadline: float | None = None
     whole: bool = False
+    expected: int | None = None  # the tokens it likely takes, L's stand-in until one finished (None: max_tokens)
+
+    @property
+    def prior(self) -> int:
+        return self.max_tokens if self.expected is None else min(self.expected, self.max_tokens)
 
 
 @dataclass
@@ -45,7 +51,7 @@ class WaitEstimator:
     step_s: float | None = None  # tau
     decode_s: float | None = None  # tau_d
     tokens_per_request: float | None = None
-    asked: list[int] = field(default_factory=list)  # max_new_tokens of recent requests (before any finished)
+    asked: list[int] = field(default_factory=list)  # Ask.prior of recent requests (before any finished)
 
     def on_step(self, seconds: float, prefilled: bool = False) -> None:
         """A step that generated tokens took `seconds` (`prefilled`: it also computed prompt tokens)."""
@@ -56,10 +62,10 @@ class WaitEstimator:
     def on_finished(self, tokens: int) -> None:
         self.tokens_per_request = ewma(self.tokens_per_request, float(max(tokens, 1)))
 
-    def on_asked(self, max_new_tokens: list[int]) -> None:
-        """Requests arrived asking for these many tokens (L's stand-in until one finished)."""
+    def on_asked(self, expected: list[int]) -> None:
+        """Requests arrived that are expected to take these many tokens (L's stand-in until one finished)."""
         if self.tokens_per_request is None:
-            self.asked = (self.asked + max_new_tokens)[-64:]
+            self.asked = (self.asked + expected)[-64:]
 
     def typical_tokens(self) -> float:
         """L: the tokens a request takes (measured, else the mean asked for, else 1)."""

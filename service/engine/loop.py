@@ -110,7 +110,7 @@ class StepLoop:
                 self._observe("on_admission", None, "queue_full")
                 raise EngineOverloaded(f"{len(self._waiting)} {self.kind} requests are waiting, more than the free "
                                        f"rows take at the next step and max_queued={self.max_queued}; retry later")
-            self._wait.on_asked([ask.max_tokens for ask in asks])
+            self._wait.on_asked([ask.prior for ask in asks])
             ahead = sum(map(self._rows_of, self._waiting)) + sum(map(self._rows_of, states))
             wait = self._wait.wait_s(ahead, self.rows - self._snapshot[0], self.rows)
             need = self._wait.late_s(asks, wait, time.perf_counter())

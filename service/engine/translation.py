@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 # select_batch's fixed cost of one encoder pass, in padded source tokens: sources of very different
 # lengths are encoded in separate passes when the padding would cost more than this
 ENCODE_OVERHEAD_TOKENS = 32
+# Admission's guess of a translation's length before any request finished: twice its source tokens
+# (+2, the end token and slack), never past its max_new_tokens. A translation runs about as long as its
+# source, so this overestimates; the default max_new_tokens (128) overestimated a short sentence ~10x,
+# and a cold engine refused a third of a 500-sentence burst that it then translated in 4 s.
+EXPECTED_PER_SOURCE_TOKEN = 2
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,8 @@ class TranslationEngine(StepLoop):
             states.append(TranslationState(request_id, [int(t) for t in sub.source_ids], sub.params, handle,
                                            self.tokenizer, now))
             handles.append(handle)
-        self._enqueue(states, [Ask(s.params.max_new_tokens, False, sub.deadline, whole=True)
+        self._enqueue(states, [Ask(s.params.max_new_tokens, False, sub.deadline, whole=True,
+                                   expected=EXPECTED_PER_SOURCE_TOKEN * len(s.source) + 2)
                                for s, sub in zip(states, submissions, strict=True)])
         return handles
 

@@ -687,6 +687,16 @@ def test_the_wait_estimate_follows_rows_tokens_and_step_time() -> None:
     assert est.wait_s(6, 4, 4) == pytest.approx(2 * 10 * 0.02 / 4)  # measured tokens win
 
 
+def test_before_any_request_finished_the_wait_uses_what_requests_are_expected_to_take() -> None:
+    from service.engine.admission import Ask, WaitEstimator
+
+    assert Ask(128).prior == 128 and Ask(128, expected=22).prior == 22 and Ask(8, expected=22).prior == 8
+    est = WaitEstimator()
+    est.on_step(0.02)
+    est.on_asked([Ask(128, expected=22).prior] * 2)
+    assert est.wait_s(6, 4, 4) == pytest.approx(2 * 22 * 0.02 / 4)  # not 128 tokens a request
+
+
 def test_a_whole_answer_must_fit_its_own_decoding_before_its_deadline() -> None:
     """A stream's deadline covers its start, a whole answer's the wait and its own decoding: about
     min(max_new_tokens, tokens per request) steps, or all max_new_tokens when it ignores eos."""

@@ -199,6 +199,21 @@ def test_offline_translate_ids_raises_what_a_source_failed_with(tiny) -> None:
         translate_ids(faulty, [tok.encode(TEXTS[1]), tok.encode(TEXTS[4])], BeamParams(2, 8), banned_ids=[0])
 
 
+def test_a_cold_engine_expects_a_translation_about_as_long_as_its_source(tiny) -> None:
+    """Before any translation finished, admission takes a request to need about twice its source
+    tokens (never past max_new_tokens), not max_new_tokens: a burst on a fresh replica is not refused
+    for a wait ten times what it will be."""
+    from service.engine.translation import EXPECTED_PER_SOURCE_TOKEN
+
+    model, tok = tiny
+    engine = TranslationEngine(model, tok, rows=4, max_new_tokens=128, banned_ids=[0])
+    source = tok.encode(TEXTS[1])
+    engine.submit_many([TranslationSubmission(source, BeamParams(4, 128)),
+                        TranslationSubmission(source, BeamParams(4, 5))])
+    assert engine._wait.asked == [EXPECTED_PER_SOURCE_TOKEN * len(source) + 2, 5]
+    assert engine._wait.typical_tokens() < 128 / 4
+
+
 def test_a_request_that_cannot_be_translated_before_its_deadline_is_refused_at_once(tiny) -> None:
     """The translation engine's own admission: once its steps are timed, a request whose wait for rows
     plus its own decoding outlasts its deadline is refused at submit (EngineOverloaded naming the
