@@ -21,8 +21,8 @@ import pytest
 import ray
 from ray import serve
 
-from service.testing.cluster import ROOT, deploy, free_port, local_ray_env, wait_for
 from service.telemetry.metrics import PREFIX
+from service.testing.cluster import ROOT, deploy, free_port, local_ray_env, wait_for
 
 pytestmark = pytest.mark.e2e
 log = logging.getLogger(__name__)
