@@ -325,7 +325,7 @@ class GenerationEngine(StepLoop):
                 if (not self._waiting or batch.free < 1 or self._waiting[0].resume
                         or not self._long(self._rest(self._waiting[0]))):
                     return 0
-                seq = self._waiting.popleft()
+                seq = self._pop_waiting()
                 seq.admitted = time.perf_counter()
             batch.start_partial(seq)
         seq, start = batch.partial, len(batch.rows)
@@ -372,7 +372,7 @@ class GenerationEngine(StepLoop):
             now = time.perf_counter()
             while (self._waiting and len(siblings) < self._batch.free
                    and self._waiting[0].prompt == seq.prompt):
-                sibling = self._waiting.popleft()
+                sibling = self._pop_waiting()
                 sibling.admitted = now
                 siblings.append(sibling)
         return siblings
@@ -409,7 +409,7 @@ class GenerationEngine(StepLoop):
                     taken, blocks = taken + need, blocks - lost
                     if pin is not None:
                         pins.append(pin)
-                seq = self._waiting.popleft()
+                seq = self._pop_waiting()
                 seq.admitted, longest = now, longest_next
                 group.append(seq)
         if taken:

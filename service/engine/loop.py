@@ -51,7 +51,7 @@ class StepLoop:
         self._thread: threading.Thread | None = None
         self._counts = Counter({"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0})
         self._finished: Counter[str] = Counter()
-        self._snapshot = (0, 0.0)  # running, cache usage after the last step
+        self._snapshot = (0, 0.0)  # rows held (after the last step, plus those admitted since), cache usage
         self._extra: dict[str, int] = {}  # the engine's own EngineStats fields after the last step (_extra_stats)
         self._wait = WaitEstimator()  # admission: how long a new request would wait for a row
 
@@ -124,6 +124,15 @@ class StepLoop:
                 self._waiting.append(state)
                 self._live[state.request_id] = state
             self._cond.notify()
+
+    def _pop_waiting(self) -> Any:
+        """The head of the queue, taken for admission (engine thread, under _cond). Its rows count as
+        held from now on, so that admission on the other threads does not see them free while a long
+        prefill step admits them (the step's end counts the rows again)."""
+        state = self._waiting.popleft()
+        held, usage = self._snapshot
+        self._snapshot = (held + self._rows_of(state), usage)
+        return state
 
     def _beyond_free_rows(self, states: Sequence[Any]) -> int:
         """How many of the waiting requests, then `states`, the rows free after the last step will not

@@ -221,7 +221,7 @@ class TranslationEngine(StepLoop):
                 longest_next = max(longest, len(state.source))
                 if group and longest_next * (len(group) + 1) > self.encode_tokens:
                     break
-                self._waiting.popleft()
+                self._pop_waiting()
                 state.admitted, longest, free = now, longest_next, free - state.rows
                 group.append(state)
         self._admitting = group

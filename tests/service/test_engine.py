@@ -341,6 +341,34 @@ def test_overloaded_at_submit_past_the_free_rows_and_the_queue(tiny: tuple[nn.Mo
         engine.submit([9])  # no free row: the 2 waiting fill the queue
 
 
+def test_requests_being_admitted_hold_their_rows_for_admission(tiny: tuple[nn.Module, TextTokenizer],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a step prefills the requests it took from the queue, they hold their rows: requests that
+    arrive meanwhile see no free row (before, they saw every row free until the step ended, and a
+    burst got past max_queued while a long prefill ran)."""
+    model, tok = tiny
+    engine = make(model, tok, max_running=3, max_queued=2)
+    for i in range(3):
+        engine.submit([5, 6 + i])
+    outcomes: list[str] = []
+    forward = model.forward
+
+    def arrivals_during_prefill(ids, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if ids.size(1) > 1 and not outcomes:
+            for i in range(3):
+                try:
+                    engine.submit([7, 8 + i])
+                    outcomes.append("queued")
+                except EngineOverloaded:
+                    outcomes.append("refused")
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", arrivals_during_prefill)
+    engine.step()
+    assert outcomes == ["queued", "queued", "refused"]  # the 3 rows are taken: only the queue's 2
+    assert engine.stats().running == 3 and engine.stats().waiting == 2
+
+
 @pytest.mark.parametrize("prompt_len, max_new, limit", [
     (41, 1, "max_prompt_tokens"),
     (2, 31, "max_new_tokens"),
