@@ -19,6 +19,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="the tiny random decoder (a smoke run)")
+    parser.add_argument("--quantize", default="shipped",
+                        help="the generator's weights: shipped (deploy/serve_config.yaml's), none (float: the GGUF "
+                             "dequantized, prompts on the same weights), or a ModelSpec.quantize value")
 
 
 def shipped_generator() -> tuple[Any, str, Path]:
@@ -61,6 +64,9 @@ def load_generator(args: argparse.Namespace, prompt_weights: str | None = None) 
         model, tok = tiny_model("decoder")
         return model, tok, "tiny decoder", None
     spec, dtype, cache_dir = shipped_generator()
+    if args.quantize != "shipped":
+        quantize = None if args.quantize == "none" else args.quantize
+        spec = dataclasses.replace(spec, quantize=quantize, prompt_weights="same" if quantize is None else spec.prompt_weights)
     if prompt_weights is not None:
         spec = dataclasses.replace(spec, prompt_weights=prompt_weights)
     loaded = load_model(spec, cache_dir, dtype=None if dtype == "auto" else getattr(torch, dtype))

@@ -50,6 +50,20 @@ constexpr int64_t STEPS = GROUP / 4;  // steps of 4 inputs per group
 constexpr int MR = LANES == 16 ? 8 : 3;  // float activations: NV accumulators a row
 constexpr int MR8 = LANES == 16 ? 4 : 2;  // block formats: up to 2 NV accumulators a row
 
+// The next panel's weights, fetched into L2 while a pass that does not need the memory bus computes:
+// with more rows than one pass takes, the passes after a panel's first find it in L2, so each pass
+// fetches its share of the next panel, `per` cache lines at every step of its loop (run() sets the
+// range; an empty one fetches nothing). At one pass a panel streams as it is read (the hardware
+// prefetcher, and the block formats' own look-ahead), and nothing is fetched ahead.
+struct Ahead {
+  const char* at = nullptr;
+  const char* end = nullptr;
+  int64_t per = 0;
+  TS_TARGET inline void step() {
+    for (int64_t i = 0; i < per && at < end; ++i, at += 64) _mm_prefetch(at, _MM_HINT_T1);
+  }
+};
+
 template <int R>
 TS_TARGET inline void store_rows(vf (&acc)[R][NV], float* y, int64_t ldy, const float* bias, int64_t nvalid) {
   for (int m = 0; m < R; ++m) {
@@ -66,20 +80,26 @@ TS_TARGET inline void store_rows(vf (&acc)[R][NV], float* y, int64_t ldy, const 
 }
 
 // Every kernel holds its weights and its activations and computes R rows from row m against panel p:
-// tile<R>(p, m, y, ldy, bias, nvalid); ROWS is its widest pass.
+// tile<R>(p, m, y, ldy, bias, nvalid, ahead); ROWS is its widest pass; a panel's weights are
+// panel_bytes() bytes from panel(p), and a pass's loop has steps() steps (for Ahead).
 struct F32 {
   static constexpr int ROWS = MR;
   const float* w;  // (P, K, 32)
   const float* x;  // (M, K)
   int64_t K;
+  const char* panel(int64_t p) const { return reinterpret_cast<const char*>(w + p * K * NR); }
+  int64_t panel_bytes() const { return K * NR * static_cast<int64_t>(sizeof(float)); }
+  int64_t steps() const { return K; }
   template <int R>
-  TS_TARGET void tile(int64_t p, int64_t m, float* y, int64_t ldy, const float* bias, int64_t nvalid) const {
+  TS_TARGET void tile(int64_t p, int64_t m, float* y, int64_t ldy, const float* bias, int64_t nvalid,
+                      Ahead& ahead) const {
     vf acc[R][NV];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) acc[r][v] = zero();
     const float* wp = w + p * K * NR;
     const float* xm = x + m * K;
     for (int64_t k = 0; k < K; ++k) {
+      ahead.step();
       vf wk[NV];
       for (int v = 0; v < NV; ++v) wk[v] = load(wp + k * NR + v * LANES);
       for (int r = 0; r < R; ++r) {
@@ -229,13 +249,18 @@ struct Blocks {
   const uint8_t* q;  // (P, K / 32, Format::RECORD)
   Rows8 x;
   int64_t K;
+  const char* panel(int64_t p) const { return reinterpret_cast<const char*>(q + p * (K / GROUP) * Format::RECORD); }
+  int64_t panel_bytes() const { return (K / GROUP) * Format::RECORD; }
+  int64_t steps() const { return K / GROUP; }
   template <int R>
-  TS_TARGET void tile(int64_t p, int64_t m, float* y, int64_t ldy, const float* bias, int64_t nvalid) const {
+  TS_TARGET void tile(int64_t p, int64_t m, float* y, int64_t ldy, const float* bias, int64_t nvalid,
+                      Ahead& ahead) const {
     const int64_t G = K / GROUP;
     vf acc[R][NV];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) acc[r][v] = zero();
     for (int64_t g = 0; g < G; ++g) {
+      ahead.step();
       const uint8_t* rec = q + (p * G + g) * Format::RECORD;
       prefetch_record<Format::RECORD>(rec + AHEAD * Format::RECORD);
       Sums coarse[R], fine[R];  // the activations' two parts
@@ -274,10 +299,10 @@ struct Blocks {
 // the last M % ROWS rows of a panel, in one pass of exactly that many
 template <int R, typename Kernel>
 void rest(const Kernel& kernel, int64_t left, int64_t p, int64_t m, float* y, int64_t N, const float* bias,
-          int64_t nvalid) {
+          int64_t nvalid, Ahead& ahead) {
   if constexpr (R > 0) {
-    if (left == R) return kernel.template tile<R>(p, m, y, N, bias, nvalid);
-    rest<R - 1>(kernel, left, p, m, y, N, bias, nvalid);
+    if (left == R) return kernel.template tile<R>(p, m, y, N, bias, nvalid, ahead);
+    rest<R - 1>(kernel, left, p, m, y, N, bias, nvalid, ahead);
   }
 }
 
@@ -294,14 +319,24 @@ at::Tensor run(const Kernel& kernel, const at::Tensor& x, int64_t P, int64_t N, 
   }
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
+  const int64_t passes = (M + R - 1) / R;
+  const int64_t lines = (kernel.panel_bytes() + 63) / 64;
+  // each pass fetches its share of the next panel's lines, spread over the pass's loop
+  const int64_t per = passes > 1 ? ((lines + passes - 1) / passes + kernel.steps() - 1) / kernel.steps() : 0;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t nvalid = std::min<int64_t>(NR, N - p * NR);
       const float* bp = b == nullptr ? nullptr : b + p * NR;
       float* yo = yp + p * NR;
+      Ahead ahead;
+      if (per > 0 && p + 1 < p1) {
+        ahead.at = kernel.panel(p + 1);
+        ahead.end = ahead.at + kernel.panel_bytes();
+        ahead.per = per;
+      }
       int64_t m = 0;
-      for (; m + R <= M; m += R) kernel.template tile<R>(p, m, yo + m * N, N, bp, nvalid);
-      rest<R - 1>(kernel, M - m, p, m, yo + m * N, N, bp, nvalid);
+      for (; m + R <= M; m += R) kernel.template tile<R>(p, m, yo + m * N, N, bp, nvalid, ahead);
+      rest<R - 1>(kernel, M - m, p, m, yo + m * N, N, bp, nvalid, ahead);
     }
   });
   return y;
