@@ -4,9 +4,10 @@
 // panel computes a few rows of x against those 32 outputs: the panel's weights are loaded (or
 // unpacked from their blocks) once per step of k and multiplied with each row's inputs (an
 // outer-product micro-kernel). At one row the weights stream from memory in the order they are
-// stored; at many rows a panel stays in L2 while the rows pass over it. Every output is summed over
-// k in the same order whatever the number of rows, and a row's activations are quantized on their
-// own, so a row's result does not depend on what it is batched with (bitwise).
+// stored; at many rows a panel stays in L2 while the rows pass over it, and the passes fetch the next
+// panel meanwhile (Ahead). Every output is summed over k in the same order whatever the number of
+// rows, and a row's activations are quantized on their own, so a row's result does not depend on
+// what it is batched with (bitwise).
 //
 // Weight formats (models/panels.py packs them):
 //   f32   w (P, K, 32) float32: element (k, j) of panel p is W[32 p + j, k]; activations float32.
