@@ -352,15 +352,21 @@ def markdown(result: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+MODELS = ("encoder", "translator", "generator")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="threads for every engine")
-    p.add_argument("--models", default="encoder,translator,generator")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated, of " + ", ".join(MODELS))
     p.add_argument("--smoke", action="store_true", help="seconds: 1 round, batches 1 and 2, no llama.cpp build")
     p.add_argument("--out", type=Path, default=ROOT / ".bench" / "peers")
     p.add_argument("--docs", type=Path, default=None, help="write the tables into this markdown file")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.models.split(",")) - set(MODELS))
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; known: {list(MODELS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args.batches = (1, 2) if args.smoke else (1, 8, 32)
     args.rounds = 1 if args.smoke else args.rounds

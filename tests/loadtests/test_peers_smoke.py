@@ -52,3 +52,11 @@ def test_peers_smoke_converts_checks_and_tabulates(tmp_path: Path) -> None:
     update_docs(docs, markdown(result, "a rerun"), marker="bench-peers")
     text = docs.read_text()
     assert text.count("bench-peers:begin") == 1 and "a rerun" in text and "not ours to touch" in text
+
+
+def test_an_unknown_model_name_is_refused_not_skipped(capsys: pytest.CaptureFixture[str]) -> None:
+    from loadtests.peers.bench import main
+
+    with pytest.raises(SystemExit):
+        main(["--models", "decoder"])  # before, an empty table and exit 0
+    assert "unknown model(s) ['decoder']" in capsys.readouterr().err
