@@ -59,12 +59,12 @@ class ServeBackend:
         self.streaming = {name: handle.options(stream=True) for name, handle in handles.items()}
         self.readiness_timeout_s = readiness_timeout_s
         self._seen_ready: set[str] = set()
+        self._probes: dict[str, asyncio.Future[ModelInfo]] = {}  # in flight, by deployment (_ready)
         self._readiness: tuple[float, dict[str, str]] | None = None  # (when, states)
         self._readiness_lock = asyncio.Lock()
 
     async def call(self, deployment: str, method: str, *args: Any) -> Any:
-        if deployment not in self._seen_ready:
-            await self.info(deployment, self.readiness_timeout_s)
+        await self._ready(deployment)
         response = getattr(self.handles[deployment], method).remote(*args)
         try:
             result = await response
@@ -81,8 +81,7 @@ class ServeBackend:
 
     async def stream(self, deployment: str, method: str, *args: Any) -> AsyncIterator[Any]:
         """Items of a generator method, through Serve's streaming responses."""
-        if deployment not in self._seen_ready:
-            await self.info(deployment, self.readiness_timeout_s)
+        await self._ready(deployment)
         response = getattr(self.streaming[deployment], method).remote(*args)
         ended = False
         try:
@@ -100,6 +99,20 @@ class ServeBackend:
         finally:
             if not ended:  # closed early, or the reading task was cancelled: cancel the model call too
                 response.cancel()
+
+    async def _ready(self, deployment: str) -> None:
+        """Before a call to a deployment not seen answering (start-up, after an outage): one info()
+        probe, shared by every call that arrives meanwhile (a burst during an outage made one probe a
+        request, each waiting in Serve's router for a replica). NotReady when it does not answer."""
+        if deployment in self._seen_ready:
+            return
+        probe = self._probes.get(deployment)
+        if probe is None or probe.done():
+            probe = asyncio.ensure_future(self.info(deployment, self.readiness_timeout_s))
+            self._probes[deployment] = probe
+            probe.add_done_callback(lambda done: self._probes.pop(deployment, None)
+                                    if self._probes.get(deployment) is done else None)
+        await asyncio.shield(probe)  # a caller that goes away leaves the probe to the others
 
     async def info(self, deployment: str, timeout_s: float) -> ModelInfo:
         response = self.handles[deployment].info.remote()

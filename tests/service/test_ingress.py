@@ -81,3 +81,23 @@ def test_readiness_probes_a_replica_only_until_it_has_seen_one(monkeypatch: pyte
     assert states[9] == "enc: no running replica"
     assert states[10] != "ready" and "died" in states[10]
     assert states[11] == "ready"
+
+
+def test_calls_to_an_unseen_deployment_share_one_readiness_probe() -> None:
+    """A burst of calls before the ingress has seen the deployment answer (start-up, after an outage):
+    one info() probe for all of them, then each call; a failed probe fails every waiting call."""
+    handle = FakeHandle()
+    backend = ingress.ServeBackend({"enc": handle}, readiness_timeout_s=1.0)
+
+    async def burst(n: int) -> list[Any]:
+        return await asyncio.gather(*(backend.call("enc", "info") for _ in range(n)), return_exceptions=True)
+
+    handle.dead = True  # the replica is gone: every call gets the one probe's NotReady
+    failed = asyncio.run(burst(20))
+    assert handle.info_calls == 1 and all(isinstance(e, ingress.NotReady) for e in failed), failed
+    handle.dead, handle.info_calls = False, 0
+    answered = asyncio.run(burst(20))
+    assert handle.info_calls == 1 + 20  # one probe, then the calls themselves (before: 20 probes)
+    assert all(isinstance(a, ModelInfo) for a in answered)
+    asyncio.run(burst(5))
+    assert handle.info_calls == 21 + 5  # seen: no probe
