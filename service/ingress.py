@@ -110,8 +110,14 @@ class ServeBackend:
         if probe is None or probe.done():
             probe = asyncio.ensure_future(self.info(deployment, self.readiness_timeout_s))
             self._probes[deployment] = probe
-            probe.add_done_callback(lambda done: self._probes.pop(deployment, None)
-                                    if self._probes.get(deployment) is done else None)
+
+            def forget(done: asyncio.Future[ModelInfo]) -> None:
+                if self._probes.get(deployment) is done:
+                    del self._probes[deployment]
+                if not done.cancelled():
+                    done.exception()  # retrieved: every caller may have gone away before it ended
+
+            probe.add_done_callback(forget)
         await asyncio.shield(probe)  # a caller that goes away leaves the probe to the others
 
     async def info(self, deployment: str, timeout_s: float) -> ModelInfo:

@@ -101,3 +101,30 @@ def test_calls_to_an_unseen_deployment_share_one_readiness_probe() -> None:
     assert all(isinstance(a, ModelInfo) for a in answered)
     asyncio.run(burst(5))
     assert handle.info_calls == 21 + 5  # seen: no probe
+
+
+def test_a_probe_whose_callers_all_went_away_ends_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    """Callers cancelled (deadline, hang-up) while the shared probe runs: it still ends, its NotReady
+    is retrieved (no "exception was never retrieved" from asyncio), and the next call probes again."""
+    import gc
+
+    handle = FakeHandle()
+    handle.dead = True
+    backend = ingress.ServeBackend({"enc": handle}, readiness_timeout_s=1.0)
+
+    async def main() -> None:
+        calls = [asyncio.ensure_future(backend.call("enc", "info")) for _ in range(3)]
+        await asyncio.sleep(0)
+        for c in calls:
+            c.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.sleep(0.01)  # the probe ends without its callers
+        assert backend._probes == {} and handle.info_calls == 1
+        handle.dead = False
+        assert isinstance(await backend.call("enc", "info"), ModelInfo)  # probed again, then called
+        assert handle.info_calls == 3
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(main())
+        gc.collect()
+    assert "never retrieved" not in caplog.text
