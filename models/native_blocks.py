@@ -1,5 +1,5 @@
-"""Transformer blocks in native code, one op per layer: a causal stack's decode steps, and an encoder
-stack's forward pass.
+"""Transformer stacks in native code, one op per step: a causal stack's decode steps (with the token
+embedding and the final norm), and an encoder stack's forward pass.
 
 At one new token per row the work of a block is a few projections and attention over each row's
 cached keys (and, in an encoder-decoder, over its source's encoder keys); everything between them
@@ -8,7 +8,9 @@ per row. Run as a compiled graph per block, entering the graph (its guards, its 
 SmolLM2 more per step than the 4-bit products themselves; run eagerly, the small translator's block
 is a few dozen dispatches of microseconds each (docs/benchmarks.md, "One op per layer").
 models/kernels/block_step.cpp runs the whole block on the same projection and attention kernels,
-so a step is one call per layer.
+block after block, so a step is one call: for a decode step also each row's token embedding (the
+token's row times the model's scale, plus its position's row) and the stack's final norm, which as torch
+ops around one call per block cost the small translator ~30 us a step (of ~330).
 
 An encoder's forward pass is the same op over its real tokens only (no padding rows): each sequence's
 keys and values go to one block of a pool as long as the longest sequence, and every token attends the
@@ -21,7 +23,7 @@ positions, no q/k norm, no relative position bias or sliding window, cross-atten
 sources, a fused gated feed-forward or a plain one (ReLU, GELU, SiLU), in eval mode, on a paged KV
 cache whose decode kernel runs (float32 on an AVX2 or AVX-512 CPU). Llama-style decoders and Marian
 translators take it; for any other block `layer_args` returns None and the stack runs its blocks as
-before. Results are the same arithmetic as the blocks' path with the float operations of the glue in
+before (an embedding or final norm the op does not compute runs as torch ops around it). Results are the same arithmetic as the blocks' path with the float operations of the glue in
 another order (within ~1e-5; tests/models/test_native_blocks.py), and a row's result does not depend
 on its batch (bitwise), as for the kernels.
 """
@@ -37,9 +39,10 @@ from torch import Tensor, nn
 
 from .kernels import native
 from .kv_cache import CrossCache
-from .layers import Block, gelu_tanh
+from .layers import Block, Embeddings, gelu_tanh
 from .norms import RMSNorm
 from .panels import BlockLinear, PanelLinear
+from .positions import LearnedPositions, SinusoidalPositions
 
 KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # ops.h's Kind
 ACTS = {F.silu: 0, F.relu: 1, F.gelu: 2, gelu_tanh: 3}  # block_step.cpp's Act
@@ -121,6 +124,110 @@ def layer_args(block: Block) -> LayerArgs | None:
                      attn.n_kv_heads, scale)
 
 
+class Stack(NamedTuple):
+    """stack_step's arguments that describe a stack: its blocks' LayerArgs, their lists laid end to
+    end (layer by layer) and what every block shares."""
+
+    layers: list[LayerArgs]
+    norms: list[Tensor]
+    norm_biases: list[Tensor | None]
+    weights: list[Tensor]
+    biases: list[Tensor | None]
+    kinds: list[int]
+    outs: list[int]
+    parts: list[int]
+    eps: float
+    rms: bool
+    prenorm: bool
+    act: int
+    gated: bool
+    heads: int
+    kv_heads: int
+    scale: float
+
+    @property
+    def cross(self) -> bool:
+        return self.layers[0].cross
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].head_dim
+
+
+_SHARED = ("eps", "rms", "prenorm", "act", "gated", "heads", "kv_heads", "scale")
+
+
+def _stack(layers: list[LayerArgs]) -> Stack | None:
+    """The layers as one stack_step's arguments, or None unless they share _SHARED and cross-attention."""
+    first = layers[0]
+    if any(tuple(getattr(a, f) for f in _SHARED) != tuple(getattr(first, f) for f in _SHARED) or a.cross != first.cross
+           for a in layers):
+        return None
+    lists = {f: [item for a in layers for item in getattr(a, f)]
+             for f in ("norms", "norm_biases", "weights", "biases", "kinds", "outs", "parts")}
+    return Stack(layers, **lists, **{f: getattr(first, f) for f in _SHARED})
+
+
+class Embedding(NamedTuple):
+    """What stack_step needs to embed a row's token itself (Embeddings.forward's arithmetic)."""
+
+    table: Tensor  # (V, C) float32
+    scale: float
+    positions: Tensor | None  # (P, C) float32: the absolute position rows, None without (rotary)
+
+
+def embedding_args(embed: Embeddings) -> Embedding | None:
+    """The token table, scale and position table of `embed` when stack_step computes it as
+    Embeddings.forward does (no token types, no embedding norm, eval mode, float32 tables), else None
+    (built once, again after an assignment anywhere or a change of train mode)."""
+    return _per_module(embed, _embedding_args)
+
+
+def final_norm_args(norm: nn.Module | None) -> tuple[Tensor, Tensor | None, float, bool] | None:
+    """norm_args of a stack's final norm, built once (as embedding_args)."""
+    return _per_module(norm, norm_args) if norm is not None else None
+
+
+# module -> ((assignment count, train mode), what was built from it)
+_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _per_module(module: nn.Module, build):  # noqa: ANN001, ANN202
+    _watch()
+    quick = (_assigned[0], module.training)
+    cached = _MODULES.get(module)
+    if cached is None or cached[0] != quick:
+        cached = _MODULES[module] = (quick, build(module))
+    return cached[1]
+
+
+def _embedding_args(embed: Embeddings) -> Embedding | None:
+    table = embed.tokens.weight
+    if embed.training or embed.types is not None or embed.norm is not None or embed.tokens.max_norm is not None:
+        return None
+    positions = embed.positions
+    rows = None
+    if isinstance(positions, SinusoidalPositions):
+        rows = positions.table
+    elif isinstance(positions, LearnedPositions):
+        rows = positions.weight
+    elif positions is not None:
+        return None
+    tables = [table] if rows is None else [table, rows]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tables):
+        return None
+    return Embedding(table, float(embed.scale), rows)
+
+
+def norm_args(norm: nn.Module | None) -> tuple[Tensor, Tensor | None, float, bool] | None:
+    """(weight, bias, eps, is RMSNorm) of a final norm stack_step computes, else None."""
+    found = _norms([norm]) if norm is not None else None
+    if found is None:
+        return None
+    (weight,), (bias,), eps, rms = found
+    return weight, bias, eps, rms
+
+
 def _signature(block: Block) -> tuple:
     """What layer_args reads that can change after load (modules swapped by quantizing or packing, the
     activation bits, train/eval), read straight from the modules' dictionaries: ~1 us a block, where
@@ -158,7 +265,7 @@ def _watch() -> None:
 class _Cached(NamedTuple):
     quick: tuple  # the assignment count, the blocks' train flags and activation bits when it was checked
     signatures: list[tuple]
-    args: list[LayerArgs] | None
+    args: Stack | None
     bits: list[nn.Module]  # the modules whose activation_bits layer_args read
 
 
@@ -167,10 +274,11 @@ class _Cached(NamedTuple):
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def stack_args(blocks: nn.ModuleList) -> list[LayerArgs] | None:
-    """layer_args of every block, or None unless block_step computes all of them (rebuilt when a
-    block's signature changes; the signatures are read again only after a module, parameter or buffer
-    was assigned somewhere, or a block's train mode or activation bits changed)."""
+def stack_args(blocks: nn.ModuleList) -> Stack | None:
+    """The stack_step arguments of the blocks (layer_args of every block), or None unless the op
+    computes all of them (rebuilt when a block's signature changes; the signatures are read again only
+    after a module, parameter or buffer was assigned somewhere, or a block's train mode or activation
+    bits changed)."""
     _watch()
     cached = _CACHE.get(blocks)
     if cached is not None and cached.quick == _quick(blocks, cached.bits):
@@ -180,7 +288,7 @@ def stack_args(blocks: nn.ModuleList) -> list[LayerArgs] | None:
         built = cached.args
     else:
         args = [layer_args(b) for b in blocks]
-        built = None if any(a is None for a in args) else args
+        built = None if not args or any(a is None for a in args) else _stack(args)
     bits = [m for sig in signatures for m in sig if isinstance(m, nn.Module) and "activation_bits" in m.__dict__]
     _CACHE[blocks] = _Cached(_quick(blocks, bits), signatures, built, bits)
     return built
@@ -200,13 +308,12 @@ def _native_here(x: Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and native.available()
 
 
-def encode_layers(layers: list[LayerArgs], x: Tensor, keep: Tensor) -> Tensor | None:
+def encode_layers(stack: Stack, x: Tensor, keep: Tensor) -> Tensor | None:
     """An encoder stack's blocks over x (B, T, C) float32, keep (B, T) True = real token (left or right
-    padding): one block_step per layer over the real tokens. Returns (B, T, C) with zeros at padding
-    (what the blocks' path leaves there is never read: pooling and cross-attention mask it), or None
-    when the op does not run here or the blocks attend across sequences (cross-attention)."""
-    first = layers[0]
-    if not _native_here(x) or first.cross:
+    padding): one stack_step over the real tokens. Returns (B, T, C) with zeros at padding (what the
+    blocks' path leaves there is never read: pooling and cross-attention mask it), or None when the op
+    does not run here or the blocks attend across sequences (cross-attention)."""
+    if not _native_here(x) or stack.cross:
         return None
     b, t, c = x.shape
     real = keep.reshape(-1).nonzero().squeeze(1)  # (M,) flat index of each real token
@@ -216,26 +323,40 @@ def encode_layers(layers: list[LayerArgs], x: Tensor, keep: Tensor) -> Tensor | 
         return None
     seq = real // t  # (M,) each token's sequence
     rank = keep.cumsum(-1).reshape(-1).index_select(0, real) - 1  # (M,) its place among the real tokens
-    # sequence s's keys: block s of the pool (slot j = its j-th real token), plus the trash row last
-    k_pool = x.new_empty(b * first.kv_heads * longest + 1, first.head_dim)  # (B * K * S + 1, D)
+    # sequence s's keys: block s of the pool (slot j = its j-th real token), plus the trash row last; every
+    # layer writes its keys there before any token attends them, so the layers share one pool
+    k_pool = x.new_empty(b * stack.kv_heads * longest + 1, stack.head_dim)  # (B * K * S + 1, D)
     v_pool = torch.empty_like(k_pool)
-    heads_k = torch.arange(first.kv_heads, device=x.device)  # (K,)
-    slots = ((seq[:, None] * first.kv_heads + heads_k[None, :]) * longest + rank[:, None]).reshape(-1)  # (M * K,)
+    heads_k = torch.arange(stack.kv_heads, device=x.device)  # (K,)
+    slots = ((seq[:, None] * stack.kv_heads + heads_k[None, :]) * longest + rank[:, None]).reshape(-1)  # (M * K,)
     tables, keys = seq[:, None].contiguous(), lengths.index_select(0, seq)  # (M, 1), (M,)
     h = x.reshape(b * t, c).index_select(0, real)  # (M, C)
-    for layer in layers:
-        h = _step(layer, h, None, k_pool, v_pool, slots, tables, keys, longest)  # (M, C)
+    n = len(stack.layers)
+    h = _run(stack, h, None, None, [k_pool] * n, [v_pool] * n, slots, tables, keys, longest)  # (M, C)
     return x.new_zeros(b * t, c).index_copy_(0, real, h).view(b, t, c)  # (B, T, C)
 
 
-def decode_layers(layers: list[LayerArgs], x: Tensor, rope: tuple[Tensor, Tensor] | None, cache,
-                  cross: CrossCache | None = None) -> Tensor | None:
-    """x (B, 1, C) float32 through every layer's block_step; rope: cos, sin (B, 1, 1, D) or None;
-    cache: a PagedCacheView after begin(1) whose layers attend through the decode kernel; cross: the
-    encoder's keys/values (an encoder-decoder's stack). Returns (B, 1, C), or None when this step's
-    cross-attention is not one block_step runs (the caller runs its blocks)."""
-    b, _, c = x.shape
-    if (cross is not None) != layers[0].cross:  # the blocks' cross-attention and this step's
+class TokenRows(NamedTuple):
+    """A decode step's rows as stack_step embeds them: each row's token and position."""
+
+    ids: Tensor  # (B, 1) int64
+    positions: Tensor  # (B, 1) int64
+    embedding: Embedding
+
+
+def decode_layers(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | None, cache,
+                  cross: CrossCache | None = None, norm: nn.Module | None = None) -> Tensor | None:
+    """One decode step of a causal stack in one stack_step: rows, the step's input (B, 1, C) float32 or
+    each row's token to embed (TokenRows), through every block, then `norm` (the stack's final norm, or
+    None). rope: cos, sin (B, 1, 1, D) or None; cache: a PagedCacheView after begin(1) whose layers
+    attend through the decode kernel; cross: the encoder's keys/values (an encoder-decoder's stack).
+    Returns (B, 1, C), or None when this step's cross-attention is not one the op runs, or the final
+    norm is not one it computes (the caller runs its blocks)."""
+    b = rows.ids.size(0) if isinstance(rows, TokenRows) else rows.size(0)
+    if (cross is not None) != stack.cross:  # the blocks' cross-attention and this step's
+        return None
+    final = final_norm_args(norm)
+    if norm is not None and final is None:
         return None
     sources = None
     if cross is not None:
@@ -243,24 +364,35 @@ def decode_layers(layers: list[LayerArgs], x: Tensor, rope: tuple[Tensor, Tensor
         if sources is None or sources[0].size(0) != b:
             return None
     rope = tuple(r.reshape(b, -1).contiguous() for r in rope) if rope is not None else None  # (B, D) each
-    h = x.reshape(b, c).contiguous()  # (B, C)
-    for i, layer in enumerate(layers):
-        lc = cache.layer(i)
-        kv = cross.kv[i] if cross is not None else None  # (N, K, S, D) each
-        h = _step(layer, h, rope, lc.flat_k, lc.flat_v, lc.slots, lc.tables, lc.keys, lc.block,
-                  kv, sources)  # (B, C)
-    return h.view(b, 1, c)  # (B, 1, C)
+    views = [cache.layer(i) for i in range(len(stack.layers))]
+    first = views[0]
+    kv = [tuple(t.contiguous() for t in pair) for pair in cross.kv] if cross is not None else None  # (N, K, S, D) each
+    h = _run(stack, rows, rope, final, [v.flat_k for v in views], [v.flat_v for v in views], first.slots,
+             first.tables, first.keys, first.block, kv, sources)  # (B, C)
+    return h.view(b, 1, -1)  # (B, 1, C)
 
 
-def _step(layer: LayerArgs, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_pool: Tensor, v_pool: Tensor,
-          slots: Tensor, tables: Tensor, keys: Tensor, block: int, kv: tuple[Tensor, Tensor] | None = None,
-          sources: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """One block_step: h (B, C) -> (B, C); rope (B, D) each; kv, sources: cross-attention's keys/values
-    (N, K, S, D) and each row's source with its key count (CrossCache.row_sources)."""
+def _run(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | None,
+         final: tuple[Tensor, Tensor | None, float, bool] | None, k_pools: list[Tensor], v_pools: list[Tensor],
+         slots: Tensor, tables: Tensor, keys: Tensor, block: int, kv: list[tuple[Tensor, Tensor]] | None = None,
+         sources: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """One stack_step: rows (B, C) or tokens -> (B, C); rope (B, D) each; final: the final norm's
+    norm_args; kv, sources: each layer's cross-attention keys/values (N, K, S, D) and each row's source
+    with its key count (CrossCache.row_sources)."""
     cos, sin = rope if rope is not None else (None, None)
-    ck, cv = (t.contiguous() for t in kv) if kv is not None else (None, None)
     src, src_keys = sources if sources is not None else (None, None)
-    return torch.ops.ts_panels.block_step(
-        h, layer.norms, layer.norm_biases, layer.eps, layer.rms, layer.prenorm, layer.weights, layer.biases,
-        layer.kinds, layer.outs, layer.parts, layer.act, layer.gated, cos, sin, k_pool, v_pool, slots, tables, keys,
-        ck, cv, src, src_keys, layer.heads, layer.kv_heads, block, layer.scale)  # (B, C)
+    x = ids = table = pos_table = positions = None
+    scale = 1.0
+    if isinstance(rows, TokenRows):
+        ids, positions = rows.ids.reshape(-1).contiguous(), rows.positions.reshape(-1).contiguous()  # (B,) each
+        table, scale, pos_table = rows.embedding
+        positions = positions if pos_table is not None else None
+    else:
+        x = rows.reshape(rows.size(0), -1).contiguous()  # (B, C)
+    fw, fb, feps, frms = final if final is not None else (None, None, 0.0, True)
+    return torch.ops.ts_panels.stack_step(
+        x, ids, table, scale, pos_table, positions, stack.norms, stack.norm_biases, stack.eps, stack.rms,
+        stack.prenorm, stack.weights, stack.biases, stack.kinds, stack.outs, stack.parts, stack.act, stack.gated, cos,
+        sin, k_pools, v_pools, slots, tables, keys, [k for k, _ in kv] if kv is not None else [],
+        [v for _, v in kv] if kv is not None else [], src, src_keys, stack.heads, stack.kv_heads, block, stack.scale,
+        fw, fb, feps, frms)  # (B, C)

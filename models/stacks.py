@@ -36,9 +36,9 @@ class EncoderStack(nn.Module):
         positions = positions_from_mask(keep)  # (B, T): pad-invariant for left or right padding
         x = self.embed(ids, positions, token_types)  # (B, T, C)
         if self.relative_bias is None:
-            layers = native_blocks.stack_args(self.blocks)  # None unless block_step computes every block
-            # one native op per layer over the real tokens (models/native_blocks.py): no mask to build
-            out = native_blocks.encode_layers(layers, x, keep) if layers is not None else None
+            stack = native_blocks.stack_args(self.blocks)  # None unless the native op computes every block
+            # one native op over the real tokens (models/native_blocks.py): no mask to build
+            out = native_blocks.encode_layers(stack, x, keep) if stack is not None else None
             if out is not None:
                 return self.norm(out) if self.norm is not None else out  # (B, T, C)
         mask = AttentionMask.build(padding_mask(keep))  # (B, 1, 1, T)
@@ -83,14 +83,22 @@ class CausalStack(nn.Module):
             if keep is None:
                 keep = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
             positions = positions_from_mask(keep)  # (B, T)
+        weight = self.embed.tokens.weight  # (V, C)
+        stack = None
+        if self.relative_bias is None and self.window is None and native_blocks.runs(cache, t, weight):
+            stack = native_blocks.stack_args(self.blocks)  # None unless the native op computes every block
+        if stack is not None:
+            # the whole step in one native op (models/native_blocks.py): the embedding where it can, every
+            # block, the final norm where it can; no mask to build
+            embedding = native_blocks.embedding_args(self.embed)
+            rows = native_blocks.TokenRows(ids, positions, embedding) if embedding is not None else self.embed(ids, positions)
+            rope = self.rotary(positions, weight.dtype) if self.rotary is not None else None  # (B, 1, 1, D) x2
+            fused = self.norm if native_blocks.final_norm_args(self.norm) is not None else None
+            out = native_blocks.decode_layers(stack, rows, rope, cache, cross, fused)  # (B, 1, C)
+            if out is not None:
+                return self.norm(out) if self.norm is not None and fused is None else out  # (B, 1, C)
         x = self.embed(ids, positions)  # (B, T, C)
         rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2
-        if self.relative_bias is None and self.window is None and native_blocks.runs(cache, t, x):
-            layers = native_blocks.stack_args(self.blocks)  # None unless block_step computes every block
-            # one native op per layer (models/native_blocks.py): no mask to build
-            out = native_blocks.decode_layers(layers, x, rope, cache, cross) if layers is not None else None
-            if out is not None:
-                return self.norm(out) if self.norm is not None else out  # (B, 1, C)
         plain = self.window is None and self.relative_bias is None  # masks that only say "causal"
         if cache is not None:
             k_pos = cache.key_positions()  # (S,) or (B, S): the position each key slot holds

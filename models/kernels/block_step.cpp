@@ -1,16 +1,21 @@
-// A transformer block over rows of tokens in one op (models/native_blocks.py calls it for every layer
-// of a causal stack's decode step, and of an encoder's forward pass): self-attention (the fused q/k/v projection, rotary positions where the model
-// has them, the new key and value written into the paged pool, decode attention over each row's own
-// keys, the output projection), cross-attention for an encoder-decoder (the query projection,
-// attention over the encoder keys of each row's source, the output projection) and the feed-forward
-// (a fused gate/up projection with SiLU(gate) * up, or one up projection with ReLU / GELU / SiLU,
-// then down), each sublayer with its residual and norm (RMSNorm or LayerNorm), before it (pre-norm,
-// Llama) or after the residual (post-norm, Marian and the original Transformer).
+// A stack of transformer blocks over rows of tokens in one op, stack_step (models/native_blocks.py
+// calls it for a causal stack's decode step, and for an encoder's forward pass). Each block:
+// self-attention (the fused q/k/v projection, rotary positions where the model has them, the new key
+// and value written into the paged pool, decode attention over each row's own keys, the output
+// projection), cross-attention for an encoder-decoder (the query projection, attention over the
+// encoder keys of each row's source, the output projection) and the feed-forward (a fused gate/up
+// projection with SiLU(gate) * up, or one up projection with ReLU / GELU / SiLU, then down), each
+// sublayer with its residual and norm (RMSNorm or LayerNorm), before it (pre-norm, Llama) or after the
+// residual (post-norm, Marian and the original Transformer). Around the blocks, for a decode step: each
+// row's token embedding (times the model's scale, plus its absolute position's row) before them and the
+// stack's final norm after them, so that a step is one call.
 //
 // The projections and the attention are the kernels of panels.cpp and attention.cpp (ops.h); what
 // this adds is the glue between them, written as plain loops over each row, so a step costs one
-// call per layer instead of a compiled graph's entry, guards and wrapper, or an eager block's few
-// dozen small ops (at a few rows either took more time than the products: docs/benchmarks.md).
+// call instead of a compiled graph's entry, guards and wrapper per block, or an eager block's few
+// dozen small ops (at a few rows either took more time than the products: docs/benchmarks.md), or
+// one call per block with its embedding and norm as torch ops around them (the small translator's
+// step spent ~20 us in its embedding's four ops alone).
 // Every row is computed on its own, in a fixed order, so a row's result does not depend on what it
 // is batched with (bitwise), like the kernels.
 //
@@ -18,13 +23,17 @@
 // (this step's written first), an encoder's token the keys of its sequence, which occupies one block
 // as long as the longest sequence (the keys of every row are written before any row attends).
 //
-// x (B, C) float32: one token per row. norms: the sublayers' norm weights (self, [cross,] ff),
-// norm_biases their biases (LayerNorm; None: none). Projections, each as weights, bias, kind (ops.h),
-// outputs, activation parts: qkv, o, [cross q, cross o,] up (gate_up when gated), down. cos, sin
-// (B, D): each row's rotary angles (None: no rotary). slots (B * K,): the pool row each new key/value
-// goes to (row b, head k at b * K + k); tables (B, M) and keys (B,): each row's blocks and key count
-// after this step (models/paged_cache.py). cross_k, cross_v (N, K, S, D): the encoder's keys/values,
-// one row per source; sources (B, 1): each row's source; source_keys (B,): its real keys.
+// x (B, C) float32: one token per row (or ids (B,) with the embedding table (V, C), its scale, and the
+// position table (P, C) with positions (B,) where the model has one). norms: the sublayers' norm
+// weights (self, [cross,] ff) of every layer in turn, norm_biases their biases (LayerNorm; None:
+// none). Projections, each as weights, bias, kind (ops.h), outputs, activation parts, every layer's in
+// turn: qkv, o, [cross q, cross o,] up (gate_up when gated), down. cos, sin (B, D): each row's rotary
+// angles (None: no rotary). k_pools, v_pools: each layer's pool. slots (B * K,): the pool row each new
+// key/value goes to (row b, head k at b * K + k); tables (B, M) and keys (B,): each row's blocks and
+// key count after this step (models/paged_cache.py), the same in every layer. cross_k, cross_v: each
+// layer's encoder keys/values (N, K, S, D), one row per source (empty: no cross-attention); sources
+// (B, 1): each row's source; source_keys (B,): its real keys. final_norm, final_norm_bias: the norm
+// after the last block (None: none).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -124,14 +133,16 @@ void check_vector(const c10::optional<at::Tensor>& t, int64_t n, const char* nam
               " must be a contiguous float32 (", n, ",) tensor");
 }
 
+// One block's parameters: its sublayers' norms and its projections (qkv, o, [cross q, cross o,] up,
+// down), pointers into the op's lists (a stack's lists hold every layer's, one layer after another)
 struct Layer {
-  const std::vector<at::Tensor>& weights;
-  const std::vector<c10::optional<at::Tensor>>& biases;
-  const std::vector<int64_t>& kinds;
-  const std::vector<int64_t>& outs;
-  const std::vector<int64_t>& parts;
-  const std::vector<at::Tensor>& norms;
-  const std::vector<c10::optional<at::Tensor>>& norm_biases;
+  const at::Tensor* weights;
+  const c10::optional<at::Tensor>* biases;
+  const int64_t* kinds;
+  const int64_t* outs;
+  const int64_t* parts;
+  const at::Tensor* norms;
+  const c10::optional<at::Tensor>* norm_biases;
   float eps;
   bool rms, prenorm;
 
@@ -178,55 +189,76 @@ struct Layer {
   }
 };
 
-at::Tensor block_step(const at::Tensor& x, std::vector<at::Tensor> norms,
-                        std::vector<c10::optional<at::Tensor>> norm_biases, double eps, bool rms, bool prenorm,
-                        std::vector<at::Tensor> weights, std::vector<c10::optional<at::Tensor>> biases,
-                        std::vector<int64_t> kinds, std::vector<int64_t> outs, std::vector<int64_t> parts,
-                        int64_t act, bool gated, const c10::optional<at::Tensor>& cos,
-                        const c10::optional<at::Tensor>& sin, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                        const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& keys,
-                        const c10::optional<at::Tensor>& cross_k, const c10::optional<at::Tensor>& cross_v,
-                        const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& source_keys,
-                        int64_t heads, int64_t kv_heads, int64_t block, double scale) {
-  TORCH_CHECK(x.dim() == 2, "x must be (B, C)");
-  const int64_t B = x.size(0), C = x.size(1), D = k_pool.size(1), H = heads, K = kv_heads;
-  const bool cross = cross_k.has_value();
-  TORCH_CHECK(cross_v.has_value() == cross && sources.has_value() == cross && source_keys.has_value() == cross,
-              "cross-attention needs cross_k, cross_v, sources and source_keys together");
-  const size_t P = cross ? 6 : 4, ff = cross ? 4 : 2;  // projections; the first feed-forward one
-  TORCH_CHECK(weights.size() == P && biases.size() == P && kinds.size() == P && outs.size() == P && parts.size() == P,
-              P, " projections: qkv, o, ", cross ? "cross q, cross o, " : "", "up, down");
-  TORCH_CHECK(norms.size() == P / 2 && norm_biases.size() == P / 2, P / 2, " norms, one per sublayer");
-  TORCH_CHECK(act >= 0 && act <= 3, "unknown activation ", act);
-  TORCH_CHECK(outs[0] == (H + 2 * K) * D && outs[1] == C && outs[ff + 1] == C && (!gated || outs[ff] % 2 == 0),
+// What every layer of a step shares: the blocks' shape and the step's rows (rotary angles, where the
+// new keys go, each row's blocks and key count, each row's source)
+struct Step {
+  int64_t act;
+  bool gated;
+  const c10::optional<at::Tensor>& cos;
+  const c10::optional<at::Tensor>& sin;
+  const at::Tensor& slots;
+  const at::Tensor& tables;
+  const at::Tensor& keys;
+  const c10::optional<at::Tensor>& sources;
+  const c10::optional<at::Tensor>& source_keys;
+  int64_t heads, kv_heads, block;
+  double scale;
+};
+
+// the checks of one layer's lists (P projections, P / 2 norms) against the step's shape
+void check_layer(const Layer& layer, size_t P, int64_t C, int64_t D, const Step& st) {
+  const int64_t H = st.heads, K = st.kv_heads;
+  const size_t ff = P == 6 ? 4 : 2;  // the first feed-forward projection
+  const int64_t* outs = layer.outs;
+  TORCH_CHECK(outs[0] == (H + 2 * K) * D && outs[1] == C && outs[ff + 1] == C && (!st.gated || outs[ff] % 2 == 0),
               "the projections' sizes do not match the heads");
-  TORCH_CHECK(!cross || (outs[2] == H * D && outs[3] == C), "the cross projections' sizes do not match the heads");
-  TORCH_CHECK(H % K == 0, "H must be a multiple of K");
-  check_rows(x, B, C, "x");
-  TORCH_CHECK(cos.has_value() == sin.has_value(), "rotary needs cos and sin");
-  if (cos.has_value()) {
+  TORCH_CHECK(P == 4 || (outs[2] == H * D && outs[3] == C), "the cross projections' sizes do not match the heads");
+  for (size_t n = 0; n < P / 2; ++n) {
+    check_vector(layer.norms[n], C, "a norm's weight");
+    check_vector(layer.norm_biases[n], C, "a norm's bias");
+  }
+}
+
+// the checks of what every layer shares: rows, rotary, slots (the pools' rows: pool_rows)
+void check_step(const Step& st, int64_t B, int64_t D, int64_t pool_rows, bool cross) {
+  TORCH_CHECK(st.sources.has_value() == cross && st.source_keys.has_value() == cross,
+              "cross-attention needs cross keys and values, sources and source_keys together");
+  TORCH_CHECK(st.act >= 0 && st.act <= 3, "unknown activation ", st.act);
+  TORCH_CHECK(st.kv_heads > 0 && st.heads % st.kv_heads == 0, "H must be a multiple of K");
+  TORCH_CHECK(st.cos.has_value() == st.sin.has_value(), "rotary needs cos and sin");
+  if (st.cos.has_value()) {
     TORCH_CHECK(D % 2 == 0, "rotary needs an even head dim");
-    check_rows(*cos, B, D, "cos");
-    check_rows(*sin, B, D, "sin");
+    check_rows(*st.cos, B, D, "cos");
+    check_rows(*st.sin, B, D, "sin");
   }
-  for (size_t n = 0; n < norms.size(); ++n) {
-    check_vector(norms[n], C, "a norm's weight");
-    check_vector(norm_biases[n], C, "a norm's bias");
-  }
-  TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
-                  v_pool.is_contiguous() && k_pool.dim() == 2 && k_pool.sizes() == v_pool.sizes(),
-              "the pools must be contiguous (N * K * BS + 1, D) float32 tensors");
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B * K,
+  const int64_t K = st.kv_heads;
+  TORCH_CHECK(st.slots.dim() == 1 && st.slots.scalar_type() == at::kLong && st.slots.is_contiguous() &&
+                  st.slots.numel() == B * K,
               "slots must be (B * K,) int64");
-  const int64_t pool_rows = k_pool.size(0);
-  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* slot = st.slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * K; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_rows, "slot ", slot[i], " outside the pool");
-  const Layer layer{weights, biases, kinds, outs, parts, norms, norm_biases, static_cast<float>(eps), rms, prenorm};
+}
+
+void check_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t D) {
+  TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
+                  v_pool.is_contiguous() && k_pool.dim() == 2 && k_pool.sizes() == v_pool.sizes() && k_pool.size(1) == D,
+              "the pools must be contiguous (N * K * BS + 1, D) float32 tensors");
+}
+
+// x (B, C) through one block (checked): self-attention, [cross-attention,] feed-forward
+at::Tensor run_layer(const Layer& layer, const at::Tensor& x, size_t P, const Step& st, const at::Tensor& k_pool,
+                     const at::Tensor& v_pool, const at::Tensor* cross_k, const at::Tensor* cross_v) {
+  const int64_t B = x.size(0), D = k_pool.size(1), H = st.heads, K = st.kv_heads;
+  const bool cross = P == 6;
+  const size_t ff = cross ? 4 : 2;
+  const int64_t* slot = st.slots.data_ptr<int64_t>();
+  const c10::optional<at::Tensor>& cos = st.cos;
+  const c10::optional<at::Tensor>& sin = st.sin;
 
   // self-attention: q/k/v, rotary, the new key and value into the pool, then every row's keys
   at::Tensor h = layer.sublayer(0, x, [&](const at::Tensor& in) {
     const at::Tensor qkv = layer.project(0, in);  // (B, (H + 2K) D)
-    at::Tensor q = at::empty({B, H, D}, x.options());
+    at::Tensor q = at::empty({B, H, D}, x.options());  // (B, H, D)
     const float* qkvp = qkv.data_ptr<float>();
     float* qp = q.data_ptr<float>();
     float* kp = k_pool.data_ptr<float>();
@@ -246,15 +278,16 @@ at::Tensor block_step(const at::Tensor& x, std::vector<at::Tensor> norms,
         for (int64_t k = 0; k < K; ++k) std::copy(row + (H + K + k) * D, row + (H + K + k + 1) * D, vp + slot[b * K + k] * D);
       }
     });
-    const at::Tensor attn = paged_decode(q, k_pool, v_pool, tables, keys, K, block, scale).view({B, H * D});
+    const at::Tensor attn = paged_decode(q, k_pool, v_pool, st.tables, st.keys, K, st.block, st.scale).view({B, H * D});  // (B, H D)
     return layer.project(1, attn);  // (B, C)
   });
 
   // cross-attention: each row's query against its source's encoder keys
   if (cross) {
     h = layer.sublayer(1, h, [&](const at::Tensor& in) {
-      const at::Tensor q = layer.project(2, in).view({B, H, D});
-      const at::Tensor attn = sources_attend(q, *cross_k, *cross_v, *sources, *source_keys, scale).view({B, H * D});
+      const at::Tensor q = layer.project(2, in).view({B, H, D});  // (B, H, D)
+      const at::Tensor attn =
+          sources_attend(q, *cross_k, *cross_v, *st.sources, *st.source_keys, st.scale).view({B, H * D});  // (B, H D)
       return layer.project(3, attn);  // (B, C)
     });
   }
@@ -262,14 +295,14 @@ at::Tensor block_step(const at::Tensor& x, std::vector<at::Tensor> norms,
   // feed-forward: up (or gate/up), the activation, down
   return layer.sublayer(ff / 2, h, [&](const at::Tensor& in) {
     at::Tensor up = layer.project(ff, in);  // (B, F) or (B, 2F)
-    const Act fn = static_cast<Act>(act);
-    const int64_t F = gated ? outs[ff] / 2 : outs[ff];
-    at::Tensor a = gated ? at::empty({B, F}, x.options()) : up;
+    const Act fn = static_cast<Act>(st.act);
+    const int64_t F = st.gated ? layer.outs[ff] / 2 : layer.outs[ff];
+    at::Tensor a = st.gated ? at::empty({B, F}, x.options()) : up;  // (B, F)
     const float* up_p = up.data_ptr<float>();
     float* ap = a.data_ptr<float>();
     at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        if (gated) {
+        if (st.gated) {
           activate(fn, up_p + b * 2 * F, up_p + b * 2 * F + F, F, ap + b * F);
         } else {
           activate(fn, ap + b * F, nullptr, F, ap + b * F);
@@ -280,16 +313,127 @@ at::Tensor block_step(const at::Tensor& x, std::vector<at::Tensor> norms,
   });
 }
 
+// A causal stack's whole decode step in one call: each row's token embedding (scaled, plus its
+// absolute position's row when the model has a table; rows of the input x instead when given), every
+// layer's block (the lists hold each layer's norms and projections in turn, and one pool and, with
+// cross-attention, one encoder key/value pair per layer), then the final norm (if any). The same
+// arithmetic, in the same order, as Embeddings.forward, block_step layer by layer and the norm.
+at::Tensor stack_step(const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& ids,
+                      const c10::optional<at::Tensor>& embed, double embed_scale,
+                      const c10::optional<at::Tensor>& pos_table, const c10::optional<at::Tensor>& positions,
+                      std::vector<at::Tensor> norms, std::vector<c10::optional<at::Tensor>> norm_biases, double eps,
+                      bool rms, bool prenorm, std::vector<at::Tensor> weights,
+                      std::vector<c10::optional<at::Tensor>> biases, std::vector<int64_t> kinds,
+                      std::vector<int64_t> outs, std::vector<int64_t> parts, int64_t act, bool gated,
+                      const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                      std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools, const at::Tensor& slots,
+                      const at::Tensor& tables, const at::Tensor& keys, std::vector<at::Tensor> cross_k,
+                      std::vector<at::Tensor> cross_v, const c10::optional<at::Tensor>& sources,
+                      const c10::optional<at::Tensor>& source_keys, int64_t heads, int64_t kv_heads, int64_t block,
+                      double scale, const c10::optional<at::Tensor>& final_norm,
+                      const c10::optional<at::Tensor>& final_norm_bias, double final_eps, bool final_rms) {
+  const size_t L = k_pools.size();
+  TORCH_CHECK(L >= 1 && v_pools.size() == L, "one key pool and one value pool per layer");
+  const bool cross = !cross_k.empty();
+  TORCH_CHECK(!cross || (cross_k.size() == L && cross_v.size() == L), "one cross key/value pair per layer");
+  const size_t P = cross ? 6 : 4;
+  TORCH_CHECK(weights.size() == L * P && biases.size() == L * P && kinds.size() == L * P && outs.size() == L * P &&
+                  parts.size() == L * P,
+              P, " projections per layer");
+  TORCH_CHECK(norms.size() == L * P / 2 && norm_biases.size() == L * P / 2, P / 2, " norms per layer");
+  const int64_t D = k_pools[0].size(1);
+
+  // the input rows: given, or each row's token embedding
+  at::Tensor h;
+  if (x.has_value()) {
+    TORCH_CHECK(!ids.has_value(), "give x or ids, not both");
+    h = *x;
+    TORCH_CHECK(h.dim() == 2, "x must be (B, C)");
+    check_rows(h, h.size(0), h.size(1), "x");
+  } else {
+    TORCH_CHECK(ids.has_value() && embed.has_value(), "ids need the embedding table");
+    const at::Tensor& table = *embed;
+    TORCH_CHECK(ids->dim() == 1 && ids->scalar_type() == at::kLong && ids->is_contiguous(), "ids must be (B,) int64");
+    TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous(),
+                "the embedding table must be a contiguous (V, C) float32 tensor");
+    const int64_t B = ids->size(0), C = table.size(1), V = table.size(0);
+    TORCH_CHECK(pos_table.has_value() == positions.has_value(), "a position table needs positions");
+    const int64_t* id = ids->data_ptr<int64_t>();
+    const int64_t* pos = positions.has_value() ? positions->data_ptr<int64_t>() : nullptr;
+    if (pos_table.has_value()) {
+      TORCH_CHECK(positions->dim() == 1 && positions->numel() == B && positions->scalar_type() == at::kLong &&
+                      positions->is_contiguous(),
+                  "positions must be (B,) int64");
+      check_rows(*pos_table, pos_table->size(0), C, "the position table");
+      for (int64_t b = 0; b < B; ++b) {
+        TORCH_CHECK(pos[b] >= 0 && pos[b] < pos_table->size(0), "position ", pos[b], " outside the table");
+      }
+    }
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(id[b] >= 0 && id[b] < V, "token ", id[b], " outside the vocabulary");
+    h = at::empty({B, C}, table.options());  // (B, C)
+    const float* w = table.data_ptr<float>();
+    const float* pt = pos_table.has_value() ? pos_table->data_ptr<float>() : nullptr;
+    float* hp = h.data_ptr<float>();
+    const float sc = static_cast<float>(embed_scale);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* row = w + id[b] * C;
+      float* out = hp + b * C;
+      // as Embeddings.forward: the row, times the scale (unless 1), plus the position's row: one rounding each
+      for (int64_t j = 0; j < C; ++j) out[j] = sc != 1.0f ? row[j] * sc : row[j];
+      if (pt != nullptr) {
+        const float* p = pt + pos[b] * C;
+        for (int64_t j = 0; j < C; ++j) out[j] += p[j];
+      }
+    }
+  }
+  const int64_t B = h.size(0), C = h.size(1);
+  const Step st{act, gated, cos, sin, slots, tables, keys, sources, source_keys, heads, kv_heads, block, scale};
+  for (size_t i = 0; i < L; ++i) check_pools(k_pools[i], v_pools[i], D);
+  check_step(st, B, D, k_pools[0].size(0), cross);
+  std::vector<Layer> layers;
+  for (size_t i = 0; i < L; ++i) {
+    layers.push_back(Layer{weights.data() + i * P, biases.data() + i * P, kinds.data() + i * P, outs.data() + i * P,
+                           parts.data() + i * P, norms.data() + i * P / 2, norm_biases.data() + i * P / 2,
+                           static_cast<float>(eps), rms, prenorm});
+    check_layer(layers.back(), P, C, D, st);
+    TORCH_CHECK(k_pools[i].size(0) == k_pools[0].size(0), "every layer's pool has the same rows");
+  }
+  for (size_t i = 0; i < L; ++i) {
+    h = run_layer(layers[i], h, P, st, k_pools[i], v_pools[i], cross ? &cross_k[i] : nullptr,
+                  cross ? &cross_v[i] : nullptr);  // (B, C)
+  }
+  if (final_norm.has_value()) {
+    check_vector(final_norm, C, "the final norm's weight");
+    check_vector(final_norm_bias, C, "the final norm's bias");
+    const std::vector<at::Tensor> fn{*final_norm};
+    const std::vector<c10::optional<at::Tensor>> fb{final_norm_bias};
+    const Layer norm{nullptr, nullptr, nullptr, nullptr, nullptr, fn.data(), fb.data(), static_cast<float>(final_eps),
+                     final_rms, true};
+    at::Tensor out = at::empty_like(h);  // (B, C)
+    const float* hp = h.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        std::copy(hp + b * C, hp + (b + 1) * C, op + b * C);
+        norm.normalize(0, op + b * C, C);
+      }
+    });
+    return out;
+  }
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ts_panels, m) {
-  m.def("block_step(Tensor x, Tensor[] norms, Tensor?[] norm_biases, float eps, bool rms, bool prenorm, "
+  m.def("stack_step(Tensor? x, Tensor? ids, Tensor? embed, float embed_scale, Tensor? pos_table, Tensor? positions, "
+        "Tensor[] norms, Tensor?[] norm_biases, float eps, bool rms, bool prenorm, "
         "Tensor[] weights, Tensor?[] biases, int[] kinds, int[] outs, int[] parts, int act, bool gated, "
-        "Tensor? cos, Tensor? sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor tables, Tensor keys, "
-        "Tensor? cross_k, Tensor? cross_v, Tensor? sources, Tensor? source_keys, int heads, int kv_heads, int block, "
-        "float scale) -> Tensor");
+        "Tensor? cos, Tensor? sin, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor tables, Tensor keys, "
+        "Tensor[] cross_k, Tensor[] cross_v, Tensor? sources, Tensor? source_keys, int heads, int kv_heads, int block, "
+        "float scale, Tensor? final_norm, Tensor? final_norm_bias, float final_eps, bool final_rms) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ts_panels, CPU, m) {
-  m.impl("block_step", &block_step);
+  m.impl("stack_step", &stack_step);
 }

@@ -1,6 +1,6 @@
 """Building and loading models/kernels/: the `torch.ops.ts_panels` kernels, the projections
-(panels.cpp), decode attention over a paged KV cache (attention.cpp), a whole Llama-style block's
-decode step on them (block_step.cpp) and a beam search step's candidates (select.cpp).
+(panels.cpp), decode attention over a paged KV cache (attention.cpp), a whole stack's decode step
+(or an encoder's pass) on them, block after block (block_step.cpp) and a beam search step's candidates (select.cpp).
 
 The sources are compiled once per machine with torch's own extension builder (g++, the headers of the
 installed torch) into torch's extension cache ($TORCH_EXTENSIONS_DIR, default
@@ -112,10 +112,11 @@ def _register_fakes() -> None:
 
     torch.library.register_fake(f"{NAME}::paged_decode_f32", fake_attention)
 
-    def fake_layer(x: torch.Tensor, *args: object) -> torch.Tensor:
-        return torch.empty_like(x)
+    def fake_stack(x: torch.Tensor | None, ids: torch.Tensor | None, embed: torch.Tensor | None,
+                   *args: object) -> torch.Tensor:
+        return torch.empty_like(x) if x is not None else embed.new_empty(ids.size(0), embed.size(1))
 
-    torch.library.register_fake(f"{NAME}::block_step", fake_layer)
+    torch.library.register_fake(f"{NAME}::stack_step", fake_stack)
 
 
 if __name__ == "__main__":

@@ -158,10 +158,10 @@ def test_the_arguments_follow_the_model_after_load() -> None:
     model = fast_model("q4_1")
     first = native_blocks.stack_args(model.stack.blocks)
     assert first is not None and native_blocks.stack_args(model.stack.blocks) is first  # cached
-    assert {p for layer in first for p in layer[9]} == {2}  # two 8-bit activation parts
+    assert set(first.parts) == {2}  # two 8-bit activation parts, every layer
     set_activation_bits(model, 8)
     eight = native_blocks.stack_args(model.stack.blocks)
-    assert eight is not first and {p for layer in eight for p in layer[9]} == {1}
+    assert eight is not first and set(eight.parts) == {1}
     assert native_blocks.stack_args(model.stack.blocks) is eight  # nothing changed since: cached
     model.stack.blocks[0].train()
     assert native_blocks.stack_args(model.stack.blocks) is None  # the op computes eval mode only
@@ -239,6 +239,42 @@ def test_native_cross_attention_step_equals_the_blocks(weights: str, monkeypatch
         # ~5e-5 of the logits' scale (here ~2, the spread weights)
         torch.testing.assert_close(n, b, rtol=1e-5, atol=1e-5 if weights == "f32" else 3e-4, msg=f"step {step}")
         assert torch.equal(n.argmax(-1), b.argmax(-1))
+
+
+EMBEDDINGS = {  # rotary (no position rows) and a final RMSNorm; learned positions; sinusoidal, scaled
+    "llama q4_1": lambda: fast_model("q4_1"),
+    "post-norm f32": lambda: fast_model("f32", **POST_NORM),
+    "translator f32": lambda: translator(),
+}
+
+
+@pytest.mark.parametrize("which", list(EMBEDDINGS))
+def test_the_op_embeds_and_norms_as_the_modules_do(which: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's embedding inside the op (the token's row, times the scale, plus the position's
+    row: learned, sinusoidal, or none with rotary) gives the bits of Embeddings.forward passed in as the
+    op's input; the stack's final norm inside the op equals the module's to float32 rounding."""
+    model = EMBEDDINGS[which]()
+    stack = model.decoder if isinstance(model, Seq2Seq) else model.stack
+    assert native_blocks.embedding_args(stack.embed) is not None
+
+    def logits(embed: bool, norm: bool) -> list[torch.Tensor]:
+        if not embed:
+            monkeypatch.setattr(native_blocks, "embedding_args", lambda module: None)
+        if not norm:
+            monkeypatch.setattr(native_blocks, "final_norm_args", lambda module: None)
+        taken = spied(monkeypatch, True)
+        out = cross_steps(model, SOURCES, 8) if isinstance(model, Seq2Seq) else steps(model, True, monkeypatch)
+        assert isinstance(model, DecoderLM) or taken == [True] * 8
+        monkeypatch.undo()
+        return out
+
+    inside, given = logits(True, True), logits(False, True)
+    for step, (a, b) in enumerate(zip(inside, given, strict=True)):
+        assert torch.equal(a, b), f"step {step}"
+    if stack.norm is not None:  # the post-norm decoders have none
+        apart = logits(True, False)
+        for step, (a, b) in enumerate(zip(inside, apart, strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
 
 
 def test_native_cross_attention_gives_a_row_the_same_bits_alone(monkeypatch: pytest.MonkeyPatch) -> None:
