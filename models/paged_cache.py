@@ -339,9 +339,11 @@ class PagedCacheView:
         c = self.cache
         slots = [slot for row, n in enumerate(lengths, self.start) for slot in c.key_slots(row, n)]
         self._slots = torch.tensor(slots, dtype=torch.long)  # (B * K,)
-        self._tables = torch.empty(len(lengths), nb, dtype=torch.long).copy_(c.tables[self.start:self.stop, :nb])
-        self._keys = torch.tensor(lengths, dtype=torch.long) + 1  # (B,)
-        return torch.tensor(lengths, dtype=torch.long)[:, None]  # (B, 1)
+        # a new tensor with the standard strides, as begin's (one op: a decode step's few rows spent
+        # more time in small tensor operations than in the host arithmetic)
+        self._tables = c.tables[self.start:self.stop, :nb].clone(memory_format=torch.contiguous_format)  # (B, nb)
+        self._keys = torch.tensor([n + 1 for n in lengths], dtype=torch.long)  # (B,)
+        return torch.tensor([[n] for n in lengths], dtype=torch.long)  # (B, 1)
 
     def key_positions(self) -> Tensor:
         """The position each of the gathered path's S keys holds: (S,) (slot i of the gathered rows is

@@ -165,9 +165,14 @@ class PanelLinear(RepackedLinear):
         super().__init__(weight, bias, copy)
         self.register_buffer("panels", _panels(weight.detach().float()), persistent=False)  # (P, K, 32)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x: (..., K) -> (..., N) in x's dtype."""
-        y = torch.ops.ts_panels.linear_f32(_flat(x), self.panels, self.bias, self.out_features)  # (M, N)
+    def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x: (..., K) -> (..., N) in x's dtype. `bias` (N,) float32, for a layer without its own (a
+        model that adds one after its head, as Marian's final_logits_bias): added by the kernel as each
+        output is stored, the same float addition as adding it after, without a pass over the outputs."""
+        if bias is not None and self.bias is not None:
+            raise ValueError("this layer has its own bias")
+        y = torch.ops.ts_panels.linear_f32(_flat(x), self.panels, self.bias if bias is None else bias,
+                                           self.out_features)  # (M, N)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     @property

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from .config import Seq2SeqConfig
 from .kv_cache import CacheView, CrossCache
 from .layers import Embeddings
+from .panels import PanelLinear
 from .stacks import CausalStack, EncoderStack, gather_rows
 
 
@@ -42,6 +43,9 @@ class Seq2Seq(nn.Module):
         """(B, T, C) -> (B, T, V)."""
         if self.head_scale != 1.0:
             hidden = hidden * self.head_scale  # (B, T, C)
+        if (isinstance(self.lm_head, PanelLinear) and self.lm_head.bias is None and self.final_logits_bias is not None
+                and hidden.dtype == torch.float32):
+            return self.lm_head(hidden, bias=self.final_logits_bias)  # (B, T, V): the bias added as outputs are stored
         out = F.linear(hidden, self.decoder.embed.tokens.weight) if self.lm_head is None else self.lm_head(hidden)
         return out + self.final_logits_bias if self.final_logits_bias is not None else out
 

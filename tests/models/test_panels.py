@@ -50,6 +50,20 @@ def test_float_panels_match_linear_and_give_the_weight_back(n: int, k: int, bias
     assert torch.equal(fresh.weight, lin.weight)
 
 
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_a_bias_given_to_the_kernel_is_the_addition_after_it(n: int, k: int) -> None:
+    """A model's own bias after its head (Marian's final_logits_bias), given to the panels' kernel: the
+    same bits as adding it to their output, at every row count (a whole panel's outputs and a tail's)."""
+    torch.manual_seed(n * k)
+    panel, bias = PanelLinear(torch.randn(n, k), None), torch.randn(n)
+    with torch.inference_mode():
+        for m in ROWS:
+            x = torch.randn(m, k)
+            assert torch.equal(panel(x, bias=bias), panel(x) + bias)
+    with pytest.raises(ValueError, match="own bias"):
+        PanelLinear(torch.randn(n, k), torch.randn(n))(torch.randn(1, k), bias=bias)
+
+
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
