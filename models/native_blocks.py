@@ -1,4 +1,4 @@
-"""Transformer stacks in native code, one op per step: a causal stack's decode steps (with the token
+"""Transformer stacks in native code, one call per step: a causal stack's decode steps (with the token
 embedding and the final norm), and an encoder stack's forward pass.
 
 At one new token per row the work of a block is a few projections and attention over each row's
@@ -9,8 +9,11 @@ SmolLM2 more per step than the 4-bit products themselves; run eagerly, the small
 is a few dozen dispatches of microseconds each (docs/benchmarks.md, "One op per layer").
 models/kernels/block_step.cpp runs the whole block on the same projection and attention kernels,
 block after block, so a step is one call: for a decode step also each row's token embedding (the
-token's row times the model's scale, plus its position's row) and the stack's final norm, which as torch
-ops around one call per block cost the small translator ~30 us a step (of ~330).
+token's row times the model's scale, plus its position's row) and the stack's final norm. The call is a
+plain function of the kernels' Python module (module.cpp) holding the stack's parameters in one
+object (`Stack.native`), not a torch op: an op's call checked and converted every layer's tensors each
+step, and with the embedding and norm as torch ops around one op per block that cost the small
+translator ~45 us of a ~330 us step at one row.
 
 An encoder's forward pass is the same op over its real tokens only (no padding rows): each sequence's
 keys and values go to one block of a pool as long as the longest sequence, and every token attends the
@@ -144,6 +147,7 @@ class Stack(NamedTuple):
     heads: int
     kv_heads: int
     scale: float
+    native: object | None  # all of it held by the kernels' module (Blocks; None where they are not loaded)
 
     @property
     def cross(self) -> bool:
@@ -165,7 +169,14 @@ def _stack(layers: list[LayerArgs]) -> Stack | None:
         return None
     lists = {f: [item for a in layers for item in getattr(a, f)]
              for f in ("norms", "norm_biases", "weights", "biases", "kinds", "outs", "parts")}
-    return Stack(layers, **lists, **{f: getattr(first, f) for f in _SHARED})
+    shared = {f: getattr(first, f) for f in _SHARED}
+    held = None
+    if native.available():  # held once: a step passes one object, not every layer's tensors
+        held = native.module().Blocks(
+            lists["norms"], lists["norm_biases"], shared["eps"], shared["rms"], shared["prenorm"], lists["weights"],
+            lists["biases"], lists["kinds"], lists["outs"], lists["parts"], shared["act"], shared["gated"],
+            shared["heads"], shared["kv_heads"], shared["scale"], len(layers), first.cross)
+    return Stack(layers, **lists, **shared, native=held)
 
 
 class Embedding(NamedTuple):
@@ -390,9 +401,7 @@ def _run(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | N
     else:
         x = rows.reshape(rows.size(0), -1).contiguous()  # (B, C)
     fw, fb, feps, frms = final if final is not None else (None, None, 0.0, True)
-    return torch.ops.ts_panels.stack_step(
-        x, ids, table, scale, pos_table, positions, stack.norms, stack.norm_biases, stack.eps, stack.rms,
-        stack.prenorm, stack.weights, stack.biases, stack.kinds, stack.outs, stack.parts, stack.act, stack.gated, cos,
-        sin, k_pools, v_pools, slots, tables, keys, [k for k, _ in kv] if kv is not None else [],
-        [v for _, v in kv] if kv is not None else [], src, src_keys, stack.heads, stack.kv_heads, block, stack.scale,
-        fw, fb, feps, frms)  # (B, C)
+    return native.module().stack_step(
+        stack.native, x, ids, table, scale, pos_table, positions, cos, sin, k_pools, v_pools, slots, tables, keys,
+        [k for k, _ in kv] if kv is not None else [], [v for _, v in kv] if kv is not None else [], src, src_keys,
+        block, fw, fb, feps, frms)  # (B, C)

@@ -37,7 +37,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -313,34 +312,54 @@ at::Tensor run_layer(const Layer& layer, const at::Tensor& x, size_t P, const St
   });
 }
 
+// block i of a stack's parameters
+Layer layer_of(const Blocks& bs, size_t i) {
+  const size_t P = bs.P;
+  return Layer{bs.weights.data() + i * P, bs.biases.data() + i * P, bs.kinds.data() + i * P, bs.outs.data() + i * P,
+               bs.parts.data() + i * P, bs.norms.data() + i * P / 2, bs.norm_biases.data() + i * P / 2,
+               static_cast<float>(bs.eps), bs.rms, bs.prenorm};
+}
+
+}  // namespace
+
+ts::Blocks::Blocks(std::vector<at::Tensor> norms_, std::vector<c10::optional<at::Tensor>> norm_biases_, double eps_,
+                   bool rms_, bool prenorm_, std::vector<at::Tensor> weights_,
+                   std::vector<c10::optional<at::Tensor>> biases_, std::vector<int64_t> kinds_,
+                   std::vector<int64_t> outs_, std::vector<int64_t> parts_, int64_t act_, bool gated_, int64_t heads_,
+                   int64_t kv_heads_, double scale_, int64_t layers_, bool cross)
+    : norms(std::move(norms_)), norm_biases(std::move(norm_biases_)), weights(std::move(weights_)),
+      biases(std::move(biases_)), kinds(std::move(kinds_)), outs(std::move(outs_)), parts(std::move(parts_)),
+      eps(eps_), rms(rms_), prenorm(prenorm_), act(act_), gated(gated_), heads(heads_), kv_heads(kv_heads_),
+      scale(scale_), layers(static_cast<size_t>(layers_)), P(cross ? 6 : 4) {
+  TORCH_CHECK(layers_ >= 1, "a stack has at least one layer");
+  TORCH_CHECK(weights.size() == layers * P && biases.size() == layers * P && kinds.size() == layers * P &&
+                  outs.size() == layers * P && parts.size() == layers * P,
+              P, " projections per layer: qkv, o, ", cross ? "cross q, cross o, " : "", "up, down");
+  TORCH_CHECK(norms.size() == layers * P / 2 && norm_biases.size() == layers * P / 2, P / 2, " norms per layer");
+  TORCH_CHECK(act >= 0 && act <= 3, "unknown activation ", act);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "H must be a multiple of K");
+}
+
 // A causal stack's whole decode step in one call: each row's token embedding (scaled, plus its
 // absolute position's row when the model has a table; rows of the input x instead when given), every
-// layer's block (the lists hold each layer's norms and projections in turn, and one pool and, with
-// cross-attention, one encoder key/value pair per layer), then the final norm (if any). The same
-// arithmetic, in the same order, as Embeddings.forward, block_step layer by layer and the norm.
-at::Tensor stack_step(const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& ids,
-                      const c10::optional<at::Tensor>& embed, double embed_scale,
-                      const c10::optional<at::Tensor>& pos_table, const c10::optional<at::Tensor>& positions,
-                      std::vector<at::Tensor> norms, std::vector<c10::optional<at::Tensor>> norm_biases, double eps,
-                      bool rms, bool prenorm, std::vector<at::Tensor> weights,
-                      std::vector<c10::optional<at::Tensor>> biases, std::vector<int64_t> kinds,
-                      std::vector<int64_t> outs, std::vector<int64_t> parts, int64_t act, bool gated,
-                      const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
-                      std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools, const at::Tensor& slots,
-                      const at::Tensor& tables, const at::Tensor& keys, std::vector<at::Tensor> cross_k,
-                      std::vector<at::Tensor> cross_v, const c10::optional<at::Tensor>& sources,
-                      const c10::optional<at::Tensor>& source_keys, int64_t heads, int64_t kv_heads, int64_t block,
-                      double scale, const c10::optional<at::Tensor>& final_norm,
-                      const c10::optional<at::Tensor>& final_norm_bias, double final_eps, bool final_rms) {
-  const size_t L = k_pools.size();
-  TORCH_CHECK(L >= 1 && v_pools.size() == L, "one key pool and one value pool per layer");
-  const bool cross = !cross_k.empty();
-  TORCH_CHECK(!cross || (cross_k.size() == L && cross_v.size() == L), "one cross key/value pair per layer");
-  const size_t P = cross ? 6 : 4;
-  TORCH_CHECK(weights.size() == L * P && biases.size() == L * P && kinds.size() == L * P && outs.size() == L * P &&
-                  parts.size() == L * P,
-              P, " projections per layer");
-  TORCH_CHECK(norms.size() == L * P / 2 && norm_biases.size() == L * P / 2, P / 2, " norms per layer");
+// layer's block (one pool and, with cross-attention, one encoder key/value pair per layer), then the
+// final norm (if any). The same arithmetic, in the same order, as Embeddings.forward, the blocks one
+// after another and the norm.
+at::Tensor ts::stack_step(const Blocks& bs, const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& ids,
+                          const c10::optional<at::Tensor>& embed, double embed_scale,
+                          const c10::optional<at::Tensor>& pos_table, const c10::optional<at::Tensor>& positions,
+                          const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                          const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
+                          const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& keys,
+                          const std::vector<at::Tensor>& cross_k, const std::vector<at::Tensor>& cross_v,
+                          const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& source_keys,
+                          int64_t block, const c10::optional<at::Tensor>& final_norm,
+                          const c10::optional<at::Tensor>& final_norm_bias, double final_eps, bool final_rms) {
+  const size_t L = bs.layers, P = bs.P;
+  const bool cross = P == 6;
+  TORCH_CHECK(k_pools.size() == L && v_pools.size() == L, "one key pool and one value pool per layer");
+  TORCH_CHECK(cross ? (cross_k.size() == L && cross_v.size() == L) : (cross_k.empty() && cross_v.empty()),
+              cross ? "one cross key/value pair per layer" : "these blocks have no cross-attention");
   const int64_t D = k_pools[0].size(1);
 
   // the input rows: given, or each row's token embedding
@@ -387,28 +406,24 @@ at::Tensor stack_step(const c10::optional<at::Tensor>& x, const c10::optional<at
     }
   }
   const int64_t B = h.size(0), C = h.size(1);
-  const Step st{act, gated, cos, sin, slots, tables, keys, sources, source_keys, heads, kv_heads, block, scale};
-  for (size_t i = 0; i < L; ++i) check_pools(k_pools[i], v_pools[i], D);
-  check_step(st, B, D, k_pools[0].size(0), cross);
-  std::vector<Layer> layers;
+  const Step st{bs.act, bs.gated, cos, sin, slots, tables, keys, sources, source_keys, bs.heads, bs.kv_heads, block,
+                bs.scale};
   for (size_t i = 0; i < L; ++i) {
-    layers.push_back(Layer{weights.data() + i * P, biases.data() + i * P, kinds.data() + i * P, outs.data() + i * P,
-                           parts.data() + i * P, norms.data() + i * P / 2, norm_biases.data() + i * P / 2,
-                           static_cast<float>(eps), rms, prenorm});
-    check_layer(layers.back(), P, C, D, st);
+    check_pools(k_pools[i], v_pools[i], D);
     TORCH_CHECK(k_pools[i].size(0) == k_pools[0].size(0), "every layer's pool has the same rows");
   }
+  check_step(st, B, D, k_pools[0].size(0), cross);
+  for (size_t i = 0; i < L; ++i) check_layer(layer_of(bs, i), P, C, D, st);
   for (size_t i = 0; i < L; ++i) {
-    h = run_layer(layers[i], h, P, st, k_pools[i], v_pools[i], cross ? &cross_k[i] : nullptr,
+    h = run_layer(layer_of(bs, i), h, P, st, k_pools[i], v_pools[i], cross ? &cross_k[i] : nullptr,
                   cross ? &cross_v[i] : nullptr);  // (B, C)
   }
   if (final_norm.has_value()) {
     check_vector(final_norm, C, "the final norm's weight");
     check_vector(final_norm_bias, C, "the final norm's bias");
-    const std::vector<at::Tensor> fn{*final_norm};
-    const std::vector<c10::optional<at::Tensor>> fb{final_norm_bias};
-    const Layer norm{nullptr, nullptr, nullptr, nullptr, nullptr, fn.data(), fb.data(), static_cast<float>(final_eps),
-                     final_rms, true};
+    const at::Tensor fn[1] = {*final_norm};
+    const c10::optional<at::Tensor> fb[1] = {final_norm_bias};
+    const Layer norm{nullptr, nullptr, nullptr, nullptr, nullptr, fn, fb, static_cast<float>(final_eps), final_rms, true};
     at::Tensor out = at::empty_like(h);  // (B, C)
     const float* hp = h.data_ptr<float>();
     float* op = out.data_ptr<float>();
@@ -421,19 +436,4 @@ at::Tensor stack_step(const c10::optional<at::Tensor>& x, const c10::optional<at
     return out;
   }
   return h;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(ts_panels, m) {
-  m.def("stack_step(Tensor? x, Tensor? ids, Tensor? embed, float embed_scale, Tensor? pos_table, Tensor? positions, "
-        "Tensor[] norms, Tensor?[] norm_biases, float eps, bool rms, bool prenorm, "
-        "Tensor[] weights, Tensor?[] biases, int[] kinds, int[] outs, int[] parts, int act, bool gated, "
-        "Tensor? cos, Tensor? sin, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor tables, Tensor keys, "
-        "Tensor[] cross_k, Tensor[] cross_v, Tensor? sources, Tensor? source_keys, int heads, int kv_heads, int block, "
-        "float scale, Tensor? final_norm, Tensor? final_norm_bias, float final_eps, bool final_rms) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(ts_panels, CPU, m) {
-  m.impl("stack_step", &stack_step);
 }

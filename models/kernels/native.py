@@ -1,6 +1,7 @@
 """Building and loading models/kernels/: the `torch.ops.ts_panels` kernels, the projections
-(panels.cpp), decode attention over a paged KV cache (attention.cpp), a whole stack's decode step
-(or an encoder's pass) on them, block after block (block_step.cpp) and a beam search step's candidates (select.cpp).
+(panels.cpp), decode attention over a paged KV cache (attention.cpp) and a beam search step's
+candidates (select.cpp), and, as a plain Python function of the build's module (module.cpp), a whole
+stack's decode step (or an encoder's pass) on them, block after block (block_step.cpp).
 
 The sources are compiled once per machine with torch's own extension builder (g++, the headers of the
 installed torch) into torch's extension cache ($TORCH_EXTENSIONS_DIR, default
@@ -35,7 +36,8 @@ import torch
 
 log = logging.getLogger("models.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("panels.cpp", "attention.cpp", "block_step.cpp", "select.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("panels.cpp", "attention.cpp", "block_step.cpp", "select.cpp", "module.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
 NAME = "ts_panels"  # the ops' namespace: torch.ops.ts_panels
 DISABLE_ENV = "TS_NATIVE_KERNELS"
@@ -70,6 +72,16 @@ def _build_flags(chosen: str) -> list[str]:
     return FLAGS + ISAS[chosen] + [f"-DTS_HEADERS_SHA={digest}"]
 
 
+_module: list = []  # the build's Python module (module.cpp), once loaded
+
+
+def module():  # noqa: ANN201 - the extension module's type exists only once it is built
+    """The build's Python module (module.cpp: the stack step); only after available() said True."""
+    if not available():
+        raise RuntimeError("the native kernels are not loaded here")
+    return _module[0]
+
+
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels once per process; True when they can run here."""
@@ -86,8 +98,9 @@ def available() -> bool:
 
     started = time.perf_counter()
     try:
-        load(name=f"{NAME}_{chosen}", sources=[str(source) for source in SOURCES], extra_cflags=_build_flags(chosen),
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        _module.append(load(name=f"{NAME}_{chosen}", sources=[str(source) for source in SOURCES],
+                            extra_cflags=_build_flags(chosen), extra_ldflags=["-fopenmp"], is_python_module=True,
+                            verbose=False))
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: keep torch's kernels, say why
         log.warning("native kernels off: building %s failed (%s)", ", ".join(s.name for s in SOURCES),
                     str(e).splitlines()[-1][:300])
@@ -112,11 +125,6 @@ def _register_fakes() -> None:
 
     torch.library.register_fake(f"{NAME}::paged_decode_f32", fake_attention)
 
-    def fake_stack(x: torch.Tensor | None, ids: torch.Tensor | None, embed: torch.Tensor | None,
-                   *args: object) -> torch.Tensor:
-        return torch.empty_like(x) if x is not None else embed.new_empty(ids.size(0), embed.size(1))
-
-    torch.library.register_fake(f"{NAME}::stack_step", fake_stack)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 // The kernels one source calls from another (block_step.cpp runs the projections and the decode
-// attention of panels.cpp and attention.cpp inside one op), with the checks of their torch ops.
+// attention of panels.cpp and attention.cpp inside one op), with the checks of their torch ops, and the
+// stack step that module.cpp binds for Python.
 
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace ts {
 
@@ -25,5 +27,40 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
 // (B, 1) int64 the source of each row, lengths (B,) int64 its real keys (a prefix of S) -> (B, H, D)
 at::Tensor sources_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sources,
                           const at::Tensor& lengths, double scale);
+
+// A stack's parameters, held once (models/native_blocks.py builds one per stack, through module.cpp):
+// each block's norms and projections in turn (qkv, o, [cross q, cross o,] up or gate/up, down; the
+// sublayers' norms self, [cross,] ff), and what every block shares. A step passes this one object.
+struct Blocks {
+  std::vector<at::Tensor> norms;
+  std::vector<c10::optional<at::Tensor>> norm_biases;
+  std::vector<at::Tensor> weights;
+  std::vector<c10::optional<at::Tensor>> biases;
+  std::vector<int64_t> kinds, outs, parts;
+  double eps;
+  bool rms, prenorm;
+  int64_t act;  // block_step.cpp's Act
+  bool gated;
+  int64_t heads, kv_heads;
+  double scale;
+  size_t layers, P;  // projections a layer: 4, or 6 with cross-attention
+
+  Blocks(std::vector<at::Tensor> norms, std::vector<c10::optional<at::Tensor>> norm_biases, double eps, bool rms,
+         bool prenorm, std::vector<at::Tensor> weights, std::vector<c10::optional<at::Tensor>> biases,
+         std::vector<int64_t> kinds, std::vector<int64_t> outs, std::vector<int64_t> parts, int64_t act, bool gated,
+         int64_t heads, int64_t kv_heads, double scale, int64_t layers, bool cross);
+};
+
+// One step of a stack (block_step.cpp): x (B, C) or each row's token embedded, every block, the final norm
+at::Tensor stack_step(const Blocks& blocks, const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& ids,
+                      const c10::optional<at::Tensor>& embed, double embed_scale,
+                      const c10::optional<at::Tensor>& pos_table, const c10::optional<at::Tensor>& positions,
+                      const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                      const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
+                      const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& keys,
+                      const std::vector<at::Tensor>& cross_k, const std::vector<at::Tensor>& cross_v,
+                      const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& source_keys,
+                      int64_t block, const c10::optional<at::Tensor>& final_norm,
+                      const c10::optional<at::Tensor>& final_norm_bias, double final_eps, bool final_rms);
 
 }  // namespace ts

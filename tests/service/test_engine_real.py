@@ -89,7 +89,10 @@ def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_p
 
     steps = []
     real = native_blocks.decode_layers
-    monkeypatch.setattr(native_blocks, "decode_layers", lambda *a: steps.append(a[1].size(0)) or real(*a))
+    def rows(x: object) -> int:  # the op's input: each row's token (TokenRows) or rows of floats
+        return x.ids.size(0) if isinstance(x, native_blocks.TokenRows) else x.size(0)
+
+    monkeypatch.setattr(native_blocks, "decode_layers", lambda *a: steps.append(rows(a[1])) or real(*a))
     greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
     requests = [(chat(t), greedy) for t in ["What is the capital of France?", *OTHERS[:2]]]
     with torch.inference_mode():
