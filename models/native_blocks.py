@@ -128,26 +128,12 @@ def layer_args(block: Block) -> LayerArgs | None:
 
 
 class Stack(NamedTuple):
-    """stack_step's arguments that describe a stack: its blocks' LayerArgs, their lists laid end to
-    end (layer by layer) and what every block shares."""
+    """A stack's blocks as stack_step runs them: their LayerArgs, and all of it held once by the
+    kernels' module (Blocks: every layer's lists end to end and what the layers share; None where the
+    kernels are not loaded)."""
 
     layers: list[LayerArgs]
-    norms: list[Tensor]
-    norm_biases: list[Tensor | None]
-    weights: list[Tensor]
-    biases: list[Tensor | None]
-    kinds: list[int]
-    outs: list[int]
-    parts: list[int]
-    eps: float
-    rms: bool
-    prenorm: bool
-    act: int
-    gated: bool
-    heads: int
-    kv_heads: int
-    scale: float
-    native: object | None  # all of it held by the kernels' module (Blocks; None where they are not loaded)
+    native: object | None
 
     @property
     def cross(self) -> bool:
@@ -157,26 +143,27 @@ class Stack(NamedTuple):
     def head_dim(self) -> int:
         return self.layers[0].head_dim
 
+    @property
+    def kv_heads(self) -> int:
+        return self.layers[0].kv_heads
 
-_SHARED = ("eps", "rms", "prenorm", "act", "gated", "heads", "kv_heads", "scale")
+
+_SHARED = ("eps", "rms", "prenorm", "act", "gated", "heads", "kv_heads", "scale", "cross")
+_LISTS = ("norms", "norm_biases", "weights", "biases", "kinds", "outs", "parts")
 
 
 def _stack(layers: list[LayerArgs]) -> Stack | None:
-    """The layers as one stack_step's arguments, or None unless they share _SHARED and cross-attention."""
-    first = layers[0]
-    if any(tuple(getattr(a, f) for f in _SHARED) != tuple(getattr(first, f) for f in _SHARED) or a.cross != first.cross
-           for a in layers):
+    """The layers as one stack_step's arguments, or None unless they share _SHARED."""
+    shared = [tuple(getattr(a, f) for f in _SHARED) for a in layers]
+    if any(s != shared[0] for s in shared):
         return None
-    lists = {f: [item for a in layers for item in getattr(a, f)]
-             for f in ("norms", "norm_biases", "weights", "biases", "kinds", "outs", "parts")}
-    shared = {f: getattr(first, f) for f in _SHARED}
     held = None
     if native.available():  # held once: a step passes one object, not every layer's tensors
-        held = native.module().Blocks(
-            lists["norms"], lists["norm_biases"], shared["eps"], shared["rms"], shared["prenorm"], lists["weights"],
-            lists["biases"], lists["kinds"], lists["outs"], lists["parts"], shared["act"], shared["gated"],
-            shared["heads"], shared["kv_heads"], shared["scale"], len(layers), first.cross)
-    return Stack(layers, **lists, **shared, native=held)
+        n, nb, w, b, k, o, p = ([item for a in layers for item in getattr(a, f)] for f in _LISTS)
+        eps, rms, prenorm, act, gated, heads, kv_heads, scale, cross = shared[0]
+        held = native.module().Blocks(n, nb, eps, rms, prenorm, w, b, k, o, p, act, gated, heads, kv_heads, scale,
+                                      len(layers), cross)
+    return Stack(layers, held)
 
 
 class Embedding(NamedTuple):
@@ -195,8 +182,9 @@ def embedding_args(embed: Embeddings) -> Embedding | None:
 
 
 def final_norm_args(norm: nn.Module | None) -> tuple[Tensor, Tensor | None, float, bool] | None:
-    """norm_args of a stack's final norm, built once (as embedding_args)."""
-    return _per_module(norm, norm_args) if norm is not None else None
+    """(weight, bias, eps, is RMSNorm) of a stack's final norm when stack_step computes it, else None
+    (built once, as embedding_args)."""
+    return _per_module(norm, _final_norm) if norm is not None else None
 
 
 # module -> ((assignment count, train mode), what was built from it)
@@ -230,9 +218,8 @@ def _embedding_args(embed: Embeddings) -> Embedding | None:
     return Embedding(table, float(embed.scale), rows)
 
 
-def norm_args(norm: nn.Module | None) -> tuple[Tensor, Tensor | None, float, bool] | None:
-    """(weight, bias, eps, is RMSNorm) of a final norm stack_step computes, else None."""
-    found = _norms([norm]) if norm is not None else None
+def _final_norm(norm: nn.Module) -> tuple[Tensor, Tensor | None, float, bool] | None:
+    found = _norms([norm])
     if found is None:
         return None
     (weight,), (bias,), eps, rms = found
@@ -356,18 +343,16 @@ class TokenRows(NamedTuple):
 
 
 def decode_layers(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | None, cache,
-                  cross: CrossCache | None = None, norm: nn.Module | None = None) -> Tensor | None:
+                  cross: CrossCache | None = None,
+                  final: tuple[Tensor, Tensor | None, float, bool] | None = None) -> Tensor | None:
     """One decode step of a causal stack in one stack_step: rows, the step's input (B, 1, C) float32 or
-    each row's token to embed (TokenRows), through every block, then `norm` (the stack's final norm, or
-    None). rope: cos, sin (B, 1, 1, D) or None; cache: a PagedCacheView after begin(1) whose layers
-    attend through the decode kernel; cross: the encoder's keys/values (an encoder-decoder's stack).
-    Returns (B, 1, C), or None when this step's cross-attention is not one the op runs, or the final
-    norm is not one it computes (the caller runs its blocks)."""
+    each row's token to embed (TokenRows), through every block, then the final norm `final`
+    (final_norm_args of the stack's norm; None: none). rope: cos, sin (B, 1, 1, D) or None; cache: a
+    PagedCacheView after begin(1) whose layers attend through the decode kernel; cross: the encoder's
+    keys/values (an encoder-decoder's stack). Returns (B, 1, C), or None when this step's
+    cross-attention is not one the op runs (the caller runs its blocks)."""
     b = rows.ids.size(0) if isinstance(rows, TokenRows) else rows.size(0)
     if (cross is not None) != stack.cross:  # the blocks' cross-attention and this step's
-        return None
-    final = final_norm_args(norm)
-    if norm is not None and final is None:
         return None
     sources = None
     if cross is not None:
@@ -388,7 +373,7 @@ def _run(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | N
          slots: Tensor, tables: Tensor, keys: Tensor, block: int, kv: list[tuple[Tensor, Tensor]] | None = None,
          sources: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """One stack_step: rows (B, C) or tokens -> (B, C); rope (B, D) each; final: the final norm's
-    norm_args; kv, sources: each layer's cross-attention keys/values (N, K, S, D) and each row's source
+    final_norm_args; kv, sources: each layer's cross-attention keys/values (N, K, S, D) and each row's source
     with its key count (CrossCache.row_sources)."""
     cos, sin = rope if rope is not None else (None, None)
     src, src_keys = sources if sources is not None else (None, None)

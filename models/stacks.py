@@ -93,10 +93,10 @@ class CausalStack(nn.Module):
             embedding = native_blocks.embedding_args(self.embed)
             rows = native_blocks.TokenRows(ids, positions, embedding) if embedding is not None else self.embed(ids, positions)
             rope = self.rotary(positions, weight.dtype) if self.rotary is not None else None  # (B, 1, 1, D) x2
-            fused = self.norm if native_blocks.final_norm_args(self.norm) is not None else None
-            out = native_blocks.decode_layers(stack, rows, rope, cache, cross, fused)  # (B, 1, C)
+            final = native_blocks.final_norm_args(self.norm)  # None: no norm, or one the op does not compute
+            out = native_blocks.decode_layers(stack, rows, rope, cache, cross, final)  # (B, 1, C)
             if out is not None:
-                return self.norm(out) if self.norm is not None and fused is None else out  # (B, 1, C)
+                return self.norm(out) if self.norm is not None and final is None else out  # (B, 1, C)
         x = self.embed(ids, positions)  # (B, T, C)
         rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2
         plain = self.window is None and self.relative_bias is None  # masks that only say "causal"
