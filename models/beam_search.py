@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .inputs import PaddedBatch
+from .kernels import native
 from .kv_cache import CrossCache, KVCache
 from .paged_cache import PagedKVCache, blocks_for, kernel_runs
 from .seq2seq import Seq2Seq
@@ -90,6 +91,33 @@ def _step_request(req: _Request, top: tuple[list[float], list[int], list[int]], 
     return [beam for _, beam, _ in running]
 
 
+def _select(live: Sequence[_Request], logits: Tensor, banned: list[int], eos: int,
+            ) -> list[tuple[list[float], list[int], list[int]]]:
+    """Every request's candidates (as _candidates) from the step's logits (R, V), rows in live's order:
+    log-probs, the banned tokens at -inf, the rows of a request at its length limit forced to eos. One
+    native call on a CPU with float32 logits (the same log-softmax, values and order), else torch ops."""
+    forced = [req.step + 1 >= req.params.max_new_tokens for req in live]
+    if _native_select(logits):
+        return native.module().search_select(logits, banned, eos, [req.rows for req in live],
+                                             [req.params.beam_size for req in live], forced,
+                                             [req.scores for req in live])
+    logp = logits.float().log_softmax(-1)  # (R, V)
+    if banned:
+        logp.index_fill_(1, torch.tensor(banned, device=logp.device), float("-inf"))
+    first = 0
+    for req, force in zip(live, forced, strict=True):
+        if force:  # only eos at the length limit
+            logp[first: first + req.rows] = float("-inf")
+            logp[first: first + req.rows, eos] = 0.0
+        first += req.rows
+    return _candidates(live, logp)
+
+
+def _native_select(logits: Tensor) -> bool:
+    """Whether _select runs natively for these logits."""
+    return logits.dtype == torch.float32 and kernel_runs(logits.dtype, logits.device)
+
+
 def _candidates(live: Sequence[_Request], logp: Tensor) -> list[tuple[list[float], list[int], list[int]]]:
     """Every request's best candidates from the step's log-probs logp (R, V), rows in live's order:
     the argmax of a greedy row; for a beam search of n, the top 2n of its rows' (running score +
@@ -114,9 +142,8 @@ def _candidates(live: Sequence[_Request], logp: Tensor) -> list[tuple[list[float
         sub = logp if index == list(range(logp.size(0))) else logp[torch.tensor(index, device=logp.device)]  # (G*rows, V)
         scores = torch.tensor([live[i].scores for i, _ in members], device=logp.device)  # (G, rows)
         top_scores, top_idx = _top(sub, scores, 2 * n)  # (G, 2n) each
-        beams, tokens = (top_idx // vocab).tolist(), (top_idx % vocab).tolist()
-        for (i, _), sc, b, t in zip(members, top_scores.tolist(), beams, tokens, strict=True):
-            out[i] = (sc, b, t)
+        for (i, _), sc, flat in zip(members, top_scores.tolist(), top_idx.tolist(), strict=True):
+            out[i] = (sc, [f // vocab for f in flat], [f % vocab for f in flat])
     return out
 
 
@@ -126,7 +153,7 @@ def _top(logp: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     CPU with float32 log-probs (equal values lowest index first), else torch's add and topk."""
     groups, rows = scores.shape
     if scores.dtype == torch.float32 and kernel_runs(logp.dtype, logp.device):
-        return torch.ops.ts_panels.beam_top(logp.contiguous(), scores.contiguous(), k)
+        return native.module().beam_top(logp.contiguous(), scores.contiguous(), k)
     total = (logp.view(groups, rows, -1) + scores[:, :, None]).view(groups, -1)  # (G, rows*V)
     return total.topk(k, dim=-1)  # (G, k) each
 
@@ -172,7 +199,7 @@ class BeamSearch:
                                                 zeroed=False)
         else:
             self.cache = KVCache.for_model(cfg, rows, max_new_tokens + 1, dtype=weight.dtype, device=self.device)
-        self.banned = torch.as_tensor(list(banned_ids), dtype=torch.long, device=self.device)  # (N,)
+        self.banned = list(banned_ids)
         self._live: list[_Request] = []  # sources with rows, in row order
         self._sources: CrossCache | None = None  # one row per live source, in _live's order
         self._cross: CrossCache | None = None  # _sources grouped for the rows as they are; None: rebuild
@@ -250,15 +277,8 @@ class BeamSearch:
             out += self._drop(list(failed), failed)
             if not self._live:
                 return out
-        logp = logits.float().log_softmax(-1)  # (R, V)
-        if self.banned.numel():
-            logp[:, self.banned] = float("-inf")
+        tops = _select(self._live, logits, self.banned, self.eos)
         offsets = self._offsets()
-        for req, first in offsets:
-            if req.step + 1 >= req.params.max_new_tokens:  # force eos at the length limit
-                logp[first: first + req.rows] = float("-inf")
-                logp[first: first + req.rows, self.eos] = 0.0
-        tops = _candidates(self._live, logp)
         gather: list[int] = []
         new_tokens: list[int] = []
         still: list[int] = []

@@ -47,6 +47,8 @@ class RowLengths:
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # (R,)
+        # on the CPU the same memory as a numpy array: a decode step's small writes without a torch op each
+        self._lengths_np = self.lengths.numpy() if self.lengths.device.type == "cpu" else None
         self.host_lengths = [0] * rows
         self.rows = rows
 
@@ -57,14 +59,20 @@ class RowLengths:
         if len(values) != stop - start:
             raise ValueError(f"{len(values)} lengths for rows [{start}, {stop})")
         self.host_lengths[start:stop] = values
-        self.lengths[start:stop] = torch.tensor(values, dtype=torch.long) if values else 0
+        if self._lengths_np is not None:
+            self._lengths_np[start:stop] = values
+        else:
+            self.lengths[start:stop] = torch.tensor(values, dtype=torch.long) if values else 0
 
     def advance(self, n_new: Tensor | Sequence[int] | int, start: int = 0, stop: int | None = None) -> None:
         """Count n_new (an int, or one per row) more tokens in rows [start, stop). A tensor is read
         back to the host once (prefills; a decode step advances by an int)."""
         stop = self.rows if stop is None else stop
         if isinstance(n_new, int):
-            self.lengths[start:stop] += n_new
+            if self._lengths_np is not None:
+                self._lengths_np[start:stop] += n_new
+            else:
+                self.lengths[start:stop] += n_new
             self.host_lengths[start:stop] = [n + n_new for n in self.host_lengths[start:stop]]
             return
         added = n_new.tolist() if isinstance(n_new, Tensor) else [int(x) for x in n_new]

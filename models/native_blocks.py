@@ -360,11 +360,9 @@ def decode_layers(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Te
         if sources is None or sources[0].size(0) != b:
             return None
     rope = tuple(r.reshape(b, -1).contiguous() for r in rope) if rope is not None else None  # (B, D) each
-    views = [cache.layer(i) for i in range(len(stack.layers))]
-    first = views[0]
+    k_pools, v_pools, slots, tables, keys, block = cache.decode_args(len(stack.layers))
     kv = [tuple(t.contiguous() for t in pair) for pair in cross.kv] if cross is not None else None  # (N, K, S, D) each
-    h = _run(stack, rows, rope, final, [v.flat_k for v in views], [v.flat_v for v in views], first.slots,
-             first.tables, first.keys, first.block, kv, sources)  # (B, C)
+    h = _run(stack, rows, rope, final, k_pools, v_pools, slots, tables, keys, block, kv, sources)  # (B, C)
     return h.view(b, 1, -1)  # (B, 1, C)
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .attention import AttentionMask, attention
+from .kernels import native
 from .kv_cache import RowLengths
 
 BLOCK_TOKENS = 16  # token slots per block (the prefix cache's block too)
@@ -74,6 +75,8 @@ class PagedKVCache(RowLengths):
             self._flat_v = list(self._pool[1])
             self.tables = torch.zeros(rows, self.width, dtype=torch.long, device=device)  # (R, M): 0 = null block
             RowLengths.__init__(self, rows, device)
+        # on the CPU the tables' memory as a numpy array: a step's few small writes without a torch op each
+        self._tab = self.tables.numpy() if self.tables.device.type == "cpu" else None
         self.zeroed = zeroed
         self.host_tables: list[list[int]] = [[] for _ in range(rows)]
         self._refs = [0] * blocks
@@ -139,7 +142,7 @@ class PagedKVCache(RowLengths):
             self._refs[b] = 1
             if not self.zeroed:  # the gathered path reads a row's whole blocks (masked past its length)
                 self._pool[:, :, self._block_rows(b)].zero_()
-        self.tables[row, len(table):len(table) + need] = torch.tensor(new, dtype=torch.long)
+        self._put((row, slice(len(table), len(table) + need)), new)
         table.extend(new)
 
     def share(self, row: int, blocks: Sequence[int]) -> None:
@@ -151,11 +154,11 @@ class PagedKVCache(RowLengths):
             self.ref(b)
         self.host_tables[row] = list(blocks)
         if blocks:
-            self.tables[row, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.long)
+            self._put((row, slice(0, len(blocks))), list(blocks))
 
     def _release(self, row: int) -> None:
         self._release_host(row)
-        self.tables[row] = 0
+        self._put(row, 0)
 
     def _release_host(self, row: int) -> None:
         """_release without touching `tables` (the caller writes the rows' tables at once)."""
@@ -163,11 +166,19 @@ class PagedKVCache(RowLengths):
             self.unref(b)
         self.host_tables[row] = []
 
+    def _put(self, index, values: int | list) -> None:  # noqa: ANN001 - an index as numpy and torch take it
+        """tables[index] = values (an int, or nested lists of block ids) from the host."""
+        if self._tab is not None:
+            self._tab[index] = values
+        else:
+            self.tables[index] = values if isinstance(values, int) else torch.tensor(values, dtype=torch.long)
+
     def _write_tables(self, start: int, tables: Sequence[Sequence[int]]) -> None:
         """Rows [start, start + len(tables)) of `tables` from the host's, in one write (zeros past each)."""
+        if not tables:
+            return
         width = self.tables.size(1)
-        padded = [list(t) + [0] * (width - len(t)) for t in tables]
-        self.tables[start:start + len(tables)] = torch.tensor(padded, dtype=torch.long, device=self.tables.device)
+        self._put(slice(start, start + len(tables)), [list(t) + [0] * (width - len(t)) for t in tables])
 
     # -- the engine's surface (as models.kv_cache.KVCache) -------------------------------------
 
@@ -189,7 +200,7 @@ class PagedKVCache(RowLengths):
         stop = self.rows if stop is None else stop
         for row in range(start, stop):
             self._release_host(row)
-        self.tables[start:stop] = 0
+        self._put(slice(start, stop), 0)
         self.set_lengths(0, start, stop)
 
     def move_row(self, src: int, dst: int) -> None:
@@ -213,7 +224,7 @@ class PagedKVCache(RowLengths):
         self._release(dst)
         self.host_tables[dst], self.host_tables[src] = self.host_tables[src], []
         self.tables[dst] = self.tables[src]
-        self.tables[src] = 0
+        self._put(src, 0)
         self.set_lengths(self.host_lengths[src], dst, dst + 1)
         self.set_lengths(0, src, src + 1)
 
@@ -247,11 +258,14 @@ class PagedKVCache(RowLengths):
         self.set_lengths(lengths, start, start + len(rows))
 
     def _copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Block b becomes a copy of block a for every (a, b) in pairs, in every layer's keys and values:
-        one gather and one scatter in all (the sources are read before any block is written)."""
+        """Block b becomes a copy of block a for every (a, b) in pairs, in every layer's keys and values
+        (no b is any pair's a): one native call on the CPU, else one gather and one scatter in all."""
         if not pairs:
             return
         size = self.kv_heads * self.block  # a block's rows in a flat pool
+        if self._pool.device.type == "cpu" and native.available():
+            native.module().copy_blocks(self._pool, [a for a, _ in pairs], [b for _, b in pairs], size)
+            return
         within = torch.arange(size, device=self.tables.device)  # (K * BS,)
         src = (torch.tensor([a for a, _ in pairs], device=within.device)[:, None] * size + within).view(-1)  # (P * K * BS,)
         dst = (torch.tensor([b for _, b in pairs], device=within.device)[:, None] * size + within).view(-1)  # (P * K * BS,)
@@ -272,11 +286,7 @@ class PagedKVCache(RowLengths):
 def kernel_runs(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether decode steps attend through models/kernels/attention.cpp: float32 on an AVX2 or AVX-512 CPU
     where the native kernels build."""
-    if dtype != torch.float32 or device.type != "cpu":
-        return False
-    from .kernels import native
-
-    return native.available()
+    return dtype == torch.float32 and device.type == "cpu" and native.available()
 
 
 @dataclass
@@ -289,6 +299,7 @@ class PagedCacheView:
     step_len: int | None = None  # S: the keys the gathered path attends (whole blocks)
     _slots: Tensor | None = None  # (B * K * T,) flat slot of each new key, set by begin()
     _tables: Tensor | None = None  # (B, nb) the rows' first nb blocks, contiguous
+    _decode_blocks: int | None = None  # nb of a decode step whose _tables are built when a layer needs them
     _keys: Tensor | None = None  # (B,) keys per row after the step
     native: bool = True  # whether this step may attend through the decode kernel (a captured step may not)
 
@@ -309,17 +320,17 @@ class PagedCacheView:
         """Start a step of T new tokens per row (keep (B, T): its real ones; right padding is not
         given blocks): blocks for every row's real tokens, their positions (B, T) and S."""
         c = self.cache
-        real = [t] * (self.stop - self.start) if keep is None else keep.sum(-1).tolist()
         lengths = c.host_lengths[self.start:self.stop]
         longest = max(lengths, default=0) + t
+        if t == 1 and keep is None and c.tables.device.type == "cpu":
+            return self._begin_decode(lengths, longest), self.step_len
+        real = [t] * (self.stop - self.start) if keep is None else keep.sum(-1).tolist()
         if max((n + r for n, r in zip(lengths, real, strict=True)), default=0) > c.max_len:
             raise ValueError(f"KV cache holds {c.max_len} tokens per row; this step needs {longest}")
         for row, (n, r) in enumerate(zip(lengths, real, strict=True), self.start):
             c.ensure(row, n + r)
         nb = min(blocks_for(longest, c.block), c.width)
         self.step_len = nb * c.block
-        if t == 1 and keep is None and c.tables.device.type == "cpu":
-            return self._begin_decode(lengths, nb), self.step_len
         base = self.lengths  # (B,)
         positions = base[:, None] + torch.arange(t, device=base.device)[None, :]  # (B, T)
         tables = c.tables[self.start:self.stop]  # (B, M)
@@ -332,18 +343,26 @@ class PagedCacheView:
         self._keys = base + t  # (B,)
         return positions, self.step_len
 
-    def _begin_decode(self, lengths: list[int], nb: int) -> Tensor:
+    def _begin_decode(self, lengths: list[int], longest: int) -> Tensor:
         """begin(1) on the CPU from the host's lengths and tables (a decode step: one token a row),
         without the dozen small tensor operations of the general case; the same values. Returns the
         positions (B, 1)."""
         c = self.cache
+        if longest > c.max_len:
+            raise ValueError(f"KV cache holds {c.max_len} tokens per row; this step needs {longest}")
+        for row, n in enumerate(lengths, self.start):
+            if n // c.block >= len(c.host_tables[row]):  # its new key starts a block
+                c.ensure(row, n + 1)
+        nb = min(blocks_for(longest, c.block), c.width)
+        self.step_len = nb * c.block
+        b = len(lengths)
         slots = [slot for row, n in enumerate(lengths, self.start) for slot in c.key_slots(row, n)]
-        self._slots = torch.tensor(slots, dtype=torch.long)  # (B * K,)
-        # a new tensor with the standard strides, as begin's (one op: a decode step's few rows spent
-        # more time in small tensor operations than in the host arithmetic)
-        self._tables = c.tables[self.start:self.stop, :nb].clone(memory_format=torch.contiguous_format)  # (B, nb)
-        self._keys = torch.tensor([n + 1 for n in lengths], dtype=torch.long)  # (B,)
-        return torch.tensor([[n] for n in lengths], dtype=torch.long)  # (B, 1)
+        # slots, keys and positions in one tensor (a decode step's few rows spent more time in small
+        # tensor operations than in the host arithmetic), each a contiguous part of it
+        flat = torch.tensor(slots + [n + 1 for n in lengths] + lengths, dtype=torch.long)  # (B * K + 2B,)
+        self._slots, self._keys = flat[:-2 * b], flat[-2 * b:-b]  # (B * K,), (B,)
+        self._tables, self._decode_blocks = None, nb  # built by layer() if a layer asks (decode_args needs none)
+        return flat[-b:].view(b, 1)  # (B, 1)
 
     def key_positions(self) -> Tensor:
         """The position each of the gathered path's S keys holds: (S,) (slot i of the gathered rows is
@@ -352,10 +371,25 @@ class PagedCacheView:
             raise RuntimeError("PagedCacheView.key_positions() before begin()")
         return torch.arange(self.step_len, device=self.cache.lengths.device)  # (S,)
 
+    def decode_args(self, layers: int) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor, int]:
+        """What a native step over the first `layers` layers reads after begin(1) (as layer(i) gives each
+        layer): the layers' key pools and value pools, the new keys' slots, the tables, the key counts,
+        the block size."""
+        if self._slots is None or self._keys is None:
+            raise RuntimeError("PagedCacheView.decode_args() before begin()")
+        c = self.cache
+        # the kernel reads each row's first blocks in place: the rows' whole tables (B, M), contiguous
+        tables = self._tables if self._tables is not None else c.tables[self.start:self.stop]
+        return c._flat_k[:layers], c._flat_v[:layers], self._slots, tables, self._keys, c.block
+
     def layer(self, i: int) -> PagedLayerCache:
+        c = self.cache
+        if self._tables is None and self._decode_blocks is not None:  # a decode step's: a new tensor with
+            # the standard strides, as begin's (one kind of input for compiled blocks)
+            self._tables = c.tables[self.start:self.stop, :self._decode_blocks].clone(
+                memory_format=torch.contiguous_format)  # (B, nb)
         if self._slots is None or self._tables is None or self._keys is None:
             raise RuntimeError("PagedCacheView.layer() before begin()")
-        c = self.cache
         return PagedLayerCache(c._flat_k[i], c._flat_v[i], self._slots, self._tables, self._keys, c.block,
                                self.decode_kernel)
 

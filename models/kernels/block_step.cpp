@@ -38,6 +38,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -51,7 +52,10 @@ using namespace ts;
 
 // the feed-forward's activation (models/layers.py's _ACT and _GATED)
 enum class Act : int64_t { SILU = 0, RELU = 1, GELU = 2, GELU_TANH = 3 };
-constexpr int64_t GRAIN = 4;  // rows per task of the glue loops
+// rows per task of the glue loops (copies, norms, residuals, activations) over rows of `width` floats:
+// enough that a task outweighs waking the other threads (~1-2 us a parallel region on this CPU; a row
+// of 256 floats takes ~50 ns to normalise), so a decode step's few rows stay on one thread
+inline int64_t grain(int64_t width) { return std::max<int64_t>(4, 16384 / std::max<int64_t>(width, 1)); }
 
 // y = w * (x / sqrt(mean(x^2) + eps)), as RMSNorm (models/norms.py) computes it in float32; y may be x
 TS_TARGET void rms_norm(const float* x, const float* w, float eps, int64_t C, float* y) {
@@ -168,7 +172,7 @@ struct Layer {
     if (prenorm) {
       in = at::empty_like(x);
       float* hp = in.data_ptr<float>();
-      at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
+      at::parallel_for(0, B, grain(C), [&](int64_t b0, int64_t b1) {
         for (int64_t b = b0; b < b1; ++b) {
           std::copy(xp + b * C, xp + (b + 1) * C, hp + b * C);
           normalize(n, hp + b * C, C);
@@ -178,7 +182,7 @@ struct Layer {
     at::Tensor out = f(in);  // (B, C), a new tensor: the residual goes into it
     check_rows(out, B, C, "a sublayer's output");
     float* op = out.data_ptr<float>();
-    at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, B, grain(C), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         for (int64_t j = 0; j < C; ++j) op[b * C + j] += xp[b * C + j];
         if (!prenorm) normalize(n, op + b * C, C);
@@ -262,7 +266,7 @@ at::Tensor run_layer(const Layer& layer, const at::Tensor& x, size_t P, const St
     float* qp = q.data_ptr<float>();
     float* kp = k_pool.data_ptr<float>();
     float* vp = v_pool.data_ptr<float>();
-    at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, B, grain((H + 2 * K) * D), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const float* row = qkvp + b * (H + 2 * K) * D;
         if (cos.has_value()) {
@@ -299,7 +303,7 @@ at::Tensor run_layer(const Layer& layer, const at::Tensor& x, size_t P, const St
     at::Tensor a = st.gated ? at::empty({B, F}, x.options()) : up;  // (B, F)
     const float* up_p = up.data_ptr<float>();
     float* ap = a.data_ptr<float>();
-    at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, B, grain(F), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         if (st.gated) {
           activate(fn, up_p + b * 2 * F, up_p + b * 2 * F + F, F, ap + b * F);
@@ -427,7 +431,7 @@ at::Tensor ts::stack_step(const Blocks& bs, const c10::optional<at::Tensor>& x, 
     at::Tensor out = at::empty_like(h);  // (B, C)
     const float* hp = h.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    at::parallel_for(0, B, GRAIN, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, B, grain(C), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         std::copy(hp + b * C, hp + (b + 1) * C, op + b * C);
         norm.normalize(0, op + b * C, C);

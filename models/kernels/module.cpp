@@ -17,4 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, bool>());
   m.def("stack_step", &ts::stack_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "One step of a stack of blocks (block_step.cpp)");
+  m.def("beam_top", &ts::beam_top, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "A beam search step's best candidates (select.cpp)");
+  m.def("search_select", &ts::search_select, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "A search step's candidates from the decoder's logits (select.cpp)");
+  m.def("copy_blocks", &ts::copy_blocks, pybind11::call_guard<pybind11::gil_scoped_release>(), "Blocks of a paged pool copied into others (pool.cpp)");
 }

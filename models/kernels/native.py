@@ -1,7 +1,8 @@
 """Building and loading models/kernels/: the `torch.ops.ts_panels` kernels, the projections
 (panels.cpp), decode attention over a paged KV cache (attention.cpp) and a beam search step's
-candidates (select.cpp), and, as a plain Python function of the build's module (module.cpp), a whole
-stack's decode step (or an encoder's pass) on them, block after block (block_step.cpp).
+candidates (select.cpp), and, as plain Python functions of the build's module (module.cpp), a whole
+stack's decode step (or an encoder's pass) on them, block after block (block_step.cpp), and the copy of a
+paged pool's blocks (pool.cpp).
 
 The sources are compiled once per machine with torch's own extension builder (g++, the headers of the
 installed torch) into torch's extension cache ($TORCH_EXTENSIONS_DIR, default
@@ -37,7 +38,7 @@ import torch
 log = logging.getLogger("models.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("panels.cpp", "attention.cpp", "block_step.cpp", "select.cpp", "module.cpp")]
+           for name in ("panels.cpp", "attention.cpp", "block_step.cpp", "select.cpp", "pool.cpp", "module.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
 NAME = "ts_panels"  # the ops' namespace: torch.ops.ts_panels
 DISABLE_ENV = "TS_NATIVE_KERNELS"

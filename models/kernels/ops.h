@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace ts {
@@ -27,6 +28,25 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
 // (B, 1) int64 the source of each row, lengths (B,) int64 its real keys (a prefix of S) -> (B, H, D)
 at::Tensor sources_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sources,
                           const at::Tensor& lengths, double scale);
+
+// A beam search step's k best candidates of each group of beams (select.cpp): logp (G * rows, V) and
+// scores (G, rows) float32 -> values (G, k) float32 and flat indices (G, k) int64, best first
+std::tuple<at::Tensor, at::Tensor> beam_top(const at::Tensor& logp, const at::Tensor& scores, int64_t k);
+
+// One request's candidates: values, source beams, tokens (best first; a greedy request's one argmax)
+using Candidates = std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<int64_t>>;
+
+// A search step's candidates from the decoder's logits (R, V) float32 (select.cpp): log-softmax (torch's),
+// `banned` tokens at -inf, each `forced` request's rows only the end token `eos`, then per request (its
+// `rows` in order, beam size `beams`, running `scores`) its argmax (beam 1) or its 2n best candidates
+std::vector<Candidates> search_select(const at::Tensor& logits, const std::vector<int64_t>& banned, int64_t eos,
+                                      const std::vector<int64_t>& rows, const std::vector<int64_t>& beams,
+                                      const std::vector<bool>& forced, const std::vector<std::vector<double>>& scores);
+
+// Block dst[i] of a paged pool (2, L, rows, D) becomes a copy of block src[i] (block_rows rows each) in
+// every layer's keys and values (pool.cpp); no destination may be a source
+void copy_blocks(const at::Tensor& pool, const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
+                 int64_t block_rows);
 
 // A stack's parameters, held once (models/native_blocks.py builds one per stack, through module.cpp):
 // each block's norms and projections in turn (qkv, o, [cross q, cross o,] up or gate/up, down; the

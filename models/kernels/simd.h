@@ -56,6 +56,8 @@ TS_TARGET inline vi maddubs_i16(vi u, vi s) { return _mm256_maddubs_epi16(u, s);
 TS_TARGET inline vf to_float(vi a) { return _mm256_cvtepi32_ps(a); }
 // bit i set where lane i of a > b (ordered: a NaN lane is never greater)
 TS_TARGET inline uint32_t greater(vf a, vf b) { return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ))); }
+// bit i set where lane i of a is NaN
+TS_TARGET inline uint32_t nan_lanes(vf a) { return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q))); }
 // round to nearest, ties to even (the default rounding mode, which nothing here changes)
 TS_TARGET inline vi round_i32(vf a) { return _mm256_cvtps_epi32(a); }
 // LANES float16 -> float32
@@ -142,6 +144,7 @@ TS_TARGET inline vi madd_i16(vi a, vi b) { return _mm512_madd_epi16(a, b); }
 TS_TARGET inline vi maddubs_i16(vi u, vi s) { return _mm512_maddubs_epi16(u, s); }
 TS_TARGET inline vf to_float(vi a) { return _mm512_cvtepi32_ps(a); }
 TS_TARGET inline uint32_t greater(vf a, vf b) { return static_cast<uint32_t>(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ)); }
+TS_TARGET inline uint32_t nan_lanes(vf a) { return static_cast<uint32_t>(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q)); }
 TS_TARGET inline vi round_i32(vf a) { return _mm512_cvt_roundps_epi32(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 TS_TARGET inline vf halves(const uint8_t* h) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))); }
 TS_TARGET inline float reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
