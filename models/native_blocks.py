@@ -9,7 +9,9 @@ SmolLM2 more per step than the 4-bit products themselves; run eagerly, the small
 is a few dozen dispatches of microseconds each (docs/benchmarks.md, "One op per layer").
 models/kernels/block_step.cpp runs the whole block on the same projection and attention kernels,
 block after block, so a step is one call: for a decode step also each row's token embedding (the
-token's row times the model's scale, plus its position's row) and the stack's final norm. The call is a
+token's row times the model's scale, plus its position's row), the stack's final norm and, where the
+model passes it (Seq2Seq.decode: CausalStack.decode_step with a `Head`), its output projection with
+Marian's bias after it, so a translator's step returns its logits from one call. The call is a
 plain function of the kernels' Python module (module.cpp) holding the stack's parameters in one
 object (`Stack.native`), not a torch op: an op's call checked and converted every layer's tensors each
 step, and with the embedding and norm as torch ops around one op per block that cost the small
@@ -80,11 +82,12 @@ class LayerArgs(NamedTuple):
         return self.outs[0] // (self.heads + 2 * self.kv_heads)
 
 
-def _projection(m: nn.Module | None) -> tuple | None:
-    """(weights, bias, kind, outputs, activation parts) of a projection block_step runs, else None."""
+def _projection(m: nn.Module | None, copies: bool = False) -> tuple | None:
+    """(weights, bias, kind, outputs, activation parts) of a projection block_step runs, else None (a
+    tied head's packed copy of the embedding matrix only with `copies`)."""
     if isinstance(m, BlockLinear):
         return m.records, m.bias, KINDS[m.fmt], m.out_features, m.activation_bits // 8
-    if isinstance(m, PanelLinear) and not m.copy:
+    if isinstance(m, PanelLinear) and (copies or not m.copy):
         return m.panels, m.bias, KINDS["f32"], m.out_features, 1
     return None
 
@@ -342,37 +345,77 @@ class TokenRows(NamedTuple):
     embedding: Embedding
 
 
+class Head(NamedTuple):
+    """A model's output projection as stack_step applies it after the final norm (head_args)."""
+
+    weight: Tensor  # panels or blocks (models/panels.py)
+    bias: Tensor | None  # (V,) float32: its own, or the model's bias added after it (Marian's final_logits_bias)
+    kind: int  # KINDS
+    n: int  # V
+    parts: int
+
+
+def head_args(projection: nn.Module | None, bias_after: Tensor | None = None) -> Head | None:
+    """The Head of `projection` (with `bias_after`, a (V,) float32 bias the model adds after it, if any)
+    when stack_step computes it as the model does: a projection block_step runs, at most one bias
+    (built once, as embedding_args)."""
+    if projection is None:
+        return None
+    return _per_module(projection, lambda m: _head(m, bias_after))
+
+
+def _head(projection: nn.Module, bias_after: Tensor | None) -> Head | None:
+    found = _projection(projection, copies=True)
+    if found is None:
+        return None
+    weight, bias, kind, n, parts = found
+    if bias_after is not None:  # the float32 panels add a bias as each output is stored: the same addition
+        if kind != KINDS["f32"] or bias is not None or bias_after.dtype != torch.float32 or bias_after.shape != (n,):
+            return None  # two additions, or one the kernel does not make as the model does
+        bias = bias_after
+    return Head(weight, bias, kind, n, parts)
+
+
+def step_sources(stack: Stack, cross: CrossCache | None, rows: int) -> tuple[bool, tuple[Tensor, Tensor] | None]:
+    """Whether stack_step runs this step's cross-attention (none where the blocks have none; right-padded
+    sources, one per row, as CrossCache.row_sources reads them), and each row's source with its key count."""
+    if (cross is not None) != stack.cross:  # the blocks' cross-attention and this step's
+        return False, None
+    if cross is None:
+        return True, None
+    sources = cross.row_sources()  # (B, 1), (B,)
+    return sources is not None and sources[0].size(0) == rows, sources
+
+
 def decode_layers(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | None, cache,
                   cross: CrossCache | None = None,
-                  final: tuple[Tensor, Tensor | None, float, bool] | None = None) -> Tensor | None:
+                  final: tuple[Tensor, Tensor | None, float, bool] | None = None,
+                  head: Head | None = None) -> Tensor | None:
     """One decode step of a causal stack in one stack_step: rows, the step's input (B, 1, C) float32 or
     each row's token to embed (TokenRows), through every block, then the final norm `final`
-    (final_norm_args of the stack's norm; None: none). rope: cos, sin (B, 1, 1, D) or None; cache: a
-    PagedCacheView after begin(1) whose layers attend through the decode kernel; cross: the encoder's
-    keys/values (an encoder-decoder's stack). Returns (B, 1, C), or None when this step's
-    cross-attention is not one the op runs (the caller runs its blocks)."""
+    (final_norm_args of the stack's norm; None: none), then the model's output projection `head` when
+    given. rope: cos, sin (B, 1, 1, D) or None; cache: a PagedCacheView after begin(1) whose layers
+    attend through the decode kernel; cross: the encoder's keys/values (an encoder-decoder's stack).
+    Returns (B, 1, C), or the logits (B, 1, V) with a head; None when this step's cross-attention is not
+    one the op runs (step_sources; the caller runs its blocks)."""
     b = rows.ids.size(0) if isinstance(rows, TokenRows) else rows.size(0)
-    if (cross is not None) != stack.cross:  # the blocks' cross-attention and this step's
+    ok, sources = step_sources(stack, cross, b)
+    if not ok:
         return None
-    sources = None
-    if cross is not None:
-        sources = cross.row_sources()  # (B, 1), (B,)
-        if sources is None or sources[0].size(0) != b:
-            return None
     rope = tuple(r.reshape(b, -1).contiguous() for r in rope) if rope is not None else None  # (B, D) each
     k_pools, v_pools, slots, tables, keys, block = cache.decode_args(len(stack.layers))
     kv = [tuple(t.contiguous() for t in pair) for pair in cross.kv] if cross is not None else None  # (N, K, S, D) each
-    h = _run(stack, rows, rope, final, k_pools, v_pools, slots, tables, keys, block, kv, sources)  # (B, C)
-    return h.view(b, 1, -1)  # (B, 1, C)
+    h = _run(stack, rows, rope, final, k_pools, v_pools, slots, tables, keys, block, kv, sources, head)  # (B, C|V)
+    return h.view(b, 1, -1)  # (B, 1, C) or (B, 1, V)
 
 
 def _run(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | None,
          final: tuple[Tensor, Tensor | None, float, bool] | None, k_pools: list[Tensor], v_pools: list[Tensor],
          slots: Tensor, tables: Tensor, keys: Tensor, block: int, kv: list[tuple[Tensor, Tensor]] | None = None,
-         sources: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """One stack_step: rows (B, C) or tokens -> (B, C); rope (B, D) each; final: the final norm's
-    final_norm_args; kv, sources: each layer's cross-attention keys/values (N, K, S, D) and each row's source
-    with its key count (CrossCache.row_sources)."""
+         sources: tuple[Tensor, Tensor] | None = None, head: Head | None = None) -> Tensor:
+    """One stack_step: rows (B, C) or tokens -> (B, C), or the logits (B, V) of `head`; rope (B, D) each;
+    final: the final norm's final_norm_args; kv, sources: each layer's cross-attention keys/values
+    (N, K, S, D) and each row's source with its key count (CrossCache.row_sources)."""
     cos, sin = rope if rope is not None else (None, None)
     src, src_keys = sources if sources is not None else (None, None)
     x = ids = table = pos_table = positions = None
@@ -384,7 +427,8 @@ def _run(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | N
     else:
         x = rows.reshape(rows.size(0), -1).contiguous()  # (B, C)
     fw, fb, feps, frms = final if final is not None else (None, None, 0.0, True)
+    hw, hb, hkind, hn, hparts = head if head is not None else (None, None, 0, 0, 1)
     return native.module().stack_step(
         stack.native, x, ids, table, scale, pos_table, positions, cos, sin, k_pools, v_pools, slots, tables, keys,
         [k for k, _ in kv] if kv is not None else [], [v for _, v in kv] if kv is not None else [], src, src_keys,
-        block, fw, fb, feps, frms)  # (B, C)
+        block, fw, fb, feps, frms, hw, hb, hkind, hn, hparts)  # (B, C) or (B, V)

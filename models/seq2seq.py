@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import native_blocks
 from .config import Seq2SeqConfig
 from .kv_cache import CacheView, CrossCache
 from .layers import Embeddings
@@ -58,6 +59,13 @@ class Seq2Seq(nn.Module):
         last: Tensor | None = None,
     ) -> Tensor:
         """tgt (B, T) -> logits (B, T, V) (or (B, 1, V) at `last`)."""
+        if tgt_keep is None and last is None and tgt.size(1) == 1 and self.head_scale == 1.0:
+            # a decode step: the decoder's native step applies the head too where it can (one call)
+            head = native_blocks.head_args(self.lm_head, self.final_logits_bias)
+            if head is not None:
+                logits = self.decoder.decode_step(tgt, cache, cross, head)  # (B, 1, V)
+                if logits is not None:
+                    return logits
         hidden = self.decoder(tgt, tgt_keep, cache, cross)  # (B, T, C)
         return self.logits(gather_rows(hidden, last))
 

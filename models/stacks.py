@@ -77,26 +77,16 @@ class CausalStack(nn.Module):
         """ids: (B, T) long; keep: (B, T) bool; cache: rows to read/write; cross: encoder keys/values."""
         b, t = ids.shape
         unpadded = keep is None
+        if unpadded and t == 1:
+            out = self.decode_step(ids, cache, cross)  # (B, 1, C), or None where the native op does not run
+            if out is not None:
+                return out
         if cache is not None:
             positions, _ = cache.begin(t, keep)  # (B, T); S = longest past + T (at most the cache's L)
         else:
             if keep is None:
                 keep = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
             positions = positions_from_mask(keep)  # (B, T)
-        weight = self.embed.tokens.weight  # (V, C)
-        stack = None
-        if self.relative_bias is None and self.window is None and native_blocks.runs(cache, t, weight):
-            stack = native_blocks.stack_args(self.blocks)  # None unless the native op computes every block
-        if stack is not None:
-            # the whole step in one native op (models/native_blocks.py): the embedding where it can, every
-            # block, the final norm where it can; no mask to build
-            embedding = native_blocks.embedding_args(self.embed)
-            rows = native_blocks.TokenRows(ids, positions, embedding) if embedding is not None else self.embed(ids, positions)
-            rope = self.rotary(positions, weight.dtype) if self.rotary is not None else None  # (B, 1, 1, D) x2
-            final = native_blocks.final_norm_args(self.norm)  # None: no norm, or one the op does not compute
-            out = native_blocks.decode_layers(stack, rows, rope, cache, cross, final)  # (B, 1, C)
-            if out is not None:
-                return self.norm(out) if self.norm is not None and final is None else out  # (B, 1, C)
         x = self.embed(ids, positions)  # (B, T, C)
         rope = self.rotary(positions, x.dtype) if self.rotary is not None else None  # (B, 1, T, D) x2
         plain = self.window is None and self.relative_bias is None  # masks that only say "causal"
@@ -123,6 +113,31 @@ class CausalStack(nn.Module):
             kv = cross.layer_kv(i) if cross is not None else None
             x = block(x, mask, rope, cache.layer(i) if cache is not None else None, kv, cross_mask, bias=bias)
         return self.norm(x) if self.norm is not None else x
+
+
+    def decode_step(self, ids: Tensor, cache: CacheView | None, cross: CrossCache | None = None,
+                    head: native_blocks.Head | None = None) -> Tensor | None:
+        """A decode step, ids (B, 1), in one native call (models/native_blocks.py), the cache's begin
+        included: the embedding where the op computes it, every block, the final norm, and the model's
+        output projection `head` when given (native_blocks.head_args). Returns (B, 1, C), or the logits
+        (B, 1, V) with a head; None, having done nothing, where the op does not compute this step."""
+        weight = self.embed.tokens.weight  # (V, C)
+        if self.relative_bias is not None or self.window is not None or not native_blocks.runs(cache, 1, weight):
+            return None
+        stack = native_blocks.stack_args(self.blocks)  # None unless the native op computes every block
+        if stack is None or not native_blocks.step_sources(stack, cross, ids.size(0))[0]:
+            return None
+        final = native_blocks.final_norm_args(self.norm)  # None: no norm, or one the op does not compute
+        if head is not None and self.norm is not None and final is None:
+            return None  # a norm the op does not compute comes before the head
+        positions, _ = cache.begin(1)  # (B, 1)
+        embedding = native_blocks.embedding_args(self.embed)
+        rows = native_blocks.TokenRows(ids, positions, embedding) if embedding is not None else self.embed(ids, positions)
+        rope = self.rotary(positions, weight.dtype) if self.rotary is not None else None  # (B, 1, 1, D) x2
+        out = native_blocks.decode_layers(stack, rows, rope, cache, cross, final, head)  # (B, 1, C|V)
+        if out is None:  # step_sources said it runs
+            raise RuntimeError("the native decode step refused a step it had accepted")
+        return self.norm(out) if head is None and final is None and self.norm is not None else out
 
 
 def _relative_bias(cfg: BlockConfig, bidirectional: bool) -> RelativePositionBias | None:

@@ -348,7 +348,7 @@ ts::Blocks::Blocks(std::vector<at::Tensor> norms_, std::vector<c10::optional<at:
 // absolute position's row when the model has a table; rows of the input x instead when given), every
 // layer's block (one pool and, with cross-attention, one encoder key/value pair per layer), then the
 // final norm (if any). The same arithmetic, in the same order, as Embeddings.forward, the blocks one
-// after another and the norm.
+// after another and the norm; then, when given, the model's output projection (its logits returned).
 at::Tensor ts::stack_step(const Blocks& bs, const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& ids,
                           const c10::optional<at::Tensor>& embed, double embed_scale,
                           const c10::optional<at::Tensor>& pos_table, const c10::optional<at::Tensor>& positions,
@@ -358,7 +358,9 @@ at::Tensor ts::stack_step(const Blocks& bs, const c10::optional<at::Tensor>& x, 
                           const std::vector<at::Tensor>& cross_k, const std::vector<at::Tensor>& cross_v,
                           const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& source_keys,
                           int64_t block, const c10::optional<at::Tensor>& final_norm,
-                          const c10::optional<at::Tensor>& final_norm_bias, double final_eps, bool final_rms) {
+                          const c10::optional<at::Tensor>& final_norm_bias, double final_eps, bool final_rms,
+                          const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_bias,
+                          int64_t head_kind, int64_t head_n, int64_t head_parts) {
   const size_t L = bs.layers, P = bs.P;
   const bool cross = P == 6;
   TORCH_CHECK(k_pools.size() == L && v_pools.size() == L, "one key pool and one value pool per layer");
@@ -437,7 +439,10 @@ at::Tensor ts::stack_step(const Blocks& bs, const c10::optional<at::Tensor>& x, 
         norm.normalize(0, op + b * C, C);
       }
     });
-    return out;
+    h = out;
+  }
+  if (head.has_value()) {  // the model's output projection: logits (B, V)
+    return project(static_cast<Kind>(head_kind), h, *head, head_bias, head_n, head_parts);
   }
   return h;
 }

@@ -71,7 +71,8 @@ struct Blocks {
          int64_t heads, int64_t kv_heads, double scale, int64_t layers, bool cross);
 };
 
-// One step of a stack (block_step.cpp): x (B, C) or each row's token embedded, every block, the final norm
+// One step of a stack (block_step.cpp): x (B, C) or each row's token embedded, every block, the final norm,
+// and the output projection `head` (its `head_kind` layout, `head_n` outputs) when given
 at::Tensor stack_step(const Blocks& blocks, const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& ids,
                       const c10::optional<at::Tensor>& embed, double embed_scale,
                       const c10::optional<at::Tensor>& pos_table, const c10::optional<at::Tensor>& positions,
@@ -81,6 +82,8 @@ at::Tensor stack_step(const Blocks& blocks, const c10::optional<at::Tensor>& x, 
                       const std::vector<at::Tensor>& cross_k, const std::vector<at::Tensor>& cross_v,
                       const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& source_keys,
                       int64_t block, const c10::optional<at::Tensor>& final_norm,
-                      const c10::optional<at::Tensor>& final_norm_bias, double final_eps, bool final_rms);
+                      const c10::optional<at::Tensor>& final_norm_bias, double final_eps, bool final_rms,
+                      const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_bias,
+                      int64_t head_kind, int64_t head_n, int64_t head_parts);
 
 }  // namespace ts

@@ -277,6 +277,27 @@ def test_the_op_embeds_and_norms_as_the_modules_do(which: str, monkeypatch: pyte
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
 
 
+def test_the_op_applies_the_head_as_the_model_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A translator's decode step with its head inside the op (the packed head and Marian's
+    final_logits_bias, added as each logit is stored) gives the bits of the head applied after the op;
+    the fused step is taken where the head is float32 panels, not where a bias would follow 8-bit blocks."""
+    model = translator()
+    with torch.no_grad():
+        model.final_logits_bias.copy_(torch.linspace(-3, 3, model.cfg.vocab_size))  # a bias that shows
+    assert native_blocks.head_args(model.lm_head, model.final_logits_bias) is not None
+    calls = []
+    real = model.decoder.decode_step
+    monkeypatch.setattr(model.decoder, "decode_step", lambda *a: calls.append(len(a) == 4 and a[3] is not None) or real(*a))
+    inside = cross_steps(model, SOURCES, 10)
+    assert calls == [True] * 10  # every step took the head inside
+    monkeypatch.setattr(native_blocks, "head_args", lambda *a: None)
+    after = cross_steps(model, SOURCES, 10)
+    for step, (a, b) in enumerate(zip(inside, after, strict=True)):
+        assert torch.equal(a, b), f"step {step}"
+    quantized = translator("q8_0")
+    assert native_blocks.head_args(quantized.lm_head, quantized.final_logits_bias) is None
+
+
 def test_native_cross_attention_gives_a_row_the_same_bits_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decoder rows of the same encoder output (one encoder pass: its padded batch is not what is tested
     here) give the same bits alone and among others."""
