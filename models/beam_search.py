@@ -91,13 +91,14 @@ def _step_request(req: _Request, top: tuple[list[float], list[int], list[int]], 
     return [beam for _, beam, _ in running]
 
 
-def _select(live: Sequence[_Request], logits: Tensor, banned: list[int], eos: int,
+def _select(live: Sequence[_Request], logits: Tensor, banned: list[int], eos: int, native_runs: bool = True,
             ) -> list[tuple[list[float], list[int], list[int]]]:
     """Every request's candidates (as _candidates) from the step's logits (R, V), rows in live's order:
     log-probs, the banned tokens at -inf, the rows of a request at its length limit forced to eos. One
-    native call on a CPU with float32 logits (the same log-softmax, values and order), else torch ops."""
+    native call where `native_runs` (_native_select of the model's weights) and the logits are float32
+    (the same log-softmax, values and order), else torch ops."""
     forced = [req.step + 1 >= req.params.max_new_tokens for req in live]
-    if _native_select(logits):
+    if native_runs and logits.dtype == torch.float32:
         return native.module().search_select(logits, banned, eos, [req.rows for req in live],
                                              [req.params.beam_size for req in live], forced,
                                              [req.scores for req in live])
@@ -113,9 +114,10 @@ def _select(live: Sequence[_Request], logits: Tensor, banned: list[int], eos: in
     return _candidates(live, logp)
 
 
-def _native_select(logits: Tensor) -> bool:
-    """Whether _select runs natively for these logits."""
-    return logits.dtype == torch.float32 and kernel_runs(logits.dtype, logits.device)
+def _native_select(weight: Tensor) -> bool:
+    """Whether _select may run natively for a model with these weights (float32 logits on a CPU where
+    the kernels run)."""
+    return kernel_runs(torch.float32, weight.device)
 
 
 def _candidates(live: Sequence[_Request], logp: Tensor) -> list[tuple[list[float], list[int], list[int]]]:
@@ -200,6 +202,7 @@ class BeamSearch:
         else:
             self.cache = KVCache.for_model(cfg, rows, max_new_tokens + 1, dtype=weight.dtype, device=self.device)
         self.banned = list(banned_ids)
+        self._native = _native_select(weight)  # the step's selection in one native call
         self._live: list[_Request] = []  # sources with rows, in row order
         self._sources: CrossCache | None = None  # one row per live source, in _live's order
         self._cross: CrossCache | None = None  # _sources grouped for the rows as they are; None: rebuild
@@ -244,11 +247,16 @@ class BeamSearch:
         self._tokens += [self.start] * len(sources)
         self._cross = None
 
-    @torch.inference_mode()
     def step(self, cancelled: Callable[[Hashable], bool] | None = None) -> list[Translated]:
         """One token for every row. `cancelled(key)`, asked once per step for each live source: True
         drops its rows from this step on (its result is None). Returns what happened to each source:
         its greedy token, or its end."""
+        if torch.is_inference_mode_enabled():  # (translate_ids) entering it again costs ~1 us a step
+            return self._step(cancelled)
+        with torch.inference_mode():
+            return self._step(cancelled)
+
+    def _step(self, cancelled: Callable[[Hashable], bool] | None) -> list[Translated]:
         if not self._live:
             return []
         out: list[Translated] = []
@@ -277,7 +285,7 @@ class BeamSearch:
             out += self._drop(list(failed), failed)
             if not self._live:
                 return out
-        tops = _select(self._live, logits, self.banned, self.eos)
+        tops = _select(self._live, logits, self.banned, self.eos, self._native)
         offsets = self._offsets()
         gather: list[int] = []
         new_tokens: list[int] = []

@@ -390,18 +390,20 @@ def step_sources(stack: Stack, cross: CrossCache | None, rows: int) -> tuple[boo
 def decode_layers(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | None, cache,
                   cross: CrossCache | None = None,
                   final: tuple[Tensor, Tensor | None, float, bool] | None = None,
-                  head: Head | None = None) -> Tensor | None:
+                  head: Head | None = None, sources: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
     """One decode step of a causal stack in one stack_step: rows, the step's input (B, 1, C) float32 or
     each row's token to embed (TokenRows), through every block, then the final norm `final`
     (final_norm_args of the stack's norm; None: none), then the model's output projection `head` when
     given. rope: cos, sin (B, 1, 1, D) or None; cache: a PagedCacheView after begin(1) whose layers
     attend through the decode kernel; cross: the encoder's keys/values (an encoder-decoder's stack).
     Returns (B, 1, C), or the logits (B, 1, V) with a head; None when this step's cross-attention is not
-    one the op runs (step_sources; the caller runs its blocks)."""
+    one the op runs (step_sources; the caller runs its blocks). `sources`: what step_sources gave for
+    this step's cross-attention, when the caller asked it already."""
     b = rows.ids.size(0) if isinstance(rows, TokenRows) else rows.size(0)
-    ok, sources = step_sources(stack, cross, b)
-    if not ok:
-        return None
+    if sources is None:
+        ok, sources = step_sources(stack, cross, b)
+        if not ok:
+            return None
     rope = tuple(r.reshape(b, -1).contiguous() for r in rope) if rope is not None else None  # (B, D) each
     k_pools, v_pools, slots, tables, keys, block = cache.decode_args(len(stack.layers))
     kv = [tuple(t.contiguous() for t in pair) for pair in cross.kv] if cross is not None else None  # (N, K, S, D) each

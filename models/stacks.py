@@ -125,7 +125,10 @@ class CausalStack(nn.Module):
         if self.relative_bias is not None or self.window is not None or not native_blocks.runs(cache, 1, weight):
             return None
         stack = native_blocks.stack_args(self.blocks)  # None unless the native op computes every block
-        if stack is None or not native_blocks.step_sources(stack, cross, ids.size(0))[0]:
+        if stack is None:
+            return None
+        takes, sources = native_blocks.step_sources(stack, cross, ids.size(0))
+        if not takes:
             return None
         final = native_blocks.final_norm_args(self.norm)  # None: no norm, or one the op does not compute
         if head is not None and self.norm is not None and final is None:
@@ -134,7 +137,7 @@ class CausalStack(nn.Module):
         embedding = native_blocks.embedding_args(self.embed)
         rows = native_blocks.TokenRows(ids, positions, embedding) if embedding is not None else self.embed(ids, positions)
         rope = self.rotary(positions, weight.dtype) if self.rotary is not None else None  # (B, 1, 1, D) x2
-        out = native_blocks.decode_layers(stack, rows, rope, cache, cross, final, head)  # (B, 1, C|V)
+        out = native_blocks.decode_layers(stack, rows, rope, cache, cross, final, head, sources)  # (B, 1, C|V)
         if out is None:  # step_sources said it runs
             raise RuntimeError("the native decode step refused a step it had accepted")
         return self.norm(out) if head is None and final is None and self.norm is not None else out

@@ -77,7 +77,7 @@ def test_beam_search_through_the_kernel_equals_torch_topk(monkeypatch: pytest.Mo
     monkeypatch.setattr(native, "module", lambda: spy)
     ours = translate_ids(model, sources, params, banned_ids=[1, 2])
     assert calls  # the kernel ran
-    monkeypatch.setattr(beam_search, "_native_select", lambda logits: False)
+    monkeypatch.setattr(beam_search, "_native_select", lambda weight: False)
     monkeypatch.setattr(beam_search, "_top", torch_top)
     assert translate_ids(model, sources, params, banned_ids=[1, 2]) == ours
     assert len({tuple(t) for t in ours}) == len(ours)  # the tiny model's outputs depend on the source
@@ -103,7 +103,7 @@ def test_the_native_selection_is_the_torch_path(requests: list[tuple[int, int, i
     logits[0, 7] = logits[0].max()  # a tie with the row's best: the lower index wins on both paths
     banned, eos = [1, 299], 2
     assert beam_search._native_select(logits)
-    ours = beam_search._select(live, logits, banned, eos)
+    ours = beam_search._select(live, logits, banned, eos, native_runs=True)
     want = beam_search._candidates(live, _torch_logp(live, logits, banned, eos))
     assert ours == want
     for req, (values, _, tokens) in zip(live, ours, strict=True):
