@@ -178,9 +178,11 @@ def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = me
         # a block's projections go to the panels where they exist: the native op that runs a whole block
         # in one call takes only panels, and it beat every per-projection choice (a translator step
         # 0.87 -> 0.41 ms); timed one projection at a time they tie with oneDNN within the machine's
-        # noise, so a load could lose the op to a coin toss. Every projection is still timed, in model
-        # order, so the others (heads) are measured with the caches as a forward pass leaves them.
-        blocks = _block_parts(model) if "panels" in here else set()
+        # noise, so a load could lose the op to a coin toss. An encoder-decoder's head too: the decoder's
+        # native step applies it in the same call (Seq2Seq.decode). Every projection is still timed, in
+        # model order, so the others (a decoder-only model's head) are measured with the caches as a
+        # forward pass leaves them.
+        blocks = _block_parts(model) | _fused_heads(model) if "panels" in here else set()
         candidates = {name: [build(name, s) for s in slots] for name in here}
         use, report = {}, {}
         for shape, seconds in timer(slots, candidates).items():
@@ -202,6 +204,14 @@ def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = me
 
 def _shape_name(shape: Shape) -> str:
     return f"{shape[0]}x{shape[1]}"
+
+
+def _fused_heads(model: nn.Module) -> set[int]:
+    """id of `model` when its head is applied inside the decoder's native step (an encoder-decoder's
+    lm_head: its slot's parent is the model)."""
+    from .seq2seq import Seq2Seq
+
+    return {id(model)} if isinstance(model, Seq2Seq) else set()
 
 
 def _block_parts(model: nn.Module) -> set[int]:
