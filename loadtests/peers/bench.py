@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import random
 import statistics
@@ -43,6 +44,10 @@ TEST_SET = BUILTIN_DIR / "translator-en-es" / "test.tsv"
 # Between two engines' turns: ONNX Runtime's and OpenMP's worker threads spin for a while after a
 # call, which would steal the cores from the next engine; a pause lets them go to sleep.
 SETTLE_S = 0.3
+# a timed sample is the median of enough calls to span this long (at most MAX_REPEATS): a batch-1 item of
+# 16 sentences takes ~80 ms, and one call's time on this VM swung 0.5x-1.4x of its neighbours'
+SAMPLE_S = 0.5
+MAX_REPEATS = 7
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 # our variants per model (worker.py modes, models.spec.variant): float ones face the peer's fp32, the
 # rest its int8; "+a8": the block formats with 8-bit activations, llama.cpp's arithmetic (the
@@ -96,18 +101,22 @@ class Worker:
 
 
 def alternate(workers: dict[str, Worker], works: dict[str, dict[str, Any]], rounds: int,
-              repeats: dict[str, int], label: str) -> dict[str, dict[str, float]]:
-    """Median seconds per (engine, work): a warm-up call each, then rounds in which the engines take turns."""
-    for w in workers.values():
-        for work in works.values():
-            w.run(work)
+              repeats: dict[str, int], label: str, sample_s: float = SAMPLE_S) -> dict[str, dict[str, float]]:
+    """Median seconds per (engine, work): a warm-up call each (timed), then rounds in which the engines
+    take turns, each sample the median of at least repeats[work] calls, and of as many as span
+    `sample_s` by the warm-up's time (at most MAX_REPEATS)."""
+    calls: dict[str, dict[str, int]] = {e: {} for e in workers}
+    for e, w in workers.items():
+        for k, work in works.items():
+            once = w.seconds(work, 1)
+            calls[e][k] = max(repeats[k], min(MAX_REPEATS, math.ceil(sample_s / max(once, 1e-6))))
     samples: dict[str, dict[str, list[float]]] = {e: {k: [] for k in works} for e in workers}
     for r in range(rounds):
         start = time.monotonic()
         for k, work in works.items():
             for e, w in workers.items():
                 time.sleep(SETTLE_S)
-                samples[e][k].append(w.seconds(work, repeats[k]))
+                samples[e][k].append(w.seconds(work, calls[e][k]))
         log.info("%s: round %d/%d done in %.0f s", label, r + 1, rounds, time.monotonic() - start)
     return {e: {k: statistics.median(v) for k, v in per.items()} for e, per in samples.items()}
 
@@ -175,7 +184,8 @@ def bench_encoder(env: PeerEnv, work_dir: Path, args: argparse.Namespace, rng: r
             raise RuntimeError(f"ONNX export differs from our encoder: {quality['onnxruntime fp32']}")
         works = {f"batch {b}": {"kind": "encode", "batches": [tok.encode_batch(mixed_texts(b, rng))
                                                                for _ in range(_calls(b, args))]} for b in args.batches}
-        seconds = alternate(workers, works, args.rounds, dict.fromkeys(works, args.repeats), "encoder")
+        seconds = alternate(workers, works, args.rounds, dict.fromkeys(works, args.repeats), "encoder",
+                            0.0 if args.smoke else SAMPLE_S)
     finally:
         _close(workers)
     speed = {e: {k: _items(works[k]) / s for k, s in per.items()} for e, per in seconds.items()}
@@ -209,7 +219,8 @@ def bench_translator(env: PeerEnv, work_dir: Path, args: argparse.Namespace,
                  {"kind": "translate", "beam": beam,
                   "batches": [tok.encode_batch(rng.sample(sources, b)) for _ in range(_calls(b, args))]}
                  for beam in (4, 1) for b in args.batches}
-        seconds = alternate(workers, works, args.rounds, dict.fromkeys(works, 1), "translator")
+        seconds = alternate(workers, works, args.rounds, dict.fromkeys(works, 1), "translator",
+                            0.0 if args.smoke else SAMPLE_S)
     finally:
         _close(workers)
     speed = {e: {k: _items(works[k]) / s for k, s in per.items()} for e, per in seconds.items()}
@@ -313,7 +324,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
              f"- **Machine:** {m.get('nproc')} CPUs ({m.get('cpu_model', '?')}; flags "
              f"{', '.join(m.get('cpu_flags', []))}), {m.get('ram_gib', '?')} GiB RAM; {result['threads']} threads "
              "for every engine, each in its own process; engines take turns within each round, medians of "
-             f"{result['rounds']} rounds.",
+             f"{result['rounds']} rounds, each round's time the median of as many calls as span {SAMPLE_S} s "
+             f"(at most {MAX_REPEATS}).",
              "- **Versions:** " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()), ""]
     if "encoder" in result:
         e = result["encoder"]
