@@ -333,7 +333,7 @@ def encode_layers(stack: Stack, x: Tensor, keep: Tensor) -> Tensor | None:
     tables, keys = seq[:, None].contiguous(), lengths.index_select(0, seq)  # (M, 1), (M,)
     h = x.reshape(b * t, c).index_select(0, real)  # (M, C)
     n = len(stack.layers)
-    h = _run(stack, h, None, None, [k_pool] * n, [v_pool] * n, slots, tables, keys, longest)  # (M, C)
+    h = _run(stack, h, None, None, [k_pool] * n, [v_pool] * n, slots, tables, keys, [], longest)  # (M, C)
     return x.new_zeros(b * t, c).index_copy_(0, real, h).view(b, t, c)  # (B, T, C)
 
 
@@ -341,7 +341,7 @@ class TokenRows(NamedTuple):
     """A decode step's rows as stack_step embeds them: each row's token and position."""
 
     ids: Tensor  # (B, 1) int64
-    positions: Tensor  # (B, 1) int64
+    positions: Tensor | None  # (B, 1) int64; None: the op takes each row's past length
     embedding: Embedding
 
 
@@ -405,32 +405,36 @@ def decode_layers(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Te
         if not ok:
             return None
     rope = tuple(r.reshape(b, -1).contiguous() for r in rope) if rope is not None else None  # (B, D) each
-    k_pools, v_pools, slots, tables, keys, block = cache.decode_args(len(stack.layers))
+    k_pools, v_pools, past, tables, block = cache.decode_args(len(stack.layers))
     kv = [tuple(t.contiguous() for t in pair) for pair in cross.kv] if cross is not None else None  # (N, K, S, D) each
-    h = _run(stack, rows, rope, final, k_pools, v_pools, slots, tables, keys, block, kv, sources, head)  # (B, C|V)
+    h = _run(stack, rows, rope, final, k_pools, v_pools, None, tables, None, past, block, kv, sources, head)  # (B, C|V)
     return h.view(b, 1, -1)  # (B, 1, C) or (B, 1, V)
 
 
 def _run(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | None,
          final: tuple[Tensor, Tensor | None, float, bool] | None, k_pools: list[Tensor], v_pools: list[Tensor],
-         slots: Tensor, tables: Tensor, keys: Tensor, block: int, kv: list[tuple[Tensor, Tensor]] | None = None,
-         sources: tuple[Tensor, Tensor] | None = None, head: Head | None = None) -> Tensor:
+         slots: Tensor | None, tables: Tensor, keys: Tensor | None, past: list[int], block: int,
+         kv: list[tuple[Tensor, Tensor]] | None = None, sources: tuple[Tensor, Tensor] | None = None,
+         head: Head | None = None) -> Tensor:
     """One stack_step: rows (B, C) or tokens -> (B, C), or the logits (B, V) of `head`; rope (B, D) each;
-    final: the final norm's final_norm_args; kv, sources: each layer's cross-attention keys/values
-    (N, K, S, D) and each row's source with its key count (CrossCache.row_sources)."""
+    final: the final norm's final_norm_args; slots and keys, or each row's past length (a decode step:
+    the op derives them, and the rows' positions, through the tables); kv, sources: each layer's
+    cross-attention keys/values (N, K, S, D) and each row's source with its key count
+    (CrossCache.row_sources)."""
     cos, sin = rope if rope is not None else (None, None)
     src, src_keys = sources if sources is not None else (None, None)
     x = ids = table = pos_table = positions = None
     scale = 1.0
     if isinstance(rows, TokenRows):
-        ids, positions = rows.ids.reshape(-1).contiguous(), rows.positions.reshape(-1).contiguous()  # (B,) each
+        ids = rows.ids.reshape(-1).contiguous()  # (B,)
         table, scale, pos_table = rows.embedding
-        positions = positions if pos_table is not None else None
+        if pos_table is not None and rows.positions is not None:
+            positions = rows.positions.reshape(-1).contiguous()  # (B,)
     else:
         x = rows.reshape(rows.size(0), -1).contiguous()  # (B, C)
     fw, fb, feps, frms = final if final is not None else (None, None, 0.0, True)
     hw, hb, hkind, hn, hparts = head if head is not None else (None, None, 0, 0, 1)
     return native.module().stack_step(
-        stack.native, x, ids, table, scale, pos_table, positions, cos, sin, k_pools, v_pools, slots, tables, keys,
+        stack.native, x, ids, table, scale, pos_table, positions, cos, sin, k_pools, v_pools, slots, tables, keys, past,
         [k for k, _ in kv] if kv is not None else [], [v for _, v in kv] if kv is not None else [], src, src_keys,
         block, fw, fb, feps, frms, hw, hb, hkind, hn, hparts)  # (B, C) or (B, V)

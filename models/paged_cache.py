@@ -300,6 +300,7 @@ class PagedCacheView:
     _slots: Tensor | None = None  # (B * K * T,) flat slot of each new key, set by begin()
     _tables: Tensor | None = None  # (B, nb) the rows' first nb blocks, contiguous
     _decode_blocks: int | None = None  # nb of a decode step whose _tables are built when a layer needs them
+    _past: list[int] | None = None  # a decode step's rows' lengths before it (begin_decode)
     _keys: Tensor | None = None  # (B,) keys per row after the step
     native: bool = True  # whether this step may attend through the decode kernel (a captured step may not)
 
@@ -343,11 +344,13 @@ class PagedCacheView:
         self._keys = base + t  # (B,)
         return positions, self.step_len
 
-    def _begin_decode(self, lengths: list[int], longest: int) -> Tensor:
-        """begin(1) on the CPU from the host's lengths and tables (a decode step: one token a row),
-        without the dozen small tensor operations of the general case; the same values. Returns the
-        positions (B, 1)."""
+    def begin_decode(self) -> list[int]:
+        """begin(1) for the native step, which derives each new key's slot, the key counts and the
+        positions from the rows' past lengths (returned, from the host) and their tables (decode_args):
+        blocks for the new keys, and nothing else until a layer asks (layer())."""
         c = self.cache
+        lengths = c.host_lengths[self.start:self.stop]
+        longest = max(lengths, default=0) + 1
         if longest > c.max_len:
             raise ValueError(f"KV cache holds {c.max_len} tokens per row; this step needs {longest}")
         for row, n in enumerate(lengths, self.start):
@@ -355,14 +358,25 @@ class PagedCacheView:
                 c.ensure(row, n + 1)
         nb = min(blocks_for(longest, c.block), c.width)
         self.step_len = nb * c.block
-        b = len(lengths)
+        self._slots = self._keys = self._tables = None  # built by layer() if a layer asks
+        self._past, self._decode_blocks = lengths, nb
+        return lengths
+
+    def _begin_decode(self, lengths: list[int], longest: int) -> Tensor:
+        """begin(1) on the CPU from the host's lengths and tables (a decode step: one token a row),
+        without the dozen small tensor operations of the general case; the same values. Returns the
+        positions (B, 1)."""
+        self.begin_decode()
+        self._decode_tensors()
+        return torch.tensor(lengths, dtype=torch.long).view(-1, 1)  # (B, 1)
+
+    def _decode_tensors(self) -> None:
+        """A decode step's slots and key counts from its past lengths (begin_decode), in one tensor (a
+        step's few rows spent more time in small tensor operations than in the host arithmetic)."""
+        c, lengths = self.cache, self._past
         slots = [slot for row, n in enumerate(lengths, self.start) for slot in c.key_slots(row, n)]
-        # slots, keys and positions in one tensor (a decode step's few rows spent more time in small
-        # tensor operations than in the host arithmetic), each a contiguous part of it
-        flat = torch.tensor(slots + [n + 1 for n in lengths] + lengths, dtype=torch.long)  # (B * K + 2B,)
-        self._slots, self._keys = flat[:-2 * b], flat[-2 * b:-b]  # (B * K,), (B,)
-        self._tables, self._decode_blocks = None, nb  # built by layer() if a layer asks (decode_args needs none)
-        return flat[-b:].view(b, 1)  # (B, 1)
+        flat = torch.tensor(slots + [n + 1 for n in lengths], dtype=torch.long)  # (B * K + B,)
+        self._slots, self._keys = flat[:len(slots)], flat[len(slots):]  # (B * K,), (B,)
 
     def key_positions(self) -> Tensor:
         """The position each of the gathered path's S keys holds: (S,) (slot i of the gathered rows is
@@ -371,19 +385,19 @@ class PagedCacheView:
             raise RuntimeError("PagedCacheView.key_positions() before begin()")
         return torch.arange(self.step_len, device=self.cache.lengths.device)  # (S,)
 
-    def decode_args(self, layers: int) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor, int]:
-        """What a native step over the first `layers` layers reads after begin(1) (as layer(i) gives each
-        layer): the layers' key pools and value pools, the new keys' slots, the tables, the key counts,
-        the block size."""
-        if self._slots is None or self._keys is None:
-            raise RuntimeError("PagedCacheView.decode_args() before begin()")
+    def decode_args(self, layers: int) -> tuple[list[Tensor], list[Tensor], list[int], Tensor, int]:
+        """What a native step over the first `layers` layers reads after begin_decode() (or begin(1)):
+        the layers' key pools and value pools, the rows' past lengths, their whole tables (B, M)
+        (contiguous: the kernel reads each row's first blocks in place), the block size."""
+        if self._past is None:
+            raise RuntimeError("PagedCacheView.decode_args() before begin_decode()")
         c = self.cache
-        # the kernel reads each row's first blocks in place: the rows' whole tables (B, M), contiguous
-        tables = self._tables if self._tables is not None else c.tables[self.start:self.stop]
-        return c._flat_k[:layers], c._flat_v[:layers], self._slots, tables, self._keys, c.block
+        return c._flat_k[:layers], c._flat_v[:layers], self._past, c.tables[self.start:self.stop], c.block
 
     def layer(self, i: int) -> PagedLayerCache:
         c = self.cache
+        if self._slots is None and self._past is not None:
+            self._decode_tensors()
         if self._tables is None and self._decode_blocks is not None:  # a decode step's: a new tensor with
             # the standard strides, as begin's (one kind of input for compiled blocks)
             self._tables = c.tables[self.start:self.stop, :self._decode_blocks].clone(

@@ -133,8 +133,11 @@ class CausalStack(nn.Module):
         final = native_blocks.final_norm_args(self.norm)  # None: no norm, or one the op does not compute
         if head is not None and self.norm is not None and final is None:
             return None  # a norm the op does not compute comes before the head
-        positions, _ = cache.begin(1)  # (B, 1)
+        past = cache.begin_decode()  # the rows' lengths: the op derives the new keys' slots and positions
         embedding = native_blocks.embedding_args(self.embed)
+        positions = None  # (B, 1), where Python needs them
+        if embedding is None or self.rotary is not None:
+            positions = torch.tensor(past, dtype=torch.long, device=ids.device).view(-1, 1)  # (B, 1)
         rows = native_blocks.TokenRows(ids, positions, embedding) if embedding is not None else self.embed(ids, positions)
         rope = self.rotary(positions, weight.dtype) if self.rotary is not None else None  # (B, 1, 1, D) x2
         out = native_blocks.decode_layers(stack, rows, rope, cache, cross, final, head, sources)  # (B, 1, C|V)

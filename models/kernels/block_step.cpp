@@ -30,7 +30,8 @@
 // turn: qkv, o, [cross q, cross o,] up (gate_up when gated), down. cos, sin (B, D): each row's rotary
 // angles (None: no rotary). k_pools, v_pools: each layer's pool. slots (B * K,): the pool row each new
 // key/value goes to (row b, head k at b * K + k); tables (B, M) and keys (B,): each row's blocks and
-// key count after this step (models/paged_cache.py), the same in every layer. cross_k, cross_v: each
+// key count after this step (models/paged_cache.py), the same in every layer; or, for a decode step,
+// past (B,): each row's keys before it, from which the op derives slots, key counts and positions. cross_k, cross_v: each
 // layer's encoder keys/values (N, K, S, D), one row per source (empty: no cross-attention); sources
 // (B, 1): each row's source; source_keys (B,): its real keys. final_norm, final_norm_bias: the norm
 // after the last block (None: none).
@@ -354,7 +355,8 @@ at::Tensor ts::stack_step(const Blocks& bs, const c10::optional<at::Tensor>& x, 
                           const c10::optional<at::Tensor>& pos_table, const c10::optional<at::Tensor>& positions,
                           const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
                           const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
-                          const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& keys,
+                          const c10::optional<at::Tensor>& slots, const at::Tensor& tables,
+                          const c10::optional<at::Tensor>& keys, const std::vector<int64_t>& past,
                           const std::vector<at::Tensor>& cross_k, const std::vector<at::Tensor>& cross_v,
                           const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& source_keys,
                           int64_t block, const c10::optional<at::Tensor>& final_norm,
@@ -367,6 +369,31 @@ at::Tensor ts::stack_step(const Blocks& bs, const c10::optional<at::Tensor>& x, 
   TORCH_CHECK(cross ? (cross_k.size() == L && cross_v.size() == L) : (cross_k.empty() && cross_v.empty()),
               cross ? "one cross key/value pair per layer" : "these blocks have no cross-attention");
   const int64_t D = k_pools[0].size(1);
+  // a decode step's rows by their past lengths (`past`): each new key's slot through the row's table,
+  // its key count and its position, as PagedCacheView.begin(1) computes them on the host
+  at::Tensor slot_t, key_t;
+  if (!past.empty()) {
+    TORCH_CHECK(!slots.has_value() && !keys.has_value(), "give past lengths or slots and keys, not both");
+    TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous(),
+                "tables must be a contiguous (B, M) int64 tensor");
+    const int64_t R = static_cast<int64_t>(past.size()), K = bs.kv_heads, M = tables.size(1);
+    TORCH_CHECK(tables.size(0) == R && block > 0, "one table per row");
+    slot_t = at::empty({R * K}, tables.options());
+    key_t = at::empty({R}, tables.options());
+    const int64_t* tab = tables.data_ptr<int64_t>();
+    int64_t* sp = slot_t.data_ptr<int64_t>();
+    int64_t* kp = key_t.data_ptr<int64_t>();
+    for (int64_t b = 0; b < R; ++b) {
+      const int64_t n = past[b];
+      TORCH_CHECK(n >= 0 && n / block < M, "row ", b, " holds ", n, " keys; its table has ", M, " blocks");
+      for (int64_t k = 0; k < K; ++k) sp[b * K + k] = (tab[b * M + n / block] * K + k) * block + n % block;
+      kp[b] = n + 1;
+    }
+  } else {
+    TORCH_CHECK(slots.has_value() && keys.has_value(), "give past lengths or slots and keys");
+    slot_t = *slots;
+    key_t = *keys;
+  }
 
   // the input rows: given, or each row's token embedding
   at::Tensor h;
@@ -382,12 +409,15 @@ at::Tensor ts::stack_step(const Blocks& bs, const c10::optional<at::Tensor>& x, 
     TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous(),
                 "the embedding table must be a contiguous (V, C) float32 tensor");
     const int64_t B = ids->size(0), C = table.size(1), V = table.size(0);
-    TORCH_CHECK(pos_table.has_value() == positions.has_value(), "a position table needs positions");
+    TORCH_CHECK(!pos_table.has_value() || positions.has_value() || !past.empty(), "a position table needs positions");
+    TORCH_CHECK(!positions.has_value() || pos_table.has_value(), "positions need a position table");
     const int64_t* id = ids->data_ptr<int64_t>();
-    const int64_t* pos = positions.has_value() ? positions->data_ptr<int64_t>() : nullptr;
+    // a row's position: given, or its past length
+    const int64_t* pos = positions.has_value() ? positions->data_ptr<int64_t>() : past.empty() ? nullptr : past.data();
     if (pos_table.has_value()) {
-      TORCH_CHECK(positions->dim() == 1 && positions->numel() == B && positions->scalar_type() == at::kLong &&
-                      positions->is_contiguous(),
+      TORCH_CHECK(positions.has_value() ? (positions->dim() == 1 && positions->numel() == B &&
+                                           positions->scalar_type() == at::kLong && positions->is_contiguous())
+                                        : static_cast<int64_t>(past.size()) == B,
                   "positions must be (B,) int64");
       check_rows(*pos_table, pos_table->size(0), C, "the position table");
       for (int64_t b = 0; b < B; ++b) {
@@ -412,7 +442,7 @@ at::Tensor ts::stack_step(const Blocks& bs, const c10::optional<at::Tensor>& x, 
     }
   }
   const int64_t B = h.size(0), C = h.size(1);
-  const Step st{bs.act, bs.gated, cos, sin, slots, tables, keys, sources, source_keys, bs.heads, bs.kv_heads, block,
+  const Step st{bs.act, bs.gated, cos, sin, slot_t, tables, key_t, sources, source_keys, bs.heads, bs.kv_heads, block,
                 bs.scale};
   for (size_t i = 0; i < L; ++i) {
     check_pools(k_pools[i], v_pools[i], D);

@@ -72,13 +72,16 @@ struct Blocks {
 };
 
 // One step of a stack (block_step.cpp): x (B, C) or each row's token embedded, every block, the final norm,
-// and the output projection `head` (its `head_kind` layout, `head_n` outputs) when given
+// and the output projection `head` (its `head_kind` layout, `head_n` outputs) when given. The new keys'
+// slots and the key counts are given, or derived from each row's `past` length (a decode step: the
+// position too) through its table
 at::Tensor stack_step(const Blocks& blocks, const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& ids,
                       const c10::optional<at::Tensor>& embed, double embed_scale,
                       const c10::optional<at::Tensor>& pos_table, const c10::optional<at::Tensor>& positions,
                       const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
                       const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
-                      const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& keys,
+                      const c10::optional<at::Tensor>& slots, const at::Tensor& tables,
+                      const c10::optional<at::Tensor>& keys, const std::vector<int64_t>& past,
                       const std::vector<at::Tensor>& cross_k, const std::vector<at::Tensor>& cross_v,
                       const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& source_keys,
                       int64_t block, const c10::optional<at::Tensor>& final_norm,
