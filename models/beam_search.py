@@ -91,7 +91,7 @@ def _step_request(req: _Request, top: tuple[list[float], list[int], list[int]], 
     return [beam for _, beam, _ in running]
 
 
-def _select(live: Sequence[_Request], logits: Tensor, banned: list[int], eos: int, native_runs: bool = True,
+def _select(live: Sequence[_Request], logits: Tensor, banned: list[int], eos: int, native_runs: bool,
             ) -> list[tuple[list[float], list[int], list[int]]]:
     """Every request's candidates (as _candidates) from the step's logits (R, V), rows in live's order:
     log-probs, the banned tokens at -inf, the rows of a request at its length limit forced to eos. One

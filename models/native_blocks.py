@@ -361,7 +361,10 @@ def head_args(projection: nn.Module | None, bias_after: Tensor | None = None) ->
     (built once, as embedding_args)."""
     if projection is None:
         return None
-    return _per_module(projection, lambda m: _head(m, bias_after))
+    head = _per_module(projection, lambda m: _head(m, bias_after))
+    if head is not None and bias_after is not None and head.bias is not bias_after:  # built for another bias
+        return _head(projection, bias_after)
+    return head
 
 
 def _head(projection: nn.Module, bias_after: Tensor | None) -> Head | None:

@@ -299,7 +299,6 @@ class PagedCacheView:
     step_len: int | None = None  # S: the keys the gathered path attends (whole blocks)
     _slots: Tensor | None = None  # (B * K * T,) flat slot of each new key, set by begin()
     _tables: Tensor | None = None  # (B, nb) the rows' first nb blocks, contiguous
-    _decode_blocks: int | None = None  # nb of a decode step whose _tables are built when a layer needs them
     _past: list[int] | None = None  # a decode step's rows' lengths before it (begin_decode)
     _keys: Tensor | None = None  # (B,) keys per row after the step
     native: bool = True  # whether this step may attend through the decode kernel (a captured step may not)
@@ -321,10 +320,10 @@ class PagedCacheView:
         """Start a step of T new tokens per row (keep (B, T): its real ones; right padding is not
         given blocks): blocks for every row's real tokens, their positions (B, T) and S."""
         c = self.cache
+        if t == 1 and keep is None and c.tables.device.type == "cpu":
+            return self._begin_decode(), self.step_len
         lengths = c.host_lengths[self.start:self.stop]
         longest = max(lengths, default=0) + t
-        if t == 1 and keep is None and c.tables.device.type == "cpu":
-            return self._begin_decode(lengths, longest), self.step_len
         real = [t] * (self.stop - self.start) if keep is None else keep.sum(-1).tolist()
         if max((n + r for n, r in zip(lengths, real, strict=True)), default=0) > c.max_len:
             raise ValueError(f"KV cache holds {c.max_len} tokens per row; this step needs {longest}")
@@ -359,16 +358,16 @@ class PagedCacheView:
         nb = min(blocks_for(longest, c.block), c.width)
         self.step_len = nb * c.block
         self._slots = self._keys = self._tables = None  # built by layer() if a layer asks
-        self._past, self._decode_blocks = lengths, nb
+        self._past = lengths
         return lengths
 
-    def _begin_decode(self, lengths: list[int], longest: int) -> Tensor:
+    def _begin_decode(self) -> Tensor:
         """begin(1) on the CPU from the host's lengths and tables (a decode step: one token a row),
         without the dozen small tensor operations of the general case; the same values. Returns the
         positions (B, 1)."""
-        self.begin_decode()
+        past = self.begin_decode()
         self._decode_tensors()
-        return torch.tensor(lengths, dtype=torch.long).view(-1, 1)  # (B, 1)
+        return torch.tensor(past, dtype=torch.long).view(-1, 1)  # (B, 1)
 
     def _decode_tensors(self) -> None:
         """A decode step's slots and key counts from its past lengths (begin_decode), in one tensor (a
@@ -398,9 +397,9 @@ class PagedCacheView:
         c = self.cache
         if self._slots is None and self._past is not None:
             self._decode_tensors()
-        if self._tables is None and self._decode_blocks is not None:  # a decode step's: a new tensor with
-            # the standard strides, as begin's (one kind of input for compiled blocks)
-            self._tables = c.tables[self.start:self.stop, :self._decode_blocks].clone(
+        if self._tables is None and self._past is not None:  # a decode step's nb blocks a row: a new tensor
+            # with the standard strides, as begin's (one kind of input for compiled blocks)
+            self._tables = c.tables[self.start:self.stop, :self.step_len // c.block].clone(
                 memory_format=torch.contiguous_format)  # (B, nb)
         if self._slots is None or self._tables is None or self._keys is None:
             raise RuntimeError("PagedCacheView.layer() before begin()")
