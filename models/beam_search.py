@@ -1,6 +1,6 @@
 """Greedy and beam-search decoding for the encoder-decoder, with a beam size per request.
 
-Each source runs its encoder once; its cross-attention keys/values are copied to its beams.
+Each source runs its encoder once; all its beams attend its one copy of the cross-attention keys/values.
 The rows of all live hypotheses share one KV cache and one decoder call per step; finished
 requests leave the batch at once. Beam scoring follows `transformers` generate(num_beams=n):
 top 2n candidates per request, a finished hypothesis scores sum(logprob) / length**length_penalty
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .inputs import PaddedBatch
 from .kernels import native
-from .kv_cache import CrossCache, KVCache
+from .kv_cache import CrossCache, CrossSlots, KVCache
 from .paged_cache import PagedKVCache, blocks_for, kernel_runs
 from .seq2seq import Seq2Seq
 
@@ -53,6 +53,7 @@ class _Request:
     result: list[int] | None = None
     key: Hashable = None  # the caller's name for it (BeamSearch)
     step: int = 0  # tokens generated so far (its own: sources join a running search at any step)
+    slot: int = -1  # its cross keys/values' slot in BeamSearch._slots
 
 
 def _step_request(req: _Request, top: tuple[list[float], list[int], list[int]], eos: int, step: int) -> list[int]:
@@ -181,10 +182,11 @@ class BeamSearch:
     cancelled, and its rows go to the next sources added. Each source's beams are its own rows, so
     its result is the same whether it runs alone, among others, or joins later.
 
-    Cross-attention keys/values are kept one row per source (`_sources`), never copied to the beams:
-    each source's beams attend them together (kv_cache.CrossCache.grouped); the map from rows to
-    sources is rebuilt only when the row layout changes (a source joins, widens from 1 row to its
-    beams, or leaves). Rows are reserved for a source's full beam size when it is added."""
+    Cross-attention keys/values are kept one slot per source (`_slots`, kv_cache.CrossSlots: a join
+    writes its slot, a leave frees it, nothing else moves), never copied to the beams: each source's
+    beams attend them together (kv_cache.CrossCache.grouped); the map from rows to slots is rebuilt
+    only when the row layout changes (a source joins, widens from 1 row to its beams, or leaves). Rows
+    are reserved for a source's full beam size when it is added."""
 
     def __init__(self, model: Seq2Seq, rows: int, max_new_tokens: int, banned_ids: Sequence[int] = ()) -> None:
         cfg = model.cfg
@@ -204,9 +206,9 @@ class BeamSearch:
         self.banned = list(banned_ids)
         self._native = _native_select(weight)  # the step's selection in one native call
         self._live: list[_Request] = []  # sources with rows, in row order
-        self._sources: CrossCache | None = None  # one row per live source, in _live's order
-        self._cross: CrossCache | None = None  # _sources grouped for the rows as they are; None: rebuild
-        self._cross_rows: list[int] = []  # rows per live source when _cross was built
+        self._slots = CrossSlots(rows)  # each live source's cross keys/values at its own slot
+        self._cross: CrossCache | None = None  # _slots grouped for the rows as they are; None: rebuild
+        self._cross_rows: list[tuple[int, int]] = []  # (slot, rows) per live source when _cross was built
         self._tokens: list[int] = []  # every row's next input token
 
     def __len__(self) -> int:
@@ -225,7 +227,7 @@ class BeamSearch:
 
     def clear(self) -> None:
         """Drop every source (a failed step: their state cannot be trusted)."""
-        self._live, self._sources, self._cross, self._tokens = [], None, None, []
+        self._live, self._slots, self._cross, self._tokens = [], CrossSlots(self.rows), None, []
 
     @torch.inference_mode()
     def add(self, sources: Sequence[Sequence[int]], params: Sequence[BeamParams], keys: Sequence[Hashable]) -> None:
@@ -242,8 +244,9 @@ class BeamSearch:
         cross = self.model.cross_cache(self.model.encode(src.ids, src.keep), src.keep)  # (B, K, S, D) per layer
         n = len(self._tokens)
         self.cache.reset(n, n + len(sources))
-        self._sources = cross if self._sources is None else self._sources.concat(cross)
-        self._live += [_Request(p, 1, [[]], [0.0], [], key=k) for p, k in zip(params, keys, strict=True)]
+        slots = self._slots.put(cross)
+        self._live += [_Request(p, 1, [[]], [0.0], [], key=k, slot=slot)
+                       for p, k, slot in zip(params, keys, slots, strict=True)]
         self._tokens += [self.start] * len(sources)
         self._cross = None
 
@@ -266,7 +269,7 @@ class BeamSearch:
             if not self._live:
                 return out
         n_rows = len(self._tokens)
-        rows = [req.rows for req in self._live]
+        rows = [(req.slot, req.rows) for req in self._live]
         if self._cross is None or rows != self._cross_rows:  # a source joined, left or widened to its beams
             self._cross, self._cross_rows = self._grouped(), rows
         tokens = torch.tensor(self._tokens, dtype=torch.long, device=self.device)[:, None]  # (R, 1)
@@ -316,7 +319,7 @@ class BeamSearch:
         for i, (req, first) in enumerate(self._offsets()):
             slots = torch.arange(req.rows, device=self.device)  # its rows' places in its own grid
             try:
-                cross = self._sources.select(torch.tensor([i], device=self.device)).grouped(
+                cross = self._slots.cache.select(torch.tensor([req.slot], device=self.device)).grouped(
                     slots, req.params.beam_size)
                 parts.append(self.model.decode(tokens[first: first + req.rows], cross,
                                                cache=self.cache.view(first, first + req.rows))[:, -1])  # (n, V)
@@ -330,11 +333,11 @@ class BeamSearch:
                           for p, req in zip(parts, self._live, strict=True)]), failed  # (R, V)
 
     def _grouped(self) -> CrossCache:
-        """The sources' cross keys/values for the rows as they are: row r is slot (its source, its
-        place among that source's rows) of a grid as wide as the widest beam."""
+        """The sources' cross keys/values for the rows as they are: row r is slot (its source's slot,
+        its place among that source's rows) of a grid as wide as the widest beam."""
         width = max(req.params.beam_size for req in self._live)
-        slots = [source * width + r for source, req in enumerate(self._live) for r in range(req.rows)]
-        return self._sources.grouped(torch.tensor(slots, device=self.device), width)  # rows (R,)
+        slots = [req.slot * width + r for req in self._live for r in range(req.rows)]
+        return self._slots.cache.grouped(torch.tensor(slots, device=self.device), width)  # rows (R,)
 
     def _offsets(self) -> list[tuple[_Request, int]]:
         """Every live source with its first row."""
@@ -360,8 +363,8 @@ class BeamSearch:
         """The new row layout: live sources `still` (indices into _live, in order), row i holding old
         row gather[i] (beams reordered) with next input tokens[i]."""
         if len(still) < len(self._live):
-            self._sources = (self._sources.select(torch.tensor(still, device=self.device)) if still
-                             else None)  # (N', K, S, D) per layer
+            kept = set(still)
+            self._slots.release([req.slot for i, req in enumerate(self._live) if i not in kept])
             self._live = [self._live[i] for i in still]
             self._cross = None
         n_rows, self._tokens = len(self._tokens), tokens

@@ -345,15 +345,16 @@ class CrossCache:
     def row_sources(self) -> tuple[Tensor, Tensor] | None:
         """For the native decode step (models/native_blocks.py): each decoder row's source (R, 1) long
         and its real key count (R,) long; None when a source's real keys are not a prefix of S_src (left
-        padding) or it has none. Computed once per cache object (a row layout), with one host sync."""
+        padding) or a row's source has none. Computed once per cache object (a row layout), with one host sync."""
         if self._row_sources is None:
             keep = self.src_keep  # (N, S_src)
             lengths = keep.sum(-1)  # (N,)
             prefix = torch.arange(keep.size(1), device=keep.device)[None, :] < lengths[:, None]  # (N, S_src)
-            ok = bool(torch.equal(prefix, keep)) and bool((lengths > 0).all())
             n = keep.size(0)
             sources = torch.arange(n, device=keep.device) if self.rows is None else self.rows // self.width  # (R,)
-            self._row_sources = (sources[:, None].contiguous(), lengths[sources].contiguous()) if ok else ()
+            counts = lengths[sources]  # (R,): a source no row reads (a free CrossSlots slot) may have none
+            ok = bool(torch.equal(prefix, keep)) and bool((counts > 0).all())
+            self._row_sources = (sources[:, None].contiguous(), counts.contiguous()) if ok else ()
         return self._row_sources or None
 
     def grouped(self, rows: Tensor, width: int) -> CrossCache:
@@ -370,22 +371,6 @@ class CrossCache:
         keep = src_keep.bool()  # (B, S_src)
         return cls(kv, keep, AttentionMask.build(padding_mask(keep)))
 
-    def concat(self, other: CrossCache) -> CrossCache:
-        """This cache's rows, then other's; the shorter sources are right-padded with masked slots."""
-        s = max(self.src_keep.size(1), other.src_keep.size(1))
-        a, b = self._padded(s), other._padded(s)
-        kv = [(torch.cat([ka, kb]), torch.cat([va, vb])) for (ka, va), (kb, vb) in zip(a.kv, b.kv, strict=True)]
-        return CrossCache.build(kv, torch.cat([a.src_keep, b.src_keep]))  # (B + B', K, S, D), (B + B', S)
-
-    def _padded(self, s: int) -> CrossCache:
-        """The same rows with S_src = s: zero keys/values in masked slots after the real ones."""
-        extra = s - self.src_keep.size(1)
-        if extra == 0:
-            return self
-        pad = (0, 0, 0, extra)  # the S dimension of (B, K, S, D)
-        kv = [(F.pad(k, pad), F.pad(v, pad)) for k, v in self.kv]  # (B, K, s, D) each
-        return CrossCache(kv, F.pad(self.src_keep, (0, extra), value=False))  # (B, s)
-
     def select(self, index: Tensor) -> CrossCache:
         """Rows in a new order (repeats allowed): beams, or dropping finished rows."""
         kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.kv]  # (B', K, S, D)
@@ -394,3 +379,83 @@ class CrossCache:
             dead = self.mask.dead.index_select(0, index) if self.mask.dead is not None else None  # (B', 1, 1, 1)
             mask = AttentionMask(self.mask.safe.index_select(0, index), dead)  # (B', 1, 1, S_src)
         return CrossCache(kv, self.src_keep.index_select(0, index), mask)  # (B', S_src)
+
+
+class CrossSlots:
+    """The cross-attention keys/values of a changing set of sources, each at a fixed slot (the
+    encoder-decoder's continuous batching, models.beam_search.BeamSearch): a source joining is
+    written into a free slot and one leaving frees its slot; no other source's keys move (a store
+    concatenated on every join and compacted on every leave copies all of them each time).
+
+    `cache` is a CrossCache over every slot, (C, K, S, D) per layer: a free slot has no real key
+    (src_keep all False), and the decoder's rows reach their sources' slots through
+    CrossCache.grouped. The store grows by one copy when a join needs it: C doubling up to `limit`
+    sources, S to the longest source seen (rounded up to `S_STEP`)."""
+
+    S_STEP = 16
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._kv: list[tuple[Tensor, Tensor]] = []  # (C, K, S, D) each, per layer
+        self._keep: Tensor | None = None  # (C, S) bool
+        self._free: list[int] = []  # free slots, lowest first
+        self._cache: CrossCache | None = None  # built from _kv and _keep when asked; None: rebuild
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keep is None else self._keep.size(0)
+
+    @property
+    def cache(self) -> CrossCache:
+        if self._keep is None:
+            raise RuntimeError("no source was written")
+        if self._cache is None:
+            self._cache = CrossCache.build(self._kv, self._keep)  # (C, K, S, D) per layer, (C, S)
+        return self._cache
+
+    def put(self, cross: CrossCache) -> list[int]:
+        """Write cross's sources (B of them, one row each) into free slots; returns their slots."""
+        b, s = cross.src_keep.shape
+        used = self.capacity - len(self._free)
+        if used + b > self.limit:
+            raise ValueError(f"{used + b} sources do not fit {self.limit} slots")
+        if len(self._free) < b or s > self._keep.size(1):
+            grown = self.capacity if len(self._free) >= b else min(self.limit, max(used + b, 2 * self.capacity))
+            self._grow(grown, s, cross)
+        slots = self._free[:b]
+        del self._free[:b]
+        index = torch.tensor(slots, device=self._keep.device)  # (B,)
+        extra = self._keep.size(1) - s
+        for (k, v), (ck, cv) in zip(self._kv, cross.kv, strict=True):
+            k.index_copy_(0, index, F.pad(ck, (0, 0, 0, extra)).to(k.dtype))  # (B, K, S, D) rows copied
+            v.index_copy_(0, index, F.pad(cv, (0, 0, 0, extra)).to(v.dtype))  # (B, K, S, D) rows copied
+        self._keep.index_copy_(0, index, F.pad(cross.src_keep.bool(), (0, extra), value=False))  # (B, S)
+        self._cache = None
+        return slots
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Free these slots (their sources left); their keys stay but are no source's."""
+        if not slots:
+            return
+        self._keep[torch.tensor(list(slots), device=self._keep.device)] = False  # (n, S)
+        self._free = sorted(self._free + list(slots))
+        self._cache = None
+
+    def _grow(self, capacity: int, s: int, like: CrossCache) -> None:
+        """Buffers of `capacity` slots and S >= s (rounded up), the old slots copied in."""
+        old = self.capacity
+        if self._keep is not None:
+            s = max(s, self._keep.size(1))
+        s = -(-s // self.S_STEP) * self.S_STEP
+        keep = like.src_keep.new_zeros(capacity, s, dtype=torch.bool)  # (C, S)
+        kv = [(k.new_zeros(capacity, k.size(1), s, k.size(3)), v.new_zeros(capacity, v.size(1), s, v.size(3)))
+              for k, v in like.kv]  # (C, K, S, D) each
+        if old:
+            width = self._keep.size(1)
+            keep[:old, :width] = self._keep
+            for (k, v), (k0, v0) in zip(kv, self._kv, strict=True):
+                k[:old, :, :width] = k0  # (old, K, S_old, D)
+                v[:old, :, :width] = v0
+        self._kv, self._keep = kv, keep
+        self._free = sorted(self._free + list(range(old, capacity)))
+        self._cache = None

@@ -1,4 +1,4 @@
-"""KVCache (per-row positions, packing, beam reordering, views) and CrossCache.
+"""KVCache (per-row positions, packing, beam reordering, views), CrossCache and CrossSlots.
 
 Dimension legend: R cache rows, B rows of a view, K kv heads, L slots per row, T new tokens,
 S key length of a step, D head dim. Keys are filled with recognisable values so every test
@@ -13,7 +13,7 @@ from torch import Tensor
 
 from models.attention import AttentionMask, causal_mask, padding_mask
 from models.config import PRESETS
-from models.kv_cache import UNWRITTEN, CrossCache, KVCache
+from models.kv_cache import UNWRITTEN, CrossCache, CrossSlots, KVCache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
 
@@ -203,6 +203,45 @@ def test_cross_cache_select() -> None:
         assert k.shape == v.shape == (4, K, 5, D)
         assert torch.equal(k, k0[index]) and torch.equal(v, v0[index])
     assert torch.equal(cross.src_keep, src_keep)  # the original is unchanged
+
+
+def sources(lengths: list[int], base: float) -> CrossCache:
+    """Cross keys/values of len(lengths) right-padded sources, key (source i, position s) = base + 10 i
+    + s in every layer (values = -keys)."""
+    s = max(lengths)
+    k = base + 10 * torch.arange(len(lengths))[:, None, None, None] + torch.arange(s)[None, None, :, None]
+    k = k.float().expand(len(lengths), K, s, D).clone()  # (B, K, S, D)
+    keep = torch.arange(s)[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
+    return CrossCache.build([(k, -k)] * LAYERS, keep)
+
+
+def test_cross_slots_keep_every_source_in_place_as_others_join_and_leave() -> None:
+    """A join writes only its own slots and a leave frees its slot for the next join; every other
+    source's keys, values and key count stay where they were, also when the store grows (more slots,
+    a longer source)."""
+    store = CrossSlots(limit=5)
+    a = store.put(sources([3, 2], 100.0))
+    assert a == [0, 1] and store.capacity == 2
+    b = store.put(sources([1], 200.0))  # grows to 4 slots
+    assert b == [2] and store.capacity == 4
+    store.release([a[0]])
+    c = store.put(sources([20, 4], 300.0))  # the freed slot first; S grows past 16 (to 32)
+    assert c == [0, 3] and store.capacity == 4
+    with pytest.raises(ValueError, match="do not fit"):
+        store.put(sources([1, 1], 0.0))  # 4 used + 2 > limit 5
+    cache = store.cache
+    held = {a[1]: (100.0 + 10, 2), b[0]: (200.0, 1), c[0]: (300.0, 20), c[1]: (300.0 + 10, 4)}
+    assert cache.src_keep.shape[1] == 32 and all(k.shape == (4, K, 32, D) for k, _ in cache.kv)
+    for slot, (base, n) in held.items():
+        assert cache.src_keep[slot].tolist() == [True] * n + [False] * (32 - n), slot
+        for k, v in cache.kv:
+            want = base + torch.arange(n).float()
+            assert torch.equal(k[slot, 1, :n, 0], want) and torch.equal(v[slot, 1, :n, 0], -want), slot
+    store.release([b[0]])
+    assert not store.cache.src_keep[b[0]].any()  # a free slot is no source's
+    grouped = store.cache.grouped(torch.tensor([0, 1, 3 * 4]), width=4)  # beams 0, 1 of slot 0; slot 3
+    rows, counts = grouped.row_sources()
+    assert rows.view(-1).tolist() == [0, 0, 3] and counts.tolist() == [20, 20, 4]
 
 
 # --- sliding window: a ring of W slots per row ------------------------------------------------------
