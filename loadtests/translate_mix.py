@@ -62,8 +62,7 @@ def build_runner(scheduler: str, args: argparse.Namespace):  # noqa: ANN201
         runner = TranslatorRunner(loaded, "translator", dep.batching)
     else:
         config = dataclasses.replace(dep.translation, scheduler="steps",
-                                     max_rows=args.max_rows or dep.translation.max_rows,
-                                     admit_rows=args.admit_rows or dep.translation.admit_rows)
+                                     max_rows=args.max_rows or dep.translation.max_rows)
         runner = TranslatorEngineRunner(loaded, "translator", config)
     runner.warm_up()
     runner.start()
@@ -120,8 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--alone", type=int, default=8, help="sentences timed alone per beam size")
     p.add_argument("--max-rows", type=int, default=None, help="the engine's rows (default: the shipped config's)")
-    p.add_argument("--admit-rows", type=int, default=None,
-                   help="free rows the busy engine waits for before admitting (default: the shipped config's)")
     args = p.parse_args(argv)
     from models.machine import machine_info
 

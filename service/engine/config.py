@@ -79,14 +79,10 @@ class TranslationConfig:
     max_rows: int = 64  # beams decoding at once (each request reserves its beam size); 101 MiB of cache for the default translator
     max_queued: int = 512  # sources waiting for rows; one more is refused (503 + Retry-After)
     encode_tokens: int = 4096  # padded source tokens encoded per admission step (one source always)
-    # free rows a busy engine waits for before it admits waiting requests (or fewer, when they need
-    # fewer; at most max_rows), so an encoder pass takes several sources: it streams the encoder's
-    # weights whatever its batch
-    admit_rows: int = 16
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be a positive integer, got {getattr(self, name)!r}"
-                    for name in ("max_rows", "max_queued", "encode_tokens", "admit_rows") if getattr(self, name) < 1]
+                    for name in ("max_rows", "max_queued", "encode_tokens") if getattr(self, name) < 1]
         if self.scheduler not in ("steps", "batches"):
             problems.append(f"scheduler must be 'steps' or 'batches', got {self.scheduler!r}")
         if problems:

@@ -5,10 +5,7 @@ engine (service/replica/translator.py).
 Every step, on the engine's one thread:
 1. admit waiting requests (FIFO, while the search has rows free for their whole beam size and their
    padded sources fit the encoder budget): their sources are encoded together, one padded pass per
-   group of similar lengths, and their cross-attention keys/values kept once per source. A busy
-   search admits only once `admit_rows` rows are free (or all waiting requests fit): an encoder pass
-   streams the encoder's weights whatever its batch (after decoder steps they are out of cache), so
-   sources admitted one at a time as rows free up cost ~3x their arithmetic;
+   group of similar lengths, and their cross-attention keys/values kept once per source;
 2. one decoder step over every row of every request (each beam is a row), each request's beams
    scored and reordered by its own beam size, length penalty and length limit;
 3. a request leaves as soon as its search ends, or at the step after it was cancelled (its client
@@ -131,12 +128,10 @@ class TranslationEngine(StepLoop):
     def __init__(self, model: Seq2Seq, tokenizer: TextTokenizer, rows: int, max_new_tokens: int,
                  max_queued: int = 512, encode_tokens: int = 4096, banned_ids: Sequence[int] = (),
                  observer: EngineObserver | None = None, name: str = "translation-engine",
-                 after_step: Callable[[], object] | None = None, admit_rows: int = 1) -> None:
-        """`encode_tokens`: padded source tokens per admission step (one source is always admitted);
-        `admit_rows`: free rows a busy search waits for before it admits (fewer when the waiting
-        requests need fewer; 1 = admit as soon as the next request fits)."""
+                 after_step: Callable[[], object] | None = None) -> None:
+        """`encode_tokens`: padded source tokens per admission step (one source is always admitted)."""
         self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
-        self.encode_tokens, self.admit_rows = encode_tokens, min(admit_rows, rows)
+        self.encode_tokens = encode_tokens
         self.search = BeamSearch(model, rows, max_new_tokens, banned_ids)
         super().__init__(name, rows, max_queued, self.search.cache.nbytes(), observer, after_step)
         self._running: dict[str, TranslationState] = {}  # engine thread only
@@ -220,8 +215,6 @@ class TranslationEngine(StepLoop):
         group: list[TranslationState] = []
         free, longest = self.search.free, 0
         with self._cond:
-            if self.search and free < self.admit_rows and free < self._waiting_rows(self.admit_rows):
-                return False  # a busy search: wait for rows enough to encode several sources in one pass
             now = time.perf_counter()
             while self._waiting and self._waiting[0].rows <= free:
                 state = self._waiting[0]
@@ -241,15 +234,6 @@ class TranslationEngine(StepLoop):
             self._admitting = group
         self._admitting = []
         return encoded
-
-    def _waiting_rows(self, enough: int) -> int:
-        """Rows the waiting requests reserve, counted up to `enough` (call under _cond)."""
-        total = 0
-        for state in self._waiting:
-            total += state.rows
-            if total >= enough:
-                break
-        return total
 
     def _add(self, group: list[TranslationState], now: float) -> None:
         """Encode `group` into the search; if that fails, its requests fail (the others go on)."""

@@ -155,7 +155,7 @@ class TranslatorEngineRunner(EngineRunner):
         self.engine = TranslationEngine(loaded.model, loaded.tokenizer, config.max_rows,
                                         loaded.model.cfg.max_positions - 1, config.max_queued, config.encode_tokens,
                                         banned_ids(loaded), observer, name=f"{deployment}-engine",
-                                        after_step=self.heap.maybe_trim, admit_rows=config.admit_rows)
+                                        after_step=self.heap.maybe_trim)
 
     def params(self, options: TranslateOptions) -> BeamParams:
         return beam_params(self.loaded, options)

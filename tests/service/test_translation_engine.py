@@ -103,42 +103,6 @@ def test_every_decoded_row_is_counted_and_every_step_timed(tiny) -> None:
     assert engine.stats().generated_tokens == 1 + 4 + 4 and engine._wait.step_s is not None
 
 
-@pytest.mark.parametrize("admit_rows", [1, 3])
-def test_a_busy_engine_admits_once_enough_rows_are_free(tiny, admit_rows: int) -> None:
-    """An idle engine admits at once; a busy one only when `admit_rows` rows are free or the waiting
-    requests fit, so their sources are encoded together (an encoder pass streams the encoder's weights
-    whatever its batch). Every result is still its alone result."""
-    model, tok = tiny
-    engine = TranslationEngine(model, tok, rows=4, max_new_tokens=8, banned_ids=[0], admit_rows=admit_rows)
-    admits: list[tuple[bool, int, int, int]] = []  # (busy, free rows, rows waiting, sources admitted)
-    admit = engine._admit
-
-    def spy() -> bool:
-        busy, free, waiting = bool(engine.search), engine.search.free, [s.rows for s in engine._waiting]
-        encoded = admit()
-        if encoded:
-            admits.append((busy, free, sum(waiting), len(waiting) - len(engine._waiting)))
-        return encoded
-
-    engine._admit = spy
-    first = [TranslationSubmission(tok.encode(t), BeamParams(1, n)) for t, n in zip(TEXTS[:4], [2, 3, 8, 8], strict=True)]
-    later = [TranslationSubmission(tok.encode(t), BeamParams(1, 8)) for t in TEXTS[4:7]]
-    handles = engine.submit_many(first)
-    engine.step()
-    assert admits == [(False, 4, 4, 4)]  # idle: admitted at once
-    handles += engine.submit_many(later)
-    while engine.stats().waiting or engine.stats().running:
-        engine.step()
-    for busy, free, waiting, _ in admits:
-        assert not busy or free >= min(admit_rows, waiting), admits
-    if admit_rows == 3:  # the three later sources waited for three free rows, then joined together
-        assert [n for *_, n in admits] == [4, 3], admits
-    else:  # each joined as soon as a row was free
-        assert len(admits) > 2, admits
-    for sub, handle in zip(first + later, handles, strict=True):
-        assert list(handle.result_sync(timeout=5).token_ids) == _alone(model, list(sub.source_ids), sub.params)
-
-
 def test_overload_and_limits_are_refused_at_submit(tiny) -> None:
     model, tok = tiny
     engine = TranslationEngine(model, tok, rows=4, max_new_tokens=8, max_queued=2, banned_ids=[0])
