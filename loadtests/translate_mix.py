@@ -11,6 +11,15 @@ of each request taken in turn from `--beams`. Before the load, every sentence's 
 measured on the same runner (one client). Schedulers alternate for `--rounds` rounds. Prints sentences/s
 and latency p50 / p95 per beam size under load, next to p50 alone, for both schedulers and their ratio.
 No Ray, no HTTP: the scheduling alone (bench-serve measures the service).
+
+    python -m loadtests.translate_mix --apart 256 --threads 1   # the schedulers apart, one thread
+
+`--apart N`: no clients and no event loop either: the first N test sentences (beam `--beams`' first)
+go through each scheduler's own code on one thread, in turn for `--rounds` rounds: the translation
+engine with all N queued (TranslationEngine.step until it is empty, its admission as configured) and
+request-level batches of `--batch` sentences in order (TranslatorRunner.run_batch). For each: sentences/s,
+encoder passes (sources per pass, ms per pass), decoder steps (rows per step, us per row-step) and the
+time outside both, so where one scheduler loses to the other shows.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ def shipped_translator() -> tuple[Any, Any, str]:
     return dep, settings.device_for(dep)[1], settings.cache_path()
 
 
-def build_runner(scheduler: str, args: argparse.Namespace):  # noqa: ANN201
+def build_runner(scheduler: str, args: argparse.Namespace, start: bool = True):  # noqa: ANN201
     import dataclasses
 
     import torch
@@ -65,7 +74,8 @@ def build_runner(scheduler: str, args: argparse.Namespace):  # noqa: ANN201
                                      max_rows=args.max_rows or dep.translation.max_rows)
         runner = TranslatorEngineRunner(loaded, "translator", config)
     runner.warm_up()
-    runner.start()
+    if start:
+        runner.start()
     return runner
 
 
@@ -110,6 +120,101 @@ async def load(runner, texts: list[str], beams: list[int], clients: int, seconds
     return done / (min(time.perf_counter(), stop) - started), latencies, errors
 
 
+class SearchClock:
+    """Times models.beam_search.BeamSearch's encoder passes (`add`) and decoder steps while installed."""
+
+    def __init__(self) -> None:
+        self.add_s = self.step_s = 0.0
+        self.passes = self.sources = self.steps = self.rows = 0
+
+    def __enter__(self) -> SearchClock:
+        from models.beam_search import BeamSearch
+
+        self._add, self._step = BeamSearch.add, BeamSearch.step
+        clock, add, step = self, BeamSearch.add, BeamSearch.step
+
+        def timed_add(search, sources, params, keys) -> None:  # noqa: ANN001
+            started = time.perf_counter()
+            add(search, sources, params, keys)
+            clock.add_s += time.perf_counter() - started
+            clock.passes += 1
+            clock.sources += len(sources)
+
+        def timed_step(search, cancelled=None):  # noqa: ANN001, ANN202
+            rows, started = search.busy_rows, time.perf_counter()
+            out = step(search, cancelled)
+            clock.step_s += time.perf_counter() - started
+            clock.steps += 1
+            clock.rows += rows
+            return out
+
+        BeamSearch.add, BeamSearch.step = timed_add, timed_step
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from models.beam_search import BeamSearch
+
+        BeamSearch.add, BeamSearch.step = self._add, self._step
+
+
+def apart(args: argparse.Namespace, texts: list[str], beam: int) -> list[dict[str, Any]]:
+    """Each scheduler's own code on this thread over the same sentences (see --apart): one row per
+    scheduler and round."""
+    import torch
+
+    from service.engine.translation import TranslationSubmission
+    from service.messages import TranslateOptions
+    from service.replica.tokenize import tokenize
+    from service.replica.translator import TranslateItem
+
+    runners = {s: build_runner(s, args, start=False) for s in SCHEDULERS}
+    loaded = runners["steps"].loaded
+    params = runners["steps"].params(TranslateOptions(beam_size=beam))
+    ids = tokenize(loaded.tokenizer, [runners["steps"].prefix + t for t in texts[:args.apart]],
+                   loaded.max_input_tokens, truncate=True)
+
+    def steps() -> None:
+        engine = runners["steps"].engine
+        handles = engine.submit_many([TranslationSubmission(x, params) for x in ids])
+        while engine.stats().waiting or engine.stats().running:
+            engine.step()
+        assert all(h.result_sync(timeout=1).error is None for h in handles)
+
+    def batches() -> None:
+        runner = runners["batches"]
+        for i in range(0, len(ids), args.batch):
+            runner.run_batch([TranslateItem(x, params) for x in ids[i: i + args.batch]])
+
+    rows = []
+    with torch.inference_mode():
+        for r in range(args.rounds):
+            for name, run in (("batches", batches), ("steps", steps)):
+                with SearchClock() as clock:
+                    started = time.perf_counter()
+                    run()
+                    total = time.perf_counter() - started
+                rows.append({"scheduler": name, "round": r + 1, "total_s": total, "sentences": len(ids),
+                             "clock": clock})
+                print(f"round {r + 1} {name}: {len(ids) / total:.1f} sentences/s", file=sys.stderr, flush=True)
+    for runner in runners.values():
+        runner.close()
+    return rows
+
+
+def print_apart(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print("| scheduler | round | sentences/s | encoder passes | sources / pass | ms / pass | decoder steps | "
+          "rows / step | us / row-step | encoder / steps / rest (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for row in rows:
+        c: SearchClock = row["clock"]
+        rest = row["total_s"] - c.add_s - c.step_s
+        label = row["scheduler"] if row["scheduler"] == "steps" else f"batches of {args.batch}"
+        print(f"| {label} | {row['round']} | {row['sentences'] / row['total_s']:.1f} | {c.passes} | "
+              f"{c.sources / max(c.passes, 1):.1f} | {1e3 * c.add_s / max(c.passes, 1):.2f} | {c.steps} | "
+              f"{c.rows / max(c.steps, 1):.1f} | {1e6 * c.step_s / max(c.rows, 1):.1f} | "
+              f"{c.add_s:.2f} / {c.step_s:.2f} / {rest:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
@@ -119,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--alone", type=int, default=8, help="sentences timed alone per beam size")
     p.add_argument("--max-rows", type=int, default=None, help="the engine's rows (default: the shipped config's)")
+    p.add_argument("--apart", type=int, default=0, metavar="N",
+                   help="time the schedulers apart on N sentences, one thread, no clients (see above)")
+    p.add_argument("--batch", type=int, default=8, help="--apart: sentences per request-level batch")
     args = p.parse_args(argv)
     from models.machine import machine_info
 
@@ -126,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     texts = [line.split("\t")[0] for line in TEST_SET.read_text().splitlines() if line.strip()]
     rng.shuffle(texts)
+    if args.apart:
+        rows = apart(args, texts, beams[0])
+        info = machine_info()
+        print(f"\n{args.apart} sentences, beam {beams[0]}, {args.rounds} rounds; {info.get('cpu_model', '?')}, "
+              f"{args.threads} threads\n")
+        print_apart(rows, args)
+        return 0
     runners = {s: build_runner(s, args) for s in SCHEDULERS}
     results: dict[str, dict[str, Any]] = {s: {"rate": [], "lat": defaultdict(list), "errors": 0} for s in SCHEDULERS}
 
