@@ -387,8 +387,9 @@ class CrossSlots:
     written into a free slot and one leaving frees its slot; no other source's keys move (a store
     concatenated on every join and compacted on every leave copies all of them each time).
 
-    `cache` is a CrossCache over every slot, (C, K, S, D) per layer: a free slot has no real key
-    (src_keep all False), and the decoder's rows reach their sources' slots through
+    `cache` is a CrossCache over the slots up to the highest one in use, (N, K, S, D) per layer (views
+    of the store; joins take the lowest free slots, so N stays near the sources live): a free slot has
+    no real key (src_keep all False), and the decoder's rows reach their sources' slots through
     CrossCache.grouped. The store grows by one copy when a join needs it: C doubling up to `limit`
     sources, S to the longest source seen (rounded up to `S_STEP`)."""
 
@@ -410,7 +411,11 @@ class CrossSlots:
         if self._keep is None:
             raise RuntimeError("no source was written")
         if self._cache is None:
-            self._cache = CrossCache.build(self._kv, self._keep)  # (C, K, S, D) per layer, (C, S)
+            free, top = set(self._free), self.capacity
+            while top > 1 and top - 1 in free:
+                top -= 1
+            self._cache = CrossCache.build([(k[:top], v[:top]) for k, v in self._kv],
+                                           self._keep[:top])  # (N, K, S, D) per layer, (N, S)
         return self._cache
 
     def put(self, cross: CrossCache) -> list[int]:

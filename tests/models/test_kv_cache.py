@@ -242,6 +242,9 @@ def test_cross_slots_keep_every_source_in_place_as_others_join_and_leave() -> No
     grouped = store.cache.grouped(torch.tensor([0, 1, 3 * 4]), width=4)  # beams 0, 1 of slot 0; slot 3
     rows, counts = grouped.row_sources()
     assert rows.view(-1).tolist() == [0, 0, 3] and counts.tolist() == [20, 20, 4]
+    store.release([c[1]])  # the highest slot in use is now 1: the cache covers slots 0 and 1 only
+    assert store.cache.src_keep.shape == (2, 32) and all(k.size(0) == 2 for k, _ in store.cache.kv)
+    assert store.cache.src_keep[0].sum() == 20 and store.cache.src_keep[1].sum() == 2
 
 
 # --- sliding window: a ring of W slots per row ------------------------------------------------------
