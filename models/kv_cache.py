@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import AttentionMask, attention, padding_mask
@@ -389,7 +388,7 @@ class CrossSlots:
 
     `cache` is a CrossCache over the slots up to the highest one in use, (N, K, S, D) per layer (views
     of the store; joins take the lowest free slots, so N stays near the sources live): a free slot has
-    no real key (src_keep all False), and the decoder's rows reach their sources' slots through
+    no real key (src_keep all False; its keys are whatever its last source left), and the decoder's rows reach their sources' slots through
     CrossCache.grouped. The store grows by one copy when a join needs it: C doubling up to `limit`
     sources, S to the longest source seen (rounded up to `S_STEP`)."""
 
@@ -430,11 +429,12 @@ class CrossSlots:
         slots = self._free[:b]
         del self._free[:b]
         index = torch.tensor(slots, device=self._keep.device)  # (B,)
-        extra = self._keep.size(1) - s
+        # only the first s positions: past them a free slot's src_keep is already False (release, _grow),
+        # so a keys' tail left by an earlier source is masked and never read
         for (k, v), (ck, cv) in zip(self._kv, cross.kv, strict=True):
-            k.index_copy_(0, index, F.pad(ck, (0, 0, 0, extra)).to(k.dtype))  # (B, K, S, D) rows copied
-            v.index_copy_(0, index, F.pad(cv, (0, 0, 0, extra)).to(v.dtype))  # (B, K, S, D) rows copied
-        self._keep.index_copy_(0, index, F.pad(cross.src_keep.bool(), (0, extra), value=False))  # (B, S)
+            k[index, :, :s] = ck.to(k.dtype)  # (B, K, s, D) into their slots
+            v[index, :, :s] = cv.to(v.dtype)
+        self._keep[index, :s] = cross.src_keep.bool()  # (B, s)
         self._cache = None
         return slots
 
