@@ -48,7 +48,7 @@ def app_args() -> dict[str, Any]:
             "encoder": _encoder("tiny-encoder", {"max_batch_size": 16, "max_wait_ms": 2, "max_queued": 256}),
             "slow": _encoder("tiny-encoder-slow", {"max_batch_size": 256, "max_wait_ms": 8000, "max_queued": 256}),
             "generator": _decoder("tiny-decoder", {"max_running": 16, "max_queued": 256}),
-            "burst": _decoder("tiny-decoder-burst", {"max_running": 2, "max_queued": 4}, max_ongoing_requests=8,
+            "burst": _decoder("tiny-decoder-burst", {"max_running": 1, "max_queued": 4}, max_ongoing_requests=8,
                               max_queued_requests=8),
         },
     }

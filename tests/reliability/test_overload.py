@@ -1,6 +1,12 @@
-"""A burst of 10x the measured capacity on a small generator (2 rows, 4 queue slots): every request
+"""A burst of 10x the measured capacity on a small generator (1 row, 4 queue slots): every request
 is answered 200 or 503 + Retry-After (every refusal within a second), none past its deadline; afterwards the
-latency is back to normal and the replicas' memory has not grown."""
+latency is back to normal and the replicas' memory has not grown.
+
+The model, not the HTTP stack, must be the bottleneck: on 2 cores the stack (this client, Serve's proxy, the
+ingress, the replica) refuses 200-220 requests a second at most (2026-12-05, Zen 5; ~125 while two rows decode),
+and a burst above that measures the proxy's queue, not admission. The test measures that rate (64 clients on
+the saturated model) and requires 10x capacity to stay below 80 % of it: requests of 500 tokens on one row
+give ~80/s there (400 tokens on two rows gave 150-160/s, and CI's refusals took up to 5.4 s)."""
 
 from __future__ import annotations
 
@@ -18,11 +24,11 @@ from tests.reliability.conftest import APP, RETRY_AFTER, Live, engine_idle, run
 
 pytestmark = pytest.mark.e2e
 log = logging.getLogger(__name__)
-BODY = {"prompt": "overload", "max_new_tokens": 400, "ignore_eos": True, "model": "tiny-decoder-burst"}
-CLIENTS = 4  # the capacity run: enough to keep both rows and the queue busy
-# each request's own deadline (X-Request-Timeout). In the capacity run a request can wait for a row
-# and then run: 2 x 400 steps, about 4 s on a 2-core AVX2 EPYC; admission refuses what it estimates
-# past the deadline, so the deadline leaves that room for step-time jitter.
+BODY = {"prompt": "overload", "max_new_tokens": 500, "ignore_eos": True, "model": "tiny-decoder-burst"}
+CLIENTS = 4  # the capacity run: enough to keep the row and the queue busy
+# each request's own deadline (X-Request-Timeout). In the capacity run a request can wait for the row
+# and then run its 500 steps; admission refuses what it estimates past the deadline, so the deadline
+# leaves room for step-time jitter on slower CPUs.
 DEADLINE_S = 8.0
 BURST_S = 3.0
 
@@ -45,7 +51,7 @@ async def one(client: httpx.AsyncClient) -> Result:
     return Result(r.status_code, time.monotonic() - started, r.headers.get("Retry-After"), error)
 
 
-async def closed_loop(client: httpx.AsyncClient, seconds: float) -> list[Result]:
+async def closed_loop(client: httpx.AsyncClient, seconds: float, clients: int = CLIENTS) -> list[Result]:
     results: list[Result] = []
     end = time.monotonic() + seconds
 
@@ -53,7 +59,7 @@ async def closed_loop(client: httpx.AsyncClient, seconds: float) -> list[Result]
         while time.monotonic() < end:
             results.append(await one(client))
 
-    await asyncio.gather(*(user() for _ in range(CLIENTS)))
+    await asyncio.gather(*(user() for _ in range(clients)))
     return results
 
 
@@ -75,6 +81,7 @@ def test_a_burst_of_ten_times_capacity(live: Live) -> None:
     replicas = {key[1]: ps for key, ps in serve_replicas().items() if key[0] == APP}
     procs = [p for ps in replicas.values() for p in ps]
     rss: list[dict[str, float]] = []
+    refusals: list[float] = []
 
     def measure() -> None:
         rss.append({k: rss_mib(v) for k, v in replicas.items()})
@@ -84,6 +91,12 @@ def test_a_burst_of_ten_times_capacity(live: Live) -> None:
             await closed_loop(client, 1.0)  # warm
             before = await closed_loop(client, 3.0)
             capacity = sum(r.status == 200 for r in before) / 3.0
+            stack = await closed_loop(client, 2.0, clients=64)  # the model saturated: how fast the stack refuses
+            await asyncio.to_thread(live.wait_stats, "burst", engine_idle)
+            refusals.append(sum(r.status == 503 for r in stack) / 2.0)
+            assert 10 * capacity <= 0.8 * refusals[0], (
+                f"the tiny decoder serves {capacity:.1f} req/s and the stack refuses {refusals[0]:.0f}/s: a burst "
+                "of 10x would measure the HTTP stack, not admission; make the burst deployment's requests costlier")
             during: list[Result] = []
             for _ in range(2):  # the second burst shows whether memory keeps growing
                 await asyncio.to_thread(measure)
@@ -96,9 +109,9 @@ def test_a_burst_of_ten_times_capacity(live: Live) -> None:
     before, during, after, capacity = run(main())
     refused = sorted(r.seconds for r in during if r.status == 503)
     served = sorted(r.seconds for r in during if r.status == 200)
-    log.info("capacity %.1f req/s (p50 %.3f s); 2 bursts of %d at %.1f/s for %g s: %d ok (p50 %.2f, max %.2f s), "
+    log.info("capacity %.1f req/s (p50 %.3f s), the stack refuses %.0f/s; 2 bursts of %d at %.1f/s for %g s: %d ok (p50 %.2f, max %.2f s), "
              "%d refused (p50 %.3f, p95 %.3f, max %.3f s), other %s; after: p50 %.3f s; RSS MiB per deployment "
-             "before and after each burst %s", capacity, statistics.median(r.seconds for r in before),
+             "before and after each burst %s", capacity, statistics.median(r.seconds for r in before), refusals[0],
              len(during) // 2, 10 * capacity, BURST_S, len(served), p(served, 50) if served else 0,
              max(served, default=0), len(refused), p(refused, 50) if refused else 0, p(refused, 95) if refused else 0,
              max(refused, default=0), sorted({r.status for r in during} - {200, 503}),
