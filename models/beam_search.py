@@ -23,6 +23,7 @@ from torch import Tensor
 from .inputs import PaddedBatch
 from .kernels import native
 from .kv_cache import CrossCache, CrossSlots, KVCache
+from .native_blocks import StepPlan
 from .paged_cache import PagedKVCache, blocks_for, kernel_runs
 from .seq2seq import Seq2Seq
 
@@ -209,6 +210,7 @@ class BeamSearch:
         self._slots = CrossSlots(rows)  # each live source's cross keys/values at its own slot
         self._cross: CrossCache | None = None  # _slots grouped for the rows as they are; None: rebuild
         self._cross_rows: list[tuple[int, int]] = []  # (slot, rows) per live source when _cross was built
+        self._plan: StepPlan | None = None  # the native step's arguments for _cross (Seq2Seq.decode_plan)
         self._tokens: list[int] = []  # every row's next input token
 
     def __len__(self) -> int:
@@ -227,7 +229,7 @@ class BeamSearch:
 
     def clear(self) -> None:
         """Drop every source (a failed step: their state cannot be trusted)."""
-        self._live, self._slots, self._cross, self._tokens = [], CrossSlots(self.rows), None, []
+        self._live, self._slots, self._cross, self._plan, self._tokens = [], CrossSlots(self.rows), None, None, []
 
     @torch.inference_mode()
     def add(self, sources: Sequence[Sequence[int]], params: Sequence[BeamParams], keys: Sequence[Hashable]) -> None:
@@ -270,12 +272,14 @@ class BeamSearch:
                 return out
         n_rows = len(self._tokens)
         rows = [(req.slot, req.rows) for req in self._live]
+        view = self.cache.view(0, n_rows)
         if self._cross is None or rows != self._cross_rows:  # a source joined, left or widened to its beams
             self._cross, self._cross_rows = self._grouped(), rows
+            self._plan = self.model.decode_plan(self._cross, view, n_rows)  # the steps' native arguments
         tokens = torch.tensor(self._tokens, dtype=torch.long, device=self.device)[:, None]  # (R, 1)
         failed: dict[int, BaseException] = {}
         try:
-            logits = self.model.decode(tokens, self._cross, cache=self.cache.view(0, n_rows))[:, -1]  # (R, V)
+            logits = self.model.decode(tokens, self._cross, cache=view, plan=self._plan)[:, -1]  # (R, V)
         except Exception:
             if len(self._live) == 1:
                 raise

@@ -390,39 +390,64 @@ def step_sources(stack: Stack, cross: CrossCache | None, rows: int) -> tuple[boo
     return sources is not None and sources[0].size(0) == rows, sources
 
 
-def decode_layers(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | None, cache,
-                  cross: CrossCache | None = None,
-                  final: tuple[Tensor, Tensor | None, float, bool] | None = None,
-                  head: Head | None = None, sources: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
+class StepPlan(NamedTuple):
+    """What every decode step of a causal stack over one row layout passes stack_step besides the step's
+    own tokens, positions and cache lengths, resolved once (step_plan; CausalStack.decode_plan): each
+    step asked the modules, the sources and the head again before (~10 us of the small translator's
+    ~230 us step at one row). Current (`current`) for the same CrossCache object and row count while
+    nothing was assigned to any module (the count stack_args watches); a plan takes the model's train
+    mode, activation bits and cache kind to stay as they were when it was built, as a search's steps do."""
+
+    stack: Stack
+    embedding: Embedding | None  # None: the stack embeds the tokens itself (embedding_args)
+    final: tuple[Tensor, Tensor | None, float, bool] | None  # final_norm_args
+    head: Head | None
+    cross: CrossCache | None  # the sources it was built for (compared by identity)
+    cross_k: list[Tensor]  # each layer's cross-attention keys (N, K, S, D), contiguous; [] without
+    cross_v: list[Tensor]
+    sources: tuple[Tensor, Tensor] | None  # step_sources: each row's source (B, 1) and key count (B,)
+    rows: int
+    assigned: int
+
+    def current(self, cross: CrossCache | None, rows: int) -> bool:
+        return cross is self.cross and rows == self.rows and self.assigned == _assigned[0]
+
+
+def step_plan(stack: Stack, cross: CrossCache | None, rows: int, embedding: Embedding | None,
+              final: tuple[Tensor, Tensor | None, float, bool] | None, head: Head | None) -> StepPlan | None:
+    """The StepPlan of `rows` rows over the sources `cross`, or None when this cross-attention is not one
+    the op runs (step_sources)."""
+    takes, sources = step_sources(stack, cross, rows)
+    if not takes:
+        return None
+    kv = [tuple(t.contiguous() for t in pair) for pair in cross.kv] if cross is not None else []  # (N, K, S, D) each
+    return StepPlan(stack, embedding, final, head, cross, [k for k, _ in kv], [v for _, v in kv], sources, rows,
+                    _assigned[0])
+
+
+def decode_layers(plan: StepPlan, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | None, cache) -> Tensor:
     """One decode step of a causal stack in one stack_step: rows, the step's input (B, 1, C) float32 or
-    each row's token to embed (TokenRows), through every block, then the final norm `final`
-    (final_norm_args of the stack's norm; None: none), then the model's output projection `head` when
-    given. rope: cos, sin (B, 1, 1, D) or None; cache: a PagedCacheView after begin(1) whose layers
-    attend through the decode kernel; cross: the encoder's keys/values (an encoder-decoder's stack).
-    Returns (B, 1, C), or the logits (B, 1, V) with a head; None when this step's cross-attention is not
-    one the op runs (step_sources; the caller runs its blocks). `sources`: what step_sources gave for
-    this step's cross-attention, when the caller asked it already."""
+    each row's token to embed (TokenRows), through every block, then the plan's final norm, then its
+    output projection when it has one. rope: cos, sin (B, 1, 1, D) or None; cache: a PagedCacheView
+    after begin_decode() whose layers attend through the decode kernel. Returns (B, 1, C), or the
+    logits (B, 1, V) with a head."""
     b = rows.ids.size(0) if isinstance(rows, TokenRows) else rows.size(0)
-    if sources is None:
-        ok, sources = step_sources(stack, cross, b)
-        if not ok:
-            return None
     rope = tuple(r.reshape(b, -1).contiguous() for r in rope) if rope is not None else None  # (B, D) each
-    k_pools, v_pools, past, tables, block = cache.decode_args(len(stack.layers))
-    kv = [tuple(t.contiguous() for t in pair) for pair in cross.kv] if cross is not None else None  # (N, K, S, D) each
-    h = _run(stack, rows, rope, final, k_pools, v_pools, None, tables, None, past, block, kv, sources, head)  # (B, C|V)
+    k_pools, v_pools, past, tables, block = cache.decode_args(len(plan.stack.layers))
+    h = _run(plan.stack, rows, rope, plan.final, k_pools, v_pools, None, tables, None, past, block, plan.cross_k,
+             plan.cross_v, plan.sources, plan.head)  # (B, C|V)
     return h.view(b, 1, -1)  # (B, 1, C) or (B, 1, V)
 
 
 def _run(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | None,
          final: tuple[Tensor, Tensor | None, float, bool] | None, k_pools: list[Tensor], v_pools: list[Tensor],
          slots: Tensor | None, tables: Tensor, keys: Tensor | None, past: list[int], block: int,
-         kv: list[tuple[Tensor, Tensor]] | None = None, sources: tuple[Tensor, Tensor] | None = None,
+         cross_k: list[Tensor] = (), cross_v: list[Tensor] = (), sources: tuple[Tensor, Tensor] | None = None,
          head: Head | None = None) -> Tensor:
     """One stack_step: rows (B, C) or tokens -> (B, C), or the logits (B, V) of `head`; rope (B, D) each;
     final: the final norm's final_norm_args; slots and keys, or each row's past length (a decode step:
-    the op derives them, and the rows' positions, through the tables); kv, sources: each layer's
-    cross-attention keys/values (N, K, S, D) and each row's source with its key count
+    the op derives them, and the rows' positions, through the tables); cross_k, cross_v, sources: each
+    layer's cross-attention keys and values (N, K, S, D) and each row's source with its key count
     (CrossCache.row_sources)."""
     cos, sin = rope if rope is not None else (None, None)
     src, src_keys = sources if sources is not None else (None, None)
@@ -439,5 +464,4 @@ def _run(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | N
     hw, hb, hkind, hn, hparts = head if head is not None else (None, None, 0, 0, 1)
     return native.module().stack_step(
         stack.native, x, ids, table, scale, pos_table, positions, cos, sin, k_pools, v_pools, slots, tables, keys, past,
-        [k for k, _ in kv] if kv is not None else [], [v for _, v in kv] if kv is not None else [], src, src_keys,
-        block, fw, fb, feps, frms, hw, hb, hkind, hn, hparts)  # (B, C) or (B, V)
+        cross_k, cross_v, src, src_keys, block, fw, fb, feps, frms, hw, hb, hkind, hn, hparts)  # (B, C) or (B, V)

@@ -115,35 +115,46 @@ class CausalStack(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
 
-    def decode_step(self, ids: Tensor, cache: CacheView | None, cross: CrossCache | None = None,
-                    head: native_blocks.Head | None = None) -> Tensor | None:
-        """A decode step, ids (B, 1), in one native call (models/native_blocks.py), the cache's begin
-        included: the embedding where the op computes it, every block, the final norm, and the model's
-        output projection `head` when given (native_blocks.head_args). Returns (B, 1, C), or the logits
-        (B, 1, V) with a head; None, having done nothing, where the op does not compute this step."""
+    def decode_plan(self, cache: CacheView | None, cross: CrossCache | None, rows: int,
+                    head: native_blocks.Head | None = None) -> native_blocks.StepPlan | None:
+        """What the native op takes for every decode step of `rows` rows over `cache` (its kind) and the
+        sources `cross`, with the output projection `head` when given (native_blocks.head_args), resolved
+        once (native_blocks.StepPlan); None where the op does not compute these steps."""
         weight = self.embed.tokens.weight  # (V, C)
         if self.relative_bias is not None or self.window is not None or not native_blocks.runs(cache, 1, weight):
             return None
         stack = native_blocks.stack_args(self.blocks)  # None unless the native op computes every block
         if stack is None:
             return None
-        takes, sources = native_blocks.step_sources(stack, cross, ids.size(0))
-        if not takes:
-            return None
         final = native_blocks.final_norm_args(self.norm)  # None: no norm, or one the op does not compute
         if head is not None and self.norm is not None and final is None:
             return None  # a norm the op does not compute comes before the head
+        return native_blocks.step_plan(stack, cross, rows, native_blocks.embedding_args(self.embed), final, head)
+
+    def decode_step(self, ids: Tensor, cache: CacheView | None, cross: CrossCache | None = None,
+                    head: native_blocks.Head | None = None, plan: native_blocks.StepPlan | None = None,
+                    ) -> Tensor | None:
+        """A decode step, ids (B, 1), in one native call (models/native_blocks.py), the cache's begin
+        included: the embedding where the op computes it, every block, the final norm, and the model's
+        output projection `head` when given (native_blocks.head_args). `plan`: decode_plan's for these
+        sources, rows, cache and head, when the caller keeps one across steps (built here when it is
+        None or not current). Returns (B, 1, C), or the logits (B, 1, V) with a head; None, having done
+        nothing, where the op does not compute this step."""
+        if plan is None or not plan.current(cross, ids.size(0)):
+            plan = self.decode_plan(cache, cross, ids.size(0), head)
+            if plan is None:
+                return None
         past = cache.begin_decode()  # the rows' lengths: the op derives the new keys' slots and positions
-        embedding = native_blocks.embedding_args(self.embed)
         positions = None  # (B, 1), where Python needs them
-        if embedding is None or self.rotary is not None:
+        if plan.embedding is None or self.rotary is not None:
             positions = torch.tensor(past, dtype=torch.long, device=ids.device).view(-1, 1)  # (B, 1)
-        rows = native_blocks.TokenRows(ids, positions, embedding) if embedding is not None else self.embed(ids, positions)
-        rope = self.rotary(positions, weight.dtype) if self.rotary is not None else None  # (B, 1, 1, D) x2
-        out = native_blocks.decode_layers(stack, rows, rope, cache, cross, final, head, sources)  # (B, 1, C|V)
-        if out is None:  # step_sources said it runs
-            raise RuntimeError("the native decode step refused a step it had accepted")
-        return self.norm(out) if head is None and final is None and self.norm is not None else out
+        if plan.embedding is not None:
+            rows = native_blocks.TokenRows(ids, positions, plan.embedding)
+        else:
+            rows = self.embed(ids, positions)  # (B, 1, C)
+        rope = self.rotary(positions, torch.float32) if self.rotary is not None else None  # (B, 1, 1, D) x2
+        out = native_blocks.decode_layers(plan, rows, rope, cache)  # (B, 1, C|V)
+        return self.norm(out) if plan.head is None and plan.final is None and self.norm is not None else out
 
 
 def _relative_bias(cfg: BlockConfig, bidirectional: bool) -> RelativePositionBias | None:

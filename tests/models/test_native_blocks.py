@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from models import native_blocks
+from models.beam_search import BeamParams, BeamSearch, translate_ids
 from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.dense import pack_dense
@@ -287,7 +288,7 @@ def test_the_op_applies_the_head_as_the_model_does(monkeypatch: pytest.MonkeyPat
     assert native_blocks.head_args(model.lm_head, model.final_logits_bias) is not None
     calls = []
     real = model.decoder.decode_step
-    monkeypatch.setattr(model.decoder, "decode_step", lambda *a: calls.append(len(a) == 4 and a[3] is not None) or real(*a))
+    monkeypatch.setattr(model.decoder, "decode_step", lambda *a: calls.append(len(a) >= 4 and a[3] is not None) or real(*a))
     inside = cross_steps(model, SOURCES, 10)
     assert calls == [True] * 10  # every step took the head inside
     monkeypatch.setattr(native_blocks, "head_args", lambda *a: None)
@@ -416,3 +417,31 @@ def test_native_encoder_gives_a_sequence_the_same_bits_alone(left: bool, monkeyp
     for i, row in enumerate(PROMPTS):
         alone, _ = encoded(model, [row], left, True, monkeypatch)
         assert torch.equal(together[i][keep[i]], alone[0]), f"row {i}"
+
+
+@needs_kernels
+def test_a_search_resolves_the_native_step_once_per_row_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BeamSearch keeps its step's StepPlan while the rows stay as they are (a plan per layout, not per
+    step) and gets the tokens it gets with a plan built every step; an assignment to any module makes
+    a plan stale."""
+    model = translator()
+    params = [BeamParams(1, 12), BeamParams(3, 12), BeamParams(1, 12)]
+    real = model.decode_plan
+    built: list[int] = []
+    monkeypatch.setattr(model, "decode_plan", lambda *a: built.append(a[2]) or real(*a))
+    search = BeamSearch(model, 5, 12)
+    search.add(SOURCES, params, keys=range(3))
+    steps, layouts, out = 0, set(), {}
+    while search:
+        layouts.add(tuple((r.slot, r.rows) for r in search._live))
+        steps += 1
+        out |= {e.key: e.ids for e in search.step() if e.done}
+    assert 0 < len(built) == len(layouts) < steps, (built, steps)
+    monkeypatch.setattr(model, "decode_plan", lambda *a: None)  # no plan kept: each step resolved alone, head after
+    assert translate_ids(model, SOURCES, params) == [out[i] for i in range(3)]
+    cross = model.cross_cache(model.encode(torch.tensor([SOURCES[1]])), torch.ones(1, len(SOURCES[1]), dtype=torch.bool))
+    plan = real(cross, PagedKVCache.for_model(model.cfg, 1, 4, 16).view(0, 1), 1)
+    assert plan is not None and plan.current(cross, 1) and not plan.current(cross, 2)
+    block = model.decoder.blocks[0]
+    block.ff_norm = block.ff_norm  # an assignment (as quantizing or packing a module makes)
+    assert not plan.current(cross, 1)
