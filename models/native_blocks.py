@@ -15,7 +15,9 @@ Marian's bias after it, so a translator's step returns its logits from one call.
 plain function of the kernels' Python module (module.cpp) holding the stack's parameters in one
 object (`Stack.native`), not a torch op: an op's call checked and converted every layer's tensors each
 step, and with the embedding and norm as torch ops around one op per block that cost the small
-translator ~45 us of a ~330 us step at one row.
+translator ~45 us of a ~330 us step at one row. For the same reason what a step passes besides its
+tokens and cache lengths (the stack, head, embedding, final norm, cross keys/values, each row's source)
+is resolved once per row layout (StepPlan: a search keeps it while its rows stay as they are).
 
 An encoder's forward pass is the same op over its real tokens only (no padding rows): each sequence's
 keys and values go to one block of a pool as long as the longest sequence, and every token attends the
