@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: venv weights serve test test-fast lint bench bench-quant bench-peers peers-servers bench-serve fuzz soak clean gpu-check
+.PHONY: venv weights front serve test test-fast lint bench bench-quant bench-peers peers-servers bench-serve fuzz soak clean gpu-check
 
 venv: $(STAMP)
 
@@ -24,7 +24,14 @@ weights: venv
 	$(PY) -m models.zoo fetch
 	-$(PY) -m models.kernels.native
 
-serve: weights
+# nginx, the service's HTTP front (service/front/, docs/serving.md): Debian's package when it is missing
+# and this user may install it (root, or sudo without a password); otherwise `make serve` runs with
+# Serve's own proxy on the port and says so.
+front:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || sh deploy/install-nginx.sh || \
+		echo "nginx not installed: the service will answer through Serve's own proxy (slower under load)"
+
+serve: weights front
 	$(PY) -m service
 
 test: weights

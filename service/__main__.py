@@ -1,21 +1,27 @@
 """`python -m service` (= `make serve`): a local Ray, the app from deploy/serve_config.yaml, HTTP on :8000.
 
-    python -m service [--config deploy/serve_config.yaml] [--host 0.0.0.0] [--port 8000]
+    python -m service [--config deploy/serve_config.yaml] [--host 0.0.0.0] [--port 8000] [--front auto]
 
 No cluster is needed: Ray starts in this process and stops with it (Ctrl-C or SIGTERM). The
 settings are built once, here, from the config's application `args` and TS_* variables.
+
+The front (service/front/): with nginx installed (the default `auto`), nginx listens on the port and
+forwards to the ingress replicas' own ports, Serve's proxy (on a free 127.0.0.1 port) behind it as
+the backup; `--front serve` (or TS_FRONT=serve) puts Serve's proxy on the port itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shutil
 import signal
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +30,10 @@ import yaml
 from models import zoo
 from models.catalog import resolve_dir
 
-from .ray_env import use_fast_path
+from .front.config import Address
+from .front.launch import CHOICES, INTERNAL_HOST, choose_front, serve_front
+from .front.ports import free_port
+from .ray_env import DRAIN, FRONT_DRAIN_S, use_fast_path
 from .settings import Settings
 from .telemetry.logs import configure_logging, serve_logging_config
 from .telemetry.metrics import default_metrics_dir
@@ -81,6 +90,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, help="default: the config's http_options.port")
     p.add_argument("--num-cpus", type=float, help="CPUs Ray may hand out (default: all, or what the config needs)")
     p.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
+    p.add_argument("--front", choices=CHOICES, default=os.environ.get("TS_FRONT", "auto"),
+                   help="what listens on the port: nginx in front of the ingress replicas (auto: when installed) "
+                        "or Serve's own proxy (default: $TS_FRONT, else auto)")
     return p.parse_args(argv)
 
 
@@ -105,6 +117,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "builtin weights are produced by their training scripts (models/train/).", "\n  ".join(problems))
         return 1
 
+    try:
+        nginx = choose_front(args.front, os.environ)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    if nginx is not None:  # the front takes a stopping ingress replica out within a second (service/ray_env.py)
+        os.environ.setdefault(DRAIN, FRONT_DRAIN_S)
     log.info("Ray Serve request path: %s (service/ray_env.py)", use_fast_path(os.environ))
     import ray
     from ray import serve
@@ -114,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     http = dict(config.get("http_options") or {})
     http["host"] = args.host or http.get("host", "0.0.0.0")
     http["port"] = args.port or http.get("port", 8000)
+    listen = Address(http["host"], http["port"])
+    if nginx is not None:  # Serve's own servers on loopback only, behind nginx
+        http["host"], http["port"] = INTERNAL_HOST, free_port()
     num_cpus = args.num_cpus or max(float(os.cpu_count() or 1), cpus_needed(settings))
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=args.dashboard,
@@ -121,16 +143,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # also when started with SIGINT ignored (a background job)
         signal.signal(sig, _interrupt)
     try:
-        serve.start(http_options=http, proxy_location=config.get("proxy_location", "EveryNode"),
-                    logging_config=serve_logging_config(settings.log_json, settings.access_log))  # the proxies
-        serve.run(build_app_from_settings(settings), name=app_config.get("name", "default"),
-                  route_prefix=app_config.get("route_prefix", "/"))
-        log.info("serving on http://%s:%s (OpenAPI at /docs); Ctrl-C stops", http["host"], http["port"])
-        while True:
-            time.sleep(3600)
+        with ExitStack() as front:
+            serve.start(http_options=http, proxy_location=config.get("proxy_location", "EveryNode"),
+                        logging_config=serve_logging_config(settings.log_json, settings.access_log))  # the proxies
+            if nginx is not None:
+                front.enter_context(serve_front(nginx, listen, Address(http["host"], http["port"]),
+                                                settings.max_body_bytes, max(1, math.ceil(settings.retry_after_s))))
+            serve.run(build_app_from_settings(settings), name=app_config.get("name", "default"),
+                      route_prefix=app_config.get("route_prefix", "/"))
+            log.info("serving on http://%s (OpenAPI at /docs) through %s; Ctrl-C stops", listen,
+                     "nginx" if nginx else "Serve's proxy")
+            while True:
+                time.sleep(3600)
     except KeyboardInterrupt:
         log.info("stopping")
-    except RuntimeError as e:  # a deployment failed to start; the replica logs above say why
+    except RuntimeError as e:  # a deployment failed to start (the replica logs above say why), or nginx did not
         log.error("%s", e)
         return 1
     finally:

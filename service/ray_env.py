@@ -15,6 +15,12 @@ it starts, so `python -m service`, the hop benchmark and the tests set them firs
   through service/http/proxy_headers.py, which drops the headers that would let a client switch off
   Serve's timeout or disconnect handling and keeps one valid request id.
 
+- `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`: in throughput mode Serve keeps a stopping ingress
+  replica answering at least this long (default 30 s) so that a load balancer in front can take it
+  out first. Our nginx front (service/front/) follows the targets every 0.5 s, so `python -m service`
+  with it sets 2 s (`FRONT_DRAIN_S`): a replaced ingress replica, and the service's shutdown, no longer
+  wait 30 s.
+
 A variable that is already set wins: `RAY_SERVE_THROUGHPUT_OPTIMIZED=0` brings Serve's default path
 back. Clusters should leave throughput mode off unless they also run HAProxy: without it, Ray
 starts Serve's HTTP proxy on the head node only (docs/deploy.md).
@@ -30,6 +36,8 @@ THROUGHPUT = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 HA_PROXY = "RAY_SERVE_ENABLE_HA_PROXY"
 PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_MIDDLEWARES = "service.http.proxy_headers.proxy_middlewares"
+DRAIN = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+FRONT_DRAIN_S = "2"
 
 
 def haproxy_binary() -> str | None:

@@ -4,13 +4,14 @@ load-test commands that start the service themselves (autoscale, soak, hops).
     with local_cluster() as url:        # Ray Serve's request path as `python -m service` runs it
         deploy(app_args)                 # the Serve config's `args`, no TS_* environment
         wait_for(url, "/readyz", 200, timeout_s=120)
+
+    with local_cluster() as url, fronted(url, nginx) as front:   # and the nginx front before it
+        ...                              # clients go to front.url
 """
 
 from __future__ import annotations
 
 import os
-import random
-import socket
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -22,14 +23,16 @@ import ray
 from ray import serve
 
 from ..app import build_app_from_settings
-from ..ray_env import use_fast_path
+from ..front.config import Address
+from ..front.launch import serve_front
+from ..front.ports import free_port
+from ..front.supervisor import Front
+from ..ray_env import DRAIN, use_fast_path
 from ..settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-# In throughput mode Serve holds a stopping ingress replica open at least this long (default 30 s) so
-# an external load balancer can deregister it; a local cluster has none, and the wait made every
-# test module's shutdown take 30 s. Read by every Ray process at start-up.
-DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+# A local cluster has no load balancer to wait for (the ingress drain, service/ray_env.py): the
+# default 30 s made every test module's shutdown take 30 s.
 LOCAL_DRAIN_S = "1"
 
 
@@ -37,29 +40,7 @@ def local_ray_env() -> None:
     """The process environment a local Ray inherits: throughput mode (service/ray_env.py), and the
     short ingress drain of a cluster no load balancer fronts (unless set)."""
     use_fast_path(os.environ)
-    os.environ.setdefault(DRAIN_ENV, LOCAL_DRAIN_S)
-
-
-def free_port() -> int:
-    """A free 127.0.0.1 port below the kernel's ephemeral range: Ray's own connections take their
-    ports from that range, so a port picked there (bind to 0) can be taken again before Serve binds it
-    (seen as "Failed to bind to address" in one full test run in four)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # everything below the range taken: fall back to the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    os.environ.setdefault(DRAIN, LOCAL_DRAIN_S)
 
 
 def wait_for(url: str, path: str, status: int, timeout_s: float) -> httpx.Response:
@@ -101,3 +82,14 @@ def deploy(app_args: dict[str, Any], name: str = "e2e", prefix: str = "/",
     """Deploy the service app built from `app_args` (and `env`'s TS_* variables, none by default);
     returns when Serve reports it running (readiness is `wait_for(url, "/readyz", 200)`)."""
     serve.run(build_app_from_settings(Settings.build(app_args, env=env or {})), name=name, route_prefix=prefix)
+
+
+@contextmanager
+def fronted(serve_url: str, binary: str, max_body_bytes: int = 1 << 20, retry_after_s: int = 1,
+            poll_s: float = 0.5) -> Iterator[Front]:
+    """The nginx front of `python -m service` (service/front/) on a free 127.0.0.1 port, in front of
+    this process's Serve (its proxy at `serve_url` as the backup); `.url` is where clients go."""
+    backup = Address("127.0.0.1", int(serve_url.rsplit(":", 1)[1]))
+    with serve_front(binary, Address("127.0.0.1", free_port()), backup, max_body_bytes, retry_after_s,
+                     poll_s=poll_s) as front:
+        yield front

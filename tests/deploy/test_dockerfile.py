@@ -98,8 +98,9 @@ def test_runs_as_a_non_root_user_that_owns_the_baked_weights() -> None:
     assert cache and f"chown serve:serve {cache.group(1)}" in _all("RUN")[0]
 
 
-def test_wget_is_installed_for_kuberays_default_probes() -> None:
+def test_wget_is_installed_for_kuberays_default_probes_and_nginx_for_the_front() -> None:
     assert re.search(r"apt-get install -y --no-install-recommends wget\b", _all("RUN")[0])
+    assert re.search(r"apt-get install -y --no-install-recommends [^&]*\bnginx\b", _all("RUN")[0])
     assert "rm -rf /var/lib/apt/lists/*" in _all("RUN")[0]
 
 

@@ -1,5 +1,8 @@
 """One local Ray Serve with tiny models for every e2e module of this package (package-scoped: one
-cluster start for overload, faults and cancellation; the fault tests leave it whole again).
+cluster start for overload, faults and cancellation; the fault tests leave it whole again), reached
+as `python -m service` serves it: through the nginx front (service/front/) when nginx is installed
+(always in CI: REQUIRE_NGINX=1), else through Serve's own proxy. `Live.serve_url` is Serve's proxy
+of the same service (the front's backup), for the tests that check that path too.
 
 Deployments, each sized for what it is used for:
 - `encoder`: tiny:encoder, small batches; faults under classify load.
@@ -16,14 +19,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
-from service.testing.cluster import deploy, local_cluster, wait_for
+from service.testing.cluster import deploy, fronted, local_cluster, wait_for
 from service.testing.replicas import serve_replicas
+from tests.service.front_checks import nginx_if_present
 
 APP = "reliability"
 DEADLINE_S = 30.0  # request_timeout_s (the default): no request may take longer (+ slack for the HTTP hops)
@@ -56,10 +61,15 @@ def app_args() -> dict[str, Any]:
 
 @dataclass
 class Live:
-    url: str
+    url: str  # what clients use: the front
+    serve_url: str  # Serve's own proxy (the same as url without nginx)
 
-    def client(self, timeout_s: float = DEADLINE_S + 5) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout_s)
+    @property
+    def fronted(self) -> bool:
+        return self.url != self.serve_url
+
+    def client(self, timeout_s: float = DEADLINE_S + 5, via_serve: bool = False) -> httpx.Client:
+        return httpx.Client(base_url=self.serve_url if via_serve else self.url, timeout=timeout_s)
 
     def async_client(self, connections: int = 256, timeout_s: float = DEADLINE_S + 5) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, timeout=timeout_s,
@@ -93,10 +103,14 @@ def engine_idle(stats: dict[str, Any]) -> bool:
 
 @pytest.fixture(scope="package")
 def live() -> Iterator[Live]:
-    with local_cluster(num_cpus=4) as url:
+    nginx = nginx_if_present()
+    with local_cluster(num_cpus=4) as serve_url, ExitStack() as stack:
+        url = serve_url
+        if nginx is not None:
+            url = stack.enter_context(fronted(serve_url, nginx, retry_after_s=int(RETRY_AFTER))).url
         deploy(app_args(), name=APP, prefix="/")
         wait_for(url, "/readyz", 200, timeout_s=120)
-        yield Live(url)
+        yield Live(url, serve_url)
 
 
 def run(coro: Any) -> Any:

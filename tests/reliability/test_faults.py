@@ -136,10 +136,12 @@ def check(outage: Outage, probe_may_hang: bool = False) -> None:
 
 
 def test_a_killed_ingress_replica_is_replaced_and_no_request_hangs(live: Live) -> None:
-    """The ingress (its HTTP server in throughput mode) SIGKILLed under load: Serve's proxy answered the
-    requests in flight with its own 500 and Ray's exception text; now a JSON 503 with Retry-After
-    (service/http/proxy_headers.py). /readyz is 503, or gets no answer (Serve's proxy holds it until an
-    ingress is back), during the outage, and the service comes back."""
+    """The ingress (its HTTP server in throughput mode) SIGKILLed under load. Through the nginx front the
+    requests in flight get our JSON 503 with Retry-After (service/front/config.py), the next ones are
+    retried on Serve's proxy (the backup) until the front follows the new replica's port; through
+    Serve's proxy alone (no nginx), Serve answered them with its own 500 and Ray's exception text,
+    now our JSON 503 too (service/http/proxy_headers.py). /readyz is 503, or gets no answer (Serve's
+    proxy holds it until an ingress is back), during the outage, and the service comes back."""
     outage = run(kill_under_load(live, "Ingress", "/v1/classify", {"inputs": ["a text", "another one"]}))
     check(outage, probe_may_hang=True)
     with live.client() as c:

@@ -1,6 +1,7 @@
 """Headers Ray Serve's HTTP servers would act on themselves (service/http/proxy_headers.py), live over
 HTTP: a client can neither shorten or switch off Serve's timeout nor its disconnect handling, and a
-request id comes back once, valid."""
+request id comes back once, valid. Through the front (nginx, when installed) and through Serve's own
+proxy behind it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tests.service.http_checks import send as send_to
 
 pytestmark = pytest.mark.e2e
 LONG = {"prompt": "go on", "max_new_tokens": 400, "ignore_eos": True, "stream": True}
+PATHS = pytest.mark.parametrize("via_serve", [False, True], ids=["front", "serve-proxy"])
 
 
 def test_safe_headers_keep_one_valid_id_and_drop_serves_own() -> None:
@@ -28,9 +30,10 @@ def test_safe_headers_keep_one_valid_id_and_drop_serves_own() -> None:
     assert len(fresh) == 1 and fresh[0][1] != b"<script>" and valid_request_id(fresh[0][1].decode())
 
 
-def test_a_client_cannot_switch_off_disconnect_handling(live: Live) -> None:
+@PATHS
+def test_a_client_cannot_switch_off_disconnect_handling(live: Live, via_serve: bool) -> None:
     before = live.wait_stats("generator", engine_idle)
-    with live.client() as c, c.stream("POST", "/v1/generate", json=LONG,
+    with live.client(via_serve=via_serve) as c, c.stream("POST", "/v1/generate", json=LONG,
                                       headers={"x-request-disconnect-disabled": "?1"}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -41,19 +44,21 @@ def test_a_client_cannot_switch_off_disconnect_handling(live: Live) -> None:
     assert after["generated_tokens"] - before["generated_tokens"] < LONG["max_new_tokens"], after
 
 
-def test_a_client_cannot_set_serves_timeout(live: Live) -> None:
+@PATHS
+def test_a_client_cannot_set_serves_timeout(live: Live, via_serve: bool) -> None:
     """`x-request-timeout-seconds` would replace Serve's timeout (and <= 0 turn it off): here it is
     ignored, so a request that takes longer than it asks for still gets its answer."""
-    with live.client() as c:
+    with live.client(via_serve=via_serve) as c:
         started = time.monotonic()
         r = c.post("/v1/generate", json={**LONG, "stream": False, "max_new_tokens": 200},
                    headers={"x-request-timeout-seconds": "0.05"})
         assert r.status_code == 200 and time.monotonic() - started > 0.05, r.text
 
 
+@PATHS
 @pytest.mark.parametrize("sent", ["bad id with spaces", "<script>", "x" * 200, "ok-id.1"])
-def test_the_request_id_comes_back_once_and_valid(live: Live, sent: str) -> None:
-    with live.client() as c:
+def test_the_request_id_comes_back_once_and_valid(live: Live, sent: str, via_serve: bool) -> None:
+    with live.client(via_serve=via_serve) as c:
         r = c.get("/healthz", headers={"X-Request-ID": sent})
         ids = r.headers.get_list("x-request-id")
         assert r.status_code == 200 and len(ids) == 1, ids

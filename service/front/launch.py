@@ -1,0 +1,59 @@
+"""Which front serves a `python -m service` (or a test's local cluster), and starting it.
+
+`auto` (the default) is nginx when its binary is found, else Serve's own proxy with a warning;
+`nginx` fails without the binary; `serve` is Serve's proxy on the service's port, as before the front.
+With nginx, Serve's servers (its proxy and the ingress replicas' own ports) bind 127.0.0.1 only and
+nginx alone faces the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..ray_env import HA_PROXY
+from .config import Address, FrontConfig
+from .supervisor import Front, nginx_binary
+from .targets import is_loopback, serve_controller, serve_targets
+
+log = logging.getLogger(__name__)
+CHOICES = ("auto", "nginx", "serve")
+INTERNAL_HOST = "127.0.0.1"
+
+
+def choose_front(requested: str, env: Mapping[str, str]) -> str | None:
+    """The nginx binary to run, or None for Serve's own proxy. ValueError when `requested` cannot be had."""
+    if requested not in CHOICES:
+        raise ValueError(f"front must be one of {', '.join(CHOICES)}, not {requested!r}")
+    if requested == "serve":
+        return None
+    if env.get(HA_PROXY) == "1":  # Ray's HAProxy already replaces Serve's proxy on the service's port
+        if requested == "nginx":
+            raise ValueError(f"front nginx and {HA_PROXY}=1 exclude each other")
+        return None
+    binary = nginx_binary()
+    if binary is None:
+        if requested == "nginx":
+            raise ValueError("front nginx: no nginx binary (Debian/Ubuntu: apt-get install nginx)")
+        log.warning("no nginx binary: Serve's own proxy is the service's front, slower under load "
+                    "(docs/reliability.md); apt-get install nginx, or --front serve to silence this")
+    return binary
+
+
+@contextmanager
+def serve_front(binary: str, listen: Address, backup: Address, max_body_bytes: int, retry_after_s: int,
+                poll_s: float = 0.5) -> Iterator[Front]:
+    """nginx on `listen`, following this process's Serve (already started, its proxy at `backup`)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="ts-front-"))
+    host = backup.host if is_loopback(backup.host) else None  # one node, bound to loopback: connect there
+    cfg = FrontConfig(listen, backup, run_dir, max_body_bytes, retry_after_s)
+    front = Front(cfg, serve_targets(serve_controller(), host=host), binary, poll_s=poll_s)
+    try:
+        yield front.start()
+    finally:
+        front.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)

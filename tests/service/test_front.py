@@ -1,0 +1,217 @@
+"""The nginx front (service/front/): its configuration is valid nginx, its errors are our JSON, it
+follows its targets (reload), falls back on Serve's proxy, passes a client's hang-up on and comes back
+when nginx dies. Real nginx against stand-in upstreams on 127.0.0.1 (each answers its own name, so a
+request that reached the wrong one fails); the service behind it is tested end to end by
+tests/reliability/ (its fixture goes through this front) and tests/service/test_main_front.py."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+from ray.serve._private.common import RequestProtocol
+from ray.serve.schema import Target, TargetGroup
+
+from service.errors import STATUS
+from service.front.config import Address, FrontConfig, render_nginx, render_upstreams
+from service.front.launch import choose_front
+from service.front.ports import free_port
+from service.front.supervisor import Front
+from service.front.targets import http_targets
+from service.ray_env import HA_PROXY
+from tests.service.front_checks import nginx_or_skip
+
+LOCAL = "127.0.0.1"
+
+
+class Named(ThreadingHTTPServer):
+    """An upstream that answers every request with its name; `hold` makes POST /hold wait for the
+    client (through nginx) to go away, and records that it did."""
+
+    daemon_threads = True
+
+    def __init__(self, name: str) -> None:
+        self.name, self.hung_up = name, threading.Event()
+        self.connections: list[socket.socket] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                server.connections.append(self.connection)
+
+            def do_GET(self) -> None:
+                body = name.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/hold":  # answer nothing; EOF on the connection = the front hung up
+                    self.connection.settimeout(10)
+                    if self.connection.recv(1) == b"":
+                        server.hung_up.set()
+                    self.close_connection = True
+                    return
+                self.do_GET()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = self
+        super().__init__((LOCAL, free_port()), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def address(self) -> Address:
+        return Address(LOCAL, self.server_address[1])
+
+    def close(self) -> None:
+        """As a killed process: the port refuses, and the connections kept alive to it break."""
+        self.shutdown()
+        self.server_close()
+        for c in self.connections:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture
+def nginx() -> str:
+    return nginx_or_skip()
+
+
+@pytest.fixture
+def upstreams() -> Iterator[dict[str, Named]]:
+    servers = {name: Named(name) for name in ("a", "b", "serve")}
+    yield servers
+    for s in servers.values():
+        s.close()
+
+
+def front(nginx: str, tmp_path: Path, targets: list[Address], backup: Address, max_body: int = 1 << 20) -> Front:
+    cfg = FrontConfig(Address(LOCAL, free_port()), backup, tmp_path / "run", max_body, retry_after_s=2)
+    return Front(cfg, lambda: tuple(targets), nginx, poll_s=0.1)
+
+
+def answered_by(url: str, name: str, within_s: float = 5.0) -> float:
+    """Seconds until GET url answers `name`; AssertionError naming the last answer otherwise."""
+    started, last = time.monotonic(), None
+    while time.monotonic() - started < within_s:
+        r = httpx.get(url + "/x", timeout=2)
+        last = (r.status_code, r.text[:80])
+        if last == (200, name):
+            return time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"not answered by {name} within {within_s} s; last {last}")
+
+
+def only(url: str, name: str, n: int = 20) -> None:
+    """The next n requests all answered by `name` (the backup takes none while a target lives)."""
+    assert {httpx.get(url + "/x", timeout=2).text for _ in range(n)} == {name}
+
+
+def test_the_rendered_configuration_is_valid_nginx(nginx: str, tmp_path: Path) -> None:
+    cfg = FrontConfig(Address("0.0.0.0", 8000), Address(LOCAL, 8001), tmp_path, 1 << 20, 1)
+    (tmp_path / "nginx.conf").write_text(render_nginx(cfg))
+    for targets in ([], [Address("10.0.0.2", 30000), Address("10.0.0.3", 30001)]):
+        (tmp_path / "upstreams.conf").write_text(render_upstreams(targets, cfg.backup))
+        out = subprocess.run([nginx, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-e", "stderr"],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+
+
+def test_upstreams_list_each_target_once_and_serve_as_the_backup() -> None:
+    backup = Address(LOCAL, 8001)
+    both = render_upstreams([Address(LOCAL, 30001), Address(LOCAL, 30000), Address(LOCAL, 30001)], backup)
+    assert both.count("server 127.0.0.1:30001 ") == 1 and "server 127.0.0.1:8001 max_fails=0 backup;" in both
+    alone = render_upstreams([backup], backup)  # no ingress replica: Serve reports its proxy as the target
+    assert alone.count("server ") == 1 and "server 127.0.0.1:8001 max_fails=0;" in alone
+
+
+def test_targets_are_the_http_group_of_our_route() -> None:
+    def group(protocol: RequestProtocol, prefix: str, *ports: int) -> TargetGroup:
+        return TargetGroup(protocol=protocol, route_prefix=prefix,
+                           targets=[Target(ip="10.0.0.5", port=p, instance_id=str(p), name=f"r{p}") for p in ports])
+
+    groups = [group(RequestProtocol.HTTP, "/", 30001, 30000), group(RequestProtocol.GRPC, "/", 40000),
+              group(RequestProtocol.HTTP, "/other", 30002)]
+    assert http_targets(groups) == (Address("10.0.0.5", 30000), Address("10.0.0.5", 30001))
+    assert http_targets(groups, host=LOCAL) == (Address(LOCAL, 30000), Address(LOCAL, 30001))
+    assert http_targets(groups, "/other") == (Address("10.0.0.5", 30002),)
+
+
+def test_choose_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert choose_front("serve", {}) is None
+    monkeypatch.setattr("service.front.launch.nginx_binary", lambda: "/usr/sbin/nginx")
+    assert choose_front("auto", {}) == "/usr/sbin/nginx"
+    assert choose_front("auto", {HA_PROXY: "1"}) is None  # Ray's HAProxy already fronts the port
+    with pytest.raises(ValueError, match="exclude each other"):
+        choose_front("nginx", {HA_PROXY: "1"})
+    monkeypatch.setattr("service.front.launch.nginx_binary", lambda: None)
+    assert choose_front("auto", {}) is None
+    with pytest.raises(ValueError, match="no nginx binary"):
+        choose_front("nginx", {})
+    with pytest.raises(ValueError, match="must be one of"):
+        choose_front("haproxy", {})
+
+
+def test_the_front_follows_its_targets_and_falls_back_on_serves_proxy(
+        nginx: str, tmp_path: Path, upstreams: dict[str, Named]) -> None:
+    targets = [upstreams["a"].address]
+    with front(nginx, tmp_path, targets, upstreams["serve"].address) as f:
+        answered_by(f.url, "a", within_s=0.5)
+        only(f.url, "a")
+        targets[:] = [upstreams["b"].address]  # the ingress replica replaced: another port
+        assert answered_by(f.url, "b") < 2.0 and f.reloads == 1
+        time.sleep(0.3)  # the old worker may accept for a moment after a reload (the old replica still drains)
+        only(f.url, "b")
+        upstreams["b"].close()  # gone before the next poll: its port refuses, Serve's proxy answers
+        answered_by(f.url, "serve", within_s=0.5)
+        targets[:] = []  # no replica running: everything to Serve's proxy
+        answered_by(f.url, "serve")
+
+
+def test_errors_nginx_answers_itself_are_our_json(nginx: str, tmp_path: Path) -> None:
+    dead = Address(LOCAL, free_port())  # nothing listens: no upstream at all
+    with front(nginx, tmp_path, [dead], dead, max_body=1000) as f:
+        r = httpx.post(f.url + "/v1/classify", json={"inputs": "x"}, headers={"X-Request-ID": "mine"})
+        assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+        assert r.json()["error"]["type"] == "model_not_ready" and r.headers["retry-after"] == "2"
+        assert len(r.headers.get_list("x-request-id")) == 1
+        big = httpx.post(f.url + "/v1/classify", content=b"x" * 2000, headers={"content-type": "application/json"})
+        assert big.status_code == 413 == STATUS[big.json()["error"]["type"]]
+        assert "1000 bytes" in big.json()["error"]["message"] and "retry-after" not in big.headers
+
+
+def test_a_client_that_hangs_up_is_passed_on(nginx: str, tmp_path: Path, upstreams: dict[str, Named]) -> None:
+    with front(nginx, tmp_path, [upstreams["a"].address], upstreams["serve"].address) as f:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f.url + "/hold", content=b"{}", timeout=0.5)
+        assert upstreams["a"].hung_up.wait(2.0), "the upstream never saw the client leave"
+
+
+def test_nginx_that_dies_is_started_again(nginx: str, tmp_path: Path, upstreams: dict[str, Named]) -> None:
+    with front(nginx, tmp_path, [upstreams["a"].address], upstreams["serve"].address) as f:
+        first = f.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while (f.restarts == 0 or f.pid == first) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f.restarts == 1 and f.pid != first
+        answered_by(f.url, "a", within_s=1.0)
+    with socket.socket() as s:  # stopped: nothing listens on the front's port any more
+        assert s.connect_ex((LOCAL, f.cfg.listen.port)) != 0

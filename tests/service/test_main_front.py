@@ -1,0 +1,88 @@
+"""`python -m service` as a user runs it, with the nginx front (service/front/): the port answers
+through nginx, Serve's own servers listen on loopback only, a replaced ingress replica is followed, and
+SIGTERM stops everything (no nginx left behind, well within Serve's default 30 s ingress drain)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from service.front.ports import free_port
+from service.testing.cluster import ROOT, wait_for
+from tests.service.front_checks import nginx_or_skip
+
+pytestmark = pytest.mark.e2e
+TINY = {"name": "tiny-encoder", "tasks": ["classify", "embed"], "source": "tiny:encoder"}
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of the TCP sockets process `pid` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+            addr, port = fields[1].split(":")
+            ip = ".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
+            out.add((ip, int(port, 16)))
+    return out
+
+
+def children(pid: int, name: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid), "-x", name], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_python_m_service_serves_through_nginx_and_stops_clean(tmp_path: Path) -> None:
+    nginx_or_skip()
+    port = free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "default", "import_path": "service.app:build_app", "route_prefix": "/",
+                          "args": {"device": "cpu", "deployments": {"encoder": {
+                              "model": TINY, "num_cpus": 0, "torch_threads": 1}}}}]}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TS_", "RAY_SERVE_"))}
+    log = (tmp_path / "service.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "service", "--config", str(config), "--num-cpus", "2"],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        ready = wait_for(url, "/readyz", 200, timeout_s=120)
+        assert ready.headers["server"] == "nginx"
+        r = httpx.post(url + "/v1/classify", json={"inputs": ["good", "bad"]}, timeout=10)
+        assert r.status_code == 200 and len(r.json()["results"]) == 2
+        masters = children(proc.pid, "nginx")
+        assert len(masters) == 1, "nginx is not the service's child"
+        nginx = masters + children(masters[0], "nginx")
+        ours = {p for pid in nginx for p in listening(pid)}
+        assert ours == {("127.0.0.1", port)}, ours
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=25) == 0
+        stopped_s = time.monotonic() - started
+        assert stopped_s < 20, stopped_s  # ~7 s here; with Serve's 30 s drain it took 30 s more
+        assert not any(Path(f"/proc/{pid}").exists() for pid in nginx)
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
