@@ -13,6 +13,7 @@ retries them on Serve's proxy (the backup, config.py). If nginx exits, it is sta
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -29,6 +30,7 @@ from .config import UPSTREAMS, Address, FrontConfig, render_nginx, render_upstre
 
 log = logging.getLogger(__name__)
 Targets = Callable[[], tuple[Address, ...]]
+PR_SET_PDEATHSIG = 1
 
 
 class FrontError(RuntimeError):
@@ -41,6 +43,12 @@ def nginx_binary() -> str | None:
     if found is None and os.access("/usr/sbin/nginx", os.X_OK):
         found = "/usr/sbin/nginx"
     return found
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the thread that started it exits (Linux prctl)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _connectable(address: Address) -> bool:
@@ -96,9 +104,11 @@ class Front:
     def _spawn(self) -> None:
         cmd = [self.binary, "-p", str(self.cfg.run_dir), "-c", str(self.cfg.run_dir / "nginx.conf"),
                "-e", "stderr", "-g", "daemon off;"]
-        # its own process group: workers that outlive a killed master (they keep the port) go with it
+        # Its own process group, so that workers outliving a killed master (they keep the port) can be
+        # killed with it; and SIGTERM to the master when this process dies, even by SIGKILL: an
+        # orphaned nginx would hold the service's port against the next start.
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, start_new_session=True)
+                                      stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self.start_timeout_s
         while not _connectable(self.cfg.listen):
             if self._proc.poll() is not None or time.monotonic() > deadline:

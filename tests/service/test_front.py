@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from service.front.ports import free_port
 from service.front.supervisor import Front
 from service.front.targets import http_targets
 from service.ray_env import HA_PROXY
+from service.testing.cluster import ROOT
 from tests.service.front_checks import nginx_or_skip
 
 LOCAL = "127.0.0.1"
@@ -215,3 +217,29 @@ def test_nginx_that_dies_is_started_again(nginx: str, tmp_path: Path, upstreams:
         answered_by(f.url, "a", within_s=1.0)
     with socket.socket() as s:  # stopped: nothing listens on the front's port any more
         assert s.connect_ex((LOCAL, f.cfg.listen.port)) != 0
+
+
+def test_nginx_goes_when_the_process_that_started_it_is_killed(nginx: str, tmp_path: Path) -> None:
+    """An orphaned nginx would hold the service's port against the next start."""
+    port = free_port()
+    code = ("import sys, time\nfrom pathlib import Path\nfrom service.front.config import Address, FrontConfig\n"
+            "from service.front.supervisor import Front\n"
+            f"cfg = FrontConfig(Address('127.0.0.1', {port}), Address('127.0.0.1', 9), Path({str(tmp_path)!r}), 1000, 1)\n"
+            f"Front(cfg, lambda: (), {nginx!r}).start()\nprint('up', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        with socket.socket() as s:
+            assert s.connect_ex((LOCAL, port)) == 0
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex((LOCAL, port)) != 0:
+                    return
+            time.sleep(0.05)
+        raise AssertionError("nginx still listens after the process that started it was killed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
