@@ -21,7 +21,9 @@ PACKAGES = ("torch", "ray", "transformers", "tokenizers", "fastapi", "uvicorn", 
 SYSTEM_NOTES = {
     "ours": "`python -m service`: the shipped deploy/serve_config.yaml narrowed to the benchmark's "
     "deployments (Ray Serve, FastAPI ingress, our models; dynamic length-grouped batching per model, "
-    "continuous batching for generation and translation, streaming)",
+    "continuous batching for generation and translation, streaming), through its nginx front when nginx is "
+    "installed (service/front/)",
+    "ours_serve_proxy": "ours with Serve's own Python proxy on the port (`--front serve`), as before the nginx front",
     "ours_batches": "ours with the translator on request-level dynamic batches (`translation.scheduler: "
     "batches`: each batch's beam search runs to its end before the next starts), as before the translation engine",
     "plain": "FastAPI + uvicorn, transformers models (BertModel, MarianMTModel, LlamaForCausalLM) run per "

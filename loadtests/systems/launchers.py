@@ -81,8 +81,10 @@ def serve_batch(cfg: LaunchConfig) -> Launch:
                      ["--max-batch-size", str(cfg.max_batch_size), "--batch-wait-ms", str(cfg.batch_wait_ms)])
 
 
-def our_service(cfg: LaunchConfig, variant: str = "", overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Launch:
-    """The service on the shipped config; a `variant` (its name) merges `overrides` into deployments."""
+def our_service(cfg: LaunchConfig, variant: str = "", overrides: Mapping[str, Mapping[str, Any]] | None = None,
+                front: str = "auto") -> Launch:
+    """The service on the shipped config; a `variant` (its name) merges `overrides` into deployments;
+    `front` is `python -m service --front` (auto: the nginx front when installed)."""
     skipped = ours.unsupported(cfg.tasks)
     tasks = tuple(t for t in cfg.tasks if t not in skipped)
     if not tasks:
@@ -109,8 +111,15 @@ def our_service(cfg: LaunchConfig, variant: str = "", overrides: Mapping[str, Ma
         "127.0.0.1",
         "--port",
         str(cfg.port),
+        "--front",
+        front,
     ]
     return Launch(argv, env, tasks, skipped)
+
+
+def our_service_serve_proxy(cfg: LaunchConfig) -> Launch:
+    """Ours with Serve's own proxy on the port instead of the nginx front."""
+    return our_service(cfg, "serve_proxy", front="serve")
 
 
 def our_service_batches(cfg: LaunchConfig) -> Launch:
@@ -225,6 +234,7 @@ SYSTEMS: dict[str, Callable[[LaunchConfig], Launch]] = {
     "ours": our_service,
     "ours_batches": our_service_batches,
     "ours_rows": our_service_rows,
+    "ours_serve_proxy": our_service_serve_proxy,
     "llama_server": llama_server,
     "vllm_cpu": vllm_cpu,
     "infinity": infinity,
