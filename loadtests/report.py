@@ -168,7 +168,8 @@ def _header(meta: dict[str, Any], systems: dict[str, Any] | None = None) -> list
         else ""
     )
     return [
-        f"- **Machine:** {m.get('nproc')} CPUs ({m.get('cpu_model', '?')}), {m.get('ram_gib', '?')} GiB RAM, "
+        f"- **Machine:** {m.get('nproc')} CPUs ({m.get('cpu_model', '?')}; {', '.join(m.get('cpu_flags', []))}), "
+        f"{m.get('ram_gib', '?')} GiB RAM, "
         f"{m.get('gpu') or 'no GPU'}; the load generator runs on the same machine. Device `{s['device']}`, "
         f"dtype `{s.get('dtype', 'auto')}`{_dtypes(systems or {})}, {s['threads']} torch thread(s) per model.",
         "- **Versions:** " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),

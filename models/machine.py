@@ -23,6 +23,10 @@ def machine_info() -> dict[str, Any]:
         text = cpuinfo.read_text()
         models = re.findall(r"^model name\s*:\s*(.+)$", text, re.M)
         info["cpu_model"] = models[0].strip() if models else platform.processor()
+        family = re.search(r"^cpu family\s*:\s*(\d+)$", text, re.M)
+        model = re.search(r"^model\s*:\s*(\d+)$", text, re.M)
+        if family and model:  # a VM often names only the vendor ("AMD EPYC"): the generation is in these
+            info["cpu_model"] += f" (family {family.group(1)}, model {model.group(1)})"
         flags = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
         info["cpu_flags"] = [f for f in CPU_FLAGS if flags and f in flags.group(1).split()]
     meminfo = Path("/proc/meminfo")
