@@ -7,8 +7,16 @@ if [ "$(id -u)" -eq 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO=
     echo "install-nginx: not root and no password-less sudo; install nginx by hand" >&2; exit 1
 fi
 $SUDO apt-get update -qq
-# the package's own nginx service must not start on port 80: only our front runs it
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends nginx
+# The package's own nginx service must not start (on port 80): only our front runs nginx. A
+# policy-rc.d that refuses every start, for the install only, unless the machine has one.
+POLICY=/usr/sbin/policy-rc.d
+OURS=""
+if [ ! -e "$POLICY" ]; then
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$POLICY" >/dev/null && $SUDO chmod 755 "$POLICY" && OURS=1
+fi
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends nginx || status=$?
+[ -n "$OURS" ] && $SUDO rm -f "$POLICY"
 if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
     $SUDO systemctl disable --now nginx || true
 fi
+exit ${status:-0}

@@ -146,16 +146,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         with ExitStack() as front:
             serve.start(http_options=http, proxy_location=config.get("proxy_location", "EveryNode"),
                         logging_config=serve_logging_config(settings.log_json, settings.access_log))  # the proxies
+            prefix = app_config.get("route_prefix", "/")
+            nginx_front = None
             if nginx is not None:
-                front.enter_context(serve_front(nginx, listen, Address(http["host"], http["port"]),
-                                                settings.max_body_bytes, max(1, math.ceil(settings.retry_after_s))))
-            serve.run(build_app_from_settings(settings), name=app_config.get("name", "default"),
-                      route_prefix=app_config.get("route_prefix", "/"))
+                nginx_front = front.enter_context(serve_front(
+                    nginx, listen, Address(http["host"], http["port"]), settings.max_body_bytes,
+                    max(1, math.ceil(settings.retry_after_s)), route_prefix=prefix))
+            serve.run(build_app_from_settings(settings), name=app_config.get("name", "default"), route_prefix=prefix)
             log.info("serving on http://%s (OpenAPI at /docs) through %s; Ctrl-C stops", listen,
                      "nginx" if nginx else "Serve's proxy")
-            while True:
-                time.sleep(3600)
+            while nginx_front is None or nginx_front.failed is None:
+                time.sleep(1.0)
+            log.error("the front failed, stopping: %s", nginx_front.failed)
+            return 1
     except KeyboardInterrupt:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the orderly stop short
+            signal.signal(sig, signal.SIG_IGN)
         log.info("stopping")
     except RuntimeError as e:  # a deployment failed to start (the replica logs above say why), or nginx did not
         log.error("%s", e)

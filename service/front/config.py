@@ -22,17 +22,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import RETRY_LATER, DeadlineExceeded, NotReady, PayloadTooLarge, ServiceError
+from ..errors import (
+    RETRY_LATER,
+    DeadlineExceeded,
+    InternalError,
+    InvalidRequest,
+    NotReady,
+    PayloadTooLarge,
+    ServiceError,
+)
+from ..telemetry.logs import MAX_REQUEST_ID
 
 UPSTREAMS = "upstreams.conf"
 UPSTREAM = "ingress"
-# nginx's own failures, as our errors: 502 (no upstream answered, or one died while answering),
-# 503 (none usable), 504 (an upstream silent past proxy_read_timeout), 413 (body over the limit).
 LOST = "the service's ingress is not reachable (starting, or being replaced); retry later"
-ERRORS: dict[int, ServiceError] = {
-    502: NotReady(LOST),
-    503: NotReady(LOST),
-    504: DeadlineExceeded("the service did not answer in time"),
+HEADER_BUFFER = "64k"  # the longest request line or header line (a long bearer token fits)
+# What nginx answers itself, as (status, our error): 502 (no upstream answered, or one died while
+# answering) and 503 (none usable) as our 503 + Retry-After; 504 (an upstream silent past
+# proxy_read_timeout); requests it cannot parse or take (400, 408, 494: a header over
+# HEADER_BUFFER, sent as 431); 500. 413 (a body over the limit) is added with the limit's size. A
+# request line over HEADER_BUFFER keeps nginx's own 414 page (an error page cannot be served for it).
+ERRORS: dict[int, tuple[int, ServiceError]] = {
+    400: (400, InvalidRequest("the request is not valid HTTP/1.1")),
+    408: (408, DeadlineExceeded("the request was not received in time")),
+    494: (431, PayloadTooLarge(f"a request header is over {HEADER_BUFFER}B")),
+    500: (500, InternalError("internal error")),
+    502: (503, NotReady(LOST)),
+    503: (503, NotReady(LOST)),
+    504: (504, DeadlineExceeded("the service did not answer in time")),
 }
 
 
@@ -63,37 +80,46 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _error_location(status: int, error: ServiceError, retry_after_s: int) -> str:
+def _error_location(status: int, answer: tuple[int, ServiceError], retry_after_s: int) -> str:
+    code, error = answer
     body = json.dumps(error.body(), separators=(",", ":"))
     retry = f"            add_header Retry-After {retry_after_s} always;\n" if error.type in RETRY_LATER else ""
-    return (f"    location @error{status} {{\n"
-            "        default_type application/json;\n"
-            "        add_header X-Request-ID $request_id always;\n"
+    return (f"        location @error{status} {{\n"
+            "            default_type application/json;\n"
+            "            add_header X-Request-ID $ts_request_id always;\n"
             f"{retry}"
-            f"        return {error.status} {_quoted(body)};\n"
-            "    }\n")
+            f"            return {code} {_quoted(body)};\n"
+            "        }\n")
 
 
 def render_nginx(cfg: FrontConfig) -> str:
     """nginx.conf for `cfg` (it includes UPSTREAMS from the same directory)."""
-    errors = {**ERRORS, 413: PayloadTooLarge(f"the request body is over the limit of {cfg.max_body_bytes} bytes")}
-    temp = "\n".join(f"    {kind}_temp_path {cfg.run_dir / kind};" for kind in
+    errors = {**ERRORS, 413: (413, PayloadTooLarge(f"the request body is over the limit of {cfg.max_body_bytes} bytes"))}
+    temp = "\n".join(f"    {kind}_temp_path {_quoted(str(cfg.run_dir / kind))};" for kind in
                      ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    # `::` alone would be IPv6 only in nginx, where Serve's servers on `::` took IPv4 too
+    dual = " ipv6only=off" if cfg.listen.host == "::" else ""
     pages = "\n".join(f"        error_page {status} = @error{status};" for status in sorted(errors))
     locations = "".join(_error_location(status, error, cfg.retry_after_s) for status, error in sorted(errors.items()))
     return f"""# Written by service/front/ at start-up; the upstreams follow Serve's ingress replicas.
 worker_processes {cfg.workers};
-pid {cfg.run_dir / "nginx.pid"};
+pid {_quoted(str(cfg.run_dir / "nginx.pid"))};
 events {{
     worker_connections 8192;
 }}
 http {{
     access_log off;
 {temp}
-    include {cfg.run_dir / UPSTREAMS};
+    # the client's request id when it is one the service accepts (service/telemetry/logs.py), else nginx's
+    map $http_x_request_id $ts_request_id {{
+        "~^[A-Za-z0-9._:;=+/@-]{{1,{MAX_REQUEST_ID}}}$" $http_x_request_id;
+        default $request_id;
+    }}
+    include {_quoted(str(cfg.run_dir / UPSTREAMS))};
     server {{
-        listen {cfg.listen} backlog=4096;
+        listen {cfg.listen} backlog=4096{dual};
         client_max_body_size {cfg.max_body_bytes};
+        large_client_header_buffers 4 {HEADER_BUFFER};
         proxy_request_buffering off;
         proxy_buffering off;
         proxy_http_version 1.1;
@@ -101,6 +127,7 @@ http {{
         proxy_set_header Connection "";
         proxy_set_header Host $http_host;
         proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+        proxy_set_header X-Forwarded-Proto $scheme;
         proxy_ignore_client_abort off;
         proxy_connect_timeout 2s;
         proxy_send_timeout {cfg.read_timeout_s}s;

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..ray_env import HA_PROXY
+from ..ray_env import HA_PROXY, THROUGHPUT
 from .config import Address, FrontConfig
 from .supervisor import Front, nginx_binary
 from .targets import is_loopback, serve_controller, serve_targets
@@ -35,6 +35,10 @@ def choose_front(requested: str, env: Mapping[str, str]) -> str | None:
         if requested == "nginx":
             raise ValueError(f"front nginx and {HA_PROXY}=1 exclude each other")
         return None
+    if env.get(THROUGHPUT) == "0":  # no direct ingress: nginx could only add a hop before Serve's proxy
+        if requested == "nginx":
+            raise ValueError(f"front nginx needs Serve's direct ingress, which {THROUGHPUT}=0 turns off")
+        return None
     binary = nginx_binary()
     if binary is None:
         if requested == "nginx":
@@ -46,12 +50,13 @@ def choose_front(requested: str, env: Mapping[str, str]) -> str | None:
 
 @contextmanager
 def serve_front(binary: str, listen: Address, backup: Address, max_body_bytes: int, retry_after_s: int,
-                poll_s: float = 0.5) -> Iterator[Front]:
-    """nginx on `listen`, following this process's Serve (already started, its proxy at `backup`)."""
+                poll_s: float = 0.5, route_prefix: str = "/") -> Iterator[Front]:
+    """nginx on `listen`, following this process's Serve (already started, its proxy at `backup`) for
+    the application at `route_prefix`."""
     run_dir = Path(tempfile.mkdtemp(prefix="ts-front-"))
     host = backup.host if is_loopback(backup.host) else None  # one node, bound to loopback: connect there
     cfg = FrontConfig(listen, backup, run_dir, max_body_bytes, retry_after_s)
-    front = Front(cfg, serve_targets(serve_controller(), host=host), binary, poll_s=poll_s)
+    front = Front(cfg, serve_targets(serve_controller(), route_prefix, host=host), binary, poll_s=poll_s)
     try:
         yield front.start()
     finally:

@@ -45,10 +45,19 @@ def nginx_binary() -> str | None:
     return found
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the thread that started it exits (Linux prctl)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def _dies_with_us() -> Callable[[], None]:
+    """A preexec_fn: in the child, before exec, SIGTERM to it when the thread that forked it exits
+    (Linux prctl), and exit at once if we are gone already. prctl is looked up here, in the parent:
+    loading a library after fork in a threaded process can deadlock."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def run() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return run
 
 
 def _connectable(address: Address) -> bool:
@@ -60,6 +69,13 @@ def _connectable(address: Address) -> bool:
         return False
 
 
+def _pid_in(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def _write(path: Path, text: str) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
@@ -68,14 +84,18 @@ def _write(path: Path, text: str) -> None:
 
 class Front:
     def __init__(self, cfg: FrontConfig, targets: Targets, binary: str, poll_s: float = 0.5,
-                 start_timeout_s: float = 10.0) -> None:
+                 start_timeout_s: float = 10.0, max_failures: int = 5) -> None:
         self.cfg, self.targets, self.binary = cfg, targets, binary
-        self.poll_s, self.start_timeout_s = poll_s, start_timeout_s
+        self.poll_s, self.start_timeout_s, self.max_failures = poll_s, start_timeout_s, max_failures
         self.current: tuple[Address, ...] = ()
         self.reloads = 0  # upstream changes applied
         self.restarts = 0  # nginx started again after it exited
+        self.failed: str | None = None  # set when nginx could not be started again: the service should stop
+        self._unread = 0  # failed target reads in a row
         self._proc: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # spawning and stopping exclude each other
+        self._released = threading.Event()  # nginx stopped: the follower thread may end
         self._thread: threading.Thread | None = None
 
     @property
@@ -104,13 +124,17 @@ class Front:
     def _spawn(self) -> None:
         cmd = [self.binary, "-p", str(self.cfg.run_dir), "-c", str(self.cfg.run_dir / "nginx.conf"),
                "-e", "stderr", "-g", "daemon off;"]
+        pid_file = self.cfg.run_dir / "nginx.pid"
+        pid_file.unlink(missing_ok=True)
         # Its own process group, so that workers outliving a killed master (they keep the port) can be
         # killed with it; and SIGTERM to the master when this process dies, even by SIGKILL: an
         # orphaned nginx would hold the service's port against the next start.
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
+                                      stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_dies_with_us())
         deadline = time.monotonic() + self.start_timeout_s
-        while not _connectable(self.cfg.listen):
+        # nginx writes its pid file once its sockets are bound: a port that answers without it is
+        # somebody else's (nginx itself retries the bind for ~2.5 s, then exits saying why)
+        while not (_pid_in(pid_file) == self._proc.pid and _connectable(self.cfg.listen)):
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 self._kill()
                 said = self._proc.stderr.read().decode(errors="replace").strip() if self._proc.stderr else ""
@@ -119,34 +143,68 @@ class Front:
         threading.Thread(target=self._relay, args=(self._proc,), name="front-log", daemon=True).start()
 
     @staticmethod
-    def _relay(proc: subprocess.Popen[bytes]) -> None:
-        """nginx's error log, line by line, into ours."""
+    def _relay(proc: subprocess.Popen[bytes], per_second: int = 20) -> None:
+        """nginx's error log into ours, at most `per_second` lines a second (a client can make nginx
+        log a line per request); the rest counted. Always read: a full pipe would stall nginx."""
         assert proc.stderr is not None
+        window, shown, dropped = time.monotonic(), 0, 0
         for line in proc.stderr:
-            log.warning("nginx: %s", line.decode(errors="replace").rstrip())
+            now = time.monotonic()
+            if now - window >= 1.0:
+                if dropped:
+                    log.warning("nginx: %d more lines in the last second not shown", dropped)
+                window, shown, dropped = now, 0, 0
+            if shown < per_second:
+                shown += 1
+                log.warning("nginx: %s", line.decode(errors="replace").rstrip())
+            else:
+                dropped += 1
 
     def _ask(self) -> tuple[Address, ...] | None:
         try:
             return self.targets()
         except Exception as e:  # the controller busy or restarting: keep the upstreams we have
-            log.warning("front: could not read Serve's targets (%s: %s); keeping %s", type(e).__name__, e,
-                        ", ".join(map(str, self.current)) or "the backup")
+            if self._unread == 0 or self._unread % 60 == 0:  # at the first failure, then every ~30 s
+                log.warning("front: could not read Serve's targets (%s: %s); keeping %s", type(e).__name__, e,
+                            ", ".join(map(str, self.current)) or "the backup")
+            self._unread += 1
             return None
 
     def _follow(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            assert self._proc is not None
-            if self._proc.poll() is not None:
+        try:
+            self._follow_until_stopped(self.max_failures)
+        finally:  # an nginx this thread started gets SIGTERM (PDEATHSIG) when it ends: wait for stop()
+            self._released.wait()
+
+    def _follow_until_stopped(self, max_failures: int) -> None:
+        failures = 0
+        while not self._stop.wait(min(self.poll_s * 2 ** failures, 10.0)):
+            try:
+                self._step()
+                failures = 0
+            except Exception as e:  # nginx would not start again, or its files could not be written
+                failures += 1
+                log.error("front: %s (%d in a row)", e, failures)
+                if failures >= max_failures:
+                    self.failed = f"nginx failed {failures} times in a row; last: {e}"
+                    log.error("front: giving up: %s", self.failed)
+                    return
+
+    def _step(self) -> None:
+        assert self._proc is not None
+        if self._proc.poll() is not None:
+            with self._lock:
+                if self._stop.is_set():
+                    return
                 log.error("front: nginx exited (%s); starting it again", self._proc.returncode)
                 self._kill_group()
-                try:
-                    self._spawn()
-                    self.restarts += 1
-                except FrontError as e:
-                    log.error("front: %s", e)
-                continue
-            targets = self._ask()
-            if targets is not None and targets != self.current:
+                self._spawn()
+                self.restarts += 1
+            return
+        targets = self._ask()
+        if targets is not None:
+            self._unread = 0
+            if targets != self.current:
                 self.apply(targets)
 
     def apply(self, targets: tuple[Address, ...]) -> None:
@@ -178,11 +236,14 @@ class Front:
         self._kill_group()
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop following, then nginx: open requests get `grace_s` to finish."""
-        self._stop.set()
+        """Stop following, then nginx: open requests get `grace_s` to finish. nginx is stopped before
+        the follower thread ends: one it restarted would get SIGTERM (no grace) when that thread ends."""
+        with self._lock:
+            self._stop.set()
+        self._kill(grace_s)
+        self._released.set()
         if self._thread is not None:
             self._thread.join()
-        self._kill(grace_s)
 
     def __enter__(self) -> Front:
         return self.start()

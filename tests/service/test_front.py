@@ -7,7 +7,9 @@ tests/reliability/ (its fixture goes through this front) and tests/service/test_
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,9 +29,9 @@ from service.errors import STATUS
 from service.front.config import Address, FrontConfig, render_nginx, render_upstreams
 from service.front.launch import choose_front
 from service.front.ports import free_port
-from service.front.supervisor import Front
+from service.front.supervisor import Front, FrontError
 from service.front.targets import http_targets
-from service.ray_env import HA_PROXY
+from service.ray_env import HA_PROXY, THROUGHPUT
 from service.testing.cluster import ROOT
 from tests.service.front_checks import nginx_or_skip
 
@@ -45,6 +47,7 @@ class Named(ThreadingHTTPServer):
     def __init__(self, name: str) -> None:
         self.name, self.hung_up = name, threading.Event()
         self.connections: list[socket.socket] = []
+        self.posts = 0
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -54,6 +57,8 @@ class Named(ThreadingHTTPServer):
                 server.connections.append(self.connection)
 
             def do_GET(self) -> None:
+                if self.path == "/slow":
+                    time.sleep(0.5)
                 body = name.encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
@@ -62,6 +67,11 @@ class Named(ThreadingHTTPServer):
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                server.posts += 1
+                if self.path == "/close":  # read the request, then die without answering
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 if self.path == "/hold":  # answer nothing; EOF on the connection = the front hung up
                     self.connection.settimeout(10)
                     if self.connection.recv(1) == b"":
@@ -126,8 +136,14 @@ def only(url: str, name: str, n: int = 20) -> None:
 
 
 def test_the_rendered_configuration_is_valid_nginx(nginx: str, tmp_path: Path) -> None:
-    cfg = FrontConfig(Address("0.0.0.0", 8000), Address(LOCAL, 8001), tmp_path, 1 << 20, 1)
-    (tmp_path / "nginx.conf").write_text(render_nginx(cfg))
+    (tmp_path / "upstreams.conf").write_text(render_upstreams([], Address(LOCAL, 8001)))
+    for host in ("0.0.0.0", "::"):
+        cfg = FrontConfig(Address(host, 8000), Address(LOCAL, 8001), tmp_path, 1 << 20, 1)
+        (tmp_path / "nginx.conf").write_text(render_nginx(cfg))
+        out = subprocess.run([nginx, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-e", "stderr"],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+    assert "listen [::]:8000 backlog=4096 ipv6only=off;" in render_nginx(cfg)  # IPv4 too, as Serve's `::`
     for targets in ([], [Address("10.0.0.2", 30000), Address("10.0.0.3", 30001)]):
         (tmp_path / "upstreams.conf").write_text(render_upstreams(targets, cfg.backup))
         out = subprocess.run([nginx, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-e", "stderr"],
@@ -160,6 +176,9 @@ def test_choose_front(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("service.front.launch.nginx_binary", lambda: "/usr/sbin/nginx")
     assert choose_front("auto", {}) == "/usr/sbin/nginx"
     assert choose_front("auto", {HA_PROXY: "1"}) is None  # Ray's HAProxy already fronts the port
+    assert choose_front("auto", {THROUGHPUT: "0"}) is None  # no direct ingress to go to
+    with pytest.raises(ValueError, match="direct ingress"):
+        choose_front("nginx", {THROUGHPUT: "0"})
     with pytest.raises(ValueError, match="exclude each other"):
         choose_front("nginx", {HA_PROXY: "1"})
     monkeypatch.setattr("service.front.launch.nginx_binary", lambda: None)
@@ -192,10 +211,56 @@ def test_errors_nginx_answers_itself_are_our_json(nginx: str, tmp_path: Path) ->
         r = httpx.post(f.url + "/v1/classify", json={"inputs": "x"}, headers={"X-Request-ID": "mine"})
         assert r.status_code == 503 and r.headers["content-type"] == "application/json"
         assert r.json()["error"]["type"] == "model_not_ready" and r.headers["retry-after"] == "2"
-        assert len(r.headers.get_list("x-request-id")) == 1
+        assert r.headers.get_list("x-request-id") == ["mine"]  # the client's id, to find it in its logs
+        fresh = httpx.get(f.url + "/x", headers={"X-Request-ID": "<bad id>"}).headers.get_list("x-request-id")
+        assert len(fresh) == 1 and fresh[0] != "<bad id>"
         big = httpx.post(f.url + "/v1/classify", content=b"x" * 2000, headers={"content-type": "application/json"})
         assert big.status_code == 413 == STATUS[big.json()["error"]["type"]]
         assert "1000 bytes" in big.json()["error"]["message"] and "retry-after" not in big.headers
+        for raw, status in ((b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+                             400),
+                            (b"GET /x HTTP/1.1\r\nHost: a\r\nAuthorization: " + b"t" * 70_000 + b"\r\n\r\n", 431)):
+            head, body = raw_request(f.cfg.listen, raw)
+            assert head.startswith(f"HTTP/1.1 {status} ".encode()), head[:60]
+            assert b"content-type: application/json" in head.lower(), head
+            assert "error" in json.loads(body), body
+        # a long bearer token still reaches the service
+        assert httpx.get(f.url + "/x", headers={"Authorization": "Bearer " + "t" * 30_000}).status_code == 503
+
+
+def raw_request(address: Address, raw: bytes) -> tuple[bytes, bytes]:
+    """Send raw bytes, read the whole answer (the server closes, or 2 s pass): (head, body)."""
+    with socket.create_connection((address.host, address.port), timeout=2) as s:
+        s.sendall(raw)
+        data = b""
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while chunk := s.recv(65536):
+                data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length: (\d+)", head)
+                if length and len(body) >= int(length.group(1)):
+                    break
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head, body
+
+
+def test_a_request_sent_to_an_upstream_is_never_sent_again(nginx: str, tmp_path: Path,
+                                                           upstreams: dict[str, Named]) -> None:
+    """An ingress that dies with the request: our 503 to the client, never the same POST to the backup
+    (a model must not run a request twice)."""
+    with front(nginx, tmp_path, [upstreams["a"].address], upstreams["serve"].address) as f:
+        r = httpx.post(f.url + "/close", json={"inputs": "x"})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "model_not_ready"
+        assert (upstreams["a"].posts, upstreams["serve"].posts) == (1, 0)
+
+
+def test_a_port_taken_by_another_process_is_an_error(nginx: str, tmp_path: Path) -> None:
+    with socket.socket() as squatter:
+        squatter.bind((LOCAL, 0))
+        squatter.listen()
+        cfg = FrontConfig(Address(LOCAL, squatter.getsockname()[1]), Address(LOCAL, 9), tmp_path, 1000, 1)
+        with pytest.raises(FrontError, match="did not start"):
+            Front(cfg, lambda: (), nginx, start_timeout_s=5).start()
 
 
 def test_a_client_that_hangs_up_is_passed_on(nginx: str, tmp_path: Path, upstreams: dict[str, Named]) -> None:
@@ -215,8 +280,29 @@ def test_nginx_that_dies_is_started_again(nginx: str, tmp_path: Path, upstreams:
             time.sleep(0.05)
         assert f.restarts == 1 and f.pid != first
         answered_by(f.url, "a", within_s=1.0)
+        slow: list[httpx.Response] = []
+        ask = threading.Thread(target=lambda: slow.append(httpx.get(f.url + "/slow", timeout=5)))
+        ask.start()
+        time.sleep(0.2)
+        f.stop()  # graceful, also for the nginx the follower thread started
+        ask.join()
+        assert slow and slow[0].text == "a"
     with socket.socket() as s:  # stopped: nothing listens on the front's port any more
         assert s.connect_ex((LOCAL, f.cfg.listen.port)) != 0
+
+
+def test_a_front_that_cannot_start_nginx_again_says_it_failed(nginx: str, tmp_path: Path,
+                                                              upstreams: dict[str, Named]) -> None:
+    """`python -m service` stops (exit 1) when `failed` is set, rather than serve nothing on its port."""
+    cfg = FrontConfig(Address(LOCAL, free_port()), upstreams["serve"].address, tmp_path, 1000, 1)
+    with Front(cfg, lambda: (), nginx, poll_s=0.1, max_failures=2) as f:
+        assert f.pid is not None
+        (tmp_path / "nginx.conf").write_text("broken;\n")  # every start from now on fails at once
+        os.kill(f.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while f.failed is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert f.failed is not None and "2 times in a row" in f.failed and f.restarts == 0
 
 
 def test_nginx_goes_when_the_process_that_started_it_is_killed(nginx: str, tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """`python -m service` as a user runs it, with the nginx front (service/front/): the port answers
-through nginx, Serve's own servers listen on loopback only, a replaced ingress replica is followed, and
-SIGTERM stops everything (no nginx left behind, well within Serve's default 30 s ingress drain)."""
+through nginx, nginx is the service's child and listens on the service's port only, and SIGTERM stops
+everything (no nginx left behind, well within Serve's default 30 s ingress drain). Following a replaced
+ingress replica is tested through the same front by tests/reliability/test_faults.py."""
 
 from __future__ import annotations
 
@@ -35,12 +36,16 @@ def listening(pid: int) -> set[tuple[str, int]]:
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     out = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-            addr, port = fields[1].split(":")
-            ip = ".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
-            out.add((ip, int(port, 16)))
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                addr, port = fields[1].split(":")
+                ip = (".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0)) if len(addr) == 8
+                      else f"ipv6:{addr}")
+                out.add((ip, int(port, 16)))
     return out
 
 
