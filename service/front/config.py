@@ -69,7 +69,7 @@ class FrontConfig:
     run_dir: Path  # nginx's prefix: its pid file, temp files and our two config files
     max_body_bytes: int  # the ingress's own limit (Settings.max_body_bytes): 413 past it
     retry_after_s: int
-    workers: int = 1  # one nginx worker outpaces the Python ingress behind it (docs/reliability.md)
+    workers: int = 1  # 2 served the near-free classify no faster on 2 cores (docs/benchmarks.md)
     read_timeout_s: int = 3600  # silence allowed between an upstream's bytes (a stream's tokens)
 
 
