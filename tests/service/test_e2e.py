@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import random
 import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,8 @@ import torch
 
 from models.beam_search import BeamParams, translate_ids
 from models.tiny import tiny_model
-from service.testing.cluster import local_cluster, wait_for
+from service.testing.cluster import fronted, local_cluster, wait_for
+from tests.service.front_checks import nginx_if_present
 from tests.service.http_checks import assert_error
 
 pytestmark = pytest.mark.e2e
@@ -59,9 +62,10 @@ def app_args(gate: Path) -> dict[str, Any]:
 
 @dataclass
 class Server:
-    url: str
+    url: str  # the nginx front when installed (as `python -m service` serves), else Serve's proxy
     readyz_before: httpx.Response
     call_before: httpx.Response
+    serve_url: str  # Serve's proxy: it routes by route prefix between applications, the front serves one
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60)
@@ -79,8 +83,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     from service.settings import Settings
 
     gate = tmp_path_factory.mktemp("gate") / "open"
-    with local_cluster() as url:
-        app = build_app_from_settings(Settings.build(app_args(gate), env={}))
+    settings = Settings.build(app_args(gate), env={})
+    nginx = nginx_if_present()  # through the front `python -m service` runs, as users reach it
+    with local_cluster() as serve_url, ExitStack() as stack:
+        url = serve_url
+        if nginx is not None:
+            url = stack.enter_context(fronted(serve_url, nginx, settings.max_body_bytes,
+                                              math.ceil(settings.retry_after_s))).url
+        app = build_app_from_settings(settings)
         deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "e2e", "route_prefix": "/"},
                                      daemon=True)
         deploying.start()
@@ -91,7 +101,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             gate.touch()
             deploying.join(timeout=180)
             wait_for(url, "/readyz", 200, timeout_s=60)
-        yield Server(url, readyz_before, call_before)
+        yield Server(url, readyz_before, call_before, serve_url)
 
 
 # -- life cycle, discovery ----------------------------------------------------------------------
@@ -488,7 +498,9 @@ def test_a_client_that_disconnects_never_wedges_the_batcher(server: Server) -> N
 @pytest.mark.slow
 def test_the_shipped_translator_translates_a_document_sentence_by_sentence(server: Server) -> None:
     """The default en->es translator as a second app: a document of three paragraphs comes back with
-    its layout, each of its 5 sentences translated as it is alone (split_sentences false, one input each)."""
+    its layout, each of its 5 sentences translated as it is alone (split_sentences false, one input each).
+    A second application on its own route prefix is reached through Serve's proxy (the nginx front of
+    `python -m service` follows its one application)."""
     from ray import serve
 
     from service.documents import split
@@ -499,8 +511,8 @@ def test_the_shipped_translator_translates_a_document_sentence_by_sentence(serve
                 "Where is the train station? ")
     deploy({"device": "cpu", "deployments": {"translator": {"num_cpus": 0}}}, "shipped-translator", "/shipped")
     try:
-        wait_for(f"{server.url}/shipped", "/readyz", 200, timeout_s=300)
-        with httpx.Client(base_url=f"{server.url}/shipped", timeout=120) as c:
+        wait_for(f"{server.serve_url}/shipped", "/readyz", 200, timeout_s=300)
+        with httpx.Client(base_url=f"{server.serve_url}/shipped", timeout=120) as c:
             body = {"source_lang": "en", "target_lang": "es", "beam_size": 4}
             r = c.post("/v1/translate", json={"inputs": document, **body})
             assert r.status_code == 200, r.text
