@@ -60,10 +60,16 @@ def _dies_with_us() -> Callable[[], None]:
     return run
 
 
+def _local(address: Address) -> Address:
+    """Where this machine reaches a server listening on `address` (a wildcard host: loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(address.host, address.host)
+    return Address(host, address.port)
+
+
 def _connectable(address: Address) -> bool:
-    host = "127.0.0.1" if address.host in ("0.0.0.0", "") else "::1" if address.host == "::" else address.host
+    local = _local(address)
     try:
-        with socket.create_connection((host, address.port), timeout=0.5):
+        with socket.create_connection((local.host, local.port), timeout=0.5):
             return True
     except OSError:
         return False
@@ -100,8 +106,7 @@ class Front:
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.cfg.listen.host in ("0.0.0.0", "") else self.cfg.listen.host
-        return f"http://{Address(host, self.cfg.listen.port)}"
+        return f"http://{_local(self.cfg.listen)}"
 
     @property
     def pid(self) -> int | None:
@@ -172,11 +177,11 @@ class Front:
 
     def _follow(self) -> None:
         try:
-            self._follow_until_stopped(self.max_failures)
+            self._follow_until_stopped()
         finally:  # an nginx this thread started gets SIGTERM (PDEATHSIG) when it ends: wait for stop()
             self._released.wait()
 
-    def _follow_until_stopped(self, max_failures: int) -> None:
+    def _follow_until_stopped(self) -> None:
         failures = 0
         while not self._stop.wait(min(self.poll_s * 2 ** failures, 10.0)):
             try:
@@ -185,7 +190,7 @@ class Front:
             except Exception as e:  # nginx would not start again, or its files could not be written
                 failures += 1
                 log.error("front: %s (%d in a row)", e, failures)
-                if failures >= max_failures:
+                if failures >= self.max_failures:
                     self.failed = f"nginx failed {failures} times in a row; last: {e}"
                     log.error("front: giving up: %s", self.failed)
                     return

@@ -26,9 +26,10 @@ from typing import Any
 import httpx
 import pytest
 
-from service.testing.cluster import deploy, fronted, local_cluster, wait_for
+from service.settings import Settings
+from service.testing.cluster import deploy, local_cluster, wait_for
 from service.testing.replicas import serve_replicas
-from tests.service.front_checks import nginx_if_present
+from tests.service.front_checks import client_url
 
 APP = "reliability"
 DEADLINE_S = 30.0  # request_timeout_s (the default): no request may take longer (+ slack for the HTTP hops)
@@ -103,11 +104,8 @@ def engine_idle(stats: dict[str, Any]) -> bool:
 
 @pytest.fixture(scope="package")
 def live() -> Iterator[Live]:
-    nginx = nginx_if_present()
     with local_cluster(num_cpus=4) as serve_url, ExitStack() as stack:
-        url = serve_url
-        if nginx is not None:
-            url = stack.enter_context(fronted(serve_url, nginx, retry_after_s=int(RETRY_AFTER))).url
+        url = client_url(stack, serve_url, Settings.build(app_args(), env={}).max_body_bytes, int(RETRY_AFTER))
         deploy(app_args(), name=APP, prefix="/")
         wait_for(url, "/readyz", 200, timeout_s=120)
         yield Live(url, serve_url)

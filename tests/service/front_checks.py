@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import ExitStack
 
 import pytest
 
 from service.front.supervisor import nginx_binary
+from service.testing.cluster import fronted
 
 log = logging.getLogger(__name__)
 MISSING = "no nginx binary: install the Debian package `nginx` (apt-get install nginx)"
@@ -38,3 +40,12 @@ def nginx_if_present() -> str | None:
             pytest.fail(f"{MISSING}; REQUIRE_NGINX=1 makes this a failure")
         log.warning("%s: the end-to-end tests go through Serve's own proxy", MISSING)
     return binary
+
+
+def client_url(stack: ExitStack, serve_url: str, max_body_bytes: int, retry_after_s: int) -> str:
+    """Where the end-to-end tests' clients go: the nginx front (entered on `stack`) before the Serve at
+    `serve_url`, as `python -m service` runs it, or that Serve's own proxy without nginx."""
+    nginx = nginx_if_present()
+    if nginx is None:
+        return serve_url
+    return stack.enter_context(fronted(serve_url, nginx, max_body_bytes, retry_after_s)).url

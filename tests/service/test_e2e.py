@@ -27,8 +27,8 @@ import torch
 
 from models.beam_search import BeamParams, translate_ids
 from models.tiny import tiny_model
-from service.testing.cluster import fronted, local_cluster, wait_for
-from tests.service.front_checks import nginx_if_present
+from service.testing.cluster import local_cluster, wait_for
+from tests.service.front_checks import client_url
 from tests.service.http_checks import assert_error
 
 pytestmark = pytest.mark.e2e
@@ -84,12 +84,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     gate = tmp_path_factory.mktemp("gate") / "open"
     settings = Settings.build(app_args(gate), env={})
-    nginx = nginx_if_present()  # through the front `python -m service` runs, as users reach it
-    with local_cluster() as serve_url, ExitStack() as stack:
-        url = serve_url
-        if nginx is not None:
-            url = stack.enter_context(fronted(serve_url, nginx, settings.max_body_bytes,
-                                              math.ceil(settings.retry_after_s))).url
+    with local_cluster() as serve_url, ExitStack() as stack:  # through the front, as users reach it
+        url = client_url(stack, serve_url, settings.max_body_bytes, math.ceil(settings.retry_after_s))
         app = build_app_from_settings(settings)
         deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "e2e", "route_prefix": "/"},
                                      daemon=True)
