@@ -192,8 +192,11 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
         model, labels = _attach_head(model, spec.head, cache_dir)
     if spec.tokenizer is not None:
         tokenizer = TextTokenizer.from_file(resolve_dir(spec.tokenizer, cache_dir))
-    model = model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
     mode = spec.quantize
+    # block formats are made from the float32 weights (a GGUF's own values): off the CPU (q4_1 on CUDA's
+    # int4 tile kernel) the model is quantized first and cast to the serving dtype after
+    cast_after = mode in BLOCK_FORMATS and torch.device(device).type != "cpu"
+    model = model.to(device=device, dtype=dtype).eval() if dtype and not cast_after else model.to(device).eval()
     if mode in BLOCK_FORMATS and torch.device(device).type == "cpu" and not native.available():
         # a machine without AVX2 or g++: the float32 weights (for a GGUF of these blocks, the same values)
         log.warning("%s: quantize %s needs this project's CPU kernels, which are not available here (see the "
@@ -206,11 +209,15 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
     if mode is not None:  # after the cast (the scales stay float32), calibrated on sample text
         model = quantize(model, mode, calibration_run(model, tokenizer))
         set_activation_bits(model, spec.block_activation_bits)
+    if cast_after and dtype:
+        model = model.to(dtype)
     kernels, compile_seconds = _pack_and_compile(spec, model, spec.dense_kernel)
     prompt_model, speedup = None, None
     if twin is not None:
         if spec.fuse and keeps_fusion(None, twin):
             twin = fuse_projections(twin)
+        if cast_after and dtype:
+            twin = twin.to(dtype)
         # on our panel kernels: each row's products do not depend on the other rows, so a prompt's
         # keys are the same in any batch
         twin_kernels, twin_seconds = _pack_and_compile(spec, twin, "panels")

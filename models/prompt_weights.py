@@ -34,6 +34,8 @@ def prompt_speedup(blocks: nn.Module, floats: nn.Module, tokens: int = PROBE_TOK
             for name, model in (("blocks", blocks), ("floats", floats)):
                 start = time.perf_counter()
                 model(ids, last=last)
+                if device.type == "cuda":  # the kernels have run, not just been queued
+                    torch.cuda.synchronize(device)
                 if timed:
                     best[name] = min(best[name], time.perf_counter() - start)
     return best["blocks"] / best["floats"]

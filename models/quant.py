@@ -3,7 +3,8 @@
 - "q8_0" / "q4_1": GGUF's block formats on our CPU kernels (models/panels.py): 8-bit or 4-bit
   weights in groups of 32 inputs, activations quantized to 8 bits per row and group of 32 inside the
   kernels (as llama.cpp computes these formats); a model loaded from a GGUF file with those blocks is
-  served with exactly its own weights.
+  served with exactly its own weights. On CUDA, q4_1 runs on PyTorch's int4 tile kernel
+  (models/int4_tiles.py: the same codes, bfloat16 scales and activations).
 
 int8 in detail:
 
@@ -27,6 +28,7 @@ a mode an operator turns on (`quantize: int8` in a model's settings), never a si
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections.abc import Callable
@@ -34,8 +36,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from .int4_tiles import TiledInt4Linear
 from .kernels import native
-from .panels import GROUP, BlockLinear
+from .panels import GROUP, BlockLinear, dequantize, quantize_q4_1
 from .projections import tied_embedding
 
 QMAX = 127.0
@@ -197,15 +200,19 @@ def quantize_blocks(fmt: str, head_fmt: str) -> Callable[[nn.Module, Callable[[n
     enough to need no calibration."""
 
     def run(model: nn.Module, calibrate: Callable[[nn.Module], object] | None = None) -> nn.Module:
+        weight = next(model.parameters())
+        if weight.dtype != torch.float32:  # blocks of bf16-rounded weights would not be the file's own
+            raise ValueError(f"quantize: {fmt} is made from float32 weights; the model was cast to {weight.dtype} "
+                             "first (on CPU set dtype: float32; elsewhere the loader quantizes before the cast)")
+        if weight.device.type == "cuda":
+            if fmt != "q4_1":
+                raise ValueError(f"quantize: {fmt} has CPU kernels only; on CUDA use q4_1, int8 or a float dtype")
+            return quantize_q4_1_tiles(model)
+        if weight.device.type != "cpu":
+            raise ValueError(f"quantize: {fmt} has CPU and (q4_1) CUDA kernels; not {weight.device.type}")
         if not native.available():
             raise ValueError(f"quantize: {fmt} runs on this project's CPU kernels, which are not available here "
                              "(they need AVX2 or AVX-512 and a C++ compiler; see the log for the reason)")
-        weight = next(model.parameters())
-        if weight.device.type != "cpu":
-            raise ValueError(f"quantize: {fmt} has CPU kernels only; use int8 or a float dtype on {weight.device.type}")
-        if weight.dtype != torch.float32:  # blocks of bf16-rounded weights would not be the file's own
-            raise ValueError(f"quantize: {fmt} computes in float32; the model was cast to {weight.dtype} "
-                             "(set dtype: float32)")
         keep = BLOCK_FLOAT_LAYERS.get(type(model).__name__, ())
         for name, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):
@@ -219,6 +226,37 @@ def quantize_blocks(fmt: str, head_fmt: str) -> Callable[[nn.Module, Callable[[n
         return model
 
     return run
+
+
+def _tiles_take(model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    """Which layers of `model` q4_1 puts on the int4 tile kernel (by qualified name and module)."""
+    keep = BLOCK_FLOAT_LAYERS.get(type(model).__name__, ()) + ("lm_head",)
+    return lambda full, child: isinstance(child, nn.Linear) and not full.endswith(keep) and child.in_features % GROUP == 0
+
+
+def quantize_q4_1_tiles(model: nn.Module) -> nn.Module:
+    """q4_1 on PyTorch's int4 tile kernel (models/int4_tiles.py: CUDA; the tests run it on CPU): every
+    nn.Linear whose input size is a multiple of 32 becomes a TiledInt4Linear, except the output head
+    and the layers BLOCK_FLOAT_LAYERS keeps. The head stays in the model's float dtype: the tile kernel
+    has no 8-bit form (a GGUF's Q8_0 head is served as its dequantized values)."""
+    take = _tiles_take(model)
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if take(f"{name}.{child_name}" if name else child_name, child):
+                setattr(module, child_name, TiledInt4Linear(child.weight, child.bias))
+    return model
+
+
+def with_q4_1_values(model: nn.Module) -> nn.Module:
+    """A float copy of `model` whose projections hold the values of the Q4_1 blocks that
+    `quantize_q4_1_tiles` makes of them: the dense model the tiles stand for, to compare them with."""
+    twin = copy.deepcopy(model)
+    take = _tiles_take(twin)
+    with torch.no_grad():
+        for name, mod in twin.named_modules():
+            if take(name, mod):
+                mod.weight.copy_(dequantize("q4_1", *quantize_q4_1(mod.weight)))
+    return twin
 
 
 QUANTIZERS: dict[str, Callable[[nn.Module, Callable[[nn.Module], object] | None], nn.Module]] = {

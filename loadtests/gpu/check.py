@@ -299,12 +299,42 @@ def alone_vs_among(run: Run, model: Any, vocab: int) -> dict[str, Any]:
             "engine_graphs_eq_eager_tokens_bf16": f"{same}/{sum(map(len, eager))}"}
 
 
-def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
-    """Output tok/s of the engine at each concurrency, and of transformers' static batching generate."""
+def engine_decode(run: Run, model: Any, tok: Any, prompts: list[list[int]], graphs: bool,
+                  ahead: bool = True) -> dict[str, float]:
+    """Decode `prompts` to run.new_tokens each in the engine: tok/s and ms per step past the first
+    step, and the seconds capturing the decode-step graphs took (before the clock starts). `ahead`:
+    with graphs, each step launched before the previous one's tokens are handed out."""
     from models.decoding import SamplingParams
     from service.engine.config import EngineConfig
     from service.engine.core import GenerationEngine
 
+    n = len(prompts)
+    engine = GenerationEngine(model, tok, EngineConfig(max_running=n, kv_cache_mib=kv_mib(model, n, 256),
+                                                       max_total_tokens=256, max_new_tokens=200, max_queued=n,
+                                                       prefill_tokens=16384, decode_graphs=graphs,
+                                                       decode_ahead=ahead))
+    t0 = time.perf_counter()
+    captured = engine.capture_graphs()
+    capture_s = time.perf_counter() - t0
+    params = SamplingParams(max_new_tokens=run.new_tokens, ignore_eos=True)
+    handles = [engine.submit(p, params) for p in prompts]
+    engine.step()  # admission and the first decode step
+    run.sync()
+    t0, steps = time.perf_counter(), 0
+    while engine.stats().running:
+        engine.step()
+        steps += 1
+    run.sync()
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(h.result_sync(timeout=60).token_ids) for h in handles) - 2 * n  # past the first step
+    del engine, handles
+    free_device(run)
+    return {"tok_s": tokens / elapsed, "step_ms": 1e3 * elapsed / max(steps, 1), "graphs": captured,
+            "capture_s": capture_s}
+
+
+def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
+    """Output tok/s of the engine at each concurrency, and of transformers' static batching generate."""
     ref, ours = hf_decoder(run, shape)
     dtype = torch.bfloat16 if run.device.type == "cuda" else torch.float32
     ours, ref = ours.to(dtype), ref.to(dtype)
@@ -313,42 +343,14 @@ def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     rows: list[dict[str, Any]] = []
 
-    def engine_run(prompts: list[list[int]], graphs: bool, ahead: bool = True) -> dict[str, float]:
-        """Decode `prompts` to run.new_tokens each: tok/s and ms per step past the first step, and the
-        seconds capturing the decode-step graphs took (before the clock starts). `ahead`: with graphs,
-        each step launched before the previous one's tokens are handed out."""
-        n = len(prompts)
-        engine = GenerationEngine(ours, tok, EngineConfig(max_running=n, kv_cache_mib=kv_mib(ours, n, 256),
-                                                          max_total_tokens=256, max_new_tokens=200, max_queued=n,
-                                                          prefill_tokens=16384, decode_graphs=graphs,
-                                                          decode_ahead=ahead))
-        t0 = time.perf_counter()
-        captured = engine.capture_graphs()
-        capture_s = time.perf_counter() - t0
-        params = SamplingParams(max_new_tokens=run.new_tokens, ignore_eos=True)
-        handles = [engine.submit(p, params) for p in prompts]
-        engine.step()  # admission and the first decode step
-        run.sync()
-        t0, steps = time.perf_counter(), 0
-        while engine.stats().running:
-            engine.step()
-            steps += 1
-        run.sync()
-        elapsed = time.perf_counter() - t0
-        tokens = sum(len(h.result_sync(timeout=60).token_ids) for h in handles) - 2 * n  # past the first step
-        del engine, handles
-        free_device(run)
-        return {"tok_s": tokens / elapsed, "step_ms": 1e3 * elapsed / max(steps, 1), "graphs": captured,
-                "capture_s": capture_s}
-
     graphs = run.device.type == "cuda"
     for n in run.concurrency:
         if run.left_s() <= 0:
             break
         prompts = [[3 + (i * 7 + j) % (vocab - 3) for j in range(32)] for i in range(n)]
-        fast = engine_run(prompts, graphs or run.tiny)  # the tiny CPU mode runs the padded steps eagerly
-        eager = engine_run(prompts, False)
-        serial = engine_run(prompts, graphs or run.tiny, ahead=False)
+        fast = engine_decode(run, ours, tok, prompts, graphs or run.tiny)  # tiny CPU mode: padded steps, eagerly
+        eager = engine_decode(run, ours, tok, prompts, False)
+        serial = engine_decode(run, ours, tok, prompts, graphs or run.tiny, ahead=False)
         row = {"sequences": n, "ours_tok_s": round(fast["tok_s"], 1), "ours_step_ms": round(fast["step_ms"], 2),
                "graphs": fast["graphs"], "capture_s": round(fast["capture_s"], 1),
                "no_ahead_tok_s": round(serial["tok_s"], 1), "no_ahead_step_ms": round(serial["step_ms"], 2),
@@ -370,6 +372,75 @@ def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
             row["pct_of_measured_copy"] = round(100 * gbps / copy, 1) if copy else None
         rows.append(row)
     return {"dtype": str(dtype).removeprefix("torch."), "weight_bytes": weight_bytes, "rows": rows}
+
+
+def streamed_bytes(model: Any) -> int:
+    """Bytes of weights a decode step reads: parameters and the quantized layers' buffers."""
+    from models.int4_tiles import TiledInt4Linear
+
+    tiles = [b for m in model.modules() if isinstance(m, TiledInt4Linear) for b in m.buffers()]
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *tiles])
+
+
+def q4_1_tiles(run: Run, shape: str = "smollm2") -> dict[str, Any]:
+    """GGUF's Q4_1 blocks on the int4 tile kernel (`quantize: q4_1` off the CPU; models/int4_tiles.py)
+    against the same blocks' values in a dense model of the serving dtype: logits' relative error,
+    greedy agreement over 16 steps, the engine alone = among 31 on the tiles, the path a spec takes
+    through models.catalog; then engine tok/s and ms per step, tiles vs dense, at 1 and 32 sequences
+    (the tiny CPU mode: the kernel's CPU form, float32)."""
+    from pathlib import Path as _Path
+
+    from models.catalog import ModelSpec, load_model
+    from models.decoding import SamplingParams
+    from models.generate import generate
+    from models.int4_tiles import TiledInt4Linear
+    from models.quant import quantize, quantize_q4_1_tiles, with_q4_1_values
+
+    cuda = run.device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    ref, fp32 = hf_decoder(run, shape)
+    del ref
+    dense = with_q4_1_values(fp32).to(dtype)
+    tiles = (quantize(fp32, "q4_1") if cuda else quantize_q4_1_tiles(fp32)).to(dtype)  # CPU: quantize -> panels
+    del fp32
+    free_device(run)
+    out: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "shape": shape,
+                           "tiled_layers": sum(isinstance(m, TiledInt4Linear) for m in tiles.modules())}
+    vocab = run.shapes[shape]["vocab_size"]
+    lengths = [11, 7, 3] if run.tiny else [64, 40, 9]
+    ids, keep = padded_batch(run, vocab, lengths)
+    with torch.no_grad():
+        out["logits_rel_err_vs_dense"] = rel_err(tiles(ids, keep)[keep], dense(ids, keep)[keep])
+    prompts = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    got = [g.tokens for g in generate(tiles, prompts, params)]
+    want = [g.tokens for g in generate(dense, prompts, params)]
+    out["greedy_agreement_vs_dense"] = round(sum(a == b for x, y in zip(got, want, strict=True)
+                                                 for a, b in zip(x, y, strict=True)) / (16 * len(prompts)), 3)
+    out |= {k.replace("_bf16", ""): v for k, v in alone_vs_among(run, tiles, vocab).items()}
+    if cuda:  # the serving path: quantized in float32 on the device, then cast (models/catalog.py)
+        loaded = load_model(ModelSpec(name="q", tasks=("generate",), source="tiny:decoder", quantize="q4_1",
+                                      prompt_weights="auto"), _Path("/nonexistent"), device=str(run.device),
+                            dtype=dtype)
+        out["catalog_loads_tiles"] = any(isinstance(m, TiledInt4Linear) for m in loaded.model.modules())
+        out["catalog_prompt_speedup"] = loaded.prompt_speedup
+    tok = synthetic_tokenizer(vocab)
+    rows = []
+    for n in (1, 4) if run.tiny else (1, 32):
+        if run.left_s() <= 0:
+            break
+        prompts = [[3 + (i * 7 + j) % (vocab - 3) for j in range(32)] for i in range(n)]
+        row: dict[str, Any] = {"sequences": n}
+        for name, model in (("tiles", tiles), ("dense", dense)):
+            got_run = engine_decode(run, model, tok, prompts, cuda or run.tiny)
+            row[f"{name}_tok_s"], row[f"{name}_step_ms"] = round(got_run["tok_s"], 1), round(got_run["step_ms"], 2)
+            if n == 1:
+                row[f"{name}_weights_gb_s"] = round(streamed_bytes(model) / (got_run["step_ms"] / 1e3) / 1e9, 1)
+        row["ratio"] = round(row["tiles_tok_s"] / row["dense_tok_s"], 2)
+        rows.append(row)
+    out["weight_bytes"] = {"tiles": streamed_bytes(tiles), "dense": streamed_bytes(dense)}
+    out["rows"] = rows
+    return out
 
 
 def step_profile(run: Run, shape: str = "smollm2",
@@ -497,6 +568,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [f"| {k} | {v} |" for k, v in corr.items() if k not in ("traceback", "seconds")]
     for name, key, unit in (("step_profile", "sequences", "per decode step"),
                             ("step_profile_llama_1b", "sequences", "per decode step"), ("generation_smollm2", "sequences", "tok/s"), ("generation_llama_1b", "sequences", "tok/s"),
+                            ("q4_1_tiles", "sequences", "tok/s"), ("q4_1_tiles_llama_1b", "sequences", "tok/s"),
                             ("encoder", "batch", "texts/s"), ("translator", "batch", "sentences/s")):
         if name not in results:
             continue
@@ -505,6 +577,9 @@ def markdown(results: dict[str, Any]) -> str:
         if "rows" not in section:
             lines.append(f"{section.get('error') or section.get('skipped')}")
             continue
+        facts = {k: v for k, v in section.items() if k not in ("rows", "dtype", "seconds", "traceback")}
+        if facts:  # a section's own checks and sizes, before its table
+            lines += [", ".join(f"{k}: {v}" for k, v in facts.items()), ""]
         cols = list(section["rows"][0]) if section["rows"] else [key]
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in section["rows"]]
@@ -525,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     run.section("correctness", correctness)
     run.section("generation_smollm2", lambda r: engine_throughput(r, "smollm2"))
     run.section("generation_llama_1b", lambda r: engine_throughput(r, "llama-1b"))
+    run.section("q4_1_tiles", q4_1_tiles)
+    run.section("q4_1_tiles_llama_1b", lambda r: q4_1_tiles(r, "llama-1b"))
     run.section("step_profile", step_profile)
     run.section("step_profile_llama_1b", lambda r: step_profile(r, "llama-1b", ((1, True), (256, True))))
     run.section("encoder", encoder_throughput)

@@ -1,0 +1,100 @@
+"""GGUF's Q4_1 blocks on PyTorch's int4 tile kernel (tinygemm: `torch.ops.aten._weight_int4pack_mm`),
+the 4-bit path on CUDA, where this project's block kernels (models/panels.py) do not run.
+
+Q4_1 stores 4-bit codes q in 0..15 with a float16 scale d and minimum m per group of 32 inputs:
+w = d q + m. The tile kernel computes w = (q - 8) scale + zero per group, so the same codes serve
+with scale = d and zero = m + 8 d (tests check the identity against `panels.dequantize`). The kernel
+reads its scales and zeros in bfloat16 and multiplies bfloat16 activations: the weights are the
+file's up to the bfloat16 rounding of d and m + 8 d (relative 2^-9), the products accumulate in
+float32. A row's result does not depend on the other rows of its batch (no activation scales).
+
+CPU has the same operation (`_weight_int4pack_mm_for_cpu`, float32 activations and scales there),
+slower than our panel kernels at one row: the tests run it to check the layout and the formula, the
+CPU service uses `BlockLinear`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .panels import GROUP, quantize_q4_1
+
+ROWS = 16  # outputs per tile row: the CUDA kernel packs them by 8, the CPU one by 16; padded to 16 for both
+TILE_K = 16  # inputs per inner k-tile
+
+
+def inner_k_tiles(k: int) -> int:
+    """The widest inner tiling (8, 4 or 2 k-tiles of 16 inputs) that divides `k` (a multiple of 32)."""
+    return next(t for t in (8, 4, 2) if k % (t * TILE_K) == 0)
+
+
+def pack_codes(q: Tensor, tiles: int) -> Tensor:
+    """Codes (N, K) in 0..15 on their device -> the tile kernel's packed weight. CUDA packs two codes
+    per byte first (input 2i in the high nibble, 2i + 1 in the low one); the CPU kernel takes int32."""
+    if q.is_cuda:
+        q = q.to(torch.int32)  # (N, K)
+        pairs = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)  # (N, K / 2)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), tiles)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), tiles)
+
+
+def scales_and_zeros(d: Tensor, m: Tensor, dtype: torch.dtype) -> Tensor:
+    """Q4_1's d and m (N, K / 32) -> the tile kernel's (K / 32, N, 2) scales and zeros in `dtype`:
+    scale = d, zero = m + 8 d (computed in float32, rounded once)."""
+    d32 = d.float()  # (N, G)
+    return torch.stack([d32, m.float() + 8 * d32], dim=-1).transpose(0, 1).contiguous().to(dtype)  # (G, N, 2)
+
+
+class TiledInt4Linear(nn.Module):
+    """A Linear computed from Q4_1 blocks by the int4 tile kernel (see the module docstring). Built
+    from a float (N, K) `weight` (quantized here with llama.cpp's Q4_1 quantizer, so a GGUF's
+    dequantized weights give back its blocks) or from the blocks themselves (`from_blocks`)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self._build(*quantize_q4_1(weight), bias)
+
+    @classmethod
+    def from_blocks(cls, q: Tensor, d: Tensor, m: Tensor, bias: Tensor | None = None) -> TiledInt4Linear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._build(q, d, m, bias)
+        return layer
+
+    def _build(self, q: Tensor, d: Tensor, m: Tensor, bias: Tensor | None) -> None:
+        n, k = q.shape
+        if k % GROUP:
+            raise ValueError(f"q4_1 needs an input size that is a multiple of {GROUP}, got {k}")
+        self.out_features, self.in_features = n, k
+        pad = -n % ROWS  # outputs padded with zero weights (q = d = m = 0) to whole tiles, cut off after
+        if pad:
+            q, d, m = (torch.cat([t, t.new_zeros(pad, t.size(1))]) for t in (q, d, m))
+        # the CUDA kernel wants bfloat16 activations and scales; the CPU one computes in float32
+        self.compute_dtype = torch.bfloat16 if q.is_cuda else torch.float32
+        self.packed_for = q.device.type
+        self.register_buffer("packed", pack_codes(q, inner_k_tiles(k)))
+        self.register_buffer("scales_zeros", scales_and_zeros(d, m, self.compute_dtype))  # (K / 32, N', 2)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())  # (N,)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (..., K) -> (..., N) in x's dtype."""
+        if x.device.type != self.packed_for or self.packed.device.type != self.packed_for:
+            raise ValueError(f"{type(self).__name__} was packed for {self.packed_for} (each device has its own "
+                             "layout): quantize on the device it runs on")
+        flat = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # (M, K)
+        # a model cast after quantizing (`.to(dtype)`) casts these too: the kernel reads one dtype
+        sz = self.scales_zeros if self.scales_zeros.dtype == self.compute_dtype else self.scales_zeros.to(
+            self.compute_dtype)
+        if flat.is_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP, sz)  # (M, N')
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, sz)  # (M, N')
+        y = y[:, : self.out_features].to(x.dtype)  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"q4_1 tiles, in_features={self.in_features}, out_features={self.out_features}"
+
