@@ -151,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if nginx is not None:
                 nginx_front = front.enter_context(serve_front(
                     nginx, listen, Address(http["host"], http["port"]), settings.max_body_bytes,
-                    max(1, math.ceil(settings.retry_after_s)), route_prefix=prefix))
+                    max(1, math.ceil(settings.retry_after_s)), route_prefix=prefix,
+                    metrics_dir=settings.metrics_dir))
             serve.run(build_app_from_settings(settings), name=app_config.get("name", "default"), route_prefix=prefix)
             log.info("serving on http://%s (OpenAPI at /docs) through %s; Ctrl-C stops", listen,
                      "nginx" if nginx else "Serve's proxy")

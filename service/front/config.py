@@ -12,7 +12,9 @@ reloaded when Serve's ingress replicas change). Choices, each for a reason:
   retry a POST once it was sent);
 - the errors nginx answers itself (no upstream, a body over the limit, an upstream that died while
   answering) carry our JSON error shape (service/errors.py), never nginx's HTML;
-- no access log (the ingress logs every request with its id), errors to stderr.
+- no access log (the ingress logs every request with its id) but a line on stdout per answer nginx
+  gives itself (`ANSWER_TAG status path`), which the front counts for /metrics (answers.py); errors
+  to stderr.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..errors import (
     ServiceError,
 )
 from ..telemetry.logs import MAX_REQUEST_ID
+from .answers import ANSWER_TAG
 
 UPSTREAMS = "upstreams.conf"
 UPSTREAM = "ingress"
@@ -87,6 +90,7 @@ def _error_location(status: int, answer: tuple[int, ServiceError], retry_after_s
     return (f"        location @error{status} {{\n"
             "            default_type application/json;\n"
             "            add_header X-Request-ID $ts_request_id always;\n"
+            "            access_log /dev/stdout ts_answer;\n"
             f"{retry}"
             f"            return {code} {_quoted(body)};\n"
             "        }\n")
@@ -109,6 +113,7 @@ events {{
 }}
 http {{
     access_log off;
+    log_format ts_answer '{ANSWER_TAG} $status $uri';
 {temp}
     # the client's request id when it is one the service accepts (service/telemetry/logs.py), else nginx's
     map $http_x_request_id $ts_request_id {{

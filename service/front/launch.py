@@ -9,6 +9,7 @@ nginx alone faces the network.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -16,6 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..ray_env import HA_PROXY, THROUGHPUT
+from ..telemetry.front_answers import answers_file
+from ..telemetry.metrics import node_dir
+from .answers import Answers
 from .config import Address, FrontConfig
 from .supervisor import Front, nginx_binary
 from .targets import is_loopback, serve_controller, serve_targets
@@ -50,13 +54,19 @@ def choose_front(requested: str, env: Mapping[str, str]) -> str | None:
 
 @contextmanager
 def serve_front(binary: str, listen: Address, backup: Address, max_body_bytes: int, retry_after_s: int,
-                poll_s: float = 0.5, route_prefix: str = "/") -> Iterator[Front]:
+                poll_s: float = 0.5, route_prefix: str = "/", metrics_dir: str | None = None) -> Iterator[Front]:
     """nginx on `listen`, following this process's Serve (already started, its proxy at `backup`) for
-    the application at `route_prefix`."""
+    the application at `route_prefix`; the counts of its own answers go to this node's directory of
+    `metrics_dir` (the app's, service/telemetry/metrics.py), where the ingress's /metrics reads them."""
+    import ray
+
     run_dir = Path(tempfile.mkdtemp(prefix="ts-front-"))
     host = backup.host if is_loopback(backup.host) else None  # one node, bound to loopback: connect there
     cfg = FrontConfig(listen, backup, run_dir, max_body_bytes, retry_after_s)
-    front = Front(cfg, serve_targets(serve_controller(), route_prefix, host=host), binary, poll_s=poll_s)
+    counts = None if metrics_dir is None else answers_file(
+        node_dir(Path(metrics_dir), ray.get_runtime_context().get_node_id()), os.getpid())
+    front = Front(cfg, serve_targets(serve_controller(), route_prefix, host=host), binary, poll_s=poll_s,
+                  answers=Answers(counts))
     try:
         yield front.start()
     finally:

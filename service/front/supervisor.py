@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+from .answers import Answers
 from .config import UPSTREAMS, Address, FrontConfig, render_nginx, render_upstreams
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,9 @@ def _write(path: Path, text: str) -> None:
 
 class Front:
     def __init__(self, cfg: FrontConfig, targets: Targets, binary: str, poll_s: float = 0.5,
-                 start_timeout_s: float = 10.0, max_failures: int = 5) -> None:
+                 start_timeout_s: float = 10.0, max_failures: int = 5, answers: Answers | None = None) -> None:
         self.cfg, self.targets, self.binary = cfg, targets, binary
+        self.answers = answers if answers is not None else Answers()  # nginx's own answers (answers.py)
         self.poll_s, self.start_timeout_s, self.max_failures = poll_s, start_timeout_s, max_failures
         self.current: tuple[Address, ...] = ()
         self.reloads = 0  # upstream changes applied
@@ -134,7 +136,7 @@ class Front:
         # Its own process group, so that workers outliving a killed master (they keep the port) can be
         # killed with it; and SIGTERM to the master when this process dies, even by SIGKILL: an
         # orphaned nginx would hold the service's port against the next start.
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_dies_with_us())
         deadline = time.monotonic() + self.start_timeout_s
         # nginx writes its pid file once its sockets are bound: a port that answers without it is
@@ -146,6 +148,8 @@ class Front:
                 raise FrontError(f"nginx did not start on {self.cfg.listen}: {said or 'no output'}")
             time.sleep(0.02)
         threading.Thread(target=self._relay, args=(self._proc,), name="front-log", daemon=True).start()
+        # its own answers, a line each on stdout: always read, as the error log
+        threading.Thread(target=self.answers.read, args=(self._proc.stdout,), name="front-answers", daemon=True).start()
 
     @staticmethod
     def _relay(proc: subprocess.Popen[bytes], per_second: int = 20) -> None:
@@ -197,6 +201,7 @@ class Front:
 
     def _step(self) -> None:
         assert self._proc is not None
+        self.answers.write()
         if self._proc.poll() is not None:
             with self._lock:
                 if self._stop.is_set():
@@ -249,6 +254,7 @@ class Front:
         self._released.set()
         if self._thread is not None:
             self._thread.join()
+        self.answers.write()  # the answers of its last moments
 
     def __enter__(self) -> Front:
         return self.start()

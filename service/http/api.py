@@ -55,7 +55,7 @@ def create_api(settings: Settings, backend: Backend, metrics: ServiceMetrics | N
                        proxy_echoes_id=proxy_echoes_id)
     limits = InputLimits(backend, settings.readiness_timeout_s)
     app.include_router(inference_router(settings, routes, backend, limits, ERRORS))
-    app.include_router(ops_router(settings, routes, backend, metrics))
+    app.include_router(ops_router(settings, routes, backend, metrics, endpoints=lambda: _paths(app)))
     app.include_router(generation_router(settings, routes, backend, limits, ERRORS))
     app.include_router(tokenize_router(routes, backend, limits, ERRORS))
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable, Collection
 from typing import Any
 
 from fastapi import APIRouter
@@ -18,7 +19,9 @@ from .schemas import Health, ModelCard, ModelList, Readiness
 METRICS_PATH = "/metrics"
 
 
-def ops_router(settings: Settings, routes: ModelRoutes, backend: Backend, metrics: ServiceMetrics) -> APIRouter:
+def ops_router(settings: Settings, routes: ModelRoutes, backend: Backend, metrics: ServiceMetrics,
+               endpoints: Callable[[], Collection[str]]) -> APIRouter:
+    """`endpoints()`: the API's paths, for the front's answers in /metrics (other paths are "other")."""
     router = APIRouter(tags=["service"])
 
     async def probe_all() -> dict[str, ModelInfo | Exception]:
@@ -52,7 +55,7 @@ def ops_router(settings: Settings, routes: ModelRoutes, backend: Backend, metric
     @router.get(METRICS_PATH, response_class=Response, include_in_schema=False)  # an ops route, like /docs
     async def prometheus_metrics() -> Response:
         """Prometheus text format: the metrics of every replica on this node (docs/observability.md)."""
-        body, content_type = await asyncio.to_thread(render, metrics)
+        body, content_type = await asyncio.to_thread(render, metrics, endpoints)
         return Response(body, media_type=content_type)
 
     @router.get("/healthz", response_model=Health)

@@ -23,6 +23,7 @@ import os
 import re
 import tempfile
 import uuid
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from prometheus_client import (
     multiprocess,
 )
 
+from .front_answers import FrontAnswersCollector
 from .memory import resident_bytes
 
 PREFIX = "transformer_serve_"
@@ -125,6 +127,13 @@ SPECS: dict[str, Spec] = {
     "generation_requests_finished_total": Spec("counter", ("model", "finish_reason"),
                                                "Generation requests ended (stop, length, cancelled, error)"),
 }
+# Collected by /metrics from files that processes outside Serve write (not built in each process); name ->
+# spec, documented with SPECS
+COLLECTED: dict[str, Spec] = {
+    "front_answers_total": Spec("counter", ("endpoint", "status"), "Requests the nginx front answered itself, "
+                                "never reaching the ingress (no ingress reachable, a body over the limit, "
+                                "HTTP it could not take, an ingress silent past its timeout)"),
+}
 KINDS: dict[str, type] = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 
@@ -198,9 +207,14 @@ def bind_to_node(node_id: str) -> Path | None:
         return path
     if process_metrics.cache_info().currsize:
         raise RuntimeError("bind_to_node after this process's metrics were built")
-    path = path / (NODE_DIR_PREFIX + node_id)
+    path = node_dir(path, node_id)
     os.environ[MULTIPROC_ENV] = str(path)
     return path
+
+
+def node_dir(app_dir: Path, node_id: str) -> Path:
+    """The directory of one Ray node's processes in an app's metrics directory."""
+    return app_dir / (NODE_DIR_PREFIX + node_id)
 
 
 @functools.cache
@@ -237,9 +251,10 @@ def clean_dead_processes(path: Path) -> list[int]:
     return dead
 
 
-def render(metrics: ServiceMetrics) -> tuple[bytes, str]:
+def render(metrics: ServiceMetrics, endpoints: Callable[[], Collection[str]] = frozenset) -> tuple[bytes, str]:
     """The Prometheus text format (body, content type): every process of this node in multiprocess
-    mode, else `metrics`' own registry."""
+    mode, and the answers of a front on this node (front_answers.py: paths not in `endpoints()` are
+    "other"); else `metrics`' own registry."""
     path = multiproc_dir()
     if path is None:
         return generate_latest(metrics.registry), CONTENT_TYPE_LATEST
@@ -247,6 +262,8 @@ def render(metrics: ServiceMetrics) -> tuple[bytes, str]:
     for attempt in range(3):  # another process of the node may remove a file while we read
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=str(path))
+        registry.register(FrontAnswersCollector(path, PREFIX + "front_answers", COLLECTED["front_answers_total"].help,
+                                                endpoints))
         try:
             return generate_latest(registry), CONTENT_TYPE_LATEST
         except FileNotFoundError:

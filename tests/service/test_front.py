@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -26,12 +26,14 @@ from ray.serve._private.common import RequestProtocol
 from ray.serve.schema import Target, TargetGroup
 
 from service.errors import STATUS
+from service.front.answers import ANSWER_TAG, MAX_PATHS, Answers
 from service.front.config import Address, FrontConfig, render_nginx, render_upstreams
 from service.front.launch import choose_front
 from service.front.ports import free_port
 from service.front.supervisor import Front, FrontError
 from service.front.targets import http_targets
 from service.ray_env import HA_PROXY, THROUGHPUT
+from service.telemetry.front_answers import FrontAnswersCollector, answers_file, load_totals
 from service.testing.cluster import ROOT
 from tests.service.front_checks import nginx_or_skip
 
@@ -113,9 +115,10 @@ def upstreams() -> Iterator[dict[str, Named]]:
         s.close()
 
 
-def front(nginx: str, tmp_path: Path, targets: list[Address], backup: Address, max_body: int = 1 << 20) -> Front:
+def front(nginx: str, tmp_path: Path, targets: list[Address], backup: Address, max_body: int = 1 << 20,
+          answers: Answers | None = None) -> Front:
     cfg = FrontConfig(Address(LOCAL, free_port()), backup, tmp_path / "run", max_body, retry_after_s=2)
-    return Front(cfg, lambda: tuple(targets), nginx, poll_s=0.1)
+    return Front(cfg, lambda: tuple(targets), nginx, poll_s=0.1, answers=answers)
 
 
 def answered_by(url: str, name: str, within_s: float = 5.0) -> float:
@@ -226,6 +229,44 @@ def test_errors_nginx_answers_itself_are_our_json(nginx: str, tmp_path: Path) ->
             assert "error" in json.loads(body), body
         # a long bearer token still reaches the service
         assert httpx.get(f.url + "/x", headers={"Authorization": "Bearer " + "t" * 30_000}).status_code == 503
+
+
+def test_the_front_counts_its_own_answers_for_metrics(nginx: str, tmp_path: Path,
+                                                      upstreams: dict[str, Named]) -> None:
+    """What nginx answers itself never reaches the ingress's metrics: the front counts it by path and
+    status into the metrics directory, where /metrics reads it (paths the API lacks: "other");
+    what an upstream answered is not counted there."""
+    node = tmp_path / "metrics" / "node-1"
+    dead = Address(LOCAL, free_port())
+    with front(nginx, tmp_path, [upstreams["a"].address], dead, max_body=1000,
+               answers=Answers(answers_file(node, 7))) as f:
+        assert httpx.post(f.url + "/v1/classify", json={"inputs": "x"}).text == "a"  # the upstream's answer
+        upstreams["a"].close()  # now no upstream is reachable
+        for _ in range(2):
+            assert httpx.post(f.url + "/v1/classify", json={"inputs": "x"}).status_code == 503
+        assert httpx.get(f.url + "/elsewhere?q=1").status_code == 503
+        assert httpx.post(f.url + "/v1/classify", content=b"x" * 2000).status_code == 413
+        want = {("/v1/classify", 503): 2, ("/elsewhere", 503): 1, ("/v1/classify", 413): 1}
+        assert f.answers.totals() == want
+        wait_until(lambda: load_totals(answers_file(node, 7)) == want)  # written at the next poll
+    collector = FrontAnswersCollector(node, "ts_front_answers", "help", lambda: {"/v1/classify"})
+    samples = {(s.labels["endpoint"], s.labels["status"]): s.value for m in collector.collect() for s in m.samples}
+    assert samples == {("/v1/classify", "503"): 2, ("other", "503"): 1, ("/v1/classify", "413"): 1}
+
+
+def test_answers_keep_a_bounded_number_of_paths() -> None:
+    answers = Answers()
+    answers.read([f"{ANSWER_TAG} 503 /p{i}\n".encode() for i in range(MAX_PATHS + 10)] + [b"noise\n", b"ts-answer x /y\n"])
+    totals = answers.totals()
+    assert len(totals) == MAX_PATHS + 1 and totals[("", 503)] == 10  # past the bound: "other" at /metrics
+    assert sum(totals.values()) == MAX_PATHS + 10
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def raw_request(address: Address, raw: bytes) -> tuple[bytes, bytes]:

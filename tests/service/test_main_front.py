@@ -1,6 +1,7 @@
 """`python -m service` as a user runs it, with the nginx front (service/front/): the port answers
 through nginx, nginx is the service's child and listens on the service's port only, and SIGTERM stops
-everything (no nginx left behind, well within Serve's default 30 s ingress drain). Following a replaced
+everything (no nginx left behind, well within Serve's default 30 s ingress drain); what nginx answers
+itself (a body over the limit) is in /metrics. Following a replaced
 ingress replica is tested through the same front by tests/reliability/test_faults.py."""
 
 from __future__ import annotations
@@ -73,6 +74,14 @@ def test_python_m_service_serves_through_nginx_and_stops_clean(tmp_path: Path) -
         assert ready.headers["server"] == "nginx"
         r = httpx.post(url + "/v1/classify", json={"inputs": ["good", "bad"]}, timeout=10)
         assert r.status_code == 200 and len(r.json()["results"]) == 2
+        # a body over the limit: nginx answers it, the ingress never sees it; /metrics still counts it
+        big = httpx.post(url + "/v1/classify", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
+        assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
+        wanted = 'transformer_serve_front_answers_total{endpoint="/v1/classify",status="413"} 1.0'
+        deadline = time.monotonic() + 10
+        while wanted not in (scrape := httpx.get(url + "/metrics", timeout=10).text):
+            assert time.monotonic() < deadline, [line for line in scrape.splitlines() if "front" in line]
+            time.sleep(0.2)
         masters = children(proc.pid, "nginx")
         assert len(masters) == 1, "nginx is not the service's child"
         nginx = masters + children(masters[0], "nginx")

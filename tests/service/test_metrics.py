@@ -38,9 +38,11 @@ from service.replica.batcher import DynamicBatcher
 from service.replica.config import BatchLimits
 from service.settings import Settings
 from service.telemetry import metrics as metrics_module
+from service.telemetry.front_answers import answers_file, write_totals
 from service.telemetry.logs import REQUEST_ID, JsonFormatter, PlainFormatter, valid_request_id
 from service.telemetry.memory import resident_bytes
 from service.telemetry.metrics import (
+    COLLECTED,
     PREFIX,
     SPECS,
     ServiceMetrics,
@@ -76,7 +78,7 @@ def documented() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def test_every_metric_is_documented_with_its_type_and_labels() -> None:
-    defined = {PREFIX + name: (spec.kind, spec.labels) for name, spec in SPECS.items()}
+    defined = {PREFIX + name: (spec.kind, spec.labels) for name, spec in (SPECS | COLLECTED).items()}
     assert documented() == defined
 
 
@@ -312,9 +314,10 @@ def test_render_merges_the_processes_of_a_node_and_forgets_dead_gauges(
     base, (live, dying, elsewhere) = children
     path = base / "node-a"  # the two processes of node a; node b's process writes to its own directory
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(path))
+    write_totals(answers_file(path, 99), {("/v1/classify", 503): 4, ("/nope", 413): 1})  # a front on node a
 
     def scrape() -> dict[tuple[str, str], float]:
-        body, _ = render(ServiceMetrics(CollectorRegistry()))
+        body, _ = render(ServiceMetrics(CollectorRegistry()), lambda: {"/v1/classify"})
         return {(s.name, s.labels.get("model", s.labels.get("endpoint", ""))): s.value
                 for f in text_string_to_metric_families(body.decode()) for s in f.samples}
 
@@ -322,6 +325,8 @@ def test_render_merges_the_processes_of_a_node_and_forgets_dead_gauges(
     assert before[(PREFIX + "requests_total", "/v1/classify")] == 7
     assert before[(PREFIX + "generation_running_requests", "gen")] == 7  # livesum
     assert before[(PREFIX + "model_load_seconds", "gen")] == 5  # livemax
+    assert before[(PREFIX + "front_answers_total", "/v1/classify")] == 4  # the front's, by endpoint
+    assert before[(PREFIX + "front_answers_total", "other")] == 1
     dying.communicate("\n")
     assert clean_dead_processes(path) == [dying.pid]
     after = scrape()
@@ -330,7 +335,9 @@ def test_render_merges_the_processes_of_a_node_and_forgets_dead_gauges(
     assert after[(PREFIX + "model_load_seconds", "gen")] == 2
     live.communicate("\n")
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(base / "node-b"))
-    assert scrape()[(PREFIX + "requests_total", "/v1/classify")] == 11  # node b: only its own process
+    on_b = scrape()
+    assert on_b[(PREFIX + "requests_total", "/v1/classify")] == 11  # node b: only its own process
+    assert (PREFIX + "front_answers_total", "/v1/classify") not in on_b  # no front there
     elsewhere.communicate("\n")
 
 
