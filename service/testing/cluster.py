@@ -86,10 +86,11 @@ def deploy(app_args: dict[str, Any], name: str = "e2e", prefix: str = "/",
 
 @contextmanager
 def fronted(serve_url: str, binary: str, max_body_bytes: int = 1 << 20, retry_after_s: int = 1,
-            poll_s: float = 0.5) -> Iterator[Front]:
+            poll_s: float = 0.5, metrics_dir: str | None = None) -> Iterator[Front]:
     """The nginx front of `python -m service` (service/front/) on a free 127.0.0.1 port, in front of
-    this process's Serve (its proxy at `serve_url` as the backup); `.url` is where clients go."""
+    this process's Serve (its proxy at `serve_url` as the backup); `.url` is where clients go. With the
+    app's `metrics_dir`, its own answers are counted into /metrics."""
     backup = Address("127.0.0.1", int(serve_url.rsplit(":", 1)[1]))
     with serve_front(binary, Address("127.0.0.1", free_port()), backup, max_body_bytes, retry_after_s,
-                     poll_s=poll_s) as front:
+                     poll_s=poll_s, metrics_dir=metrics_dir) as front:
         yield front

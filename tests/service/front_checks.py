@@ -42,10 +42,12 @@ def nginx_if_present() -> str | None:
     return binary
 
 
-def client_url(stack: ExitStack, serve_url: str, max_body_bytes: int, retry_after_s: int) -> str:
+def client_url(stack: ExitStack, serve_url: str, max_body_bytes: int, retry_after_s: int,
+               metrics_dir: str | None = None) -> str:
     """Where the end-to-end tests' clients go: the nginx front (entered on `stack`) before the Serve at
     `serve_url`, as `python -m service` runs it, or that Serve's own proxy without nginx."""
     nginx = nginx_if_present()
     if nginx is None:
         return serve_url
-    return stack.enter_context(fronted(serve_url, nginx, max_body_bytes, retry_after_s)).url
+    return stack.enter_context(fronted(serve_url, nginx, max_body_bytes, retry_after_s,
+                                       metrics_dir=metrics_dir)).url
