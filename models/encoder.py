@@ -21,6 +21,8 @@ HEAD_SCORES = {"softmax": lambda x: x.softmax(-1), "sigmoid": torch.sigmoid}
 
 def mean_pool(hidden: Tensor, keep: Tensor) -> Tensor:
     """Average of real-token states: hidden (B, T, C), keep (B, T) -> (B, C)."""
+    if bool(keep.all()):  # no padding: the same sums and division, without the weights' four ops
+        return hidden.sum(1) / max(hidden.size(1), 1)  # (B, C)
     w = keep.to(hidden.dtype)[..., None]  # (B, T, 1)
     return (hidden * w).sum(1) / w.sum(1).clamp(min=1e-9)  # (B, C)
 
@@ -28,6 +30,8 @@ def mean_pool(hidden: Tensor, keep: Tensor) -> Tensor:
 def first_token(hidden: Tensor, keep: Tensor) -> Tensor:
     """Each row's first real token (CLS): hidden (B, T, C), keep (B, T) -> (B, C). Slot 0 for the
     right-padded rows Hugging Face's heads read; the same token for left-padded rows."""
+    if bool(keep.all()):
+        return hidden[:, 0]  # (B, C)
     first = keep.long().argmax(-1)  # (B,): the first True
     return hidden[torch.arange(hidden.size(0), device=hidden.device), first]  # (B, C)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -83,9 +82,8 @@ class Embeddings(nn.Module):
             x.mul_(self.scale)
         if self.positions is not None:
             x.add_(self.positions(positions).to(x.dtype))  # (B, T, C)
-        if self.types is not None:
-            types = token_types if token_types is not None else torch.zeros_like(ids)
-            x.add_(self.types(types))  # (B, T, C)
+        if self.types is not None:  # without token types every token is type 0: its row, broadcast
+            x.add_(self.types(token_types) if token_types is not None else self.types.weight[0])  # (B, T, C)
         if self.norm is not None:
             x = self.norm(x)
         return self.dropout(x) if self.training else x

@@ -31,14 +31,17 @@ class EncoderStack(nn.Module):
 
     def forward(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None) -> Tensor:
         """ids: (B, T) long; keep: (B, T) bool, True = real token. Returns (B, T, C)."""
+        # no padding (always so for one text): positions and the native op's indices without mask arithmetic
+        full = keep is None or bool(keep.all())
         if keep is None:
             keep = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
-        positions = positions_from_mask(keep)  # (B, T): pad-invariant for left or right padding
+        # (B, T): pad-invariant for left or right padding
+        positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids) if full else positions_from_mask(keep)
         x = self.embed(ids, positions, token_types)  # (B, T, C)
         if self.relative_bias is None:
             stack = native_blocks.stack_args(self.blocks)  # None unless the native op computes every block
             # one native op over the real tokens (models/native_blocks.py): no mask to build
-            out = native_blocks.encode_layers(stack, x, keep) if stack is not None else None
+            out = native_blocks.encode_layers(stack, x, None if full else keep) if stack is not None else None
             if out is not None:
                 return self.norm(out) if self.norm is not None else out  # (B, T, C)
         mask = AttentionMask.build(padding_mask(keep))  # (B, 1, 1, T)

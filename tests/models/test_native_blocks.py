@@ -419,6 +419,24 @@ def test_native_encoder_gives_a_sequence_the_same_bits_alone(left: bool, monkeyp
         assert torch.equal(together[i][keep[i]], alone[0]), f"row {i}"
 
 
+def test_an_unpadded_batch_gives_the_bits_of_the_same_rows_among_padded_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows without padding take the op with cached indices (no mask arithmetic, models/native_blocks.py):
+    the same bits as the same rows in a padded batch, which derives its indices from the mask."""
+    model = fast_encoder()
+    rows = [[5, 80, 81, 9, 70], [100, 7, 1, 3, 4], [33, 34, 35, 36, 37]]
+    keeps: list[object] = []
+    real = native_blocks.encode_layers
+    monkeypatch.setattr(native_blocks, "encode_layers", lambda *a: keeps.append(a[2]) or real(*a))
+    with torch.inference_mode():
+        unpadded = model(torch.tensor(rows), torch.ones(3, 5, dtype=torch.bool))
+        padded = model(torch.tensor([r + [0] for r in rows] + [[9, 8, 7, 6, 5, 4]]),
+                       torch.tensor([[True] * 5 + [False]] * 3 + [[True] * 6]))
+        assert torch.equal(model.pool(unpadded, torch.ones(3, 5, dtype=torch.bool)),
+                           model.pool(padded[:3, :5], torch.ones(3, 5, dtype=torch.bool)))
+    assert keeps[0] is None and keeps[1] is not None
+    assert torch.equal(unpadded, padded[:3, :5])
+
+
 @needs_kernels
 def test_a_search_resolves_the_native_step_once_per_row_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """BeamSearch keeps its step's StepPlan while the rows stay as they are (a plan per layout, not per
