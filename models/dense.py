@@ -163,13 +163,15 @@ def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = me
     does not follow training updates). A kernel this process cannot run falls back to "auto".
     Returns the choice per weight shape: "NxK" -> "panels 1.9x" (the winner and how much faster it
     ran than the next best kernel) or just the kernel's name when it was not measured."""
+    slots = _slots(model)
+    if kernel == "aten" or not slots:  # nothing to pack (a model on a GPU): no kernel is built or timed
+        return {}
     here = kernels_here()
-    if kernel == "aten" or here == ["aten"]:
+    if here == ["aten"]:
         return {}
     if kernel != "auto" and kernel not in here:
         log.warning("dense kernel %r is not available here (%s); measuring the others", kernel, here)
         kernel = "auto"
-    slots = _slots(model)
     build = lambda name, slot: BUILDERS[name](slot.weight, slot.bias, copy=slot.copy)  # noqa: E731
     if kernel != "auto":
         modules = {id(slot): build(kernel, slot) for slot in slots}

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import dense
 from models.catalog import ModelSpec, load_model
 from models.dense import PackedLinear, kernels_here, kernels_per_shape, onednn_available, pack_dense
 from models.fuse import unfused_state_dict
@@ -180,3 +181,14 @@ def test_kernels_per_shape_names_the_models_whose_projections_keep_one_per_row_c
         packed = copy.deepcopy(model)
         pack_dense(packed, "onednn")
         assert kernels_per_shape(packed)
+
+
+def test_nothing_to_pack_builds_and_times_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with no float32 CPU projection (bfloat16 here, or one on a GPU) packs nothing, and never
+    asks for the kernels: building them would cost a GPU machine's start-up for nothing."""
+    def no(*_: object) -> list[str]:
+        raise AssertionError("kernels_here was called")
+
+    monkeypatch.setattr(dense, "kernels_here", no)
+    model, _ = tiny_model("decoder")
+    assert dense.pack_dense(model.to(torch.bfloat16), "auto") == {}
