@@ -386,6 +386,8 @@ class GenerationEngine(StepLoop):
         nothing evicts it first."""
         batch = self._batch
         free, group, longest, taken = batch.free, [], 0, 0
+        if not free or not self._waiting:  # nothing to admit (the loop below checks again under the lock):
+            return group  # no count of the pool's blocks, which walks the prefix cache's entries
         blocks = batch.blocks_available() if batch.paged else 0
         with self._cond:
             now = time.perf_counter()
