@@ -47,22 +47,12 @@ def scales_and_zeros(d: Tensor, m: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 class TiledInt4Linear(nn.Module):
-    """A Linear computed from Q4_1 blocks by the int4 tile kernel (see the module docstring). Built
-    from a float (N, K) `weight` (quantized here with llama.cpp's Q4_1 quantizer, so a GGUF's
-    dequantized weights give back its blocks) or from the blocks themselves (`from_blocks`)."""
+    """A Linear computed from Q4_1 blocks by the int4 tile kernel (see the module docstring): codes q
+    (N, K) in 0..15, d and m (N, K / 32) float16, on the device it will run on. `from_weight` quantizes
+    a float weight with llama.cpp's Q4_1 quantizer, so a GGUF's dequantized weights give back its blocks."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, q: Tensor, d: Tensor, m: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
-        self._build(*quantize_q4_1(weight), bias)
-
-    @classmethod
-    def from_blocks(cls, q: Tensor, d: Tensor, m: Tensor, bias: Tensor | None = None) -> TiledInt4Linear:
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._build(q, d, m, bias)
-        return layer
-
-    def _build(self, q: Tensor, d: Tensor, m: Tensor, bias: Tensor | None) -> None:
         n, k = q.shape
         if k % GROUP:
             raise ValueError(f"q4_1 needs an input size that is a multiple of {GROUP}, got {k}")
@@ -70,12 +60,19 @@ class TiledInt4Linear(nn.Module):
         pad = -n % ROWS  # outputs padded with zero weights (q = d = m = 0) to whole tiles, cut off after
         if pad:
             q, d, m = (torch.cat([t, t.new_zeros(pad, t.size(1))]) for t in (q, d, m))
-        # the CUDA kernel wants bfloat16 activations and scales; the CPU one computes in float32
-        self.compute_dtype = torch.bfloat16 if q.is_cuda else torch.float32
-        self.packed_for = q.device.type
+        self.packed_for = q.device.type  # each device's kernel has its own layout
         self.register_buffer("packed", pack_codes(q, inner_k_tiles(k)))
         self.register_buffer("scales_zeros", scales_and_zeros(d, m, self.compute_dtype))  # (K / 32, N', 2)
         self.register_buffer("bias", None if bias is None else bias.detach().float())  # (N,)
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, bias: Tensor | None) -> TiledInt4Linear:
+        return cls(*quantize_q4_1(weight), bias)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The CUDA kernel takes bfloat16 activations and scales; the CPU one computes in float32."""
+        return torch.bfloat16 if self.packed_for == "cuda" else torch.float32
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., K) -> (..., N) in x's dtype."""

@@ -243,7 +243,7 @@ def quantize_q4_1_tiles(model: nn.Module) -> nn.Module:
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if take(f"{name}.{child_name}" if name else child_name, child):
-                setattr(module, child_name, TiledInt4Linear(child.weight, child.bias))
+                setattr(module, child_name, TiledInt4Linear.from_weight(child.weight, child.bias))
     return model
 
 

@@ -340,7 +340,7 @@ def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
     ours, ref = ours.to(dtype), ref.to(dtype)
     vocab = run.shapes[shape]["vocab_size"]
     tok = synthetic_tokenizer(vocab)
-    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+    weight_bytes = streamed_bytes(ours)
     rows: list[dict[str, Any]] = []
 
     graphs = run.device.type == "cuda"
@@ -388,8 +388,6 @@ def q4_1_tiles(run: Run, shape: str = "smollm2") -> dict[str, Any]:
     greedy agreement over 16 steps, the engine alone = among 31 on the tiles, the path a spec takes
     through models.catalog; then engine tok/s and ms per step, tiles vs dense, at 1 and 32 sequences
     (the tiny CPU mode: the kernel's CPU form, float32)."""
-    from pathlib import Path as _Path
-
     from models.catalog import ModelSpec, load_model
     from models.decoding import SamplingParams
     from models.generate import generate
@@ -420,7 +418,7 @@ def q4_1_tiles(run: Run, shape: str = "smollm2") -> dict[str, Any]:
     out |= {k.replace("_bf16", ""): v for k, v in alone_vs_among(run, tiles, vocab).items()}
     if cuda:  # the serving path: quantized in float32 on the device, then cast (models/catalog.py)
         loaded = load_model(ModelSpec(name="q", tasks=("generate",), source="tiny:decoder", quantize="q4_1",
-                                      prompt_weights="auto"), _Path("/nonexistent"), device=str(run.device),
+                                      prompt_weights="auto"), Path("/nonexistent"), device=str(run.device),
                             dtype=dtype)
         out["catalog_loads_tiles"] = any(isinstance(m, TiledInt4Linear) for m in loaded.model.modules())
         out["catalog_prompt_speedup"] = loaded.prompt_speedup

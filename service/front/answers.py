@@ -31,14 +31,17 @@ class Answers:
         self.file = file
         self._lock = threading.Lock()
         self._counts: Counter[tuple[str, int]] = Counter()
+        self._paths: set[str] = set()  # the paths counted under their own name (at most MAX_PATHS)
         self._written: dict[tuple[str, int], int] = {}
         self._warned = False
 
     def add(self, path: str, status: int) -> None:
         with self._lock:
-            known = {p for p, _ in self._counts}
-            if path not in known and len(known) >= MAX_PATHS:
-                path = ""
+            if path not in self._paths:
+                if len(self._paths) >= MAX_PATHS:
+                    path = ""
+                else:
+                    self._paths.add(path)
             self._counts[(path, status)] += 1
 
     def read(self, lines: Iterable[bytes]) -> None:

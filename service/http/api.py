@@ -8,6 +8,7 @@ in its replica with a backend of Ray handles, the tests with fakes. Each route f
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from fastapi import FastAPI
@@ -50,12 +51,13 @@ def create_api(settings: Settings, backend: Backend, metrics: ServiceMetrics | N
     install_error_handlers(app, settings.retry_after_s)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s)
     install_access_control(app, settings, ErrorResponse, (TIMEOUT_HEADER,))  # keys, CORS: before the body
-    app.add_middleware(Observability, metrics=metrics, endpoints=lambda: _paths(app),  # outermost
+    endpoints = functools.cache(lambda: frozenset(_paths(app)))  # read at the first request: every route exists
+    app.add_middleware(Observability, metrics=metrics, endpoints=endpoints,  # outermost
                        retry_after_s=settings.retry_after_s, access_log=settings.access_log,
                        proxy_echoes_id=proxy_echoes_id)
     limits = InputLimits(backend, settings.readiness_timeout_s)
     app.include_router(inference_router(settings, routes, backend, limits, ERRORS))
-    app.include_router(ops_router(settings, routes, backend, metrics, endpoints=lambda: _paths(app)))
+    app.include_router(ops_router(settings, routes, backend, metrics, endpoints=endpoints))
     app.include_router(generation_router(settings, routes, backend, limits, ERRORS))
     app.include_router(tokenize_router(routes, backend, limits, ERRORS))
     return app

@@ -28,12 +28,12 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import InternalError
+from ..telemetry.endpoints import endpoint_label
 from ..telemetry.logs import REQUEST_ID, new_request_id, valid_request_id
 from ..telemetry.metrics import ServiceMetrics
 from .errors import error_response
 
 REQUEST_ID_HEADER = "X-Request-ID"
-OTHER = "other"
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("service.access")
 
@@ -67,7 +67,7 @@ class Observability:
     def endpoint(self, path: str) -> str:
         if self._endpoints is None:
             self._endpoints = frozenset(self._endpoints_fn())
-        return path if path in self._endpoints else OTHER
+        return endpoint_label(path, self._endpoints)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -14,8 +14,9 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from .endpoints import endpoint_label
+
 FILE_GLOB = "front-*.json"
-OTHER = "other"
 
 
 def answers_file(node_dir: Path, pid: int) -> Path:
@@ -53,7 +54,7 @@ class FrontAnswersCollector:
         counts: dict[tuple[str, str], int] = {}
         for file in sorted(self.node_dir.glob(FILE_GLOB)):
             for (path, status), n in load_totals(file).items():
-                key = (path if path in known else OTHER, str(status))
+                key = (endpoint_label(path, known), str(status))
                 counts[key] = counts.get(key, 0) + n
         if not counts:
             return

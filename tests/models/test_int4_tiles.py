@@ -30,7 +30,7 @@ def test_the_tiles_compute_the_q4_1_weights(n: int, k: int) -> None:
     x @ dequantize(q, d, m).T to float32 rounding, also where N is no multiple of the 8-row tiles."""
     torch.manual_seed(0)
     q, d, m = quantize_q4_1(torch.randn(n, k))
-    layer = TiledInt4Linear.from_blocks(q, d, m, bias=torch.randn(n))
+    layer = TiledInt4Linear(q, d, m, bias=torch.randn(n))
     x = torch.randn(3, 5, k)
     with torch.inference_mode():
         out = layer(x)
@@ -38,7 +38,7 @@ def test_the_tiles_compute_the_q4_1_weights(n: int, k: int) -> None:
     assert out.shape == (3, 5, n) and out.dtype == x.dtype
     assert rel(out, want) < 1e-5
     # a wrong zero (m instead of m + 8 d) or a wrong group order is far off
-    shifted = TiledInt4Linear.from_blocks(q, d, m - 8 * d.float().half())
+    shifted = TiledInt4Linear(q, d, m - 8 * d.float().half())
     assert rel(shifted(x), want - layer.bias) > 1e-2 or torch.all(d == 0)
 
 
@@ -49,8 +49,8 @@ def test_a_gguf_s_dequantized_weights_give_back_its_blocks() -> None:
     q, d, m = quantize_q4_1(torch.randn(48, 256))
     x = torch.randn(4, 256)
     with torch.inference_mode():
-        assert torch.equal(TiledInt4Linear(dequantize("q4_1", q, d, m), None)(x),
-                           TiledInt4Linear.from_blocks(q, d, m)(x))
+        assert torch.equal(TiledInt4Linear.from_weight(dequantize("q4_1", q, d, m), None)(x),
+                           TiledInt4Linear(q, d, m)(x))
 
 
 def test_inner_tiling_divides_the_inputs() -> None:
@@ -78,7 +78,7 @@ def test_block_formats_are_made_from_float32_weights() -> None:
 
 def test_tiles_packed_for_one_device_refuse_another() -> None:
     q, d, m = quantize_q4_1(torch.randn(16, 64))
-    layer = TiledInt4Linear.from_blocks(q, d, m)
+    layer = TiledInt4Linear(q, d, m)
     layer.packed_for = "cuda"  # as if packed on a GPU and then moved: the CPU kernel would misread it
     with pytest.raises(ValueError, match="packed for cuda"):
         layer(torch.randn(1, 64))
