@@ -44,11 +44,11 @@ lint: venv
 	$(VENV)/bin/ruff check models service tests loadtests
 
 bench: weights
-	$(PY) -m models.bench
+	$(PY) -m loadtests.models.bench
 
 # fp32 vs int8 (models/quant.py) on the default models: speed and measured loss (docs/benchmarks.md).
 bench-quant: weights
-	$(PY) -m models.bench_quant --threads 2 $(BENCH_ARGS)
+	$(PY) -m loadtests.models.quant --threads 2 $(BENCH_ARGS)
 
 # Ours vs llama.cpp / CTranslate2 / ONNX Runtime on the same weights (loadtests/peers; docs/benchmarks.md).
 # The peers go into their own environment under .peers/ (llama.cpp is built once, ~10 min).

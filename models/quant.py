@@ -22,7 +22,7 @@ Linear's input channels get m_k = max|W_k|^(1-a) / max|x_k|^a (a = 0.5), which l
 product unchanged and makes a few large activation channels cost the other channels no precision.
 Exact integer accumulation makes the invariance tests hold bitwise (batched = alone, padded =
 unpadded rows), not just within a tolerance. Speed and measured loss against fp32 on the default
-models: docs/benchmarks.md (`python -m models.bench_quant`). Quantization changes results, so it is
+models: docs/benchmarks.md (`python -m loadtests.models.quant`). Quantization changes results, so it is
 a mode an operator turns on (`quantize: int8` in a model's settings), never a silent default.
 """
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtests.models.bench import mixed_texts
 from models import zoo
-from models.bench import mixed_texts
 from models.catalog import BUILTIN_DIR
 from models.machine import machine_info
 from models.text import TextTokenizer

@@ -1,4 +1,4 @@
-"""Decode attention, the paged kernel against the dense cache: `python -m models.bench_attention`.
+"""Decode attention, the paged kernel against the dense cache: `python -m loadtests.models.attention`.
 
 One layer of SmolLM2-135M's attention shape (9 query heads on 3 key/value heads, head dim 64), one new
 token per row, rows of random lengths up to a maximum: the dense cache's path (models.kv_cache: the
@@ -14,12 +14,13 @@ import argparse
 
 import torch
 
-from .attention import causal_mask
+from models.attention import causal_mask
+from models.kernels import native
+from models.kv_cache import KVCache
+from models.machine import machine_info
+from models.paged_cache import PagedKVCache, blocks_for
+
 from .bench import timed
-from .kernels import native
-from .kv_cache import KVCache
-from .machine import machine_info
-from .paged_cache import PagedKVCache, blocks_for
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 

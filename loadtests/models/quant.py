@@ -1,6 +1,6 @@
 """fp32 vs the quantized modes (models/quant.py) on the default models, side by side in one run.
 
-    python -m models.bench_quant [--modes int8,q8_0,q4_1,q4_1+a8] [--quick] [--threads 2] [--json out.json]
+    python -m loadtests.models.quant [--modes int8,q8_0,q4_1,q4_1+a8] [--quick] [--threads 2] [--json out.json]
                                                                                   (make bench-quant)
 
 Each model is loaded in fp32 and in every mode (`quantize: int8` / `q8_0` / `q4_1`; "+a8": the
@@ -30,16 +30,17 @@ from typing import Any
 
 import torch
 
-from . import zoo
-from .beam_search import BeamParams, translate_ids
+from models import zoo
+from models.beam_search import BeamParams, translate_ids
+from models.catalog import BUILTIN_DIR, DEFAULT_SPECS, LoadedModel, load_model
+from models.decoding import SamplingParams
+from models.generate import generate
+from models.inputs import PaddedBatch
+from models.machine import machine_info
+from models.spec import variant
+from models.train.eval_translator import read_test, translate_all
+
 from .bench import mixed_texts
-from .catalog import BUILTIN_DIR, DEFAULT_SPECS, LoadedModel, load_model
-from .decoding import SamplingParams
-from .generate import generate
-from .inputs import PaddedBatch
-from .machine import machine_info
-from .spec import variant
-from .train.eval_translator import read_test, translate_all
 
 log = logging.getLogger("bench.quant")
 TEST_SET = BUILTIN_DIR / "translator-en-es" / "test.tsv"

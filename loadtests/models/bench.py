@@ -1,6 +1,6 @@
 """Ours vs transformers on the same weights and inputs, side by side in one run.
 
-    python -m models.bench [--quick] [--json out.json]     (make bench)
+    python -m loadtests.models.bench [--quick] [--json out.json]     (make bench)
 
 1. MiniLM encoder forward (padded batch of mixed-length texts) at batch 1 / 8 / 32: texts per second.
 2. SmolLM2-135M greedy decoding at batch 1 and 32: generated tokens per second, ours
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from . import zoo
-from .catalog import DEFAULT_SPECS, load_model
-from .decoding import SamplingParams
-from .generate import generate
-from .reference import transformers_encoder, transformers_from_gguf
+from models import zoo
+from models.catalog import DEFAULT_SPECS, load_model
+from models.decoding import SamplingParams
+from models.generate import generate
+from models.reference import transformers_encoder, transformers_from_gguf
 
 log = logging.getLogger("bench")
 

@@ -1,4 +1,4 @@
-"""`python -m models.bench_quant --quick` on the real default models: the benchmark runs end to end
+"""`python -m loadtests.models.quant --quick` on the real default models: the benchmark runs end to end
 and its quality measures are sane (speed is never asserted)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from models import bench_quant
+from loadtests.models import quant
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def test_the_quick_quantization_benchmark_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "quant.json"
     # int8 and the shipped generator's q4_1 (q8_0 runs in the peers smoke test): a minute less
-    bench_quant.main(["--quick", "--threads", "2", "--modes", "int8,q4_1", "--json", str(out)])
+    quant.main(["--quick", "--threads", "2", "--modes", "int8,q4_1", "--json", str(out)])
     result = json.loads(out.read_text())
     gen, enc, tr = result["generator"], result["encoder"], result["translator"]
     assert [r["batch"] for r in gen["speed_tokens_per_s"]] == [1, 8, 32]

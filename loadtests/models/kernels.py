@@ -1,4 +1,4 @@
-"""The projection kernels side by side on SmolLM2's shapes: `python -m models.bench_kernels`.
+"""The projection kernels side by side on SmolLM2's shapes: `python -m loadtests.models.kernels`.
 
 All 121 projections of one SmolLM2-135M decode step (30 layers of fused q/k/v 960x576, o 576x576,
 gate/up 3072x576, down 576x1536, and the 49152x576 head), random weights, swept in model order as a
@@ -17,10 +17,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .dense import PackedLinear, onednn_available
-from .kernels import native
-from .machine import machine_info
-from .panels import BlockLinear, PanelLinear
+from models.dense import PackedLinear, onednn_available
+from models.kernels import native
+from models.machine import machine_info
+from models.panels import BlockLinear, PanelLinear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 

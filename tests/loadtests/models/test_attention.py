@@ -1,17 +1,16 @@
-"""models.bench_attention runs (tiny sizes, seconds) and prints a row per rows x longest."""
+"""loadtests.models.attention runs (tiny sizes, seconds) and prints a row per rows x longest."""
 
 from __future__ import annotations
 
 import pytest
 
-from models import bench_attention
-
-from .test_quant import needs_kernels
+from loadtests.models import attention
+from tests.models.test_quant import needs_kernels
 
 
 @needs_kernels
 def test_it_prints_a_row_per_size(capsys: pytest.CaptureFixture[str]) -> None:
-    bench_attention.main(["--threads", "1", "--rows", "1,4", "--longest", "20", "--repeats", "2"])
+    attention.main(["--threads", "1", "--rows", "1,4", "--longest", "20", "--repeats", "2"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [r.split("|")[1:3] for r in rows] == [[" 1 ", " 20 "], [" 4 ", " 20 "]]
     assert all(float(r.split("|")[4]) > 0 for r in rows)
