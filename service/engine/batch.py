@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 # Elsewhere (float32 on our panel and block kernels or MKL, CUDA) nothing is kept per shape, and
 # padding to 32 computed ~20 % of a closed loop's prompt tokens for nothing (prompts of 10-200
 # tokens: 0.79 of the padded tokens real, 0.98 with 2; prefill 1.15x faster with 2:
-# loadtests/prefill_padding.py, docs/benchmarks.md).
+# loadtests/experiments/prefill_padding.py, docs/benchmarks.md).
 # There 2, which keeps a one-prompt prefill from being one token wide (the decode step's shape).
 PREFILL_MULTIPLE = 32
 SHAPE_FREE_MULTIPLE = 2

@@ -1,7 +1,7 @@
 """Structured outputs: token masks from llguidance, so the text always matches the request's JSON
 schema, regex or Lark grammar (no retries).
 
-llguidance over xgrammar, measured on this machine (`python -m loadtests.grammar.compare`,
+llguidance over xgrammar, measured on this machine (`python -m loadtests.experiments.grammar.compare`,
 docs/benchmarks.md): xgrammar 0.2.9 fills the masks of 32 rows about 8x faster (0.10 vs 0.82 ms a
 step median, both small next to a decode step, and computed beside the forward pass here), but it lets
 length-bounded strings (`maxLength` / `minLength`) take raw control characters and no escapes, so

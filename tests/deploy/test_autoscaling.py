@@ -1,4 +1,4 @@
-"""Autoscaling on a real local Ray (loadtests/autoscale.py runs the same scenario and plots it): under
+"""Autoscaling on a real local Ray (loadtests/experiments/autoscale.py runs the same scenario and plots it): under
 sustained load a deployment with fractional CPUs goes from 1 replica to 2 and back to 1 once the load
 stops, and every request during both transitions gets the answer its text gets alone."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import autoscale
-from loadtests.autoscale import Scenario, Timeline
+from loadtests.experiments import autoscale
+from loadtests.experiments.autoscale import Scenario, Timeline
 from service.testing.cluster import deploy, local_cluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

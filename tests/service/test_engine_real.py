@@ -64,7 +64,7 @@ def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_p
     steps run as one native op per layer (models/native_blocks.py)."""
     import dataclasses
 
-    from loadtests.engine_models import shipped_generator
+    from loadtests.experiments.engine_models import shipped_generator
     from models import native_blocks
     from models.kernels import native
 

@@ -1,6 +1,6 @@
 """What a long prompt costs the streams a server is already decoding, over HTTP, for ours and its peers.
 
-    python -m loadtests.long_prompt --systems ours,vllm_cpu --streams 16 --prompt-tokens 2000 --every 3
+    python -m loadtests.experiments.long_prompt --systems ours,vllm_cpu --streams 16 --prompt-tokens 2000 --every 3
 
 For each system (started on 127.0.0.1 as bench-serve starts it: loadtests.systems, `--threads` per
 model, the same generation route discovery), `--streams` clients each keep one streamed greedy
@@ -9,7 +9,7 @@ ends). For `--seconds` they decode alone (baseline); then, for `--seconds` more,
 `--prompt-tokens` tokens (English text, counted with the generator's tokenizer) asking for one token
 arrives every `--every` seconds. Prints, per system, the streams' inter-token gaps (between streamed
 pieces) p50 / p95 / max in both phases, the rise of p95, and the long prompts' time to first token.
-In-process, without HTTP, loadtests.prefill_stall measures our engine alone per prefill_chunk.
+In-process, without HTTP, loadtests.experiments.prefill_stall measures our engine alone per prefill_chunk.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import workload
+from .. import workload
+from ..loadgen import Sample, http_client, send
+from ..protocol import GenerateAPI, discover_generate
 from .engine_models import percentile
-from .loadgen import Sample, http_client, send
 from .prefill_stall import inter_token
-from .protocol import GenerateAPI, discover_generate
 
-log = logging.getLogger("loadtests.long_prompt")
-ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger("loadtests.experiments.long_prompt")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def gaps(streams: list[list[float]], start: float, stop: float) -> list[float]:
@@ -93,8 +93,8 @@ async def measure(url: str, api: GenerateAPI, args: argparse.Namespace, prompts:
 
 
 def run_system(name: str, args: argparse.Namespace, prompts: list[str], long_prompts: list[str]) -> dict[str, Any]:
-    from .systems.launchers import SYSTEMS, LaunchConfig
-    from .systems.process import ServerProcess, free_port
+    from ..systems.launchers import SYSTEMS, LaunchConfig
+    from ..systems.process import ServerProcess, free_port
 
     port = free_port()
     cfg = LaunchConfig(("generate",), "default", port, args.threads, "cpu", args.out, None, 600.0)
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     from models import zoo
 
-    from .systems.modelsets import model_set, token_counter
+    from ..systems.modelsets import model_set, token_counter
 
     count = token_counter(model_set("default")["generate"], zoo.default_cache_dir()) or workload.words_as_tokens
     rng = random.Random(args.seed)

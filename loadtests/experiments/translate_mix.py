@@ -1,7 +1,7 @@
 """Request-level batches against the translation engine, in one process, on the shipped translator.
 
-    python -m loadtests.translate_mix                       # 32 clients, beams 4, then 1/4/8 mixed
-    python -m loadtests.translate_mix --clients 64 --beams 1,4,8 --seconds 20
+    python -m loadtests.experiments.translate_mix                       # 32 clients, beams 4, then 1/4/8 mixed
+    python -m loadtests.experiments.translate_mix --clients 64 --beams 1,4,8 --seconds 20
 
 For each scheduler (`translation.scheduler`: "batches" = TranslatorRunner, a dynamic batcher whose
 beam search runs each batch to its end; "steps" = TranslatorEngineRunner, the translation engine), a
@@ -12,7 +12,7 @@ measured on the same runner (one client). Schedulers alternate for `--rounds` ro
 and latency p50 / p95 per beam size under load, next to p50 alone, for both schedulers and their ratio.
 No Ray, no HTTP: the scheduling alone (bench-serve measures the service).
 
-    python -m loadtests.translate_mix --apart 256 --threads 1   # the schedulers apart, one thread
+    python -m loadtests.experiments.translate_mix --apart 256 --threads 1   # the schedulers apart, one thread
 
 `--apart N`: no clients and no event loop either: the first N test sentences (beam `--beams`' first)
 go through each scheduler's own code on one thread, in turn for `--rounds` rounds: the translation

@@ -1,11 +1,11 @@
-"""loadtests.prefix_reuse runs end to end (tiny decoder, seconds): one row per setting, and the hit
+"""loadtests.experiments.prefix_reuse runs end to end (tiny decoder, seconds): one row per setting, and the hit
 rate it reports comes from the engine's counters (0 with the cache off, most of the prompt with it on)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests import prefix_reuse
+from loadtests.experiments import prefix_reuse
 
 
 def test_prefix_reuse_prints_a_row_per_setting_with_the_hit_rate(capsys: pytest.CaptureFixture[str]) -> None:

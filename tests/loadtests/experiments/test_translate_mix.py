@@ -1,11 +1,11 @@
-"""loadtests.translate_mix --apart runs end to end (tiny encoder-decoder, seconds): each scheduler's own
+"""loadtests.experiments.translate_mix --apart runs end to end (tiny encoder-decoder, seconds): each scheduler's own
 code translates the same sentences, and the table counts what each did."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests import translate_mix
+from loadtests.experiments import translate_mix
 
 
 def test_apart_prints_a_row_per_scheduler_and_round(capsys: pytest.CaptureFixture[str]) -> None:

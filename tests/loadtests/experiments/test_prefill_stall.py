@@ -1,10 +1,10 @@
-"""loadtests.prefill_stall runs end to end (tiny decoder, seconds) and prints one row per chunk setting."""
+"""loadtests.experiments.prefill_stall runs end to end (tiny decoder, seconds) and prints one row per chunk setting."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests import prefill_stall
+from loadtests.experiments import prefill_stall
 
 
 def test_inter_token_gaps_are_taken_inside_the_window() -> None:

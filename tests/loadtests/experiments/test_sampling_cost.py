@@ -1,10 +1,10 @@
-"""loadtests.sampling_cost's synthetic mode runs and prints its table (the model mode needs the weights)."""
+"""loadtests.experiments.sampling_cost's synthetic mode runs and prints its table (the model mode needs the weights)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests.sampling_cost import main
+from loadtests.experiments.sampling_cost import main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,7 +1,7 @@
 """Autoscaling, shown working: one deployment scales from 1 replica to 2 under load and back to 1 after it,
 and every request meanwhile gets the answer the same text gets alone.
 
-    python -m loadtests.autoscale --out docs/img/autoscaling.png    # about a minute on 2 cores
+    python -m loadtests.experiments.autoscale --out docs/img/autoscaling.png    # about a minute on 2 cores
 
 The scenario (also run by tests/deploy/test_autoscaling.py, on the same functions):
 1. a local Ray with Serve's autoscaling metrics pushed every 0.5 s (`cluster_env`), and the app with one
@@ -35,8 +35,8 @@ import numpy as np
 
 from service.testing.cluster import local_cluster
 
-log = logging.getLogger("loadtests.autoscale")
-ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger("loadtests.experiments.autoscale")
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENT = "encoder"
 TEXTS = tuple(f"request {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 5)
               for i in range(12))
@@ -311,7 +311,7 @@ def plot(timeline: Timeline, path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtests.autoscale", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m loadtests.experiments.autoscale", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("docs/img/autoscaling.png"), help="the PNG to write")
     p.add_argument("--concurrency", type=int, default=Scenario.concurrency)
     args = p.parse_args(argv)

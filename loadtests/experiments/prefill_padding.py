@@ -1,7 +1,7 @@
 """What a prefill's padding multiple costs: the same burst of prompts prefilled with each multiple.
 
-    python -m loadtests.prefill_padding                       # shipped generator, multiples 32 and 2
-    python -m loadtests.prefill_padding --tiny --rounds 1 --requests 8    # a smoke run
+    python -m loadtests.experiments.prefill_padding                       # shipped generator, multiples 32 and 2
+    python -m loadtests.experiments.prefill_padding --tiny --rounds 1 --requests 8    # a smoke run
 
 A prefill pads its prompts so that requests x length is a multiple of a number (service/engine/batch.py,
 prefill_multiple: 32 where the projections keep a oneDNN kernel per shape, else 2). In one process,

@@ -1,10 +1,10 @@
-"""loadtests.heap runs end to end on the default encoder and prints one table row per interval."""
+"""loadtests.experiments.heap runs end to end on the default encoder and prints one table row per interval."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests import heap
+from loadtests.experiments import heap
 
 
 def test_heap_bench_prints_a_row_per_interval(capsys: pytest.CaptureFixture[str]) -> None:

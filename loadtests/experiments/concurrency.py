@@ -1,7 +1,7 @@
 """How output throughput grows with concurrent streams, on the paged KV cache and on preallocated rows.
 
-    python -m loadtests.concurrency                              # shipped generator, 32 / 64 / 128 clients
-    python -m loadtests.concurrency --clients 8,32 --seconds 10 --caches paged --tiny   # a smoke run
+    python -m loadtests.experiments.concurrency                              # shipped generator, 32 / 64 / 128 clients
+    python -m loadtests.experiments.concurrency --clients 8,32 --seconds 10 --caches paged --tiny   # a smoke run
 
 In one process, for each `--caches` kind (`paged`: EngineConfig.paged, the default; `rows`: one
 preallocated row of max_total_tokens per sequence, the engine before the paged cache) and each
@@ -26,7 +26,7 @@ from .engine_models import add_model_args, load_generator, percentile
 
 def requests(rng: random.Random, vocab: int, n: int) -> list[tuple[list[int], int]]:
     """n (prompt token ids, output tokens): 10-200 prompt tokens, 16-128 new, both skewed short."""
-    from .workload import skewed_int
+    from ..workload import skewed_int
 
     return [([rng.randrange(100, vocab) for _ in range(skewed_int(rng, 10, 200, median=48))],
              skewed_int(rng, 16, 128, median=48)) for _ in range(n)]

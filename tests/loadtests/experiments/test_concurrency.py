@@ -1,12 +1,12 @@
-"""loadtests.concurrency runs end to end (tiny decoder, seconds): a row per cache kind and client count,
+"""loadtests.experiments.concurrency runs end to end (tiny decoder, seconds): a row per cache kind and client count,
 with the shipped engine settings but the ones it varies."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests import concurrency
-from loadtests.engine_models import shipped_generator_engine
+from loadtests.experiments import concurrency
+from loadtests.experiments.engine_models import shipped_generator_engine
 
 
 def test_the_shipped_engine_settings_are_read_and_changed() -> None:

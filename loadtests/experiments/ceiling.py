@@ -1,7 +1,7 @@
 """Model-only ceilings for the classification targets: how many texts per second the models alone
 reach on this machine, with no HTTP, no Ray and no queueing, on the benchmark's own texts.
 
-    python -m loadtests.ceiling [--threads 1] [--texts 256]
+    python -m loadtests.experiments.ceiling [--threads 1] [--texts 256]
 
 It runs our encoder + head on length-sorted batches of 1, 4, 8, 16 and 32 texts, and the
 `transformers` classifier of the plain system one text at a time (what each of its requests does).
@@ -23,8 +23,8 @@ import torch
 from models import zoo
 from models.catalog import DEFAULT_SPECS, load_model
 
-from . import workload
-from .systems.hf_models import build_classifier, encode, pad
+from .. import workload
+from ..systems.hf_models import build_classifier, encode, pad
 
 log = logging.getLogger("ceiling")
 

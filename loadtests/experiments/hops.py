@@ -1,4 +1,4 @@
-"""Measure what each hop of a request costs: `python -m loadtests.hops [--n 300]`.
+"""Measure what each hop of a request costs: `python -m loadtests.experiments.hops [--n 300]`.
 
 Starts a local Ray + Serve with tiny models (max_wait 0, so no batching wait) and times, for a
 trivial request, sequentially (one request in flight, so these are latencies, not throughput):
@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("loadtests.hops")
+log = logging.getLogger("loadtests.experiments.hops")
 TINY_ARGS: dict[str, Any] = {
     "device": "cpu",
     "deployments": {
@@ -145,7 +145,7 @@ def _in_process(runner: Any, n: int) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m loadtests.hops", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m loadtests.experiments.hops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=300, help="requests per measurement")
     p.add_argument("--worker-env", action="append", default=[], metavar="KEY=VALUE",

@@ -1,4 +1,4 @@
-"""loadtests.long_prompt: the streams' gaps are taken per stream inside each phase, and the table reads
+"""loadtests.experiments.long_prompt: the streams' gaps are taken per stream inside each phase, and the table reads
 the rise of p95 and the skipped systems. (The servers themselves run in the benchmark, not here.)"""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from loadtests import long_prompt
+from loadtests.experiments import long_prompt
 
 
 def test_gaps_are_per_stream_and_inside_the_window() -> None:

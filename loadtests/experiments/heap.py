@@ -1,7 +1,7 @@
 """Resident memory of a model replica's inference work with and without heap trimming, side by side.
 
-    python -m loadtests.heap                                  # default encoder and generator, 1,500 batches
-    python -m loadtests.heap --models encoder --batches 500 --intervals 0,1,5
+    python -m loadtests.experiments.heap                                  # default encoder and generator, 1,500 batches
+    python -m loadtests.experiments.heap --models encoder --batches 500 --intervals 0,1,5
 
 For each model and each `--intervals` value (service/heap.py's `heap_trim_interval_s`; 0 = never
 trim) a fresh Python process loads the deployment's default model (the generator in
@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DTYPE_ENV = "HEAP_BENCH_GENERATOR_DTYPE"  # --generator-dtype, for the child process
 
 
@@ -101,7 +101,7 @@ WORK = {"encoder": _encoder, "generator": _generator}
 def measure(model: str, count: int, interval: float, seed: int, threads: int, dtype: str) -> dict[str, Any]:
     """One model and interval in a fresh interpreter (its own heap); its samples and timings."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads), DTYPE_ENV: dtype}
-    args = [sys.executable, "-m", "loadtests.heap", "--child", model, "--batches", str(count),
+    args = [sys.executable, "-m", "loadtests.experiments.heap", "--child", model, "--batches", str(count),
             "--intervals", str(interval), "--seed", str(seed), "--threads", str(threads)]
     out = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     if out.returncode != 0:

@@ -1,7 +1,7 @@
 """Chat traffic that shares a system prompt, with the engine's prefix cache on and off.
 
-    python -m loadtests.prefix_reuse                       # shipped generator, 500-token system prompt
-    python -m loadtests.prefix_reuse --system-tokens 200 --requests 24 --clients 2
+    python -m loadtests.experiments.prefix_reuse                       # shipped generator, 500-token system prompt
+    python -m loadtests.experiments.prefix_reuse --system-tokens 200 --requests 24 --clients 2
 
 In one process, for each `--cache-mib` value (EngineConfig.prefix_cache_mib; 0 = off), a fresh
 engine on the shipped generator (deploy/serve_config.yaml's settings) serves `--requests` requests

@@ -1,7 +1,7 @@
 """What a long prompt costs the streams already decoding, with and without chunked prefill.
 
-    python -m loadtests.prefill_stall                          # shipped generator, chunks off / 256 / 128
-    python -m loadtests.prefill_stall --chunks none,512 --streams 8 --prompt-tokens 1000 --seconds 10
+    python -m loadtests.experiments.prefill_stall                          # shipped generator, chunks off / 256 / 128
+    python -m loadtests.experiments.prefill_stall --chunks none,512 --streams 8 --prompt-tokens 1000 --seconds 10
 
 In one process, for each `--chunks` value (EngineConfig.prefill_chunk; `none` = a prompt is prefilled
 whole), a fresh engine on the shipped generator (its deploy/serve_config.yaml settings: q4_1, compiled,

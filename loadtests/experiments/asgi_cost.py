@@ -1,9 +1,9 @@
-"""Our HTTP layer's own CPU per request: `python -m loadtests.asgi_cost [--n 3000]`.
+"""Our HTTP layer's own CPU per request: `python -m loadtests.experiments.asgi_cost [--n 3000]`.
 
 Calls the real API (service/http/, over service/testing/fake_backend.py's near-free EchoBackend) as an
 ASGI app in this process, without a server or a client, and a bare FastAPI route with one pydantic
 model beside it, alternating; prints microseconds per `POST /v1/classify` for each. What is left of
-a request's cost beyond this is the HTTP server, Ray Serve's proxy and handle hops (loadtests/hops.py)
+a request's cost beyond this is the HTTP server, Ray Serve's proxy and handle hops (loadtests/experiments/hops.py)
 and the model.
 """
 
@@ -76,7 +76,7 @@ async def per_request_us(app: Any, n: int) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtests.asgi_cost", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m loadtests.experiments.asgi_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=3)

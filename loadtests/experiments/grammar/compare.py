@@ -1,6 +1,6 @@
 """Which grammar library for structured outputs: llguidance vs xgrammar, on our SmolLM2 tokenizer.
 
-    python -m loadtests.grammar.compare [--rows 32] [--steps 64]
+    python -m loadtests.experiments.grammar.compare [--rows 32] [--steps 64]
 
 For one JSON schema, `rows` matchers walk `steps` tokens each (every step: the library fills the
 allowed-token bitmask of all rows, then each row consumes a random allowed token, the same walk for

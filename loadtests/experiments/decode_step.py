@@ -1,7 +1,7 @@
 """A decode step through the compiled blocks against one native op per layer (models/native_blocks.py).
 
-    python -m loadtests.decode_step                         # shipped generator, 1 and 32 rows
-    python -m loadtests.decode_step --tiny --rounds 1 --steps 4    # a smoke run
+    python -m loadtests.experiments.decode_step                         # shipped generator, 1 and 32 rows
+    python -m loadtests.experiments.decode_step --tiny --rounds 1 --steps 4    # a smoke run
 
 In one process, on the shipped generator (as deploy/serve_config.yaml deploys it) or the tiny decoder
 (its projections fused and in 4-bit blocks, so the op applies): for each `--rows` count, a prompt of

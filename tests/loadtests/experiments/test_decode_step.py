@@ -1,16 +1,16 @@
-"""loadtests.decode_step runs end to end (tiny decoder, seconds): a row per row count, every decode step
+"""loadtests.experiments.decode_step runs end to end (tiny decoder, seconds): a row per row count, every decode step
 of the "one op" side took the op, and both sides gave the same tokens."""
 
 from __future__ import annotations
 
 import pytest
 
-from ..models.test_quant import needs_kernels
+from tests.models.test_quant import needs_kernels
 
 
 @needs_kernels
 def test_decode_step_prints_a_row_per_row_count(capsys: pytest.CaptureFixture[str]) -> None:
-    from loadtests import decode_step
+    from loadtests.experiments import decode_step
 
     decode_step.main(["--tiny", "--rounds", "1", "--steps", "4", "--prompt", "5", "--rows", "1,3", "--threads", "1"])
     lines = capsys.readouterr().out.strip().splitlines()

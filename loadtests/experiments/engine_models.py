@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def percentile(values: list[float], q: float) -> float:

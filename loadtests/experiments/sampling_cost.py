@@ -1,7 +1,7 @@
 """What choosing a step's tokens costs (models.decoding.choose), by batch size and sampling parameters.
 
-    python -m loadtests.sampling_cost                  # the shipped generator's own logits
-    python -m loadtests.sampling_cost --synthetic      # random logits of SmolLM2's vocabulary (no weights)
+    python -m loadtests.experiments.sampling_cost                  # the shipped generator's own logits
+    python -m loadtests.experiments.sampling_cost --synthetic      # random logits of SmolLM2's vocabulary (no weights)
 
 Logits: one row per (prompt, step) of greedy continuations of a few chat prompts on the shipped
 generator (as deploy/serve_config.yaml deploys it), or random rows at `--spread` (a language model's

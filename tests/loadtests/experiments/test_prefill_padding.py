@@ -1,11 +1,11 @@
-"""loadtests.prefill_padding runs end to end (tiny decoder, seconds): a row per multiple, and the
+"""loadtests.experiments.prefill_padding runs end to end (tiny decoder, seconds): a row per multiple, and the
 padding it reports is the padding the engine computed."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests import prefill_padding
+from loadtests.experiments import prefill_padding
 
 
 def test_prefill_padding_prints_a_row_per_multiple(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,10 +1,10 @@
-"""`python -m loadtests.asgi_cost` runs (a few calls; its figures are never asserted)."""
+"""`python -m loadtests.experiments.asgi_cost` runs (a few calls; its figures are never asserted)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests import asgi_cost
+from loadtests.experiments import asgi_cost
 
 
 def test_the_asgi_cost_tool_runs(capsys: pytest.CaptureFixture[str]) -> None:
