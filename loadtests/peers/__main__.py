@@ -1,3 +1,5 @@
+import sys
+
 from .bench import main
 
-main()
+sys.exit(main())

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import subprocess
 from pathlib import Path
+
+from .env import run_tool
 
 log = logging.getLogger("bench.peers")
 
@@ -115,10 +116,12 @@ def to_onnx(model, out: Path) -> dict[str, Path]:
 
 
 def f32_gguf(quantize_tool: Path, q4: Path, out: Path) -> Path:
-    """The Q4_1 file's weights as F32 (llama.cpp dequantizes; metadata and tokenizer kept)."""
+    """The Q4_1 file's weights as F32 (llama.cpp dequantizes; metadata and tokenizer kept); PeerFailed
+    ("SIGILL in llama-quantize") when the tool fails, leaving no `out` behind for the next run to trust."""
     if not out.is_file():
-        subprocess.run([str(quantize_tool), "--allow-requantize", str(q4), str(out), "F32"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        tmp = out.with_name(out.name + ".tmp")
+        run_tool([str(quantize_tool), "--allow-requantize", str(q4), str(tmp), "F32"], "llama-quantize", 600.0)
+        tmp.rename(out)
     return out
 
 
