@@ -130,11 +130,26 @@ def tcmalloc() -> Path | None:
     return Path(found) if found and Path(found).is_absolute() else None
 
 
-def main(argv: list[str] | None = None) -> int:
+SERVERS = ("vllm", "infinity")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """servers: the ones named (of SERVERS), all of them when none is. The names are checked here, not by
+    argparse's choices: Python 3.11's argparse checks a `nargs="*"` positional's default list itself
+    against them ("invalid choice: ['vllm', 'infinity']")."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("servers", nargs="*", default=["vllm", "infinity"], choices=["vllm", "infinity"])
+    p.add_argument("servers", nargs="*", metavar="SERVER", help="of " + ", ".join(SERVERS) + " (default: all)")
     p.add_argument("--root", type=Path, default=PEERS_DIR)
     args = p.parse_args(argv)
+    unknown = [s for s in args.servers if s not in SERVERS]
+    if unknown:
+        p.error(f"unknown server(s) {unknown}; known: {list(SERVERS)}")
+    args.servers = args.servers or list(SERVERS)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if "vllm" in args.servers:
         env = vllm_env(args.root)

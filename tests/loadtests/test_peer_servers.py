@@ -100,3 +100,23 @@ def test_tcmalloc_is_found_where_debian_puts_it(tmp_path: Path, monkeypatch: pyt
     (tmp_path / "libtcmalloc_minimal.so.4").write_text("")
     monkeypatch.setattr(servers, "TCMALLOC_DIRS", (tmp_path / "missing", tmp_path))
     assert servers.tcmalloc() == tmp_path / "libtcmalloc_minimal.so.4"
+
+
+@pytest.mark.parametrize(("argv", "want"), [([], ["vllm", "infinity"]), (["vllm"], ["vllm"]),
+                                            (["infinity"], ["infinity"]), (["infinity", "vllm"], ["vllm", "infinity"])],
+                         ids=["none-means-all", "vllm", "infinity", "both"])
+def test_make_peers_servers_sets_up_those_named_or_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       argv: list[str], want: list[str]) -> None:
+    ensured: list[str] = []
+    monkeypatch.setattr(servers.ServerVenv, "ensure", lambda self: ensured.append(self.name))
+    monkeypatch.setattr(servers.ServerVenv, "version", lambda self, package: "pinned")
+    monkeypatch.setattr(servers, "ensure_smollm2_dir", lambda root, cache_dir=None: servers.smollm2_dir(root))
+    # `make peers-servers` passes no name: on Python 3.11 argparse rejected its own default list before
+    assert servers.main([*argv, "--root", str(tmp_path)]) == 0
+    assert ensured == [f"{name}-venv" for name in want]
+
+
+def test_an_unknown_peer_server_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        servers.main(["ray"])
+    assert "unknown server(s) ['ray']" in capsys.readouterr().err
