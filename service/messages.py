@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .tool_calls import Tool, ToolCall, call_grammar
+from .common.tool_calls import Tool, ToolCall, call_grammar
 
 AnswerFinish = Literal["stop", "length"]  # how an answer a client receives ended
 # ... and how a request can end inside the engine: its client went away, or it failed
@@ -83,7 +83,7 @@ class TranslateOptions:
 class ChatMessage:
     role: str  # system, developer, user, assistant or tool
     content: str
-    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls (service/tool_calls.py)
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls (service/common/tool_calls.py)
     tool_call_id: str | None = None  # a tool message: the call it answers
 
 
@@ -131,7 +131,7 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     logprobs: int | None = None  # None: none; k: the chosen token's and the k best tokens' log-probabilities
     grammar: GrammarSpec | None = None  # structured output: the text must match it
-    tools: tuple[Tool, ...] = ()  # functions the chat prompt shows the model (service/tool_calls.py)
+    tools: tuple[Tool, ...] = ()  # functions the chat prompt shows the model (service/common/tool_calls.py)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool | None = None
@@ -142,7 +142,7 @@ class GenerationRequest:
     @property
     def prompt_chars(self) -> int:
         """Characters this request brings to its prompt: the prompt, or the chat's contents, tool calls
-        and tools (service/text_limits.py caps them before anything is rendered or tokenized)."""
+        and tools (service/common/text_limits.py caps them before anything is rendered or tokenized)."""
         if self.messages is None:
             return len(self.prompt or "")
         return (sum(len(m.content) + sum(len(c.arguments) + len(c.name) for c in m.tool_calls)

@@ -106,7 +106,7 @@ class Settings(_Frozen):
     request_timeout_s: float = Field(30.0, gt=0)  # deadline per request (504); X-Request-Timeout lowers it
     max_body_bytes: int = Field(1 << 20, ge=64)  # 413 past this
     max_inputs: int = Field(64, ge=1)  # texts per request
-    # /v1/translate: characters per text when it is cut into sentences (service/documents.py)
+    # /v1/translate: characters per text when it is cut into sentences (service/common/documents.py)
     max_document_chars: int = Field(20_000, ge=1)
     retry_after_s: float = Field(1.0, gt=0)  # Retry-After on 503
     readiness_timeout_s: float = Field(2.0, gt=0)  # how long /readyz waits for each deployment

@@ -22,6 +22,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from ..common.tool_calls import Tool
+from ..common.tool_calls import parse as parse_tool_calls
 from ..errors import InvalidRequest
 from ..messages import (
     ChatMessage,
@@ -32,8 +34,6 @@ from ..messages import (
     GrammarSpec,
 )
 from ..settings import Settings
-from ..tool_calls import Tool
-from ..tool_calls import parse as parse_tool_calls
 from .deadline import request_timeout, within
 from .generation_schemas import (
     ChatChoice,

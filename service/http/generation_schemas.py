@@ -24,9 +24,9 @@ from pydantic import (
     model_validator,
 )
 
+from ..common.tool_calls import Tool, ToolCall
 from ..errors import InvalidRequest
 from ..messages import AnswerFinish, ChatMessage, GrammarSpec
-from ..tool_calls import Tool, ToolCall
 from .logprobs import ChatLogprobs, CompletionLogprobs
 from .schemas import Texts, _Request
 
@@ -300,7 +300,7 @@ class ToolDef(_Request):
 
 
 def tools_of(defs: list[ToolDef] | None) -> tuple[Tool, ...]:
-    """The tools as a chat prompt shows them (service/tool_calls.py); a 422 naming tools when two
+    """The tools as a chat prompt shows them (service/common/tool_calls.py); a 422 naming tools when two
     functions share a name."""
     tools = tuple(Tool(t.function.name, t.function.description or "",
                        json.dumps(t.function.parameters if t.function.parameters is not None else {"type": "object"}))

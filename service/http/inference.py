@@ -15,12 +15,12 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from .. import documents
+from ..common import documents
+from ..common.text_limits import fit_chars
 from ..errors import InvalidItem, InvalidRequest
 from ..messages import Classification as ClassificationResult
 from ..messages import Embeddings, TranslateOptions, TranslationDone
 from ..settings import Settings
-from ..text_limits import fit_chars
 from .deadline import request_timeout, within
 from .routing import Backend, InputLimits, ItemName, ModelRoutes, Route, item_error
 from .schemas import (
@@ -114,7 +114,7 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
     @router.post("/v1/translate", response_model=TranslateResponse, responses={**errors, 200: STREAMED_200})
     async def translate(body: TranslateRequest, request: Request) -> TranslateResponse | StreamingResponse:
         """Beam-search translation; beam_size and max_new_tokens apply to this request only. Texts are
-        cut into sentences and put back together (service/documents.py) unless split_sentences is false."""
+        cut into sentences and put back together (service/common/documents.py) unless split_sentences is false."""
         texts = check_texts(body.inputs, "inputs", settings.max_inputs)
         route = routes.resolve_translation(body.source_lang, body.target_lang, body.model)
         options = TranslateOptions(body.beam_size, body.max_new_tokens, body.truncate)

@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..common.text_limits import check_prompt_chars, fit_chars, max_input_chars
 from ..errors import InvalidItem, InvalidRequest, NotFound
 from ..messages import GenerationRequest, ModelInfo
 from ..settings import Settings
-from ..text_limits import check_prompt_chars, fit_chars, max_input_chars
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def item_error(error: InvalidItem, field: str, each: bool = True,
 
 class InputLimits:
     """Each deployment's token limit on an input (ModelInfo.max_input_tokens), asked once, so the edge
-    refuses or cuts an oversized text by its characters (service/text_limits.py) before it reaches a
+    refuses or cuts an oversized text by its characters (service/common/text_limits.py) before it reaches a
     replica."""
 
     def __init__(self, backend: Backend, timeout_s: float) -> None:

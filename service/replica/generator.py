@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING, Any
 from models.catalog import LoadedModel
 from models.decoding import SamplingParams
 
+from ..common.streams import interleaved
+from ..common.text_limits import check_prompt_chars
+from ..common.tool_calls import hf_messages, render_in_prompt, template_knows_tools
 from ..engine.config import EngineConfig
 from ..engine.core import GenerationEngine, Submission
 from ..engine.events import Delta, Finished, RequestHandle
@@ -33,12 +36,9 @@ from ..messages import (
     TextDelta,
     Tokenized,
 )
-from ..streams import interleaved
 from ..telemetry.hooks import EngineObserver
 from ..telemetry.metrics import ServiceMetrics
 from ..telemetry.observers import PrometheusEngineObserver
-from ..text_limits import check_prompt_chars
-from ..tool_calls import hf_messages, render_in_prompt, template_knows_tools
 from .heap import HeapTrimmer
 from .runner import EngineRunner, off_loop
 
@@ -96,7 +96,7 @@ class GeneratorRunner(EngineRunner):
                 if tools_used and template_knows_tools(tok.chat_template):
                     tools = [{"type": "function", "function": t.as_dict()} for t in request.tools] or None
                     text = tok.apply_chat_template(hf_messages(messages), tools=tools)
-                elif tools_used:  # the documented system-prompt format (service/tool_calls.py)
+                elif tools_used:  # the documented system-prompt format (service/common/tool_calls.py)
                     text = tok.apply_chat_template(render_in_prompt(messages, request.tools))
                 else:
                     text = tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])

@@ -9,8 +9,8 @@ from tokenizers import Encoding
 
 from models.text import TextTokenizer
 
+from ..common.text_limits import fit_chars, max_input_chars
 from ..errors import InvalidItem, InvalidRequest
-from ..text_limits import fit_chars, max_input_chars
 
 
 def tokenize(tokenizer: TextTokenizer, texts: Sequence[str], limit: int, truncate: bool) -> list[list[int]]:
@@ -18,7 +18,7 @@ def tokenize(tokenizer: TextTokenizer, texts: Sequence[str], limit: int, truncat
 
     Raises InvalidItem(index) for a text that is empty, breaks the tokenizer, or is too long
     without `truncate`. Truncation cuts the text's tokens and keeps the special tokens. A text over
-    the character cap (service/text_limits.py) is refused or cut before it is tokenized.
+    the character cap (service/common/text_limits.py) is refused or cut before it is tokenized.
     """
     texts = fit_chars(texts, max_input_chars(limit), truncate)
     out: list[list[int]] = []

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 from models.beam_search import BeamParams, translate_ids
 from models.catalog import LoadedModel
 
+from ..common.streams import interleaved
 from ..engine.config import TranslationConfig
 from ..engine.events import Finished
 from ..engine.translation import TranslationEngine, TranslationSubmission
 from ..errors import DeadlineExceeded, InternalError, InvalidRequest
 from ..messages import TextDelta, TranslateOptions, TranslationDone
-from ..streams import interleaved
 from ..telemetry.hooks import BatchObserver, EngineObserver
 from ..telemetry.metrics import ServiceMetrics
 from ..telemetry.observers import PrometheusEngineObserver

@@ -1,4 +1,4 @@
-"""Documents for /v1/translate: cut into sentences (service/documents.py), translated as one call,
+"""Documents for /v1/translate: cut into sentences (service/common/documents.py), translated as one call,
 put back with the text's own layout. The API tests run the real HTTP layer over EchoBackend, whose
 translator reverses each input it is given, so every sentence's place in the answer is visible."""
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from service import documents
-from service.documents import Document, split
+from service.common import documents
+from service.common.documents import Document, split
 from service.testing.fake_backend import MAX_TOKENS, EchoBackend, fake_app
 
 from .http_checks import send

@@ -499,7 +499,7 @@ def test_the_shipped_translator_translates_a_document_sentence_by_sentence(serve
     `python -m service` follows its one application)."""
     from ray import serve
 
-    from service.documents import split
+    from service.common.documents import split
     from service.testing.cluster import deploy
 
     document = ("The weather is nice today. We are going to the beach!\n\n"

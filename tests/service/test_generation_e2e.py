@@ -574,7 +574,7 @@ def test_a_forced_tool_call_is_parsed_and_validates(tools_server: Cluster) -> No
 
 
 def test_tools_reach_the_prompt_and_tool_messages_come_back(tools_server: Cluster) -> None:
-    from service.tool_calls import Tool, ToolCall, render_in_prompt
+    from service.common.tool_calls import Tool, ToolCall, render_in_prompt
 
     _, tok = tiny_model("decoder")
     history = [{"role": "user", "content": "weather in Paris?"},

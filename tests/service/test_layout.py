@@ -7,6 +7,8 @@ interpreter, so a rule cannot erode unseen:
   the first burst of 503s stall the ingress for ~1.5 s);
 - service/engine/ imports neither Ray nor FastAPI, nor the replica or HTTP code around it;
 - service/replica/ imports neither Ray nor FastAPI (the Ray wrappers are service/deployments.py);
+- service/common/, the helpers both sides use, imports what both sides may: neither torch nor FastAPI
+  nor Ray;
 - models/ imports nothing from service/; nothing but tests and load tests imports service/testing/;
 - every error a replica can raise is defined on the torch-free side.
 """
@@ -23,9 +25,10 @@ import pytest
 
 from service.errors import ServiceError
 
-INGRESS_SIDE = ["service.http", "service.telemetry", "service.errors", "service.messages", "service.tool_calls", "service.settings",
+INGRESS_SIDE = ["service.http", "service.telemetry", "service.errors", "service.messages", "service.common", "service.settings",
                 "service.ingress", "service.front"]
 TORCH_SIDE = ("torch", "transformers", "safetensors", "tokenizers")
+WEB_AND_RAY = ("ray", "fastapi", "starlette", "uvicorn")
 
 
 def modules_under(*names: str) -> list[str]:
@@ -66,12 +69,23 @@ def test_the_engine_and_the_replicas_import_neither_ray_nor_fastapi(package: str
     modules = modules_under(package)
     assert len(modules) >= 6
     loaded = imported_after(modules)
-    bad = under(loaded, ("ray", "fastapi", "starlette", "uvicorn"))
+    bad = under(loaded, WEB_AND_RAY)
     assert not bad, f"{package} imports {bad[:8]}"
     assert "torch" in loaded  # they do run the model: the check above is not vacuous
     if package == "service.engine":
         around = [m for m in loaded if m.startswith(("service.replica", "service.http", "service.deployments"))]
         assert not around, f"the engine imports the code around it: {around}"
+
+
+def test_the_common_helpers_import_neither_torch_nor_fastapi_nor_ray() -> None:
+    modules = modules_under("service.common")
+    assert {"service.common.documents", "service.common.tool_calls"} <= set(modules)  # the walk works
+    loaded = imported_after(modules)
+    bad = under(loaded, TORCH_SIDE + WEB_AND_RAY)
+    assert not bad, f"service.common imports {bad[:8]}"
+    assert set(under(loaded, ("models",))) <= {"models", "models.spec"}  # the torch-free ModelSpec only
+    around = [m for m in loaded if m.startswith(("service.http", "service.replica", "service.engine", "service.deployments"))]
+    assert not around, f"service.common imports one side's code: {around}"
 
 
 def test_models_import_nothing_from_service_and_only_tests_import_service_testing() -> None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import json
 
-from service.tool_calls import Tool, ToolCall, call_grammar, parse, render_in_prompt, template_knows_tools
+from service.common.tool_calls import (
+    Tool,
+    ToolCall,
+    call_grammar,
+    parse,
+    render_in_prompt,
+    template_knows_tools,
+)
 
 WEATHER = Tool("get_weather", "The weather in a city", json.dumps(
     {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .errors import InvalidItem, RequestTooLarge
+from ..errors import InvalidItem, RequestTooLarge
 
 CHARS_PER_TOKEN = 16
 
