@@ -65,7 +65,7 @@ class Spec:
     mode: str = "livesum"
 
 
-# name without PREFIX -> spec; docs/observability.md lists the same (tests/service/test_metrics.py checks)
+# name without PREFIX -> spec; docs/observability.md lists the same (tests/service/telemetry/test_metrics.py checks)
 SPECS: dict[str, Spec] = {
     # ingress (HTTP)
     "requests_total": Spec("counter", ("endpoint", "status"), "HTTP requests answered by the ingress"),

@@ -17,7 +17,7 @@ from service.engine.translation import TranslationEngine, TranslationSubmission
 from service.replica.translator import banned_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
-TEST_SET = Path(__file__).parents[2] / "models/weights/translator-en-es/test.tsv"
+TEST_SET = Path(__file__).parents[3] / "models/weights/translator-en-es/test.tsv"
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ def test_glibc_malloc_trim_returns_freed_heap_pages_to_the_os() -> None:
         glibc_malloc_trim()()
         print(before, rss())
     """)
-    out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parents[2])], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parents[3])], capture_output=True,
                          text=True, timeout=60, check=True).stdout.split()
     before, after = int(out[0]), int(out[1])
     assert before - after > 150, (before, after)  # of the 200 MiB freed

@@ -52,7 +52,7 @@ from service.telemetry.metrics import (
 )
 from service.telemetry.observers import PrometheusBatchObserver, PrometheusEngineObserver
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs" / "observability.md"
 BOUNDED_LABELS = {"endpoint", "status", "model", "reason", "finish_reason", "deployment", "kind", "device", "dtype"}
 ENCODER = {"name": "enc", "tasks": ["classify", "embed"], "source": "tiny:encoder"}

@@ -11,8 +11,7 @@ import pytest
 from service.common import documents
 from service.common.documents import Document, split
 from service.testing.fake_backend import MAX_TOKENS, EchoBackend, fake_app
-
-from .http_checks import send
+from tests.service.http_checks import send
 
 TR = {"source_lang": "en", "target_lang": "es"}
 

@@ -59,7 +59,7 @@ def test_every_request_gets_its_alone_result_joining_at_any_step(tiny) -> None:
 
 def test_greedy_requests_stream_their_text(tiny) -> None:
     """(The tiny model's bytes are mostly not UTF-8, so pieces are held back; the shipped translator's
-    stream is checked piece by piece in tests/service/test_translator_engine_real.py.)"""
+    stream is checked piece by piece in tests/service/engine/test_translator_engine_real.py.)"""
     model, tok = tiny
     engine = TranslationEngine(model, tok, rows=4, max_new_tokens=8, banned_ids=[0])
     greedy, beam = engine.submit_many([TranslationSubmission(tok.encode(TEXTS[4]), BeamParams(1, 8)),
