@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .execution.executors import Seq2SeqExecutor
+from .execution.native import CrossRows
+from .execution.planner import executor_for
 from .inputs import PaddedBatch
 from .kernels import native
 from .kv_cache import CrossCache, CrossSlots, KVCache
-from .native_blocks import StepPlan
 from .paged_cache import PagedKVCache, blocks_for, kernel_runs
 from .seq2seq import Seq2Seq
 
@@ -97,10 +99,10 @@ def _select(live: Sequence[_Request], logits: Tensor, banned: list[int], eos: in
             ) -> list[tuple[list[float], list[int], list[int]]]:
     """Every request's candidates (as _candidates) from the step's logits (R, V), rows in live's order:
     log-probs, the banned tokens at -inf, the rows of a request at its length limit forced to eos. One
-    native call where `native_runs` (_native_select of the model's weights) and the logits are float32
-    (the same log-softmax, values and order), else torch ops."""
+    native call where `native_runs` (the plan's native decode step: float32 logits on a CPU whose
+    kernels run; the same log-softmax, values and order), else torch ops."""
     forced = [req.step + 1 >= req.params.max_new_tokens for req in live]
-    if native_runs and logits.dtype == torch.float32:
+    if native_runs:
         return native.module().search_select(logits, banned, eos, [req.rows for req in live],
                                              [req.params.beam_size for req in live], forced,
                                              [req.scores for req in live])
@@ -114,12 +116,6 @@ def _select(live: Sequence[_Request], logits: Tensor, banned: list[int], eos: in
             logp[first: first + req.rows, eos] = 0.0
         first += req.rows
     return _candidates(live, logp)
-
-
-def _native_select(weight: Tensor) -> bool:
-    """Whether _select may run natively for a model with these weights (float32 logits on a CPU where
-    the kernels run)."""
-    return kernel_runs(torch.float32, weight.device)
 
 
 def _candidates(live: Sequence[_Request], logp: Tensor) -> list[tuple[list[float], list[int], list[int]]]:
@@ -189,7 +185,11 @@ class BeamSearch:
     only when the row layout changes (a source joins, widens from 1 row to its beams, or leaves). Rows
     are reserved for a source's full beam size when it is added."""
 
-    def __init__(self, model: Seq2Seq, rows: int, max_new_tokens: int, banned_ids: Sequence[int] = ()) -> None:
+    def __init__(self, model: Seq2Seq | Seq2SeqExecutor, rows: int, max_new_tokens: int,
+                 banned_ids: Sequence[int] = ()) -> None:
+        """`model`: its executor (a bare model is planned with execution "auto")."""
+        self.steps = executor_for(model)
+        model = self.steps.model
         cfg = model.cfg
         weight = next(model.parameters())
         self.model, self.rows, self.max_new_tokens = model, rows, max_new_tokens
@@ -205,12 +205,12 @@ class BeamSearch:
         else:
             self.cache = KVCache.for_model(cfg, rows, max_new_tokens + 1, dtype=weight.dtype, device=self.device)
         self.banned = list(banned_ids)
-        self._native = _native_select(weight)  # the step's selection in one native call
+        self._native = self.steps.native_select  # the step's selection in one native call
         self._live: list[_Request] = []  # sources with rows, in row order
         self._slots = CrossSlots(rows)  # each live source's cross keys/values at its own slot
         self._cross: CrossCache | None = None  # _slots grouped for the rows as they are; None: rebuild
         self._cross_rows: list[tuple[int, int]] = []  # (slot, rows) per live source when _cross was built
-        self._plan: StepPlan | None = None  # the native step's arguments for _cross (Seq2Seq.decode_plan)
+        self._rows: CrossRows | None = None  # the native step's cross-attention inputs for _cross
         self._tokens: list[int] = []  # every row's next input token
 
     def __len__(self) -> int:
@@ -229,7 +229,7 @@ class BeamSearch:
 
     def clear(self) -> None:
         """Drop every source (a failed step: their state cannot be trusted)."""
-        self._live, self._slots, self._cross, self._plan, self._tokens = [], CrossSlots(self.rows), None, None, []
+        self._live, self._slots, self._cross, self._rows, self._tokens = [], CrossSlots(self.rows), None, None, []
 
     @torch.inference_mode()
     def add(self, sources: Sequence[Sequence[int]], params: Sequence[BeamParams], keys: Sequence[Hashable]) -> None:
@@ -243,7 +243,7 @@ class BeamSearch:
         if longest > self.max_new_tokens:
             raise ValueError(f"max_new_tokens {longest} is over this search's {self.max_new_tokens}")
         src = PaddedBatch.from_token_lists(sources, self.pad, self.device)  # (B, S)
-        cross = self.model.cross_cache(self.model.encode(src.ids, src.keep), src.keep)  # (B, K, S, D) per layer
+        cross = self.steps.encode(src.ids, src.keep)  # (B, K, S, D) per layer
         n = len(self._tokens)
         self.cache.reset(n, n + len(sources))
         slots = self._slots.put(cross)
@@ -275,11 +275,11 @@ class BeamSearch:
         view = self.cache.view(0, n_rows)
         if self._cross is None or rows != self._cross_rows:  # a source joined, left or widened to its beams
             self._cross, self._cross_rows = self._grouped(), rows
-            self._plan = self.model.decode_plan(self._cross, view, n_rows)  # the steps' native arguments
+            self._rows = self.steps.rows(self._cross)  # the steps' native cross-attention inputs
         tokens = torch.tensor(self._tokens, dtype=torch.long, device=self.device)[:, None]  # (R, 1)
         failed: dict[int, BaseException] = {}
         try:
-            logits = self.model.decode(tokens, self._cross, cache=view, plan=self._plan)[:, -1]  # (R, V)
+            logits = self.steps.decode(tokens, self._cross, view, self._rows)[:, -1]  # (R, V)
         except Exception:
             if len(self._live) == 1:
                 raise
@@ -325,8 +325,8 @@ class BeamSearch:
             try:
                 cross = self._slots.cache.select(torch.tensor([req.slot], device=self.device)).grouped(
                     slots, req.params.beam_size)
-                parts.append(self.model.decode(tokens[first: first + req.rows], cross,
-                                               cache=self.cache.view(first, first + req.rows))[:, -1])  # (n, V)
+                parts.append(self.steps.decode(tokens[first: first + req.rows], cross,
+                                               self.cache.view(first, first + req.rows))[:, -1])  # (n, V)
             except Exception as exc:
                 failed[i] = exc
                 parts.append(None)
@@ -380,7 +380,7 @@ class BeamSearch:
 
 @torch.inference_mode()
 def translate_ids(
-    model: Seq2Seq,
+    model: Seq2Seq | Seq2SeqExecutor,
     sources: Sequence[Sequence[int]],
     params: BeamParams | Sequence[BeamParams],
     banned_ids: Sequence[int] = (),

@@ -21,7 +21,7 @@ import copy
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -31,8 +31,11 @@ from . import zoo
 from .architectures import BUILTIN_DIR
 from .calibration import calibration_run
 from .checkpoints.format import load_checkpoint, load_state_strict
-from .compiled import compile_blocks, uncompile_blocks, warm_up
 from .dense import pack_dense
+from .execution.compiled import compile_blocks, uncompile_blocks, warm_up
+from .execution.executors import Executor
+from .execution.plan import ExecutionPlan
+from .execution.planner import Runtime, log_plan, plan_model
 from .fuse import fuse_projections
 from .kernels import native
 from .panels import BLOCK_FORMATS, set_activation_bits
@@ -62,6 +65,11 @@ class LoadedModel:
     # spec.prompt_weights "float": the same model on float32 weights, for prompts (None: `model` does all)
     prompt_model: nn.Module | None = None
     prompt_speedup: float | None = None  # prompt_weights "auto": float32 / blocks, as measured at load
+    executor: Executor | None = None  # how it runs: its execution plan and the backends it chose
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        return self.executor.plan
 
     @property
     def device(self) -> torch.device:
@@ -165,23 +173,31 @@ def _attach_head(model: nn.Module, head_uri: str, cache_dir: Path) -> tuple[nn.M
     return with_head.eval(), labels
 
 
-def _pack_and_compile(spec: ModelSpec, model: nn.Module, dense_kernel: str) -> tuple[dict[str, str], float]:
+def _compiles(spec: ModelSpec) -> bool:
+    """Whether the blocks are compiled at load: compile: true, or a phase asks for the compiled backend."""
+    return spec.compile or "compiled" in spec.requested_backends().values()
+
+
+def _pack_and_compile(spec: ModelSpec, model: nn.Module, dense_kernel: str) -> tuple[dict[str, str], float, str | None]:
     """Pack its float32 CPU projections (models/dense.py), then compile its blocks if the spec says so:
-    (the kernels chosen per weight shape, seconds spent compiling and warming up)."""
+    (the kernels chosen per weight shape, seconds spent compiling and warming up, why compiling failed)."""
     kernels = pack_dense(model, dense_kernel)  # float32 CPU layers only
-    if not spec.compile:
-        return kernels, 0.0
-    compile_blocks(model)  # last: the compiled blocks do not re-check their layers (models/compiled.py)
+    if not _compiles(spec):
+        return kernels, 0.0, None
+    compile_blocks(model)  # last: the compiled blocks do not re-check their layers
     try:
-        return kernels, warm_up(model)
-    except Exception as e:  # noqa: BLE001 - no C++ compiler for inductor, an unsupported op: run eager
+        return kernels, warm_up(model), None
+    except Exception as e:  # noqa: BLE001 - no C++ compiler for inductor, an unsupported op: the plan says so
         uncompile_blocks(model)
-        log.warning("%s: compiling its blocks failed, serving them eager: %s", spec.name, str(e)[:300])
-        return kernels, 0.0
+        log.warning("%s: compiling its blocks failed: %s", spec.name, str(e)[:300])
+        return kernels, 0.0, str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
-def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
-    """Load, move to device once, cast, eval. Raises zoo.WeightsMissingError naming the fetch command."""
+def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: torch.dtype | None = None,
+               runtime: Runtime = Runtime()) -> LoadedModel:
+    """Load, move to device once, cast, eval, then choose its execution plan (spec.execution, for the
+    `runtime` its engine gives it). Raises zoo.WeightsMissingError naming the fetch command, and
+    PlanError where a backend the spec names cannot run."""
     import time
 
     started = time.perf_counter()
@@ -211,7 +227,7 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
         set_activation_bits(model, spec.block_activation_bits)
     if cast_after and dtype:
         model = model.to(dtype)
-    kernels, compile_seconds = _pack_and_compile(spec, model, spec.dense_kernel)
+    kernels, compile_seconds, compile_error = _pack_and_compile(spec, model, spec.dense_kernel)
     prompt_model, speedup = None, None
     if twin is not None:
         if spec.fuse and keeps_fusion(None, twin):
@@ -220,7 +236,7 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
             twin = twin.to(dtype)
         # on our panel kernels: each row's products do not depend on the other rows, so a prompt's
         # keys are the same in any batch
-        twin_kernels, twin_seconds = _pack_and_compile(spec, twin, "panels")
+        twin_kernels, twin_seconds, _ = _pack_and_compile(spec, twin, "panels")
         if spec.prompt_weights == "auto":  # "float" keeps the copy unmeasured
             speedup = prompt_speedup(model, twin)
             log.info("%s: a %d-token prompt ran %.2fx as fast on float32 weights as on the %s blocks: prompts on %s",
@@ -229,5 +245,11 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
             prompt_model, compile_seconds, kernels = twin, compile_seconds + twin_seconds, {**twin_kernels, **kernels}
     longest = getattr(model.cfg, "max_tokens", model.cfg.max_positions)  # encoders: positions past an offset
     limit = min(spec.max_input_tokens or longest, longest)
+    detail = ""
+    if prompt_model is not None:
+        detail = f"prompt_weights: {spec.prompt_weights}" + (f", {speedup:.2f}x the {mode} blocks" if speedup else "")
+    executor = plan_model(model, spec.requested_backends(), replace(runtime, compile_error=compile_error),
+                          prompt_model, detail)
+    log_plan(spec.name, executor.plan)
     return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started, kernels,
-                       compile_seconds, mode, prompt_model, speedup)
+                       compile_seconds, mode, prompt_model, speedup, executor)

@@ -158,7 +158,7 @@ def _slots(model: nn.Module) -> list[Slot]:
 def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = measure) -> dict[str, str]:
     """Swap float32 CPU nn.Linear layers of `model` (in place) for packed ones where `kernel` says:
     "panels" or "onednn" all (with that kernel), "auto" the projections of transformer blocks with
-    the panels where they exist (models/native_blocks.py runs such a block in one op) and every other
+    the panels where they exist (models/execution/native.py runs such a block in one op) and every other
     weight shape with the kernel `timer` measures fastest, "aten" none. A tied head is packed as a copy. For inference only (a packed copy
     does not follow training updates). A kernel this process cannot run falls back to "auto".
     Returns the choice per weight shape: "NxK" -> "panels 1.9x" (the winner and how much faster it

@@ -14,6 +14,8 @@ import torch
 
 from .decoder import DecoderLM
 from .decoding import BatchParams, RowSampler, SamplingParams, find_stop, next_tokens
+from .execution.executors import DecoderExecutor
+from .execution.planner import executor_for
 from .inputs import PaddedBatch
 from .kv_cache import KVCache
 from .paged_cache import PagedKVCache, blocks_for, kernel_runs
@@ -27,8 +29,7 @@ class Generated:
 
 def _cache(model: DecoderLM, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache | PagedKVCache:
     """The cache the engine would decode on: paged, each row's blocks reserved up front, where its decode
-    kernel runs (and through it, a Llama-style stack's one op per layer: models/native_blocks.py); the
-    dense one elsewhere and for a sliding window."""
+    kernel runs; the dense one elsewhere and for a sliding window."""
     if model.cfg.sliding_window is None and kernel_runs(dtype, device):
         return PagedKVCache.for_model(model.cfg, rows, rows * blocks_for(max_len) + 1, max_len, dtype, device)
     return KVCache.for_model(model.cfg, rows, max_len, dtype=dtype, device=device)
@@ -36,12 +37,15 @@ def _cache(model: DecoderLM, rows: int, max_len: int, dtype: torch.dtype, device
 
 @torch.inference_mode()
 def generate(
-    model: DecoderLM,
+    model: DecoderLM | DecoderExecutor,
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams],
     decode: Callable[[list[int]], str] | None = None,
 ) -> list[Generated]:
-    """Generate for every prompt. `decode` (token ids -> text) is needed only for stop strings."""
+    """Generate for every prompt with `model`'s executor (a bare model is planned with execution
+    "auto"). `decode` (token ids -> text) is needed only for stop strings."""
+    steps = executor_for(model)
+    model = steps.model
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     if len(params) != len(prompts):
@@ -63,7 +67,7 @@ def generate(
     if batch.any_penalty:
         seen = padded.mark_seen(torch.zeros(b, model.cfg.vocab_size, dtype=torch.bool, device=device))  # (B, V)
     last = padded.last_index()  # (B,)
-    logits = model(padded.ids, cache=cache.view(), last=last)[:, 0]  # (B, V)
+    logits = steps.prefill(padded.ids, cache.view(), last)[:, 0]  # (B, V)
     cache.advance(padded.lengths)  # the real tokens, known on the host
     out: list[list[int]] = [[] for _ in range(b)]
     reasons: list[str | None] = [None] * b
@@ -88,6 +92,6 @@ def generate(
             break
         if seen is not None:
             seen.scatter_(1, tok[:, None], True)
-        logits = model(tok[:, None], cache=cache.view())[:, 0]  # (B, V)
+        logits = steps.decode(tok[:, None], cache.view())[:, 0]  # (B, V)
         cache.advance(1)
     return [Generated(toks, reason or "length") for toks, reason in zip(out, reasons, strict=True)]

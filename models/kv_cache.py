@@ -100,7 +100,7 @@ class KVCache(RowLengths):
         shape = (rows, kv_heads, self.slots, head_dim)
         trash = rows * kv_heads * self.slots  # flat row index of the trash slot (after every real slot)
         # ordinary tensors even when built under inference_mode (generate, beam search): the engine
-        # builds its cache outside it, and compiled blocks (models/compiled.py) see one kind only
+        # builds its cache outside it, and compiled blocks (models/execution/compiled.py) see one kind only
         with torch.inference_mode(False):
             # one flat (R*K*L + 1, D) buffer per layer and kind: the last row is the trash slot
             self._flat_k = [torch.zeros(trash + 1, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -342,7 +342,7 @@ class CrossCache:
     _row_sources: tuple | None = field(default=None, repr=False, compare=False)  # row_sources(); () = none
 
     def row_sources(self) -> tuple[Tensor, Tensor] | None:
-        """For the native decode step (models/native_blocks.py): each decoder row's source (R, 1) long
+        """For the native decode step (models/execution/native.py): each decoder row's source (R, 1) long
         and its real key count (R,) long; None when a source's real keys are not a prefix of S_src (left
         padding) or a row's source has none. Computed once per cache object (a row layout), with one host sync."""
         if self._row_sources is None:

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import native_blocks
 from .config import Seq2SeqConfig
 from .kv_cache import CacheView, CrossCache
 from .layers import Embeddings
@@ -35,7 +34,7 @@ class Seq2Seq(nn.Module):
 
     def cross_cache(self, memory: Tensor, src_keep: Tensor) -> CrossCache:
         """Encoder keys/values for every decoder layer, computed once per request."""
-        # contiguous: every decode step reads them, and the native step (models/native_blocks.py) needs it
+        # contiguous: every decode step reads them, and the native step (models/execution/native.py) needs it
         kv = [tuple(t.contiguous() for t in block.cross_attn.project_kv(memory))
               for block in self.decoder.blocks]  # (B, K, S, D) x2
         return CrossCache.build(kv, src_keep)
@@ -50,15 +49,6 @@ class Seq2Seq(nn.Module):
         out = F.linear(hidden, self.decoder.embed.tokens.weight) if self.lm_head is None else self.lm_head(hidden)
         return out + self.final_logits_bias if self.final_logits_bias is not None else out
 
-    def decode_plan(self, cross: CrossCache, cache: CacheView | None, rows: int) -> native_blocks.StepPlan | None:
-        """What the native op takes for every decode step of `rows` rows over these sources and this
-        cache, the output projection included (CausalStack.decode_plan), for a caller that keeps it
-        across steps (decode's `plan`); None where the op does not compute such a step with the head."""
-        if self.head_scale != 1.0:
-            return None
-        head = native_blocks.head_args(self.lm_head, self.final_logits_bias)
-        return self.decoder.decode_plan(cache, cross, rows, head) if head is not None else None
-
     def decode(
         self,
         tgt: Tensor,
@@ -66,16 +56,8 @@ class Seq2Seq(nn.Module):
         tgt_keep: Tensor | None = None,
         cache: CacheView | None = None,
         last: Tensor | None = None,
-        plan: native_blocks.StepPlan | None = None,
     ) -> Tensor:
-        """tgt (B, T) -> logits (B, T, V) (or (B, 1, V) at `last`). `plan`: decode_plan's, kept by a caller
-        across its decode steps (one when None or not current)."""
-        if tgt_keep is None and last is None and tgt.size(1) == 1:
-            # a decode step: the decoder's native step applies the head too where it can (one call)
-            if plan is None or not plan.current(cross, tgt.size(0)):
-                plan = self.decode_plan(cross, cache, tgt.size(0))
-            if plan is not None:
-                return self.decoder.decode_step(tgt, cache, cross, plan.head, plan)  # (B, 1, V)
+        """tgt (B, T) -> logits (B, T, V) (or (B, 1, V) at `last`)."""
         hidden = self.decoder(tgt, tgt_keep, cache, cross)  # (B, T, C)
         return self.logits(gather_rows(hidden, last))
 

@@ -16,9 +16,17 @@ Kind = Literal["encoder", "translator", "generator"]
 Quantization = Literal["int8", "q8_0", "q4_1"]
 DenseKernel = Literal["auto", "panels", "onednn", "aten"]  # float projections on CPU: models/dense.py
 PromptWeights = Literal["same", "float", "auto"]  # the weights a generator computes prompts with (ModelSpec)
+# execution plans (models/execution/): the phases a model runs and the backends that may compute them
+Phase = Literal["encode", "prefill", "decode"]
+Backend = Literal["torch", "compiled", "native", "cuda_graphs"]
+PHASES: tuple[Phase, ...] = get_args(Phase)
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 # the kind of model (and of deployment) each task needs
 TASK_KIND: dict[str, Kind] = {"classify": "encoder", "embed": "encoder", "rerank": "encoder",
                               "translate": "translator", "generate": "generator"}
+# the phases each kind of model runs, in the order a request meets them
+KIND_PHASES: dict[Kind, tuple[Phase, ...]] = {"encoder": ("encode",), "translator": ("encode", "decode"),
+                                              "generator": ("prefill", "decode")}
 
 
 @dataclass(frozen=True)
@@ -54,9 +62,14 @@ class ModelSpec:
     # load and keeps the fastest; "panels" / "onednn" packs all with that kernel, "aten" none (models/dense.py)
     dense_kernel: DenseKernel = "auto"
     # every transformer block through torch.compile (inductor), compiled and warmed up at load
-    # (models/compiled.py): the same results to fp32 rounding, a few times faster per token at
+    # (models/execution/compiled.py): the same results to fp32 rounding, a few times faster per token at
     # small batches on CPU; costs seconds to a minute at start-up the first time on a machine
     compile: bool = False
+    # the backend of each phase (models/execution/): "auto" chooses by what the machine runs (and, for
+    # the projections, by timing at load); a backend name ("torch", "compiled", "native",
+    # "cuda_graphs") for every phase, or {phase: backend} for some, is required: a load fails where
+    # the machine or the model cannot run it. The plan is in /v1/models and the start-up log.
+    execution: str | Mapping[str, str] = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -97,6 +110,11 @@ class ModelSpec:
                                      and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims)):
             problems.append(f"defaults.dimensions must list the positive embedding sizes the model may be cut "
                             f"to, got {dims!r}")
+        if self.tasks and not unknown and len({TASK_KIND[t] for t in self.tasks}) == 1:
+            try:
+                self.requested_backends()
+            except ValueError as e:
+                problems.append(str(e))
         if self.max_input_tokens is not None and self.max_input_tokens < 1:
             problems.append(f"max_input_tokens must be >= 1, got {self.max_input_tokens}")
         if problems:
@@ -105,6 +123,26 @@ class ModelSpec:
     @property
     def kind(self) -> Kind:
         return TASK_KIND[self.tasks[0]]
+
+    def requested_backends(self) -> dict[Phase, str]:
+        """`execution` as {phase: "auto" or a backend} for every phase of this kind of model;
+        ValueError naming what is unknown or not a phase of this model."""
+        phases = KIND_PHASES[self.kind]
+        asked = self.execution
+        if isinstance(asked, str):
+            if asked != "auto" and asked not in BACKENDS:
+                raise ValueError(f"execution must be auto, one of {list(BACKENDS)} or {{phase: backend}}, got {asked!r}")
+            return dict.fromkeys(phases, asked)
+        if not isinstance(asked, Mapping):
+            raise ValueError(f"execution must be a string or a mapping, got {type(asked).__name__}")
+        out: dict[Phase, str] = dict.fromkeys(phases, "auto")
+        for phase, backend in asked.items():
+            if phase not in phases:
+                raise ValueError(f"execution names phase {phase!r}; a {self.kind} runs {list(phases)}")
+            if backend != "auto" and backend not in BACKENDS:
+                raise ValueError(f"execution.{phase} must be auto or one of {list(BACKENDS)}, got {backend!r}")
+            out[phase] = backend
+        return out
 
 
 

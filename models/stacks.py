@@ -8,10 +8,11 @@ positions as the masks, and hands it to every layer's self-attention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
-from . import native_blocks
 from .attention import AttentionMask, causal_mask, padding_mask, positions_from_mask
 from .config import BlockConfig
 from .kv_cache import CacheView, CrossCache
@@ -29,25 +30,26 @@ class EncoderStack(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else None
 
-    def forward(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None) -> Tensor:
-        """ids: (B, T) long; keep: (B, T) bool, True = real token. Returns (B, T, C)."""
-        # no padding (always so for one text): positions and the native op's indices without mask arithmetic
+    def forward(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None,
+                layers: Callable[[Tensor, Tensor | None], Tensor] | None = None) -> Tensor:
+        """ids: (B, T) long; keep: (B, T) bool, True = real token. Returns (B, T, C).
+
+        `layers`: the blocks as an execution backend computes them (models/execution/: x (B, T, C) and
+        keep, None when no row is padded -> (B, T, C)); None runs them here."""
+        # no padding (always so for one text): positions without mask arithmetic
         full = keep is None or bool(keep.all())
         if keep is None:
             keep = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
         # (B, T): pad-invariant for left or right padding
         positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids) if full else positions_from_mask(keep)
         x = self.embed(ids, positions, token_types)  # (B, T, C)
-        if self.relative_bias is None:
-            stack = native_blocks.stack_args(self.blocks)  # None unless the native op computes every block
-            # one native op over the real tokens (models/native_blocks.py): no mask to build
-            out = native_blocks.encode_layers(stack, x, None if full else keep) if stack is not None else None
-            if out is not None:
-                return self.norm(out) if self.norm is not None else out  # (B, T, C)
-        mask = AttentionMask.build(padding_mask(keep))  # (B, 1, 1, T)
-        bias = self.relative_bias(positions, positions) if self.relative_bias is not None else None  # (B, H, T, T)
-        for block in self.blocks:
-            x = block(x, mask, bias=bias)
+        if layers is not None:
+            x = layers(x, None if full else keep)  # (B, T, C)
+        else:
+            mask = AttentionMask.build(padding_mask(keep))  # (B, 1, 1, T)
+            bias = self.relative_bias(positions, positions) if self.relative_bias is not None else None  # (B, H, T, T)
+            for block in self.blocks:
+                x = block(x, mask, bias=bias)
         return self.norm(x) if self.norm is not None else x
 
 
@@ -80,10 +82,6 @@ class CausalStack(nn.Module):
         """ids: (B, T) long; keep: (B, T) bool; cache: rows to read/write; cross: encoder keys/values."""
         b, t = ids.shape
         unpadded = keep is None
-        if unpadded and t == 1:
-            out = self.decode_step(ids, cache, cross)  # (B, 1, C), or None where the native op does not run
-            if out is not None:
-                return out
         if cache is not None:
             positions, _ = cache.begin(t, keep)  # (B, T); S = longest past + T (at most the cache's L)
         else:
@@ -116,48 +114,6 @@ class CausalStack(nn.Module):
             kv = cross.layer_kv(i) if cross is not None else None
             x = block(x, mask, rope, cache.layer(i) if cache is not None else None, kv, cross_mask, bias=bias)
         return self.norm(x) if self.norm is not None else x
-
-
-    def decode_plan(self, cache: CacheView | None, cross: CrossCache | None, rows: int,
-                    head: native_blocks.Head | None = None) -> native_blocks.StepPlan | None:
-        """What the native op takes for every decode step of `rows` rows over `cache` (its kind) and the
-        sources `cross`, with the output projection `head` when given (native_blocks.head_args), resolved
-        once (native_blocks.StepPlan); None where the op does not compute these steps."""
-        weight = self.embed.tokens.weight  # (V, C)
-        if self.relative_bias is not None or self.window is not None or not native_blocks.runs(cache, 1, weight):
-            return None
-        stack = native_blocks.stack_args(self.blocks)  # None unless the native op computes every block
-        if stack is None:
-            return None
-        final = native_blocks.final_norm_args(self.norm)  # None: no norm, or one the op does not compute
-        if head is not None and self.norm is not None and final is None:
-            return None  # a norm the op does not compute comes before the head
-        return native_blocks.step_plan(stack, cross, rows, native_blocks.embedding_args(self.embed), final, head)
-
-    def decode_step(self, ids: Tensor, cache: CacheView | None, cross: CrossCache | None = None,
-                    head: native_blocks.Head | None = None, plan: native_blocks.StepPlan | None = None,
-                    ) -> Tensor | None:
-        """A decode step, ids (B, 1), in one native call (models/native_blocks.py), the cache's begin
-        included: the embedding where the op computes it, every block, the final norm, and the model's
-        output projection `head` when given (native_blocks.head_args). `plan`: decode_plan's for these
-        sources, rows, cache and head, when the caller keeps one across steps (built here when it is
-        None or not current). Returns (B, 1, C), or the logits (B, 1, V) with a head; None, having done
-        nothing, where the op does not compute this step."""
-        if plan is None or not plan.current(cross, ids.size(0)):
-            plan = self.decode_plan(cache, cross, ids.size(0), head)
-            if plan is None:
-                return None
-        past = cache.begin_decode()  # the rows' lengths: the op derives the new keys' slots and positions
-        positions = None  # (B, 1), where Python needs them
-        if plan.embedding is None or self.rotary is not None:
-            positions = torch.tensor(past, dtype=torch.long, device=ids.device).view(-1, 1)  # (B, 1)
-        if plan.embedding is not None:
-            rows = native_blocks.TokenRows(ids, positions, plan.embedding)
-        else:
-            rows = self.embed(ids, positions)  # (B, 1, C)
-        rope = self.rotary(positions, torch.float32) if self.rotary is not None else None  # (B, 1, 1, D) x2
-        out = native_blocks.decode_layers(plan, rows, rope, cache)  # (B, 1, C|V)
-        return self.norm(out) if plan.head is None and plan.final is None and self.norm is not None else out
 
 
 def _relative_bias(cfg: BlockConfig, bidirectional: bool) -> RelativePositionBias | None:

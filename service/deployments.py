@@ -83,10 +83,11 @@ class ModelDeployment:
         self.runner.warm_up()
         self.runner.start()
         dtype = str(loaded.dtype).removeprefix("torch.")
-        log.info("%s: %s loaded on %s/%s in %.1f s, warmed up in %.2f s", name, loaded.spec.name, loaded.device,
-                 dtype, loaded.load_seconds, time.perf_counter() - started)
+        log.info("%s: %s loaded on %s/%s in %.1f s, warmed up in %.2f s; execution plan %s", name, loaded.spec.name,
+                 loaded.device, dtype, loaded.load_seconds, time.perf_counter() - started, loaded.plan.summary())
         metrics.model_loaded(loaded.spec.name, name, loaded.spec.kind, str(loaded.device), dtype,
-                             loaded.load_seconds, self.runner.queue_capacity)
+                             loaded.load_seconds, self.runner.queue_capacity,
+                             {p.phase: p.backend for p in loaded.plan.phases})
         if limits := self.runner.limits():
             log.info("%s: limits %s", name, limits)
 

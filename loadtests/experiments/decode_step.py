@@ -1,13 +1,14 @@
-"""A decode step through the compiled blocks against one native op per layer (models/native_blocks.py).
+"""A decode step on the model's own blocks (compiled where they are) against the native backend
+(models/execution/native.py): the two execution plans of one model side by side.
 
     python -m loadtests.experiments.decode_step                         # shipped generator, 1 and 32 rows
     python -m loadtests.experiments.decode_step --tiny --rounds 1 --steps 4    # a smoke run
 
 In one process, on the shipped generator (as deploy/serve_config.yaml deploys it) or the tiny decoder
-(its projections fused and in 4-bit blocks, so the op applies): for each `--rows` count, a prompt of
-`--prompt` tokens per row is prefilled on a paged cache, then `--steps` greedy decode steps are timed,
-with the op on and off in turn, round after round (a machine that slows down mid-run slows both).
-Prints the median milliseconds per step of each, their ratio, how many steps took the op, and whether
+(its projections fused and in 4-bit blocks, so the native step applies): for each `--rows` count, a
+prompt of `--prompt` tokens per row is prefilled on a paged cache, then `--steps` greedy decode steps are
+timed on each plan in turn, round after round (a machine that slows down mid-run slows both). Prints the
+median milliseconds per step of each, their ratio, how many steps the native step computed, and whether
 both gave the same tokens.
 """
 
@@ -21,39 +22,32 @@ import time
 from .engine_models import add_model_args, load_generator
 
 
-def decode(model, rows: int, prompt: int, steps: int, native: bool) -> tuple[float, list[list[int]], int]:  # noqa: ANN001
-    """(ms per decode step, the tokens, steps that took the op) of one run on a fresh paged cache."""
+def decode(executor, rows: int, prompt: int, steps: int) -> tuple[float, list[list[int]], int]:  # noqa: ANN001
+    """(ms per decode step, the tokens, steps the native step computed) of one run on a fresh paged cache."""
     import torch
 
-    from models import native_blocks
     from models.paged_cache import PagedKVCache, blocks_for
 
-    total = prompt + steps
+    model, total = executor.model, prompt + steps
     cache = PagedKVCache.for_model(model.cfg, rows, rows * blocks_for(total) + 1, total)
-    real_runs, real_layers = native_blocks.runs, native_blocks.decode_layers
-    taken = [0]
-
-    def counted(*args):  # noqa: ANN002, ANN202
-        taken[0] += 1
-        return real_layers(*args)
-
-    native_blocks.runs = real_runs if native else (lambda *a: False)
-    native_blocks.decode_layers = counted
+    real, taken = executor.step, [0]
+    if real is not None:
+        executor.step = lambda *args: taken.__setitem__(0, taken[0] + 1) or real(*args)
     try:
         with torch.inference_mode():
             ids = torch.arange(rows * prompt).remainder(model.cfg.vocab_size - 10).add(5).view(rows, prompt)  # (B, T)
-            logits = model(ids, cache=cache.view())[:, -1]  # (B, V)
+            logits = executor.prefill(ids, cache.view(), torch.full((rows,), prompt - 1))[:, -1]  # (B, V)
             cache.advance(prompt)
             tokens = []
             started = time.perf_counter()
             for _ in range(steps):
                 nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
                 tokens.append(nxt)
-                logits = model(nxt, cache=cache.view())[:, -1]  # (B, V)
+                logits = executor.decode(nxt, cache.view())[:, -1]  # (B, V)
                 cache.advance(1)
             seconds = time.perf_counter() - started
     finally:
-        native_blocks.runs, native_blocks.decode_layers = real_runs, real_layers
+        executor.step = real
     return seconds / steps * 1e3, torch.cat(tokens, 1).tolist(), taken[0]
 
 
@@ -71,19 +65,22 @@ def main(argv: list[str] | None = None) -> int:
         from models.quant import quantize
 
         model, label = quantize(fuse_projections(model), "q4_1"), "tiny decoder (q4_1, fused)"
-    from models.compiled import thread_settings
+    from models.execution.compiled import is_compiled, thread_settings
+    from models.execution.planner import plan_model
 
     thread_settings()
+    blocks = "compiled" if is_compiled(model) else "torch"
+    plans = {False: plan_model(model, {"decode": blocks}), True: plan_model(model, {"decode": "native"})}
     print(f"\n{label}, {args.threads} threads, {args.prompt}-token prompts, {args.steps} greedy steps, "
           f"median of {args.rounds} rounds\n")
-    print("| rows | blocks (ms/step) | one op per layer (ms/step) | gain | steps through the op | same tokens |")
+    print(f"| rows | {blocks} (ms/step) | native (ms/step) | gain | steps on the native step | same tokens |")
     print("|---:|---:|---:|---:|---:|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         times: dict[bool, list[float]] = {False: [], True: []}
         tokens, taken = {}, {}
         for rnd in range(args.rounds + 1):  # round 0 warms up (first shapes, allocations)
             for native in (False, True):
-                ms, tokens[native], taken[native] = decode(model, rows, args.prompt, args.steps, native)
+                ms, tokens[native], taken[native] = decode(plans[native], rows, args.prompt, args.steps)
                 if rnd:
                     times[native].append(ms)
             print(f"rows {rows}, round {rnd}/{args.rounds} done", file=sys.stderr, flush=True)

@@ -36,13 +36,13 @@ def measure(model, tok, multiple: int, prompts: list[list[int]], prompt_model=No
     engine = GenerationEngine(model, tok, EngineConfig(**config), prompt_model=prompt_model)
     engine._batch.multiple = multiple  # what prefill_multiple() chose, replaced for the comparison
     widths: list[int] = []
-    forward = engine._batch.prompt_model.forward
+    forward = engine._batch.steps.prompt_model.forward
 
     def counted(ids, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         widths.append(ids.numel())
         return forward(ids, *args, **kwargs)
 
-    engine._batch.prompt_model.forward = counted
+    engine._batch.steps.prompt_model.forward = counted
     try:
         engine.start()
         started = time.perf_counter()
@@ -52,7 +52,7 @@ def measure(model, tok, multiple: int, prompts: list[list[int]], prompt_model=No
         seconds = time.perf_counter() - started
     finally:
         engine.shutdown()
-        del engine._batch.prompt_model.forward
+        del engine._batch.steps.prompt_model.forward
     real = sum(map(len, prompts))
     return real / seconds, real / max(1, sum(widths))
 

@@ -52,7 +52,7 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
 
 def bench_encoder(cache_dir: Path, batches: list[int], repeats: int, rng: random.Random) -> list[dict]:
     lm = load_model(dataclasses.replace(DEFAULT_SPECS["encoder"], head=None), cache_dir)
-    ours = lm.model
+    ours = lm.executor.hidden  # on the plan chosen at load, as served
     ref = transformers_encoder(zoo.resolve("minilm", cache_dir))
     rows = []
     for b in batches:
@@ -92,7 +92,7 @@ def bench_decoder(cache_dir: Path, batches: list[int], new_tokens: int, repeats:
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
         def run_ours(prompts=prompts, params=params):
-            return generate(lm.model, prompts, params)
+            return generate(lm.executor, prompts, params)
 
         def run_ref(ids=ids, mask=mask):
             return ref.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,

@@ -75,7 +75,7 @@ def bench_generator(cache_dir: Path, sentences: list[str], quick: bool, rng: ran
         prompts = [tok.encode(" ".join(rng.sample(sentences, 1)), add_special_tokens=False)[:24] for _ in range(b)]
         params = SamplingParams(max_new_tokens=new, ignore_eos=True)
         with torch.inference_mode():
-            t = alternate({k: (lambda lm=lm, p=prompts, sp=params: generate(lm.model, p, sp)) for k, lm in lms.items()},
+            t = alternate({k: (lambda lm=lm, p=prompts, sp=params: generate(lm.executor, p, sp)) for k, lm in lms.items()},
                           1 if quick else 3)
         rows.append({"batch": b, **{k: b * new / v for k, v in t.items()}})
         log.info("generator batch %d: %s tok/s", b, {k: round(b * new / v, 1) for k, v in t.items()})
@@ -85,7 +85,7 @@ def bench_generator(cache_dir: Path, sentences: list[str], quick: bool, rng: ran
                         add_special_tokens=False)
     quality = {}
     for k, lm in lms.items():
-        (out,) = generate(lm.model, [prompt], SamplingParams(max_new_tokens=24))
+        (out,) = generate(lm.executor, [prompt], SamplingParams(max_new_tokens=24))
         quality[k] = {"perplexity": perplexity(lm, ids, window=512), "capital_answer": tok.decode(out.tokens)}
         log.info("generator %s: perplexity %.3f, answer %r", k, quality[k]["perplexity"],
                  quality[k]["capital_answer"])
@@ -112,7 +112,7 @@ def bench_encoder(cache_dir: Path, sentences: list[str], quick: bool, rng: rando
     for b in (1, 8, 32):
         batch = PaddedBatch.from_token_lists(tok.encode_batch(mixed_texts(b, rng)), pad)
         with torch.inference_mode():
-            t = alternate({k: (lambda lm=lm, x=batch: lm.model.embed(x.ids, x.keep)) for k, lm in lms.items()},
+            t = alternate({k: (lambda lm=lm, x=batch: lm.executor.embed(x.ids, x.keep)) for k, lm in lms.items()},
                           3 if quick else 9)
         rows.append({"batch": b, **{k: b / v for k, v in t.items()}})
         log.info("encoder batch %d: %s texts/s", b, {k: round(b / v, 1) for k, v in t.items()})
@@ -123,7 +123,7 @@ def bench_encoder(cache_dir: Path, sentences: list[str], quick: bool, rng: rando
             vecs, labs = [], []
             for start in range(0, len(texts), 32):
                 batch = PaddedBatch.from_token_lists(tok.encode_batch(texts[start: start + 32]), pad)
-                v = lm.model.embed(batch.ids, batch.keep).float()
+                v = lm.executor.embed(batch.ids, batch.keep).float()
                 vecs.append(v)
                 labs += lm.model.head(v).argmax(-1).tolist()
             pooled[k], labels[k] = torch.cat(vecs), labs
@@ -148,7 +148,7 @@ def bench_translator(cache_dir: Path, quick: bool, rng: random.Random,
     for b in (1, 8, 32):
         ids = tok.encode_batch(rng.sample(sources, b))
         with torch.inference_mode():
-            t = alternate({k: (lambda lm=lm, src=ids: translate_ids(lm.model, src, BeamParams(4, 128), banned_ids=banned))
+            t = alternate({k: (lambda lm=lm, src=ids: translate_ids(lm.executor, src, BeamParams(4, 128), banned_ids=banned))
                            for k, lm in lms.items()}, 1 if quick else 3)
         rows.append({"batch": b, **{k: b / v for k, v in t.items()}})
         log.info("translator batch %d: %s sentences/s", b, {k: round(b / v, 1) for k, v in t.items()})

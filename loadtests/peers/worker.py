@@ -45,7 +45,7 @@ def ours(model_kind: str, mode: str) -> Callable[[dict[str, Any]], Any]:
     torch.set_num_threads(_threads())
     spec = variant(DEFAULT_SPECS[model_kind], mode)  # e.g. "q4_1+compiled": quantize q4_1, compiled blocks
     lm = load_model(spec, zoo.default_cache_dir())
-    model, cfg = lm.model, lm.model.cfg
+    model, cfg, steps = lm.model, lm.model.cfg, lm.executor  # steps: on the plan chosen at load, as served
     banned = sorted({t for t in (cfg.pad_token_id, getattr(cfg, "decoder_start_token_id", None)) if t is not None}
                     - {getattr(cfg, "eos_token_id", None)})
 
@@ -53,7 +53,7 @@ def ours(model_kind: str, mode: str) -> Callable[[dict[str, Any]], Any]:
     def run(work: dict[str, Any]) -> Any:
         if work["kind"] == "encode":
             batch = PaddedBatch.from_token_lists(work["ids"], cfg.pad_token_id or 0)
-            emb = model.embed(batch.ids, batch.keep)  # (B, C)
+            emb = steps.embed(batch.ids, batch.keep)  # (B, C)
             return {"embedding": emb.float().tolist(), "label": model.head(emb).argmax(-1).tolist()}
         if work["kind"] == "tokenize":  # {"text": ...} or {"messages": [...]} (through the chat template)
             text = lm.tokenizer.apply_chat_template(work["messages"]) if "messages" in work else work["text"]
@@ -61,9 +61,9 @@ def ours(model_kind: str, mode: str) -> Callable[[dict[str, Any]], Any]:
         if work["kind"] == "detokenize":
             return lm.tokenizer.decode(work["ids"])
         if work["kind"] == "translate":
-            return translate_ids(model, work["ids"], BeamParams(work["beam"], MAX_NEW), banned_ids=banned)
+            return translate_ids(steps, work["ids"], BeamParams(work["beam"], MAX_NEW), banned_ids=banned)
         new = 1 if work["kind"] == "prefill" else work["new"]
-        (out,) = generate(model, [work["ids"]], SamplingParams(max_new_tokens=new, ignore_eos=work["kind"] != "greedy"))
+        (out,) = generate(steps, [work["ids"]], SamplingParams(max_new_tokens=new, ignore_eos=work["kind"] != "greedy"))
         return out.tokens
     return run
 

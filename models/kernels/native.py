@@ -8,7 +8,7 @@ The sources are compiled once per machine with torch's own extension builder (g+
 installed torch) into torch's extension cache ($TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions); a second process, or a restart, loads the cached library in well under a
 second, and concurrent first loads wait on torch's build lock instead of compiling twice. The first
-build takes about 40 s on 2 cores: `make kernels` (or `python -m models.kernels.native`) builds it
+build takes about 40 s on 2 cores: `make weights` (or `python -m models.kernels.native`) builds it
 ahead, and the Docker image does so at build time.
 
 The kernels are written once on the vector operations of simd.h and built per instruction set, the
@@ -74,6 +74,12 @@ def _build_flags(chosen: str) -> list[str]:
 
 
 _module: list = []  # the build's Python module (module.cpp), once loaded
+_off: list[str] = []  # why available() said False, once it has
+
+
+def unavailable_reason() -> str:
+    """Why available() is False (after calling it), for a plan's reasons; "" where the kernels run."""
+    return "" if available() else (_off[-1] if _off else "not loaded in this process")
 
 
 def module():  # noqa: ANN201 - the extension module's type exists only once it is built
@@ -87,10 +93,13 @@ def module():  # noqa: ANN201 - the extension module's type exists only once it 
 def available() -> bool:
     """Build (or load the cached build of) the kernels once per process; True when they can run here."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
+        _off.append(f"{DISABLE_ENV}=0")
         log.info("native kernels off (%s=0)", DISABLE_ENV)
         return False
     chosen = isa()
     if chosen is None:
+        _off.append(f"the CPU reports {torch.backends.cpu.get_cpu_capability()}; they need AVX2 with FMA and F16C, "
+                    "or AVX-512")
         log.info("native kernels off: the CPU reports %s; they need AVX2 with FMA and F16C, or AVX-512%s",
                  torch.backends.cpu.get_cpu_capability(),
                  f" ({ISA_ENV}={os.environ[ISA_ENV]})" if os.environ.get(ISA_ENV) else "")
@@ -103,6 +112,7 @@ def available() -> bool:
                             extra_cflags=_build_flags(chosen), extra_ldflags=["-fopenmp"], is_python_module=True,
                             verbose=False))
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: keep torch's kernels, say why
+        _off.append(f"building them failed: {str(e).splitlines()[-1][:200]}")
         log.warning("native kernels off: building %s failed (%s)", ", ".join(s.name for s in SOURCES),
                     str(e).splitlines()[-1][:300])
         return False

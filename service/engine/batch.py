@@ -23,7 +23,6 @@ from its pending token.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,20 +31,18 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from models.decoder import DecoderLM
 from models.decoding import BatchParams, Choice, RowSampler, choose
 from models.dense import kernels_per_shape
+from models.execution.executors import DecoderExecutor
+from models.execution.graphs import DecodeGraphs
 from models.inputs import PaddedBatch
 from models.kv_cache import KVCache
 from models.paged_cache import PagedKVCache, blocks_for
-from models.step_graphs import DecodeGraphs, GraphCaptureError
 
 from .grammar import MaskBuilder
 from .lookahead import Ahead, launch_states, read, to_host
 from .prefix_cache import BLOCK, Pin, PrefixCache
 from .sequence import SeqState
-
-log = logging.getLogger(__name__)
 
 # A prefill pads its prompts (T) so that B x T, the rows its Linears see, is a multiple of
 # prefill_multiple() (within the cache row). Where the Linears keep a oneDNN kernel per row count
@@ -75,21 +72,19 @@ Picked = tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]
 class RunningBatch:
     """Owned by the engine thread."""
 
-    def __init__(self, model: DecoderLM, cache: KVCache | PagedKVCache, vocab_size: int,
-                 prefix: PrefixCache | None = None, prompt_model: DecoderLM | None = None,
-                 graphs: DecodeGraphs | None = None) -> None:
-        """`prompt_model`: the model prompts are computed with (prefills, chunks, a preempted request's
-        prompt), when it is not `model` (ModelSpec.prompt_weights "float"); the decode steps, and a
-        preempted request's output when recomputed, take `model`. `graphs`: decode steps through
-        padded, captured steps of `model` (models/step_graphs.py)."""
-        self.graphs = graphs
+    def __init__(self, steps: DecoderExecutor, cache: KVCache | PagedKVCache, vocab_size: int,
+                 prefix: PrefixCache | None = None, graphs: DecodeGraphs | None = None) -> None:
+        """`steps`: the model's executor, whose plan says what computes prompts (prefills, chunks, a
+        preempted request's prompt: its prompt weights) and decode steps (and a preempted request's
+        output when recomputed: the decode weights). `graphs`: decode steps through padded, captured
+        steps of the model (models/execution/graphs.py), when the plan chose them."""
+        self.steps, self.graphs = steps, graphs
         self._ahead: Ahead | None = None  # a decode step launched before its input tokens were handed out
-        self.model, self.cache, self.prefix = model, cache, prefix
-        self.prompt_model = prompt_model if prompt_model is not None else model
-        self.split = self.prompt_model is not model  # prompts and decode steps on different weights
+        self.cache, self.prefix = cache, prefix
+        self.split = steps.split  # prompts and decode steps on different weights
         self.paged = cache.paged
         self.device = cache.lengths.device
-        self.multiple = prefill_multiple(self.model, self.prompt_model)  # of B x T in every prompt forward
+        self.multiple = prefill_multiple(steps.model, steps.prompt_model)  # of B x T in every prompt forward
         self.rows: list[SeqState] = []
         self.seen = torch.zeros(cache.rows, vocab_size, dtype=torch.bool, device=self.device)  # (R, V)
         self.counts = torch.zeros(cache.rows, vocab_size, dtype=torch.int32, device=self.device)  # (R, V)
@@ -175,8 +170,7 @@ class RunningBatch:
         masks = self._start_masks(group) if last else None
         padded = PaddedBatch.from_token_lists([piece], device=self.device, multiple=self._width_multiple(1),
                                               limit=self.cache.max_len - done)  # (1, T): padded as prefill pads
-        logits = self.prompt_model(padded.ids, cache=self.cache.view(row, row + 1),
-                                   last=padded.last_index())[:, 0]  # (1, V)
+        logits = self.steps.prefill(padded.ids, self.cache.view(row, row + 1), padded.last_index())[:, 0]  # (1, V)
         if not last:
             self.cache.advance(len(piece), row, row + 1)
             self.partial_done += len(piece)
@@ -282,7 +276,7 @@ class RunningBatch:
             padded = PaddedBatch.from_token_lists([c[h:] for c, h in zip(contexts, hits, strict=True)],
                                                   device=self.device, multiple=self._width_multiple(len(group)),
                                                   limit=self.cache.max_len - max(hits))  # (B, T)
-            self.model(padded.ids, cache=self.cache.view(start, stop), last=padded.last_index())
+            self.steps.prefill(padded.ids, self.cache.view(start, stop), padded.last_index())
             self.cache.advance(padded.lengths, start, stop)
         seen = self.seen[start:stop].zero_()  # (B, V) view
         counts = self.counts[start:stop].zero_()  # (B, V) view
@@ -327,7 +321,7 @@ class RunningBatch:
                                               device=self.device, multiple=self._width_multiple(n_unique),
                                               limit=self.cache.max_len - max(hits))  # (U, T): what is left
         last = padded.last_index()  # (U,)
-        logits = self.prompt_model(padded.ids, cache=self.cache.view(start, start + n_unique), last=last)[:, 0]  # (U, V)
+        logits = self.steps.prefill(padded.ids, self.cache.view(start, start + n_unique), last)[:, 0]  # (U, V)
         seen = self._mark_prompts(start, uniques)  # (U, V) view
         index = torch.tensor(source, device=self.device)  # (B,)
         if n_unique < len(group):
@@ -371,12 +365,12 @@ class RunningBatch:
     def _recompute(self, row: int, context: list[int], done: int, prompt: int) -> None:
         """Row `row` holds context[:done]: compute the rest of its first `prompt` tokens with the prompt
         model and the rest after them with the decode model, each padded as a prefill pads it."""
-        for model, end in ((self.prompt_model, prompt), (self.model, len(context))):
+        for forward, end in ((self.steps.prefill, prompt), (self.steps.extend, len(context))):
             if done < end:
                 padded = PaddedBatch.from_token_lists([context[done:end]], device=self.device,
                                                       multiple=self._width_multiple(1),
                                                       limit=self.cache.max_len - done)  # (1, T)
-                model(padded.ids, cache=self.cache.view(row, row + 1), last=padded.last_index())
+                forward(padded.ids, self.cache.view(row, row + 1), padded.last_index())
                 self.cache.advance(padded.lengths, row, row + 1)
                 done = end
 
@@ -405,10 +399,11 @@ class RunningBatch:
             self._drop_ahead()
         seqs = self.rows[start:stop]
         masks = self._start_masks(seqs)
-        logits = self._graph_step([s.pending for s in seqs], start, stop)  # (B, V) or None
-        if logits is None:
+        if self.graphs is not None:
+            logits = self.graphs.step([s.pending for s in seqs], start, stop)  # (B, V)
+        else:
             ids = self._to_device([[s.pending] for s in seqs])  # (B, 1)
-            logits = self.model(ids, cache=self.cache.view(start, stop))[:, 0]  # (B, V)
+            logits = self.steps.decode(ids, self.cache.view(start, stop))[:, 0]  # (B, V)
         if whole:
             params, samplers = self._batch_params()
         else:
@@ -420,18 +415,6 @@ class RunningBatch:
             host, ready = to_host(choice.tokens)  # queued before the next step: waits for this one only
             return self._hand_out(choice.tokens, lambda: read(host, ready), launch=True)
         return self._took(choice, start, seqs)
-
-    def _graph_step(self, pending: list[int], start: int, stop: int, ids: Tensor | None = None) -> Tensor | None:
-        """Logits (B, V) of rows [start, stop) through the decode graphs, or None where there are none
-        (a capture that fails leaves eager steps from then on: correct eager steps beat none)."""
-        if self.graphs is None:
-            return None
-        try:
-            return self.graphs.step(pending, start, stop, ids)  # (B, V)
-        except GraphCaptureError:
-            log.exception("capturing a decode-step graph failed; decoding eagerly from now on")
-            self.graphs = None
-            return None
 
     # -- one step ahead (engine/lookahead.py) ----------------------------------------------------
 
@@ -461,9 +444,7 @@ class RunningBatch:
         """The next decode step of every row on `tokens` (B,), sampled, its tokens on their way to the host."""
         seqs, n = list(self.rows), len(self.rows)
         states = launch_states(seqs)
-        logits = self._graph_step([], 0, n, ids=tokens)  # (B, V)
-        if logits is None:
-            return
+        logits = self.graphs.step([], 0, n, ids=tokens)  # (B, V)
         params, samplers = self._batch_params()
         choice = choose(logits.float(), params, samplers, self.seen[:n], self.counts[:n])  # (B,)
         host, ready = to_host(choice.tokens)

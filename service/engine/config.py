@@ -36,7 +36,7 @@ class EngineConfig:
     # prompt blocks' keys/values kept by content (engine/prefix_cache.py): a prompt that begins like an
     # earlier one (a system prompt, a chat history) prefills only the rest; 0: off
     prefix_cache_mib: float = 256.0
-    # decode steps as captured CUDA graphs, one per bucket of rows x key blocks (models/step_graphs.py),
+    # decode steps as captured CUDA graphs, one per bucket of rows x key blocks (models/execution/graphs.py),
     # captured at warm-up; None: on CUDA with a paged cache. True on a CPU runs the same padded steps
     # eagerly (tests); false: eager steps of the exact size
     decode_graphs: bool | None = None

@@ -40,10 +40,13 @@ from typing import Any
 
 from models.decoder import DecoderLM
 from models.decoding import SamplingParams
+from models.execution.executors import DecoderExecutor
+from models.execution.graphs import GraphCaptureError
+from models.execution.plan import ExecutionPlan, PlanError
+from models.execution.planner import Runtime, plan_model
 from models.inputs import select_batch
 from models.kv_cache import KVCache
 from models.paged_cache import PagedKVCache
-from models.step_graphs import DecodeGraphs, GraphCaptureError
 from models.text import TextTokenizer
 
 from ..telemetry.hooks import EngineObserver
@@ -74,6 +77,11 @@ class Submission:
     whole: bool = False
 
 
+def engine_runtime(config: EngineConfig) -> Runtime:
+    """What an engine with this config gives its model's decode steps (the plan depends on it)."""
+    return Runtime(paged=config.paged, graphs=config.decode_graphs)
+
+
 # select_batch's fixed cost of one prefill forward pass, in padded prompt tokens: prompts of very
 # different lengths are prefilled in separate passes when the padding would cost more than this.
 PREFILL_OVERHEAD_TOKENS = 64
@@ -83,16 +91,23 @@ class GenerationEngine(StepLoop):
     """Owns the model's KV cache and schedules every request on it. Thread-safe front: submit(),
     cancel(), stats(), shutdown(); start() runs the scheduler loop in a dedicated thread."""
 
-    def __init__(self, model: DecoderLM, tokenizer: TextTokenizer, config: EngineConfig | None = None,
+    def __init__(self, model: DecoderLM | DecoderExecutor, tokenizer: TextTokenizer, config: EngineConfig | None = None,
                  observer: EngineObserver | None = None, name: str = "generation-engine",
                  after_step: Callable[[], object] | None = None, max_input_tokens: int | None = None,
                  prompt_model: DecoderLM | None = None) -> None:
-        """`max_input_tokens`: the model's input limit (the prompt limit when the config sets none).
-        `prompt_model`: the same model on other weights, for prompts (models.catalog.LoadedModel)."""
+        """`model`: its executor (models.catalog.LoadedModel.executor), planned for this engine's
+        config (engine_runtime); a bare model is planned here with execution "auto", with
+        `prompt_model` (the same model on other weights) for prompts. `max_input_tokens`: the model's
+        input limit (the prompt limit when the config sets none)."""
+        self.config = config or EngineConfig()
+        if isinstance(model, DecoderExecutor):
+            steps = model
+        else:
+            steps = plan_model(model, "auto", engine_runtime(self.config), prompt_model)
+        model = steps.model
         weight = next(model.parameters())
         self.model, self.tokenizer = model, tokenizer
         self.device = weight.device
-        self.config = config or EngineConfig()
         self.limits = EngineLimits.resolve(self.config, model.cfg, weight.dtype, max_input_tokens)
         self.cache: KVCache | PagedKVCache
         if self.limits.blocks:
@@ -110,25 +125,34 @@ class GenerationEngine(StepLoop):
         if self.limits.prefix_cache_bytes and not self.cache.ring:
             kind = PagedPrefixCache if self.cache.paged else PrefixCache
             prefix = kind(self.cache, self.limits.prefix_cache_bytes)
-        graphs = self.config.decode_graphs
-        if graphs is None:
-            graphs = self.device.type == "cuda"
-        self._batch = RunningBatch(model, self.cache, model.cfg.vocab_size, prefix, prompt_model,
-                                   DecodeGraphs(model, self.cache) if graphs and DecodeGraphs.supported(model, self.cache)
-                                   else None)
+        if steps.plan.backend("decode") == "native" and not self.cache.paged:
+            raise PlanError(f"{name}: decode on native needs a paged KV cache; this engine keeps rows "
+                            "(plan the model with engine_runtime(config))")
+        self._batch = RunningBatch(steps, self.cache, model.cfg.vocab_size, prefix, steps.graphs(self.cache))
         self._admitting: list[SeqState] = []
         self._prefill_token_s: float | None = None  # measured seconds per padded prefill token (a moving average)
 
-    def capture_graphs(self) -> int:
+    @property
+    def plan(self) -> ExecutionPlan:
+        """What computes this engine's prefills and decode steps (models/execution/)."""
+        return self._batch.steps.plan
+
+    def capture_graphs(self, chosen: bool = True) -> int:
         """Capture every decode-step graph now (a replica's warm-up, before start()), so no request
-        pays for one; 0 when the engine steps eagerly. A capture that fails leaves eager steps."""
+        pays for one; 0 when the plan decodes otherwise. A capture that fails raises
+        GraphCaptureError where graphs were asked for by name (`chosen` False); where the plan chose
+        them itself, the plan's decode phase becomes the model's own forward, with the reason, before
+        any request is served."""
         graphs = self._batch.graphs
         if graphs is None:
             return 0
         try:
             return graphs.capture_all()
-        except GraphCaptureError:  # an op that cannot be captured: correct eager steps beat none
-            log.exception("%s: capturing the decode-step graphs failed; decoding eagerly", self.name)
+        except GraphCaptureError as e:
+            if not chosen:
+                raise
+            log.exception("%s: capturing the decode-step graphs failed", self.name)
+            self._batch.steps.without_graphs(f"capture failed: {str(e)[:200]}")
             self._batch.graphs = None
             return 0
 

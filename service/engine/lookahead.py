@@ -1,7 +1,7 @@
 """A decode step launched one step ahead: the device computes step k + 1 while the host hands out
 step k's tokens.
 
-With CUDA graphs (models/step_graphs.py) a decode step is a few launches, and what is left of a
+With CUDA graphs (models/execution/graphs.py) a decode step is a few launches, and what is left of a
 step's time is the host's: reading the sampled tokens, detokenizing and stopping each row, events,
 the next step's inputs (the H200 check: 1B Llama shape, 256 rows, 4.1 ms on the device in a 7.6 ms
 step). So right after a step samples its tokens, and before they are read back, the running batch

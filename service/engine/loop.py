@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from models.compiled import thread_settings
+from models.execution.compiled import thread_settings
 
 from ..errors import EngineClosed, EngineOverloaded, InvalidRequest
 from ..telemetry.hooks import EngineObserver, EngineStats

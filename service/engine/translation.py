@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from models.beam_search import BeamParams, BeamSearch
+from models.execution.executors import Seq2SeqExecutor
 from models.inputs import select_batch
 from models.seq2seq import Seq2Seq
 from models.text import IncrementalDetokenizer, TextTokenizer
@@ -125,14 +126,15 @@ class TranslationEngine(StepLoop):
 
     kind = "translation"
 
-    def __init__(self, model: Seq2Seq, tokenizer: TextTokenizer, rows: int, max_new_tokens: int,
+    def __init__(self, model: Seq2Seq | Seq2SeqExecutor, tokenizer: TextTokenizer, rows: int, max_new_tokens: int,
                  max_queued: int = 512, encode_tokens: int = 4096, banned_ids: Sequence[int] = (),
                  observer: EngineObserver | None = None, name: str = "translation-engine",
                  after_step: Callable[[], object] | None = None) -> None:
-        """`encode_tokens`: padded source tokens per admission step (one source is always admitted)."""
-        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
-        self.encode_tokens = encode_tokens
+        """`model`: its executor (a bare model is planned with execution "auto"); `encode_tokens`: padded
+        source tokens per admission step (one source is always admitted)."""
         self.search = BeamSearch(model, rows, max_new_tokens, banned_ids)
+        self.model, self.tokenizer, self.max_new_tokens = self.search.model, tokenizer, max_new_tokens
+        self.encode_tokens = encode_tokens
         super().__init__(name, rows, max_queued, self.search.cache.nbytes(), observer, after_step)
         self._running: dict[str, TranslationState] = {}  # engine thread only
         self._admitting: list[TranslationState] = []

@@ -14,7 +14,7 @@ from ..messages import ModelInfo
 from ..settings import Settings
 from ..telemetry.metrics import ServiceMetrics, render
 from .routing import Backend, ModelRoutes
-from .schemas import Health, ModelCard, ModelList, Readiness
+from .schemas import Health, ModelCard, ModelList, PhaseCard, Readiness
 
 METRICS_PATH = "/metrics"
 
@@ -45,7 +45,8 @@ def ops_router(settings: Settings, routes: ModelRoutes, backend: Backend, metric
                     languages=list(result.languages) if result.languages else None,
                     defaults=result.defaults, stats=result.stats, limits=result.limits or None,
                     quantize=result.quantize, kernels=result.kernels or None, compiled=result.compiled,
-                    block_activation_bits=result.block_activation_bits, prompt_weights=result.prompt_weights))
+                    block_activation_bits=result.block_activation_bits, prompt_weights=result.prompt_weights,
+                    plan={phase: PhaseCard(**card) for phase, card in result.plan.items()} or None))
             else:
                 cards.append(ModelCard(id=dep.model.name, created=0, deployment=name, tasks=list(dep.model.tasks),
                                        ready=False, defaults=dict(dep.model.defaults), quantize=dep.model.quantize))

@@ -125,6 +125,15 @@ class TranslateResponse(BaseModel):
                                              "split_sentences; 0 for a text of whitespace only).")
 
 
+class PhaseCard(BaseModel):
+    """One phase of a model's execution plan."""
+
+    backend: str = Field(description="What computes it: torch (the model's own forward), compiled (its blocks "
+                                     "through torch.compile), native (our C++ stack step), cuda_graphs.")
+    detail: str = Field("", description="What it runs on: ISA, weight format, attention kernel, prompt weights.")
+    not_taken: dict[str, str] = Field(default_factory=dict, description="Every other backend: why not.")
+
+
 class ModelCard(BaseModel):
     """OpenAI's model object plus what this server knows about the model."""
 
@@ -155,6 +164,9 @@ class ModelCard(BaseModel):
     kernels: dict[str, str] | None = Field(None, description="Float projections: the kernel chosen per weight shape "
                                                              "at load (`onednn 1.6x`: oneDNN, 1.6x faster than "
                                                              "MKL as measured), when `dense_kernel` packed any.")
+    plan: dict[str, PhaseCard] | None = Field(None, description="The execution plan chosen at load: phase (encode, "
+                                                                "prefill, decode) -> its backend and why not the "
+                                                                "others; null until loaded.")
 
 
 class ModelList(BaseModel):

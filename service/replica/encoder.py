@@ -79,7 +79,7 @@ class EncoderRunner(BatchedRunner):
         model = self.loaded.model
         batch = PaddedBatch.from_token_lists([p.ids for p in payloads], self.pad_id, self.loaded.device)  # (B, T)
         types = batch.pad([p.types for p in payloads]) if self.use_types and any(p.types for p in payloads) else None
-        hidden = model(batch.ids, batch.keep, types)  # (B, T, C)
+        hidden = self.loaded.executor.hidden(batch.ids, batch.keep, types)  # (B, T, C): on the plan's backend
         out: list[Any] = [None] * len(payloads)
         rows = [i for i, p in enumerate(payloads) if p.task == "embed"]
         if rows:

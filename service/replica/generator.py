@@ -62,9 +62,8 @@ class GeneratorRunner(EngineRunner):
     def __init__(self, loaded: LoadedModel, deployment: str, config: EngineConfig,
                  observer: EngineObserver | None = None, heap: HeapTrimmer | None = None) -> None:
         super().__init__(loaded, deployment, heap)
-        self.engine = GenerationEngine(loaded.model, loaded.tokenizer, config, observer, name=f"{deployment}-engine",
-                                       after_step=self.heap.maybe_trim, max_input_tokens=loaded.max_input_tokens,
-                                       prompt_model=loaded.prompt_model)
+        self.engine = GenerationEngine(loaded.executor, loaded.tokenizer, config, observer, name=f"{deployment}-engine",
+                                       after_step=self.heap.maybe_trim, max_input_tokens=loaded.max_input_tokens)
         self.defaults = {k: v for k, v in loaded.spec.defaults.items() if k in SAMPLING_FIELDS}
         SamplingParams(**self.defaults)  # bad model defaults fail the replica at start, not each request
 
@@ -264,6 +263,11 @@ class GeneratorRunner(EngineRunner):
                 self.loaded.tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}])
             except Exception:
                 log.warning("%s: the chat template fails on a plain user message", self.deployment, exc_info=True)
+        started = time.perf_counter()
+        # CUDA: every decode-step graph before the first step, so the plan is settled before serving
+        if graphs := self.engine.capture_graphs(chosen=self.loaded.spec.requested_backends()["decode"] == "auto"):
+            log.info("%s: captured %d decode-step graphs in %.1f s", self.deployment, graphs,
+                     time.perf_counter() - started)
         ids = self.prompt_ids(GenerationRequest("warm-up", prompt="warm up"))
         # a plain request, then a structured one: the grammar library's first use (its tokenizer, its
         # mask code) is paid here, not by the first constrained request and the batch it would stall;
@@ -272,10 +276,6 @@ class GeneratorRunner(EngineRunner):
         for constraint in (None, grammar):
             self.engine.submit(ids, SamplingParams(max_new_tokens=2), f"warm-up-{uuid.uuid4().hex}", constraint)
             self.warm_up_steps(WARM_UP_STEPS, "the warm-up request")
-        started = time.perf_counter()
-        if graphs := self.engine.capture_graphs():  # CUDA: every decode-step graph, before the first request
-            log.info("%s: captured %d decode-step graphs in %.1f s", self.deployment, graphs,
-                     time.perf_counter() - started)
 
     @property
     def queue_capacity(self) -> int:

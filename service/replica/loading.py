@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 
 from models.catalog import LoadedModel, load_model
+from models.execution.planner import Runtime
 
+from ..engine.core import engine_runtime
 from ..settings import DeploymentSettings, Settings
 from ..telemetry.logs import configure_logging
 from .device import resolve_device
@@ -25,7 +27,9 @@ def load_for_deployment(name: str, settings: Settings) -> tuple[DeploymentSettin
     torch.set_num_threads(dep.threads())
     wait_for_gate(dep.startup_gate)
     device, dtype = resolve_device(*settings.device_for(dep))
-    return dep, load_model(dep.model, settings.cache_path(), device=device, dtype=dtype)
+    # a generator's plan depends on its engine (a paged cache, graphs); the others' on nothing around them
+    runtime = engine_runtime(dep.engine) if dep.model.kind == "generator" else Runtime()
+    return dep, load_model(dep.model, settings.cache_path(), device=device, dtype=dtype, runtime=runtime)
 
 
 def wait_for_gate(path: str | None) -> None:

@@ -125,7 +125,7 @@ class TranslatorRunner(BatchedRunner):
     def run_batch(self, payloads: list[TranslateItem]) -> list[str | object]:
         """One beam search over the batch; an input no longer wanted (its client went away, its deadline
         passed) leaves the search at the next step (STOPPED), freeing its rows for the others."""
-        out = translate_ids(self.loaded.model, [p.ids for p in payloads], [p.params for p in payloads],
+        out = translate_ids(self.loaded.executor, [p.ids for p in payloads], [p.params for p in payloads],
                             banned_ids=self.banned, cancelled=lambda i: not self.batcher.still_wanted(payloads[i]))
         texts = iter(self.loaded.tokenizer.decode_batch([ids for ids in out if ids is not None]))
         return [STOPPED if ids is None else next(texts) for ids in out]
@@ -152,7 +152,7 @@ class TranslatorEngineRunner(EngineRunner):
         super().__init__(loaded, deployment, heap)
         self.config = config
         self.prefix = source_prefix(loaded)
-        self.engine = TranslationEngine(loaded.model, loaded.tokenizer, config.max_rows,
+        self.engine = TranslationEngine(loaded.executor, loaded.tokenizer, config.max_rows,
                                         loaded.model.cfg.max_positions - 1, config.max_queued, config.encode_tokens,
                                         banned_ids(loaded), observer, name=f"{deployment}-engine",
                                         after_step=self.heap.maybe_trim)

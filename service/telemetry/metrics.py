@@ -23,7 +23,7 @@ import os
 import re
 import tempfile
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,9 @@ SPECS: dict[str, Spec] = {
     # every model replica
     "model_info": Spec("gauge", ("model", "deployment", "kind", "device", "dtype"),
                        "Live model replicas (the value) and what they run"),
+    "execution_plan_info": Spec("gauge", ("model", "phase", "backend"),
+                                "Live model replicas (the value) computing each phase on each backend "
+                                "(the execution plan, models/execution/)"),
     "model_load_seconds": Spec("gauge", ("model",), "Seconds the slowest live replica took to load its model",
                                mode="livemax"),
     "replica_resident_memory_bytes": Spec(
@@ -174,9 +177,11 @@ class ServiceMetrics:
     # -- model replicas ----------------------------------------------------------------------------
 
     def model_loaded(self, model: str, deployment: str, kind: str, device: str, dtype: str, load_seconds: float,
-                     queue_capacity: int) -> None:
-        """A replica is up: its model_info (1), load time and queue bound."""
+                     queue_capacity: int, plan: Mapping[str, str]) -> None:
+        """A replica is up: its model_info (1), its plan (phase -> backend), load time and queue bound."""
         self["model_info"].labels(model, deployment, kind, device, dtype).set(1)
+        for phase, backend in plan.items():
+            self["execution_plan_info"].labels(model, phase, backend).set(1)
         self["model_load_seconds"].labels(model).set(load_seconds)
         self["queue_capacity"].labels(model).set(queue_capacity)
         self["queue_depth"].labels(model).set(0)

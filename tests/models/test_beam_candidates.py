@@ -16,7 +16,9 @@ import torch
 
 from models import beam_search
 from models.beam_search import BeamParams, _Request, translate_ids
+from models.execution.planner import plan_model
 from models.kernels import native
+from models.paged_cache import kernel_runs
 from models.tiny import tiny_model
 
 from .test_quant import needs_kernels
@@ -75,11 +77,13 @@ def test_beam_search_through_the_kernel_equals_torch_topk(monkeypatch: pytest.Mo
     spy = SimpleNamespace(**{name: getattr(built, name) for name in dir(built) if not name.startswith("_")})
     spy.search_select = lambda *a: calls.append(1) or built.search_select(*a)
     monkeypatch.setattr(native, "module", lambda: spy)
-    ours = translate_ids(model, sources, params, banned_ids=[1, 2])
+    executor = plan_model(model)
+    assert executor.native_select
+    ours = translate_ids(executor, sources, params, banned_ids=[1, 2])
     assert calls  # the kernel ran
-    monkeypatch.setattr(beam_search, "_native_select", lambda weight: False)
+    executor.native_select = False
     monkeypatch.setattr(beam_search, "_top", torch_top)
-    assert translate_ids(model, sources, params, banned_ids=[1, 2]) == ours
+    assert translate_ids(executor, sources, params, banned_ids=[1, 2]) == ours
     assert len({tuple(t) for t in ours}) == len(ours)  # the tiny model's outputs depend on the source
 
 
@@ -102,7 +106,7 @@ def test_the_native_selection_is_the_torch_path(requests: list[tuple[int, int, i
     logits = torch.randn(rows, 300, generator=rng) * 4  # (R, V)
     logits[0, 7] = logits[0].max()  # a tie with the row's best: the lower index wins on both paths
     banned, eos = [1, 299], 2
-    assert beam_search._native_select(logits)
+    assert kernel_runs(logits.dtype, logits.device)
     ours = beam_search._select(live, logits, banned, eos, native_runs=True)
     want = beam_search._candidates(live, _torch_logp(live, logits, banned, eos))
     assert ours == want

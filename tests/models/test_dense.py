@@ -105,8 +105,8 @@ def test_auto_gives_the_blocks_the_panels_and_the_timer_the_rest() -> None:
     a whole block needs them), and so does an encoder-decoder's head (the decoder's native step applies
     it); the timer still sweeps every projection in model order (the caches as a forward pass leaves
     them) and decides the others (here a decoder-only model's tied head)."""
-    from models import native_blocks
     from models.dense import _slots
+    from models.execution.planner import plan_model
     from models.fuse import fuse_projections
 
     model = fuse_projections(tiny_model("seq2seq")[0].eval())  # as load_model leaves it before packing
@@ -120,10 +120,10 @@ def test_auto_gives_the_blocks_the_panels_and_the_timer_the_rest() -> None:
     report = pack_dense(model, "auto", timer=timer)
     assert len(seen) == every and seen[-1].name == "lm_head" and seen[-1].copy
     assert isinstance(model.lm_head, PanelLinear)  # not the timer's choice: the native step applies it
-    assert native_blocks.head_args(model.lm_head, model.final_logits_bias) is not None
     blocks = [*model.encoder.blocks, *model.decoder.blocks]
     assert all(isinstance(m, PanelLinear) for b in blocks for m in b.modules() if isinstance(m, RepackedLinear))
-    assert native_blocks.stack_args(model.decoder.blocks) is not None  # the one-op step runs
+    step = plan_model(model).step  # the one-op step runs, with the head inside
+    assert step is not None and step.head is not None
     assert "panels (blocks)" in report.values()
     decoder = fuse_projections(tiny_model("decoder")[0].eval())
     pack_dense(decoder, "auto", timer=timer)

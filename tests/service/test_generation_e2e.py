@@ -861,6 +861,36 @@ def test_models_and_readiness_include_the_generators(server: Cluster) -> None:
     assert {"/v1/generate", "/v1/completions", "/v1/chat/completions"} <= set(spec["paths"])
 
 
+def test_models_show_the_execution_plan_and_metrics_export_it(server: Cluster) -> None:
+    """Each generator's card has the plan chosen at load (phase -> backend, detail, why not each other
+    backend), the same as the replica's info metric says; a backend the machine lacks, asked for by
+    name, fails the deployment's start with a message naming it."""
+    from models.kernels import native
+
+    with server.client() as c:
+        cards = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        metrics = c.get("/metrics").text
+    plan = cards[TINY]["plan"]
+    assert list(plan) == ["prefill", "decode"]
+    # tiny:decoder fused and packed as loaded: its decode steps are native where our kernels run
+    decode = plan["decode"]["backend"]
+    assert decode == ("native" if native.available() else "torch")
+    for phase, card in plan.items():
+        assert set(card["not_taken"]) == {"torch", "compiled", "native", "cuda_graphs"} - {card["backend"]}
+        line = f'transformer_serve_execution_plan_info{{model="{TINY}",phase="{phase}",backend="{card["backend"]}"}} 1.0'
+        assert line in metrics, [m for m in metrics.splitlines() if "execution_plan" in m]
+    assert plan["decode"]["not_taken"]["cuda_graphs"] == "a CUDA device; this model is on cpu"
+    from ray import serve
+
+    try:
+        with pytest.raises(RuntimeError, match="decode on cuda_graphs: a CUDA device; this model is on cpu"):
+            deploy({"device": "cpu", "deployments": {"generator": {
+                "model": {"name": "no-gpu", "tasks": ["generate"], "source": "tiny:decoder",
+                          "execution": {"decode": "cuda_graphs"}}, "num_cpus": 0}}}, "no-gpu", "/no-gpu")
+    finally:
+        serve.delete("no-gpu")
+
+
 # -- the default model ------------------------------------------------------------------------------
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"
@@ -893,6 +923,11 @@ def test_smollm2_answers_the_capital_of_france(smollm2: Cluster) -> None:
     blocks = native.available()  # CI requires the kernels (REQUIRE_NATIVE_KERNELS)
     assert (card["quantize"], card["block_activation_bits"]) == (("q4_1", 16) if blocks else (None, None))
     assert card["compiled"] is True
+    plan = card["plan"]  # prompts on the compiled blocks, decode steps on our kernels in one call a step
+    assert plan["prefill"]["backend"] == "compiled"
+    assert plan["decode"]["backend"] == ("native" if blocks else "compiled")
+    if blocks:
+        assert plan["decode"]["detail"].startswith(f"{native.isa()}, q4_1/q8_0 blocks, blocks + embedding + final norm")
     # prompt_weights: auto keeps the float32 twin only where it measured faster at load
     assert card["prompt_weights"] in (("float", None) if blocks else (None,))
     client = smollm2.openai("/smollm2")

@@ -753,7 +753,7 @@ def test_a_whole_answer_must_fit_its_own_decoding_before_its_deadline() -> None:
 def test_the_engine_thread_runs_with_the_compiled_blocks_settings(tiny: tuple[nn.Module, TextTokenizer]) -> None:
     """torch keeps its compiler settings per thread: the engine's thread sets the ones compiled blocks
     need (a thread of torch's defaults allows 8 graphs, and past them a block runs eager)."""
-    from models.compiled import RECOMPILE_LIMIT
+    from models.execution.compiled import RECOMPILE_LIMIT
 
     fresh: list[int] = []
     probe = threading.Thread(target=lambda: fresh.append(torch._dynamo.config.recompile_limit))

@@ -56,16 +56,14 @@ def test_smollm2_tokens_are_the_same_alone_and_among_others(dtype: torch.dtype) 
     assert len({tuple(m) for m in mixed}) >= 6  # the others really are other requests
 
 
-def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_preempted(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_preempted() -> None:
     """The shipped Q4_1 generator with prompts on its float32 twin (prompt_weights "float", as "auto"
     picks on CPUs without VNNI; eager here to keep the test short): a request's greedy tokens alone,
-    among others, and when preempted on a small pool are the same, and it still knows Paris. Its decode
-    steps run as one native op per layer (models/native_blocks.py)."""
+    among others, and when preempted on a small pool are the same, and it still knows Paris. Its plan
+    runs the decode steps on the native backend (models/execution/native.py)."""
     import dataclasses
 
     from loadtests.experiments.engine_models import shipped_generator
-    from models import native_blocks
     from models.kernels import native
 
     if not native.available():
@@ -74,7 +72,11 @@ def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_p
         pytest.skip("no AVX2 or AVX-512 CPU, or no compiler: the shipped generator serves float32 weights there")
     spec, _, cache_dir = shipped_generator()
     lm = load_model(dataclasses.replace(spec, prompt_weights="float", compile=False), cache_dir)
-    assert lm.prompt_model is not None
+    assert lm.prompt_model is not None and lm.plan.backend("decode") == "native"
+    assert lm.plan["prefill"].detail.startswith("float32, prompt_weights: float")
+    steps = []
+    real = lm.executor.step
+    lm.executor.step = lambda ids, cache, *rest: steps.append(ids.size(0)) or real(ids, cache, *rest)
     tok = lm.tokenizer
 
     def chat(text: str) -> list[int]:
@@ -83,16 +85,9 @@ def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_p
     def engine(blocks: int) -> GenerationEngine:
         cfg = lm.model.cfg
         block_mib = 16 * 2 * cfg.n_layers * cfg.kv_heads * cfg.head_dim * 4 / 2**20
-        return GenerationEngine(lm.model, tok, EngineConfig(max_total_tokens=128, max_running=8,
-                                                            kv_cache_mib=blocks * block_mib, prefix_cache_mib=0),
-                                prompt_model=lm.prompt_model)
+        return GenerationEngine(lm.executor, tok, EngineConfig(max_total_tokens=128, max_running=8,
+                                                               kv_cache_mib=blocks * block_mib, prefix_cache_mib=0))
 
-    steps = []
-    real = native_blocks.decode_layers
-    def rows(x: object) -> int:  # the op's input: each row's token (TokenRows) or rows of floats
-        return x.ids.size(0) if isinstance(x, native_blocks.TokenRows) else x.size(0)
-
-    monkeypatch.setattr(native_blocks, "decode_layers", lambda *a: steps.append(rows(a[1])) or real(*a))
     greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
     requests = [(chat(t), greedy) for t in ["What is the capital of France?", *OTHERS[:2]]]
     with torch.inference_mode():

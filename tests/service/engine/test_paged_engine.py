@@ -62,7 +62,7 @@ def test_short_sequences_run_beyond_the_rows_a_budget_of_full_rows_holds(tiny: t
 def run_four(model: nn.Module, tok: TextTokenizer, blocks: int, prefix_mib: float,
              graphs: bool = False) -> tuple[list, list]:
     """PARAMS' four requests on a pool of `blocks`: their Finished events and the stats of every step.
-    `graphs`: decode steps padded to buckets over static buffers (models/step_graphs.py; eager here)."""
+    `graphs`: decode steps padded to buckets over static buffers (models/execution/graphs.py; eager here)."""
     engine = make(model, tok, max_running=4, kv_cache_mib=mib_for_blocks(model, blocks), prefix_cache_mib=prefix_mib,
                   decode_graphs=graphs)
     assert (engine._batch.graphs is not None) == graphs

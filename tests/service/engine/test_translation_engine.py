@@ -144,10 +144,10 @@ class FaultyDecoder:
     def __getattr__(self, name: str):
         return getattr(self.base, name)
 
-    def decode(self, tokens, cross, cache=None, plan=None):
+    def decode(self, tokens, cross, cache=None):
         if self.fails(cross):
             raise RuntimeError("injected failure")
-        return self.base.decode(tokens, cross, cache=cache, plan=plan)
+        return self.base.decode(tokens, cross, cache=cache)
 
 
 def _run(engine: TranslationEngine, tok, texts: list[str], beams: list[int]) -> list[Finished]:

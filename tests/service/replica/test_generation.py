@@ -148,7 +148,7 @@ def test_siblings_are_submitted_together_and_share_one_prefill_on_an_idle_engine
     refused whole."""
     r = runner(EngineConfig(max_total_tokens=None, max_running=8, max_queued=8))
     prefill_rows: list[int] = []
-    model = r.engine._batch.model
+    model = r.engine._batch.steps.prompt_model
     forward = model.forward
 
     def spy(ids, *args, **kwargs):  # type: ignore[no-untyped-def]

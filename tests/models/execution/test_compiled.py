@@ -1,4 +1,4 @@
-"""Compiled blocks (models/compiled.py): the eager model's results to fp32 rounding for every family,
+"""Compiled blocks (models/execution/compiled.py): the eager model's results to fp32 rounding for every family,
 greedy and beam outputs unchanged, no recompilation once warmed up (new batch sizes, longer caches),
 and blocks of different structure in one process each running their own graph."""
 
@@ -13,8 +13,9 @@ from torch._dynamo.utils import counters
 
 from models.beam_search import BeamParams, translate_ids
 from models.catalog import ModelSpec, load_model
-from models.compiled import compile_blocks, warm_up
 from models.decoding import SamplingParams
+from models.execution.compiled import compile_blocks, warm_up
+from models.execution.plan import PlanError
 from models.generate import generate
 from models.kernels import native
 from models.kv_cache import KVCache
@@ -117,8 +118,16 @@ def test_load_model_compiles_when_the_spec_says_so() -> None:
     assert 0 < loaded.compile_seconds <= loaded.load_seconds and loaded.compiled
     assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None
                for b in loaded.model.stack.blocks)
+    # fused and packed as loaded, the decode steps run natively where the kernels do; the prompts compiled
+    assert loaded.plan.backend("prefill") == "compiled"
+    assert loaded.plan.backend("decode") == ("native" if native.available() else "compiled")
     eager = load_model(ModelSpec(name="g", tasks=("generate",), source="tiny:decoder"), Path("/nonexistent"))
     assert eager.compile_seconds == 0.0 and not eager.compiled
+    assert eager.plan.backend("prefill") == "torch"
+    # a phase that names the compiled backend compiles the blocks without compile: true
+    named = load_model(ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", execution={"prefill": "compiled"}),
+                       Path("/nonexistent"))
+    assert named.compiled and named.plan.backend("prefill") == "compiled"
 
 
 def test_a_model_whose_blocks_fail_to_compile_is_served_eager(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,7 +139,12 @@ def test_a_model_whose_blocks_fail_to_compile_is_served_eager(monkeypatch: pytes
     monkeypatch.setattr(models.catalog, "warm_up", broken)
     loaded = load_model(ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", compile=True),
                         Path("/nonexistent"))
-    assert loaded.compile_seconds == 0.0 and not loaded.compiled  # /v1/models says so
+    assert loaded.compile_seconds == 0.0 and not loaded.compiled  # /v1/models says so, and its plan why
+    assert loaded.plan.backend("prefill") == "torch"
+    assert loaded.plan["prefill"].not_taken["compiled"] == "compiling failed here: no working C++ compiler found"
     assert all(b._compiled_call_impl is None for b in loaded.model.stack.blocks)
+    with pytest.raises(PlanError, match="prefill on compiled: compiling failed here: no working C"):
+        load_model(ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", execution="compiled"),
+                   Path("/nonexistent"))
     eager, _ = tiny_model("decoder")
     torch.testing.assert_close(decode_steps(loaded.model, [[5, 6]], 2), decode_steps(eager, [[5, 6]], 2), **CLOSE)

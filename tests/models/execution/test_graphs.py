@@ -1,4 +1,4 @@
-"""Decode steps padded to buckets over static buffers (models/step_graphs.py): on CUDA they are
+"""Decode steps padded to buckets over static buffers (models/execution/graphs.py): on CUDA they are
 captured graphs; here they run eagerly, so what is checked is what the graphs replay: the padded
 rows, the packed inputs and the bucket choice give every real row the logits of a plain step, and
 padding rows write nothing but the trash slot."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from models.decoder import DecoderLM
+from models.execution.graphs import DecodeGraphs, FixedStep, bucket, buckets
 from models.paged_cache import PagedKVCache
-from models.step_graphs import DecodeGraphs, FixedStep, bucket, buckets
 from models.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

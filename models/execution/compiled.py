@@ -21,7 +21,7 @@ parameters' values are inputs, but compile after the model's layers are final (q
 load_model does it last.
 
 A Llama-style stack's decode steps on a paged cache skip the blocks altogether: one native op per
-layer (models/native_blocks.py), which at one row costs less than entering a compiled graph. The
+layer (models/execution/native.py), which at one row costs less than entering a compiled graph. The
 compiled blocks serve its prefills, and every step of the other families.
 
 Inductor caches its output ($TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER): a restart
@@ -38,9 +38,9 @@ import time
 import torch
 from torch import nn
 
-from .layers import Block
+from ..layers import Block
 
-log = logging.getLogger("models.compiled")
+log = logging.getLogger("models.execution.compiled")
 # Guards kept on module state: what tells one kind of block from another (a submodule's type, a
 # None, a flag, a head count), not the parameters' tensors or the hook dictionaries
 RECOMPILE_LIMIT = 64
@@ -77,6 +77,11 @@ def compile_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
+def is_compiled(model: nn.Module) -> bool:
+    """Whether compile_blocks compiled `model`'s blocks (and uncompile_blocks did not undo it)."""
+    return any(m._compiled_call_impl is not None for m in model.modules() if isinstance(m, Block))
+
+
 def uncompile_blocks(model: nn.Module) -> None:
     """Undo compile_blocks: every Block runs eager again."""
     for m in model.modules():
@@ -88,16 +93,16 @@ def uncompile_blocks(model: nn.Module) -> None:
 def warm_up(model: nn.Module) -> float:
     """Run the shapes serving meets (1 and 2 rows; prefill and decode steps on a KV cache; an
     encoder's padded batch) so their graphs compile now. Returns the seconds it took."""
-    from .decoder import DecoderLM
-    from .encoder import EncoderModel
-    from .kv_cache import KVCache
-    from .paged_cache import PagedKVCache
-    from .seq2seq import Seq2Seq
+    from ..decoder import DecoderLM
+    from ..encoder import EncoderModel
+    from ..kv_cache import KVCache
+    from ..paged_cache import PagedKVCache
+    from ..seq2seq import Seq2Seq
 
     started = time.perf_counter()
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if isinstance(model, Seq2Seq):  # through beam search itself: its cache rows and reordered cross keys
-        from .beam_search import BeamParams, translate_ids
+        from ..beam_search import BeamParams, translate_ids
 
         source = [3, 3, model.cfg.eos_token_id]
         for rows in (1, 2):

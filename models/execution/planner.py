@@ -1,0 +1,232 @@
+"""Choosing a model's execution plan, once, when it is loaded: `plan_model` returns its executor.
+
+For each phase the candidates are tried in one order of preference, native, cuda_graphs, compiled,
+torch (the first that runs wins under "auto"); a backend asked for by name must run or the load fails
+with PlanError naming the phase, the backend and what it needs. Every backend not taken keeps its
+reason in the plan. What is measured at load (the float projections' kernel per shape, the weights
+prompts run on) was settled before planning (models/dense.py, models/prompt_weights.py) and appears
+here as detail. Call after the model's layers are final (quantized, fused, packed, compiled).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..kernels import native
+from ..paged_cache import kernel_runs
+from ..panels import BlockLinear
+from .compiled import is_compiled
+from .executors import DecoderExecutor, EncoderExecutor, Executor, Seq2SeqExecutor
+from .native import Head, NativeDecoder, NativeEncoder, Unsupported, head_args
+from .plan import BACKENDS, ExecutionPlan, PhasePlan, PlanError
+
+log = logging.getLogger("models.execution")
+
+PREFERENCE = ("native", "cuda_graphs", "compiled", "torch")  # "auto" takes the first that runs
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the code around the model gives it, which some backends depend on."""
+
+    paged: bool = True  # decode steps on a paged KV cache (a generation engine's `paged`)
+    graphs: bool | None = None  # decode steps as captured graphs: None where they run (CUDA), False never,
+    # True also on a CPU, where the same padded steps run eagerly (tests)
+    compile_error: str | None = None  # compiling the blocks was asked for and failed (catalog.load_model)
+
+
+def _kind(model: nn.Module) -> tuple[str, bool]:
+    """The kind of model by its config, and whether it is our own class of that kind (the native
+    backend reads our classes' modules; a stand-in with the same forward gets the torch backend)."""
+    from ..config import DecoderConfig, EncoderConfig, Seq2SeqConfig
+    from ..decoder import DecoderLM
+    from ..encoder import EncoderModel
+    from ..seq2seq import Seq2Seq
+
+    for config, cls, kind in ((EncoderConfig, EncoderModel, "encoder"), (DecoderConfig, DecoderLM, "generator"),
+                              (Seq2SeqConfig, Seq2Seq, "translator")):
+        if isinstance(getattr(model, "cfg", None), config):
+            return kind, isinstance(model, cls)
+    raise TypeError(f"no execution plan for a {type(model).__name__}: its cfg is no model config")
+
+
+def _weights(model: nn.Module) -> str:
+    """What a model's projections are, for a plan's detail: "q4_1 blocks", "float32", ..."""
+    formats = sorted({m.fmt for m in model.modules() if isinstance(m, BlockLinear)})
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return f"{'/'.join(formats)} blocks" if formats else dtype
+
+
+class _Phase:
+    """Collects one phase's candidates: each backend's reason not to run it, or a builder."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.reasons: dict[str, str] = {}
+        self.builders: dict[str, Callable[[], object]] = {}
+        self.details: dict[str, str] = {}
+
+    def cannot(self, backend: str, reason: str) -> None:
+        self.reasons[backend] = reason
+
+    def can(self, backend: str, build: Callable[[], object] = lambda: None, detail: str = "") -> None:
+        self.builders[backend], self.details[backend] = build, detail
+
+    def native(self, build: Callable[[], object], detail: Callable[[object], str], ours: bool = True) -> None:
+        """The native candidate: built now, to learn whether it runs (its reason if not)."""
+        if not ours:
+            self.cannot("native", "needs one of our model classes (a stand-in's forward runs as it is)")
+            return
+        try:
+            built = build()
+        except Unsupported as e:
+            self.cannot("native", f"needs {e}")
+            return
+        self.can("native", lambda: built, detail(built))
+
+    def choose(self, asked: str) -> tuple[PhasePlan, object]:
+        if asked != "auto":
+            if asked not in self.builders:
+                raise PlanError(f"{self.name} on {asked}: {self.reasons.get(asked, 'not a backend of this phase')}")
+            chosen = asked
+        else:
+            chosen = next(b for b in PREFERENCE if b in self.builders)
+        rank = PREFERENCE.index(chosen)
+        not_taken = {b: self.reasons.get(b) or (f"{chosen} is preferred" if PREFERENCE.index(b) > rank else "not asked")
+                     for b in BACKENDS if b != chosen}
+        return PhasePlan(self.name, chosen, self.details.get(chosen, ""), not_taken), self.builders[chosen]()
+
+
+def _model_forward(phase: _Phase, model: nn.Module, runtime: Runtime, detail: str) -> None:
+    """The compiled and torch candidates: the model's own blocks, compiled or eager (in place: one or
+    the other for every phase that runs them)."""
+    if is_compiled(model):
+        phase.can("compiled", detail=detail)
+        phase.cannot("torch", "eager blocks; they are compiled for this model (compile: true)")
+    else:
+        phase.cannot("compiled", f"compiling failed here: {runtime.compile_error}" if runtime.compile_error
+                     else "needs compile: true (the blocks through torch.compile at load)")
+        phase.can("torch", detail=detail)
+
+
+def _isa() -> str:
+    return native.isa() or "?"
+
+
+def _encode(model: nn.Module, runtime: Runtime, ours: bool) -> _Phase:
+    phase = _Phase("encode")
+    stack = model.encoder if hasattr(model, "encoder") else getattr(model, "stack", None)  # Seq2Seq, EncoderModel
+    phase.native(lambda: NativeEncoder.build(stack), lambda _: f"{_isa()}, {_weights(model)}", ours)
+    phase.cannot("cuda_graphs", "decode steps only")
+    _model_forward(phase, model, runtime, _weights(model))
+    return phase
+
+
+def _attention(model: nn.Module, runtime: Runtime) -> str:
+    weight = next(model.parameters())
+    paged = runtime.paged and model.cfg.sliding_window is None
+    if paged and kernel_runs(weight.dtype, weight.device):
+        return "attention: paged decode kernel"
+    return "attention: SDPA" + (" on a paged cache" if paged else "")
+
+
+def _decode(model: nn.Module, runtime: Runtime, head: Callable[[], object] | None, ours: bool) -> _Phase:
+    phase = _Phase("decode")
+    weights = _weights(model)
+
+    head_reason = []
+
+    def build() -> NativeDecoder:
+        if not runtime.paged:
+            raise Unsupported("a paged KV cache; the engine keeps rows (engine.paged: false)")
+        projection = None
+        if head is not None:
+            try:
+                projection = head()
+            except Unsupported as e:  # the head runs in torch after the step
+                head_reason.append(f"head after it: needs {e}")
+        stack = model.decoder if head is not None else model.stack  # Seq2Seq, DecoderLM
+        return NativeDecoder.build(stack, (lambda: projection) if projection is not None else None)
+
+    phase.native(build, lambda step: ", ".join([_isa(), weights, step.detail(), *head_reason]), ours)
+    device = next(model.parameters()).device
+    if head is not None:
+        phase.cannot("cuda_graphs", "a generation engine (beam steps run eagerly)")
+    elif runtime.graphs is False:
+        phase.cannot("cuda_graphs", "engine.decode_graphs: false")
+    elif not runtime.paged or model.cfg.sliding_window is not None or model.cfg.position == "relative":
+        phase.cannot("cuda_graphs", "a paged cache without sliding window or relative positions")
+    elif device.type != "cuda" and runtime.graphs is not True:
+        phase.cannot("cuda_graphs", f"a CUDA device; this model is on {device.type}")
+    else:
+        phase.can("cuda_graphs", detail=f"{weights}, " + ("captured per bucket of rows x key blocks"
+                                                          if device.type == "cuda" else "padded buckets, eager (no CUDA)"))
+    _model_forward(phase, model, runtime, f"{weights}, {_attention(model, runtime)}")
+    return phase
+
+
+def plan_model(model: nn.Module, execution: str | Mapping[str, str] = "auto", runtime: Runtime = Runtime(),
+               prompt_model: nn.Module | None = None, prompt_detail: str = "") -> Executor:
+    """The executor of `model` with its plan: `execution` "auto", a backend for every phase, or
+    {phase: backend} (ModelSpec.execution); PlanError where a named backend cannot run. A generator's
+    `prompt_model` computes its prompts (prompt_detail says why, for the plan)."""
+    from ..spec import KIND_PHASES
+
+    kind, ours = _kind(model)
+    phases = KIND_PHASES[kind]
+    asked = dict.fromkeys(phases, execution) if isinstance(execution, str) else {p: "auto" for p in phases} | dict(execution)
+    unknown = set(asked) - set(phases)
+    if unknown:
+        raise PlanError(f"a {kind} runs {list(phases)}; execution names {sorted(unknown)}")
+    chosen: dict[str, tuple[PhasePlan, object]] = {}
+    if kind == "encoder":
+        chosen["encode"] = _encode(model, runtime, ours).choose(asked["encode"])
+    elif kind == "translator":
+        chosen["encode"] = _encode(model, runtime, ours).choose(asked["encode"])
+        chosen["decode"] = _decode(model, runtime, lambda: _seq2seq_head(model), ours).choose(asked["decode"])
+    else:
+        prefill = _Phase("prefill")
+        prefill.cannot("native", "decode steps only (one token a row)")
+        prefill.cannot("cuda_graphs", "decode steps only (one token a row)")
+        prompts = prompt_model if prompt_model is not None else model
+        _model_forward(prefill, prompts, runtime,
+                       f"{_weights(prompts)}{', ' + prompt_detail if prompt_detail else ''}")
+        chosen["prefill"] = prefill.choose(asked["prefill"])
+        # an engine's decode_graphs: true asks for graphs (on a CPU: the same padded steps, eager)
+        wanted = "cuda_graphs" if runtime.graphs is True and asked["decode"] == "auto" else asked["decode"]
+        chosen["decode"] = _decode(model, runtime, None, ours).choose(wanted)
+    plan = ExecutionPlan(tuple(p for p, _ in chosen.values()))
+    built = {phase: backend for phase, (_, backend) in chosen.items()}
+    if kind == "encoder":
+        return EncoderExecutor(model, plan, built["encode"])
+    if kind == "translator":
+        weight = next(model.parameters())
+        return Seq2SeqExecutor(model, plan, built["encode"], built["decode"], kernel_runs(weight.dtype, weight.device))
+    return DecoderExecutor(model, plan, prompt_model, built["decode"])
+
+
+def _seq2seq_head(model: nn.Module) -> Head:
+    """An encoder-decoder's head as the native step applies it; Unsupported where the model scales first."""
+    if model.head_scale != 1.0:
+        raise Unsupported("no scaling before the head (T5 v1.0 rescales its hidden states)")
+    return head_args(model.lm_head, model.final_logits_bias)
+
+
+def executor_for(model: nn.Module | Executor, execution: str | Mapping[str, str] = "auto") -> Executor:
+    """`model`'s executor: itself when it is one, else a new plan (models used directly: tests, tools)."""
+    if isinstance(model, EncoderExecutor | DecoderExecutor | Seq2SeqExecutor):
+        return model
+    return plan_model(model, execution, Runtime(graphs=False))
+
+
+def log_plan(name: str, plan: ExecutionPlan) -> None:
+    log.info("%s: execution plan %s", name, plan.summary())
+    if plan.reasons():
+        log.info("%s: not taken: %s", name, plan.reasons())
+
+
+__all__ = ["PREFERENCE", "PlanError", "Runtime", "executor_for", "log_plan", "plan_model"]
