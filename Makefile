@@ -46,7 +46,7 @@ lint: venv
 bench: weights
 	$(PY) -m loadtests.models.bench
 
-# fp32 vs int8 (models/quant.py) on the default models: speed and measured loss (docs/benchmarks.md).
+# fp32 vs int8 (models/projections/quant.py) on the default models: speed and measured loss (docs/benchmarks.md).
 bench-quant: weights
 	$(PY) -m loadtests.models.quant --threads 2 $(BENCH_ARGS)
 

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from .config import BlockConfig
 from .norms import RMSNorm
 from .positions import apply_rotary
-from .projections import stack_linears
+from .projections.base import stack_linears
 
 
 def padding_mask(keep: Tensor) -> Tensor:

@@ -29,18 +29,18 @@ from torch import nn
 
 from . import zoo
 from .architectures import BUILTIN_DIR
-from .calibration import calibration_run
 from .checkpoints.format import load_checkpoint, load_state_strict
-from .dense import pack_dense
 from .execution.compiled import compile_blocks, uncompile_blocks, warm_up
 from .execution.executors import Executor
 from .execution.plan import ExecutionPlan
 from .execution.planner import Runtime, log_plan, plan_model
-from .fuse import fuse_projections
 from .kernels import native
-from .panels import BLOCK_FORMATS, set_activation_bits
-from .prompt_weights import PROBE_TOKENS, prompt_speedup
-from .quant import keeps_fusion, quantize
+from .projections.calibration import calibration_run
+from .projections.dense import pack_dense
+from .projections.fuse import fuse_projections
+from .projections.panels import BLOCK_FORMATS, set_activation_bits
+from .projections.prompt_weights import PROBE_TOKENS, prompt_speedup
+from .projections.quant import keeps_fusion, quantize
 from .spec import DEFAULT_SPECS, ModelSpec
 from .text import TextTokenizer
 
@@ -59,7 +59,7 @@ class LoadedModel:
     labels: tuple[str, ...] = ()
     max_input_tokens: int = 512
     load_seconds: float = 0.0
-    kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/dense.py)
+    kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/projections/dense.py)
     compile_seconds: float = 0.0  # of load_seconds, compiling and warming up the blocks (spec.compile)
     quantize: str | None = None  # the quantization in effect (spec.quantize, unless it could not run here)
     # spec.prompt_weights "float": the same model on float32 weights, for prompts (None: `model` does all)
@@ -179,7 +179,7 @@ def _compiles(spec: ModelSpec) -> bool:
 
 
 def _pack_and_compile(spec: ModelSpec, model: nn.Module, dense_kernel: str) -> tuple[dict[str, str], float, str | None]:
-    """Pack its float32 CPU projections (models/dense.py), then compile its blocks if the spec says so:
+    """Pack its float32 CPU projections (models/projections/dense.py), then compile its blocks if the spec says so:
     (the kernels chosen per weight shape, seconds spent compiling and warming up, why compiling failed)."""
     kernels = pack_dense(model, dense_kernel)  # float32 CPU layers only
     if not _compiles(spec):

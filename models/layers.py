@@ -11,7 +11,7 @@ from .attention import AttentionMask, MultiHeadAttention
 from .config import BlockConfig
 from .norms import make_norm
 from .positions import LearnedPositions, SinusoidalPositions
-from .projections import stack_linears
+from .projections.base import stack_linears
 
 
 def gelu_tanh(x: Tensor) -> Tensor:

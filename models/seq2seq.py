@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from .config import Seq2SeqConfig
 from .kv_cache import CacheView, CrossCache
 from .layers import Embeddings
-from .panels import PanelLinear
+from .projections.panels import PanelLinear
 from .stacks import CausalStack, EncoderStack, gather_rows
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 Task = Literal["classify", "embed", "rerank", "translate", "generate"]
 Kind = Literal["encoder", "translator", "generator"]
 Quantization = Literal["int8", "q8_0", "q4_1"]
-DenseKernel = Literal["auto", "panels", "onednn", "aten"]  # float projections on CPU: models/dense.py
+DenseKernel = Literal["auto", "panels", "onednn", "aten"]  # float projections on CPU: models/projections/dense.py
 PromptWeights = Literal["same", "float", "auto"]  # the weights a generator computes prompts with (ModelSpec)
 # execution plans (models/execution/): the phases a model runs and the backends that may compute them
 Phase = Literal["encode", "prefill", "decode"]
@@ -45,8 +45,8 @@ class ModelSpec:
     max_input_tokens: int | None = None  # default: the model's max_positions
     defaults: Mapping[str, Any] = field(default_factory=dict)  # decoding defaults for this model
     # "int8": 8-bit weights and per-token 8-bit activations; "q8_0" / "q4_1": GGUF's 8-bit / 4-bit
-    # weight blocks with activations quantized per group of 32, on our CPU kernels (models/quant.py,
-    # models/panels.py)
+    # weight blocks with activations quantized per group of 32, on our CPU kernels (models/projections/quant.py,
+    # models/projections/panels.py)
     quantize: Quantization | None = None
     # q8_0 / q4_1: activations quantized per group of 32 to 16 bits (two 8-bit parts: the float
     # model's results to ~1e-5, its greedy answers kept) or 8 (one part, llama.cpp's arithmetic:
@@ -54,12 +54,12 @@ class ModelSpec:
     block_activation_bits: Literal[16, 8] = 16
     # q8_0 / q4_1 generators: "float" computes prompts (prefill) with a float32 copy of the weights
     # (for a GGUF, the file's own values) and decodes with the blocks; "auto" does so where one prompt
-    # measures faster that way at load (CPUs without 8-bit dot products: models/prompt_weights.py).
+    # measures faster that way at load (CPUs without 8-bit dot products: models/projections/prompt_weights.py).
     # Every prompt takes the same path, so tokens stay the same alone or batched.
     prompt_weights: PromptWeights = "same"
-    fuse: bool = True  # q/k/v and gate/up as one projection each (models/fuse.py): the same results, faster
+    fuse: bool = True  # q/k/v and gate/up as one projection each (models/projections/fuse.py): the same results, faster
     # float projections on CPU: "auto" measures MKL, oneDNN and our panel kernels per weight shape at
-    # load and keeps the fastest; "panels" / "onednn" packs all with that kernel, "aten" none (models/dense.py)
+    # load and keeps the fastest; "panels" / "onednn" packs all with that kernel, "aten" none (models/projections/dense.py)
     dense_kernel: DenseKernel = "auto"
     # every transformer block through torch.compile (inductor), compiled and warmed up at load
     # (models/execution/compiled.py): the same results to fp32 rounding, a few times faster per token at

@@ -65,10 +65,10 @@ class ModelInfo:
     load_seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)  # generators: the engine's resolved limits
-    quantize: str | None = None  # in effect: "int8", "q8_0", "q4_1" (models/quant.py) or None
-    kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/dense.py)
+    quantize: str | None = None  # in effect: "int8", "q8_0", "q4_1" (models/projections/quant.py) or None
+    kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/projections/dense.py)
     compiled: bool = False  # its blocks run compiled (models/execution/compiled.py)
-    block_activation_bits: int | None = None  # q8_0 / q4_1: 16 or 8 (models/panels.py)
+    block_activation_bits: int | None = None  # q8_0 / q4_1: 16 or 8 (models/projections/panels.py)
     prompt_weights: str | None = None  # "float": prompts computed on a float32 copy (ModelSpec.prompt_weights)
     # the execution plan (models/execution/): phase -> {backend, detail, not_taken: {backend: reason}}
     plan: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model, _, label, _ = load_generator(args)
     if args.tiny:  # as the shipped generator holds its projections, so that the op applies
-        from models.fuse import fuse_projections
-        from models.quant import quantize
+        from models.projections.fuse import fuse_projections
+        from models.projections.quant import quantize
 
         model, label = quantize(fuse_projections(model), "q4_1"), "tiny decoder (q4_1, fused)"
     from models.execution.compiled import is_compiled, thread_settings

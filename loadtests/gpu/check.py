@@ -168,7 +168,7 @@ def hf_decoder(run: Run, shape: str) -> tuple[Any, Any]:
     import transformers as hf
 
     from models.checkpoints import llama
-    from models.fuse import fuse_projections
+    from models.projections.fuse import fuse_projections
 
     torch.manual_seed(0)
     ref = hf.LlamaForCausalLM(hf.LlamaConfig(**run.shapes[shape], attn_implementation="sdpa")).eval()
@@ -376,14 +376,14 @@ def engine_throughput(run: Run, shape: str) -> dict[str, Any]:
 
 def streamed_bytes(model: Any) -> int:
     """Bytes of weights a decode step reads: parameters and the quantized layers' buffers."""
-    from models.int4_tiles import TiledInt4Linear
+    from models.projections.int4_tiles import TiledInt4Linear
 
     tiles = [b for m in model.modules() if isinstance(m, TiledInt4Linear) for b in m.buffers()]
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *tiles])
 
 
 def q4_1_tiles(run: Run, shape: str = "smollm2") -> dict[str, Any]:
-    """GGUF's Q4_1 blocks on the int4 tile kernel (`quantize: q4_1` off the CPU; models/int4_tiles.py)
+    """GGUF's Q4_1 blocks on the int4 tile kernel (`quantize: q4_1` off the CPU; models/projections/int4_tiles.py)
     against the same blocks' values in a dense model of the serving dtype: logits' relative error,
     greedy agreement over 16 steps, the engine alone = among 31 on the tiles, the path a spec takes
     through models.catalog; then engine tok/s and ms per step, tiles vs dense, at 1 and 32 sequences
@@ -391,8 +391,8 @@ def q4_1_tiles(run: Run, shape: str = "smollm2") -> dict[str, Any]:
     from models.catalog import ModelSpec, load_model
     from models.decoding import SamplingParams
     from models.generate import generate
-    from models.int4_tiles import TiledInt4Linear
-    from models.quant import quantize, quantize_q4_1_tiles, with_q4_1_values
+    from models.projections.int4_tiles import TiledInt4Linear
+    from models.projections.quant import quantize, quantize_q4_1_tiles, with_q4_1_values
 
     cuda = run.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -510,7 +510,7 @@ def serving_pair(run: Run, shape: str, model_cls: str, config_cls: str, importer
     dtype (bfloat16 on CUDA, float32 on CPU)."""
     import transformers as hf
 
-    from models.fuse import fuse_projections
+    from models.projections.fuse import fuse_projections
 
     torch.manual_seed(0)
     ref = getattr(hf, model_cls)(getattr(hf, config_cls)(**run.shapes[shape], attn_implementation="sdpa")).eval()

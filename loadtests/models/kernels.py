@@ -3,7 +3,7 @@
 All 121 projections of one SmolLM2-135M decode step (30 layers of fused q/k/v 960x576, o 576x576,
 gate/up 3072x576, down 576x1536, and the 49152x576 head), random weights, swept in model order as a
 forward pass runs them, at 1 / 8 / 32 / 64 rows: torch's F.linear (MKL), oneDNN prepacked, our float32
-panels, and our Q8_0 / Q4_1 blocks (models/panels.py) with 16-bit and ("+a8") 8-bit activations.
+panels, and our Q8_0 / Q4_1 blocks (models/projections/panels.py) with 16-bit and ("+a8") 8-bit activations.
 The kernels take turns sweep by sweep; medians of the sweeps; the float weights' GB/s is what one
 row reads (540 MB of float32) over the time. Prints a markdown table.
 """
@@ -17,10 +17,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from models.dense import PackedLinear, onednn_available
 from models.kernels import native
 from models.machine import machine_info
-from models.panels import BlockLinear, PanelLinear
+from models.projections.dense import PackedLinear, onednn_available
+from models.projections.panels import BlockLinear, PanelLinear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 

@@ -1,4 +1,4 @@
-"""fp32 vs the quantized modes (models/quant.py) on the default models, side by side in one run.
+"""fp32 vs the quantized modes (models/projections/quant.py) on the default models, side by side in one run.
 
     python -m loadtests.models.quant [--modes int8,q8_0,q4_1,q4_1+a8] [--quick] [--threads 2] [--json out.json]
                                                                                   (make bench-quant)

@@ -15,7 +15,7 @@ from models.checkpoints.hf import HF_ACTIVATIONS
 from models.checkpoints.llama import _mapping as llama_mapping
 from models.decoder import DecoderLM
 from models.encoder import EncoderModel
-from models.fuse import unfused_state_dict
+from models.projections.fuse import unfused_state_dict
 
 # ours -> transformers' ACT2FN name (the first HF name that imports as ours)
 TO_HF_ACTIVATION: dict[str, str] = {}

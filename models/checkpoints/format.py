@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from ..config import BlockConfig, ConfigError
 from ..decoder import DecoderLM
 from ..encoder import EncoderModel
-from ..fuse import is_fused
+from ..projections.fuse import is_fused
 from ..seq2seq import Seq2Seq
 
 FORMAT_VERSION = 1
@@ -127,7 +127,7 @@ def save_checkpoint(model: nn.Module, directory: str | Path) -> Path:
     if not isinstance(cfg, BlockConfig) or cfg.family not in MODEL_CLASSES:
         raise CheckpointError(f"{type(model).__name__} has no config of a known family {sorted(MODEL_CLASSES)}")
     if is_fused(model):
-        raise CheckpointError("save the model before fuse_projections (models/fuse.py): checkpoints keep "
+        raise CheckpointError("save the model before fuse_projections (models/projections/fuse.py): checkpoints keep "
                               "q/k/v and gate/up separate")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from ..config import Seq2SeqConfig
-from ..fuse import unfused_state_dict
 from ..positions import sinusoidal_table
+from ..projections.fuse import unfused_state_dict
 from ..seq2seq import Seq2Seq
 from .format import CheckpointError, build_model, load_state_strict
 from .hf import activation, check_tied, make_config, need_field, rename_strict, require

@@ -29,8 +29,8 @@ from ..kernels import native
 from ..kv_cache import CrossCache
 from ..layers import Block, Embeddings, gelu_tanh
 from ..norms import RMSNorm
-from ..panels import BlockLinear, PanelLinear
 from ..positions import LearnedPositions, RotaryPositions, SinusoidalPositions
+from ..projections.panels import BlockLinear, PanelLinear
 
 KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # ops.h's Kind
 ACTS = {F.silu: 0, F.relu: 1, F.gelu: 2, gelu_tanh: 3}  # block_step.cpp's Act
@@ -218,7 +218,7 @@ def final_norm_args(norm: nn.Module) -> FinalNorm:
 class Head(NamedTuple):
     """A model's output projection as stack_step applies it after the final norm (head_args)."""
 
-    weight: Tensor  # panels or blocks (models/panels.py)
+    weight: Tensor  # panels or blocks (models/projections/panels.py)
     bias: Tensor | None  # (V,) float32: its own, or the model's bias added after it (Marian's final_logits_bias)
     kind: int  # KINDS
     n: int  # V

@@ -4,7 +4,7 @@ For each phase the candidates are tried in one order of preference, native, cuda
 torch (the first that runs wins under "auto"); a backend asked for by name must run or the load fails
 with PlanError naming the phase, the backend and what it needs. Every backend not taken keeps its
 reason in the plan. What is measured at load (the float projections' kernel per shape, the weights
-prompts run on) was settled before planning (models/dense.py, models/prompt_weights.py) and appears
+prompts run on) was settled before planning (models/projections/dense.py, models/projections/prompt_weights.py) and appears
 here as detail. Call after the model's layers are final (quantized, fused, packed, compiled).
 """
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from ..kernels import native
 from ..paged_cache import kernel_runs
-from ..panels import BlockLinear
+from ..projections.panels import BlockLinear
 from .compiled import is_compiled
 from .executors import DecoderExecutor, EncoderExecutor, Executor, Seq2SeqExecutor
 from .native import Head, NativeDecoder, NativeEncoder, Unsupported, head_args

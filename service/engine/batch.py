@@ -32,12 +32,12 @@ import torch
 from torch import Tensor
 
 from models.decoding import BatchParams, Choice, RowSampler, choose
-from models.dense import kernels_per_shape
 from models.execution.executors import DecoderExecutor
 from models.execution.graphs import DecodeGraphs
 from models.inputs import PaddedBatch
 from models.kv_cache import KVCache
 from models.paged_cache import PagedKVCache, blocks_for
+from models.projections.dense import kernels_per_shape
 
 from .grammar import MaskBuilder
 from .lookahead import Ahead, launch_states, read, to_host

@@ -20,8 +20,7 @@ from models.execution.planner import plan_model
 from models.kernels import native
 from models.paged_cache import kernel_runs
 from models.tiny import tiny_model
-
-from .test_quant import needs_kernels
+from tests.models.projections.test_quant import needs_kernels
 
 pytestmark = [needs_kernels, pytest.mark.usefixtures("one_torch_thread")]
 

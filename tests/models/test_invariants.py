@@ -3,7 +3,7 @@
 Dimension legend: B batch rows, T padded length, C model dim, V vocabulary.
 
 Every test runs twice: with torch's own float projections and with oneDNN-packed ones
-(models/dense.py), the two kernels `dense_kernel: auto` chooses between at load.
+(models/projections/dense.py), the two kernels `dense_kernel: auto` chooses between at load.
 
 A sequence's outputs do not depend on what it is batched with (padding on either side), on
 cached vs full computation, on where other rows of a cached step stand, or on the embeddings of
@@ -22,9 +22,9 @@ from torch import Tensor, nn
 
 from models.config import PRESETS, BlockConfig, DecoderConfig, EncoderConfig, RopeScaling, Seq2SeqConfig
 from models.decoder import DecoderLM
-from models.dense import kernels_here, pack_dense
 from models.encoder import EncoderModel
 from models.kv_cache import KVCache
+from models.projections.dense import kernels_here, pack_dense
 from models.seq2seq import Seq2Seq
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest

@@ -16,8 +16,7 @@ from models.kernels import native
 from models.kv_cache import KVCache
 from models.paged_cache import CacheFull, PagedKVCache
 from models.tiny import tiny_model
-
-from .test_quant import needs_kernels
+from tests.models.projections.test_quant import needs_kernels
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

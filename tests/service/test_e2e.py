@@ -134,7 +134,7 @@ def test_readyz_is_503_before_the_models_load_and_200_after(server: Server) -> N
 
 
 def test_models_report_the_dense_kernels_their_config_chose(server: Server) -> None:
-    from models.dense import onednn_available
+    from models.projections.dense import onednn_available
 
     with server.client() as c:
         cards = {m["deployment"]: m for m in c.get("/v1/models").json()["data"]}

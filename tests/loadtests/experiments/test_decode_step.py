@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.models.test_quant import needs_kernels
+from tests.models.projections.test_quant import needs_kernels
 
 
 @needs_kernels

@@ -19,7 +19,7 @@ from models.execution.plan import PlanError
 from models.generate import generate
 from models.kernels import native
 from models.kv_cache import KVCache
-from models.quant import quantize
+from models.projections.quant import quantize
 from models.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -16,20 +16,20 @@ import torch
 from models.beam_search import BeamParams, BeamSearch, translate_ids
 from models.decoder import DecoderLM
 from models.decoding import SamplingParams
-from models.dense import pack_dense
 from models.encoder import EncoderModel
 from models.execution.executors import DecoderExecutor, Seq2SeqExecutor
 from models.execution.plan import PlanError
 from models.execution.planner import Runtime, plan_model
-from models.fuse import fuse_projections
 from models.generate import generate
 from models.inputs import PaddedBatch
 from models.paged_cache import PagedKVCache
-from models.quant import quantize
+from models.projections.dense import pack_dense
+from models.projections.fuse import fuse_projections
+from models.projections.quant import quantize
 from models.seq2seq import Seq2Seq
 from models.tiny import SEQ2SEQ_SPREAD, tiny_model
+from tests.models.projections.test_quant import needs_kernels
 from tests.models.test_paged_cache import PROMPTS, gqa_model
-from tests.models.test_quant import needs_kernels
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), needs_kernels]
 
@@ -189,7 +189,7 @@ def test_other_blocks_keep_their_own_path() -> None:
 def test_the_arguments_follow_the_model_after_load() -> None:
     """A plan reads the model as it is when planned (the activation bits, the projections, train
     mode); a change afterwards needs a new plan, which reads it."""
-    from models.panels import set_activation_bits
+    from models.projections.panels import set_activation_bits
 
     model = fast_model("q4_1")
     first = plan_model(model).step.stack

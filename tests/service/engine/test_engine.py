@@ -22,7 +22,7 @@ from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.generate import generate
 from models.kv_cache import CacheView
-from models.quant import quantize_int8
+from models.projections.quant import quantize_int8
 from models.text import TextTokenizer
 from models.tiny import EOS, tiny_model
 from service.engine.admission import Ask

@@ -1,5 +1,5 @@
 """GGUF's Q4_1 blocks on PyTorch's int4 tile kernel (tinygemm: `torch.ops.aten._weight_int4pack_mm`),
-the 4-bit path on CUDA, where this project's block kernels (models/panels.py) do not run.
+the 4-bit path on CUDA, where this project's block kernels (models/projections/panels.py) do not run.
 
 Q4_1 stores 4-bit codes q in 0..15 with a float16 scale d and minimum m per group of 32 inputs:
 w = d q + m. The tile kernel computes w = (q - 8) scale + zero per group, so the same codes serve

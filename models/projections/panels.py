@@ -3,7 +3,7 @@
 Three weight formats:
 - `PanelLinear`: float32 weights and activations. At one row it streams the weights at ~2x the rate
   of oneDNN's packed path on the AMD EPYC this was measured on (docs/benchmarks.md);
-  `dense_kernel: auto` times it against MKL and oneDNN at load (models/dense.py) and keeps the
+  `dense_kernel: auto` times it against MKL and oneDNN at load (models/projections/dense.py) and keeps the
   fastest per weight shape.
 - `BlockLinear("q8_0")`: GGUF's Q8_0, 8-bit codes with a float16 scale per group of 32 inputs:
   w = q * d. `BlockLinear("q4_1")`: GGUF's Q4_1, 4-bit codes with a float16 scale and minimum per
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .projections import RepackedLinear
+from .base import RepackedLinear
 
 PANEL = 32  # outputs per panel (the kernels' NR)
 GROUP = 32  # inputs per quantization group (Q4_1 and Q8_0)

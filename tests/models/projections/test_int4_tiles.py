@@ -1,4 +1,4 @@
-"""q4_1 on PyTorch's int4 tile kernel (models/int4_tiles.py), the 4-bit path on CUDA. Run here on
+"""q4_1 on PyTorch's int4 tile kernel (models/projections/int4_tiles.py), the 4-bit path on CUDA. Run here on
 the kernel's CPU form (`_weight_int4pack_mm_for_cpu`, float32): the Q4_1 -> (scale, zero) identity,
 the group layout, padding to whole tiles and a whole tiny decoder against the same blocks dequantized.
 The CUDA form (its own byte packing, bfloat16) is checked by the prepared GPU check
@@ -10,12 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from models.int4_tiles import TiledInt4Linear, inner_k_tiles
-from models.panels import dequantize, quantize_q4_1
-from models.quant import quantize, quantize_q4_1_tiles, with_q4_1_values
+from models.projections.int4_tiles import TiledInt4Linear, inner_k_tiles
+from models.projections.panels import dequantize, quantize_q4_1
+from models.projections.quant import quantize, quantize_q4_1_tiles, with_q4_1_values
 from models.tiny import tiny_model
-
-from .test_quant import assert_cached_equals_uncached_and_batched_equals_alone
+from tests.models.projections.test_quant import assert_cached_equals_uncached_and_batched_equals_alone
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,8 +1,10 @@
-"""Stacking Linears that read the same input into one (models/fuse.py fuses q/k/v and gate/up),
-finding the embedding matrix a tied output head reuses (models/quant.py, models/dense.py), and the
-base of the float layers whose weight lives in another layout (models/dense.py, models/panels.py)."""
+"""Stacking Linears that read the same input into one (models/projections/fuse.py fuses q/k/v and gate/up),
+finding the embedding matrix a tied output head reuses (models/projections/quant.py, models/projections/dense.py), and the
+base of the float layers whose weight lives in another layout (models/projections/dense.py, models/projections/panels.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +21,19 @@ def stack_linears(*linears: nn.Linear) -> nn.Linear:
         if has_bias:
             out.bias.copy_(torch.cat([lin.bias for lin in linears]))  # (sum N_i,)
     return out
+
+
+def swap_linears(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module | None]) -> int:
+    """The one place a model's projections change format: every submodule for which `replace(its
+    qualified name, it)` returns a module is replaced by it, in place (None keeps it). Returns how many."""
+    swapped = 0
+    for name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            new = replace(f"{name}.{child_name}" if name else child_name, child)
+            if new is not None:
+                setattr(parent, child_name, new)
+                swapped += 1
+    return swapped
 
 
 def tied_embedding(model: nn.Module) -> Tensor | None:

@@ -5,7 +5,7 @@ per weight shape by measurement.
 (AVX-512, 2 threads), MKL runs SmolLM2's 30 layers of projections plus its head at 10 GB/s at one row
 and 6-9 GB/s at 2-32 rows, while oneDNN with the weight reordered once into its blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`, the path inductor's freezing uses) reaches 17-21 GB/s: a
-1.8-2.8x faster decode step at the same fp32 precision; our own kernels (models/panels.py, where
+1.8-2.8x faster decode step at the same fp32 precision; our own kernels (models/projections/panels.py, where
 the CPU has AVX-512 or AVX2 and a compiler built them) stream a decoder's weights at one row about 2x faster
 again. Which one wins depends on the CPU and the shape (MKL is at its best on Intel; oneDNN at a few
 hundred rows), so `pack_dense(model, "auto")` times every candidate at load on every projection, in
@@ -33,12 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .kernels import native
+from ..kernels import native
+from ..spec import DenseKernel
+from .base import RepackedLinear, swap_linears, tied_embedding
 from .panels import PanelLinear
-from .projections import RepackedLinear, tied_embedding
-from .spec import DenseKernel
 
-log = logging.getLogger("models.dense")
+log = logging.getLogger("models.projections.dense")
 
 PACK_ROWS = 32  # oneDNN's batch-size hint when reordering; the result does not depend on it
 PROBE_ROWS = (1, 8, 32)  # rows the choice is measured at: a decode step alone, a few rows, a batch
@@ -73,7 +73,7 @@ def kernels_per_shape(model: nn.Module) -> bool:
     """Whether `model`'s projections keep a compiled kernel per input shape: oneDNN does (about 1.7 MiB
     per row count for SmolLM2's MLP in bfloat16; docs/reliability.md, Heap trimming), for 16-bit float
     weights on CPU (F.linear goes to oneDNN) and for PackedLinear; MKL, our panel and block kernels
-    (models/panels.py) and CUDA keep none. Callers that pick input shapes (a prefill's padding) bound
+    (models/projections/panels.py) and CUDA keep none. Callers that pick input shapes (a prefill's padding) bound
     the variety of row counts where this is True."""
     for m in model.modules():
         if isinstance(m, PackedLinear):
@@ -197,8 +197,11 @@ def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = me
         measured = {slot.shape for slot, pin in zip(slots, pinned, strict=True) if not pin}
         report.update({_shape_name(slot.shape): "panels (blocks)"
                        for slot, pin in zip(slots, pinned, strict=True) if pin and slot.shape not in measured})
-    for slot in slots:
-        if not isinstance(modules[id(slot)], AtenLinear):
+    chosen = {id(slot.weight): modules[id(slot)] for slot in slots if not slot.copy}
+    swap_linears(model, lambda _, child: None if type(child) is not nn.Linear or isinstance(
+        chosen.get(id(child.weight)), AtenLinear) else chosen.get(id(child.weight)))
+    for slot in slots:  # a tied head's packed copy: the model has no module there to swap
+        if slot.copy and not isinstance(modules[id(slot)], AtenLinear):
             setattr(slot.parent, slot.name, modules[id(slot)])
     log.info("dense kernels (%s): %s", kernel, report)
     return report
@@ -211,14 +214,14 @@ def _shape_name(shape: Shape) -> str:
 def _fused_heads(model: nn.Module) -> set[int]:
     """id of `model` when its head is applied inside the decoder's native step (an encoder-decoder's
     lm_head: its slot's parent is the model)."""
-    from .seq2seq import Seq2Seq
+    from ..seq2seq import Seq2Seq
 
     return {id(model)} if isinstance(model, Seq2Seq) else set()
 
 
 def _block_parts(model: nn.Module) -> set[int]:
     """ids of the attention and feed-forward modules of `model`'s transformer blocks."""
-    from .layers import Block
+    from ..layers import Block
 
     return {id(part) for block in model.modules() if isinstance(block, Block)
             for part in (block.self_attn, block.cross_attn, block.ff) if part is not None}

@@ -1,4 +1,4 @@
-"""Sample inputs for quantization (models/quant.py): each family's model run in float on the
+"""Sample inputs for quantization (models/projections/quant.py): each family's model run in float on the
 sentences of models/data/calibration.txt, so the activation ranges of every Linear can be recorded.
 
 The sentences are plain English of many kinds (requests, reviews, news, instructions), written for
@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .beam_search import BeamParams, translate_ids
-from .decoder import DecoderLM
-from .encoder import EncoderModel
-from .inputs import PaddedBatch
-from .seq2seq import Seq2Seq
-from .text import TextTokenizer
+from ..beam_search import BeamParams, translate_ids
+from ..decoder import DecoderLM
+from ..encoder import EncoderModel
+from ..inputs import PaddedBatch
+from ..seq2seq import Seq2Seq
+from ..text import TextTokenizer
 
-CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"
+CALIBRATION_TEXT = Path(__file__).parents[1] / "data" / "calibration.txt"
 MAX_TOKENS = 512
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .attention import MultiHeadAttention
-from .layers import Block, FeedForward
+from ..attention import MultiHeadAttention
+from ..layers import Block, FeedForward
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:

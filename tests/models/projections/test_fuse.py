@@ -1,4 +1,4 @@
-"""Fused projections (models/fuse.py): the same outputs as the separate ones, for every family, with
+"""Fused projections (models/projections/fuse.py): the same outputs as the separate ones, for every family, with
 and without the KV cache; load_model fuses unless the spec says not to."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from torch import nn
 
 from models.catalog import ModelSpec, load_model
 from models.config import BlockConfig
-from models.dense import AtenLinear
-from models.fuse import fuse_projections
 from models.kv_cache import KVCache
-from models.projections import RepackedLinear
-from models.quant import Int8Linear
+from models.projections.base import RepackedLinear
+from models.projections.dense import AtenLinear
+from models.projections.fuse import fuse_projections
+from models.projections.quant import Int8Linear
 from models.tiny import tiny_model
 from tests.models.test_invariants import DECODERS, ENCODERS, LENGTHS, MODELS, SEQ2SEQS, close, padded, real
 
@@ -109,7 +109,7 @@ def test_load_model_fuses_unless_told_not_to_and_quantizes_the_fused_projections
 
 def test_exports_and_checkpoints_see_the_unfused_layout(tmp_path: Path) -> None:
     from models.checkpoints.format import CheckpointError, save_checkpoint
-    from models.fuse import unfused_state_dict
+    from models.projections.fuse import unfused_state_dict
 
     plain, _ = tiny_model("decoder")
     fused, _ = tiny_model("decoder")

@@ -1,10 +1,10 @@
 """Quantized weights for every family. `quantize(model, mode)`:
 - "int8": `quantize_int8(model)` swaps each `nn.Linear` for an `Int8Linear` (below);
-- "q8_0" / "q4_1": GGUF's block formats on our CPU kernels (models/panels.py): 8-bit or 4-bit
+- "q8_0" / "q4_1": GGUF's block formats on our CPU kernels (models/projections/panels.py): 8-bit or 4-bit
   weights in groups of 32 inputs, activations quantized to 8 bits per row and group of 32 inside the
   kernels (as llama.cpp computes these formats); a model loaded from a GGUF file with those blocks is
   served with exactly its own weights. On CUDA, q4_1 runs on PyTorch's int4 tile kernel
-  (models/int4_tiles.py: the same codes, bfloat16 scales and activations).
+  (models/projections/int4_tiles.py: the same codes, bfloat16 scales and activations).
 
 int8 in detail:
 
@@ -36,10 +36,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from ..kernels import native
+from .base import swap_linears, tied_embedding
 from .int4_tiles import TiledInt4Linear
-from .kernels import native
 from .panels import GROUP, BlockLinear, dequantize, quantize_q4_1
-from .projections import tied_embedding
 
 QMAX = 127.0
 CUDA_MIN_ROWS = 16
@@ -52,7 +52,7 @@ EXACT_FLOAT_K = 1024
 # head is too small to gain anything from int8, and so is a classifier's C x C head_dense (BERT's pooler,
 # RoBERTa's classifier.dense), one row per text on the logits path.
 FLOAT_LAYERS: dict[str, tuple[str, ...]] = {"EncoderModel": ("ff.down", "head", "head_dense")}
-# Model classes whose projections stay unfused (models/fuse.py) when quantized. MiniLM's fused q/k/v
+# Model classes whose projections stay unfused (models/projections/fuse.py) when quantized. MiniLM's fused q/k/v
 # share one smoothing vector: 98.9 % of labels kept against 99.4 % unfused, at no measurable speed
 # gain (its MLP is not gated, so q/k/v is all that fusion would merge).
 UNFUSED_WHEN_QUANTIZED = frozenset({"EncoderModel"})
@@ -177,12 +177,13 @@ def quantize_int8(model: nn.Module, calibrate: Callable[[nn.Module], object] | N
     matrix as its head (the lookup stays in float). Returns `model`."""
     maxima = activation_maxima(model, calibrate) if calibrate is not None else {}
     keep = FLOAT_LAYERS.get(type(model).__name__, ())
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, nn.Linear) and not full.endswith(keep):
-                smooth = smoothing(child.weight, maxima[full]) if full in maxima else None
-                setattr(module, child_name, Int8Linear(child.weight, child.bias, smooth))
+
+    def int8(full: str, child: nn.Module) -> Int8Linear | None:
+        if not isinstance(child, nn.Linear) or full.endswith(keep):
+            return None
+        return Int8Linear(child.weight, child.bias, smoothing(child.weight, maxima[full]) if full in maxima else None)
+
+    swap_linears(model, int8)
     tied = tied_embedding(model)
     if tied is not None:
         model.lm_head = Int8Linear(tied, None)  # type: ignore[assignment]
@@ -214,12 +215,10 @@ def quantize_blocks(fmt: str, head_fmt: str) -> Callable[[nn.Module, Callable[[n
             raise ValueError(f"quantize: {fmt} runs on this project's CPU kernels, which are not available here "
                              "(they need AVX2 or AVX-512 and a C++ compiler; see the log for the reason)")
         keep = BLOCK_FLOAT_LAYERS.get(type(model).__name__, ())
-        for name, module in list(model.named_modules()):
-            for child_name, child in list(module.named_children()):
-                full = f"{name}.{child_name}" if name else child_name
-                if isinstance(child, nn.Linear) and not full.endswith(keep) and child.in_features % GROUP == 0:
-                    setattr(module, child_name, BlockLinear(head_fmt if full == "lm_head" else fmt,
-                                                            child.weight, child.bias))
+        swap_linears(model, lambda full, child: BlockLinear(head_fmt if full == "lm_head" else fmt, child.weight,
+                                                            child.bias)
+                     if isinstance(child, nn.Linear) and not full.endswith(keep) and child.in_features % GROUP == 0
+                     else None)
         tied = tied_embedding(model)
         if tied is not None and tied.size(1) % GROUP == 0:
             model.lm_head = BlockLinear(head_fmt, tied, None)  # type: ignore[assignment]
@@ -235,15 +234,13 @@ def _tiles_take(model: nn.Module) -> Callable[[str, nn.Module], bool]:
 
 
 def quantize_q4_1_tiles(model: nn.Module) -> nn.Module:
-    """q4_1 on PyTorch's int4 tile kernel (models/int4_tiles.py: CUDA; the tests run it on CPU): every
+    """q4_1 on PyTorch's int4 tile kernel (models/projections/int4_tiles.py: CUDA; the tests run it on CPU): every
     nn.Linear whose input size is a multiple of 32 becomes a TiledInt4Linear, except the output head
     and the layers BLOCK_FLOAT_LAYERS keeps. The head stays in the model's float dtype: the tile kernel
     has no 8-bit form (a GGUF's Q8_0 head is served as its dequantized values)."""
     take = _tiles_take(model)
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if take(f"{name}.{child_name}" if name else child_name, child):
-                setattr(module, child_name, TiledInt4Linear.from_weight(child.weight, child.bias))
+    swap_linears(model, lambda full, child: TiledInt4Linear.from_weight(child.weight, child.bias)
+                 if take(full, child) else None)
     return model
 
 
@@ -270,7 +267,7 @@ FUSE_SAFE = frozenset({"q8_0", "q4_1"})  # group-wise per output row: fusing cha
 
 
 def keeps_fusion(mode: str | None, model: nn.Module) -> bool:
-    """Whether `model`'s projections may be fused (models/fuse.py) before quantizing in `mode`."""
+    """Whether `model`'s projections may be fused (models/projections/fuse.py) before quantizing in `mode`."""
     return mode is None or mode in FUSE_SAFE or type(model).__name__ not in UNFUSED_WHEN_QUANTIZED
 
 

@@ -1,4 +1,4 @@
-"""Our CPU projection kernels (models/kernels/panels.cpp, models/panels.py): float32 panels give the
+"""Our CPU projection kernels (models/kernels/panels.cpp, models/projections/panels.py): float32 panels give the
 products F.linear computes; the block formats compute exactly their reference arithmetic (8-bit
 activations per group of 32, exact integer sums), with every instruction set's build giving the
 same bits; every format is bitwise the same for a row alone and in any batch, and GGUF's Q4_1 / Q8_0
@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.kernels import native
-from models.panels import BlockLinear, PanelLinear, dequantize, quantize_q4_1, quantize_q8_0, reference
+from models.projections.panels import (
+    BlockLinear,
+    PanelLinear,
+    dequantize,
+    quantize_q4_1,
+    quantize_q8_0,
+    reference,
+)
 
 # CI sets REQUIRE_NATIVE_KERNELS=1 (.ci/run): there a missing build fails instead of skipping
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
@@ -93,7 +100,7 @@ def test_every_build_this_cpu_runs_gives_the_same_bits() -> None:
         "import json, sys, torch\n"
         "from models.kernels import native\n"
         "assert native.available()\n"
-        "from models.panels import BlockLinear, PanelLinear\n"
+        "from models.projections.panels import BlockLinear, PanelLinear\n"
         "torch.manual_seed(0)\n"
         "x = torch.randn(9, 256) * 3\n"
         "out = {'f32': PanelLinear(torch.randn(100, 256), torch.randn(100))(x).tolist()}\n"

@@ -1,4 +1,4 @@
-"""Quantized weights (models/quant.py): int8 with per-token activations and GGUF's weight-only
+"""Quantized weights (models/projections/quant.py): int8 with per-token activations and GGUF's weight-only
 q8_0 / q4_1 blocks; close to fp32, rows independent of their batch (bitwise: exact integer matmuls,
 and the block kernels' fixed summation order), every Linear of every family swapped, and the
 invariants of the serving paths kept on quantized tiny models."""
@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-from models import quant
 from models.catalog import ModelSpec, load_model
 from models.config import EncoderConfig
 from models.decoding import SamplingParams
@@ -21,8 +20,16 @@ from models.encoder import EncoderModel
 from models.generate import generate
 from models.kernels import native
 from models.kv_cache import KVCache
-from models.panels import BlockLinear
-from models.quant import BLOCK_FLOAT_LAYERS, FLOAT_LAYERS, Int8Linear, quantize, quantize_int8, quantize_rows
+from models.projections import quant
+from models.projections.panels import BlockLinear
+from models.projections.quant import (
+    BLOCK_FLOAT_LAYERS,
+    FLOAT_LAYERS,
+    Int8Linear,
+    quantize,
+    quantize_int8,
+    quantize_rows,
+)
 from models.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -252,7 +259,7 @@ def test_int8_linear_gives_the_same_bits_either_way(monkeypatch: pytest.MonkeyPa
 def test_prompt_weights_float_loads_a_float_twin_for_prompts() -> None:
     """prompt_weights "float": the blocks decode, a float32 copy on our panel kernels computes
     prompts; the two agree to the blocks' rounding. Other models and modes refuse the setting."""
-    from models.panels import PanelLinear
+    from models.projections.panels import PanelLinear
 
     spec = ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", quantize="q4_1", prompt_weights="float")
     loaded = load_model(spec, Path("/nonexistent"))
@@ -275,7 +282,7 @@ def test_prompt_weights_float_loads_a_float_twin_for_prompts() -> None:
 def test_prompt_weights_auto_keeps_the_twin_only_where_it_measured_faster(
         monkeypatch: pytest.MonkeyPatch, measured: float, twin: bool) -> None:
     import models.catalog
-    from models.prompt_weights import prompt_speedup
+    from models.projections.prompt_weights import prompt_speedup
 
     tiny, _ = tiny_model("decoder")
     assert prompt_speedup(tiny, tiny, tokens=8, rounds=1) > 0

@@ -13,9 +13,9 @@ import torch
 from models import zoo
 from models.catalog import BUILTIN_DIR, DEFAULT_SPECS, load_model
 from models.decoding import SamplingParams
-from models.dense import onednn_available
 from models.generate import generate
 from models.inputs import PaddedBatch
+from models.projections.dense import onednn_available
 from models.train.eval_translator import read_test, translate_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")]

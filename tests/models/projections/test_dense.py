@@ -1,4 +1,4 @@
-"""oneDNN-packed float projections (models/dense.py): the same results as F.linear to fp32 rounding,
+"""oneDNN-packed float projections (models/projections/dense.py): the same results as F.linear to fp32 rounding,
 an ordinary state_dict, and a kernel chosen per weight shape by what the timer measures."""
 
 from __future__ import annotations
@@ -11,16 +11,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import dense
 from models.catalog import ModelSpec, load_model
-from models.dense import PackedLinear, kernels_here, kernels_per_shape, onednn_available, pack_dense
-from models.fuse import unfused_state_dict
 from models.kv_cache import KVCache
-from models.panels import PanelLinear
-from models.projections import RepackedLinear
+from models.projections import dense
+from models.projections.base import RepackedLinear
+from models.projections.dense import (
+    PackedLinear,
+    kernels_here,
+    kernels_per_shape,
+    onednn_available,
+    pack_dense,
+)
+from models.projections.fuse import unfused_state_dict
+from models.projections.panels import PanelLinear
 from models.tiny import tiny_model
-
-from .test_quant import needs_kernels
+from tests.models.projections.test_quant import needs_kernels
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")]
@@ -72,7 +77,7 @@ def test_packed_models_match_and_keep_their_checkpoint_layout(family: str) -> No
 
 def test_auto_packs_only_the_shapes_the_timer_measures_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without our panels (no compiler, no AVX2), every projection's kernel is the timer's choice."""
-    from models import dense
+    from models.projections import dense
 
     monkeypatch.setattr(dense, "kernels_here", lambda: [k for k in kernels_here() if k != "panels"])
     model, _ = tiny_model("decoder")
@@ -105,9 +110,9 @@ def test_auto_gives_the_blocks_the_panels_and_the_timer_the_rest() -> None:
     a whole block needs them), and so does an encoder-decoder's head (the decoder's native step applies
     it); the timer still sweeps every projection in model order (the caches as a forward pass leaves
     them) and decides the others (here a decoder-only model's tied head)."""
-    from models.dense import _slots
     from models.execution.planner import plan_model
-    from models.fuse import fuse_projections
+    from models.projections.dense import _slots
+    from models.projections.fuse import fuse_projections
 
     model = fuse_projections(tiny_model("seq2seq")[0].eval())  # as load_model leaves it before packing
     every = len(_slots(model))
@@ -132,7 +137,7 @@ def test_auto_gives_the_blocks_the_panels_and_the_timer_the_rest() -> None:
 
 
 def test_the_real_timer_measures_every_shape_and_kernel() -> None:
-    from models.dense import BUILDERS, _slots, measure
+    from models.projections.dense import BUILDERS, _slots, measure
 
     model, _ = tiny_model("seq2seq")
     slots = _slots(model)
@@ -153,7 +158,7 @@ def test_aten_leaves_the_model_alone_and_load_model_reports_its_choice() -> None
 
 
 def test_quantized_models_pack_only_the_layers_left_in_float() -> None:
-    from models.quant import Int8Linear
+    from models.projections.quant import Int8Linear
 
     spec = ModelSpec(name="e", tasks=("embed",), source="tiny:encoder", quantize="int8", dense_kernel="onednn")
     model = load_model(spec, Path("/nonexistent")).model
