@@ -124,7 +124,7 @@ def ungroup_queries(out: Tensor, rows: Tensor, width: int, t: int) -> Tensor:
 class MultiHeadAttention(nn.Module):
     """Multi-head (or grouped-query) attention; self-attention or cross-attention.
 
-    Self-attention may write into a per-layer KV cache (see kv_cache.CacheView); cross-attention
+    Self-attention may write into a per-layer KV cache (see cache.dense.CacheView); cross-attention
     takes keys/values precomputed once per request by `project_kv`.
     """
 
@@ -196,9 +196,9 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor:
         """x: (B, T, C); mask: (B|1, 1, T|1, S) bool; rope: cos, sin (B, 1, T, D).
 
-        cache: a kv_cache.LayerCache to write this step's keys into (self-attention);
+        cache: a cache.dense.LayerCache to write this step's keys into (self-attention);
         kv: precomputed (B, K, S, D) keys/values (cross-attention), or (k, v, rows, width) with keys
-        (N, K, S, D) one per source and mask (N, 1, 1, S) (kv_cache.CrossCache.grouped); bias: (B|1, H, T, S) added to the
+        (N, K, S, D) one per source and mask (N, 1, 1, S) (cache.cross.CrossCache.grouped); bias: (B|1, H, T, S) added to the
         scores (T5's relative positions). Returns (B, T, C).
         """
         b, t, _ = x.shape

@@ -20,13 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .cache.base import KeyValueCache
+from .cache.cross import CrossCache, CrossSlots
+from .cache.dense import KVCache
+from .cache.paged import PagedKVCache, blocks_for, kernel_runs
 from .execution.executors import Seq2SeqExecutor
 from .execution.native import CrossRows
 from .execution.planner import executor_for
 from .inputs import PaddedBatch
 from .kernels import native
-from .kv_cache import CrossCache, CrossSlots, KVCache
-from .paged_cache import PagedKVCache, blocks_for, kernel_runs
 from .seq2seq import Seq2Seq
 
 
@@ -179,9 +181,9 @@ class BeamSearch:
     cancelled, and its rows go to the next sources added. Each source's beams are its own rows, so
     its result is the same whether it runs alone, among others, or joins later.
 
-    Cross-attention keys/values are kept one slot per source (`_slots`, kv_cache.CrossSlots: a join
+    Cross-attention keys/values are kept one slot per source (`_slots`, cache.cross.CrossSlots: a join
     writes its slot, a leave frees it, nothing else moves), never copied to the beams: each source's
-    beams attend them together (kv_cache.CrossCache.grouped); the map from rows to slots is rebuilt
+    beams attend them together (cache.cross.CrossCache.grouped); the map from rows to slots is rebuilt
     only when the row layout changes (a source joins, widens from 1 row to its beams, or leaves). Rows
     are reserved for a source's full beam size when it is added."""
 
@@ -196,7 +198,7 @@ class BeamSearch:
         self.device = weight.device
         self.eos, self.start = cfg.eos_token_id, cfg.decoder_start_token_id
         self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
-        self.cache: KVCache | PagedKVCache
+        self.cache: KeyValueCache
         if kernel_runs(weight.dtype, self.device):  # each row attends its own keys; reorders share blocks
             blocks = rows * blocks_for(max_new_tokens + 1) + 1
             # blocks zeroed as rows take them: a search touches only the pages it uses

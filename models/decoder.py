@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .cache.base import CacheStep
 from .config import DecoderConfig
-from .kv_cache import CacheView
 from .stacks import CausalStack, gather_rows
 
 
@@ -28,7 +28,7 @@ class DecoderLM(nn.Module):
         self,
         ids: Tensor,
         keep: Tensor | None = None,
-        cache: CacheView | None = None,
+        cache: CacheStep | None = None,
         last: Tensor | None = None,
     ) -> Tensor:
         """ids (B, T) -> logits (B, T, V), or (B, 1, V) at index `last` (B,) of each row.

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache.base import KeyValueCache
+from .cache.dense import KVCache
+from .cache.paged import PagedKVCache, blocks_for, kernel_runs
 from .decoder import DecoderLM
 from .decoding import BatchParams, RowSampler, SamplingParams, find_stop, next_tokens
 from .execution.executors import DecoderExecutor
 from .execution.planner import executor_for
 from .inputs import PaddedBatch
-from .kv_cache import KVCache
-from .paged_cache import PagedKVCache, blocks_for, kernel_runs
 
 
 @dataclass
@@ -27,7 +28,7 @@ class Generated:
     finish_reason: str  # "stop" (stop token or string) or "length"
 
 
-def _cache(model: DecoderLM, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache | PagedKVCache:
+def _cache(model: DecoderLM, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KeyValueCache:
     """The cache the engine would decode on: paged, each row's blocks reserved up front, where its decode
     kernel runs; the dense one elsewhere and for a sliding window."""
     if model.cfg.sliding_window is None and kernel_runs(dtype, device):

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .cache.base import CacheStep
+from .cache.cross import CrossCache
 from .config import Seq2SeqConfig
-from .kv_cache import CacheView, CrossCache
 from .layers import Embeddings
 from .projections.panels import PanelLinear
 from .stacks import CausalStack, EncoderStack, gather_rows
@@ -54,7 +55,7 @@ class Seq2Seq(nn.Module):
         tgt: Tensor,
         cross: CrossCache,
         tgt_keep: Tensor | None = None,
-        cache: CacheView | None = None,
+        cache: CacheStep | None = None,
         last: Tensor | None = None,
     ) -> Tensor:
         """tgt (B, T) -> logits (B, T, V) (or (B, 1, V) at `last`)."""

@@ -14,8 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from .attention import AttentionMask, causal_mask, padding_mask, positions_from_mask
+from .cache.base import CacheStep
+from .cache.cross import CrossCache
 from .config import BlockConfig
-from .kv_cache import CacheView, CrossCache
 from .layers import Block, Embeddings, make_norm
 from .positions import RelativePositionBias, RotaryPositions
 
@@ -76,7 +77,7 @@ class CausalStack(nn.Module):
         self,
         ids: Tensor,
         keep: Tensor | None = None,
-        cache: CacheView | None = None,
+        cache: CacheStep | None = None,
         cross: CrossCache | None = None,
     ) -> Tensor:
         """ids: (B, T) long; keep: (B, T) bool; cache: rows to read/write; cross: encoder keys/values."""

@@ -26,7 +26,7 @@ def decode(executor, rows: int, prompt: int, steps: int) -> tuple[float, list[li
     """(ms per decode step, the tokens, steps the native step computed) of one run on a fresh paged cache."""
     import torch
 
-    from models.paged_cache import PagedKVCache, blocks_for
+    from models.cache.paged import PagedKVCache, blocks_for
 
     model, total = executor.model, prompt + steps
     cache = PagedKVCache.for_model(model.cfg, rows, rows * blocks_for(total) + 1, total)

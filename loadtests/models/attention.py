@@ -1,7 +1,7 @@
 """Decode attention, the paged kernel against the dense cache: `python -m loadtests.models.attention`.
 
 One layer of SmolLM2-135M's attention shape (9 query heads on 3 key/value heads, head dim 64), one new
-token per row, rows of random lengths up to a maximum: the dense cache's path (models.kv_cache: the
+token per row, rows of random lengths up to a maximum: the dense cache's path (models.cache.dense: the
 rows' keys as (B, K, S, D) views padded to the longest, a boolean causal mask, torch's SDPA) against
 the paged cache's decode kernel (models/kernels/attention.cpp: each row's own keys, in place through
 its block table, no mask). Both through the caches' own `attend`, after the same writes. Medians of
@@ -15,10 +15,10 @@ import argparse
 import torch
 
 from models.attention import causal_mask
+from models.cache.dense import KVCache
+from models.cache.paged import PagedKVCache, blocks_for
 from models.kernels import native
-from models.kv_cache import KVCache
 from models.machine import machine_info
-from models.paged_cache import PagedKVCache, blocks_for
 
 from .bench import timed
 

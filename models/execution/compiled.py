@@ -7,7 +7,7 @@ about 22 to 12 ms on the 2-core AMD EPYC (docs/benchmarks.md).
 
 Regional compilation: each Block is compiled, not the whole model. Every block of a model runs the
 same code on its own parameters (inputs of the graph, not constants) and its own cache buffers
-(kv_cache.LayerCache, paged_cache.PagedLayerCache), so one graph serves all layers of a stack: SmolLM2 warms up in ~15 s on 2
+(cache.dense.LayerCache, cache.paged.PagedLayerCache), so one graph serves all layers of a stack: SmolLM2 warms up in ~15 s on 2
 cores, where compiling its 30-layer stack as one graph took about 90 s per graph (that graph ran a
 step ~25 % faster: one guard check and one call per step instead of 30; the next lever if start-up
 time allows). Sizes are symbolic (`dynamic=True`: the cache growing or a new batch size does not
@@ -93,10 +93,10 @@ def uncompile_blocks(model: nn.Module) -> None:
 def warm_up(model: nn.Module) -> float:
     """Run the shapes serving meets (1 and 2 rows; prefill and decode steps on a KV cache; an
     encoder's padded batch) so their graphs compile now. Returns the seconds it took."""
+    from ..cache.dense import KVCache
+    from ..cache.paged import PagedKVCache
     from ..decoder import DecoderLM
     from ..encoder import EncoderModel
-    from ..kv_cache import KVCache
-    from ..paged_cache import PagedKVCache
     from ..seq2seq import Seq2Seq
 
     started = time.perf_counter()

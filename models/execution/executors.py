@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor, nn
 
-from ..kv_cache import CrossCache
+from ..cache.cross import CrossCache
 from .native import CrossRows, NativeDecoder, NativeEncoder
 from .plan import ExecutionPlan, PhasePlan
 

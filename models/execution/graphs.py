@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..paged_cache import PagedCacheView, PagedKVCache, blocks_for
+from ..cache.paged import PagedCacheView, PagedKVCache, blocks_for
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..cache.cross import CrossCache
 from ..kernels import native
-from ..kv_cache import CrossCache
 from ..layers import Block, Embeddings, gelu_tanh
 from ..norms import RMSNorm
 from ..positions import LearnedPositions, RotaryPositions, SinusoidalPositions

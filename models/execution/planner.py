@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..cache.paged import kernel_runs
 from ..kernels import native
-from ..paged_cache import kernel_runs
 from ..projections.panels import BlockLinear
 from .compiled import is_compiled
 from .executors import DecoderExecutor, EncoderExecutor, Executor, Seq2SeqExecutor

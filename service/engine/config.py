@@ -17,7 +17,7 @@ class EngineConfig:
 
     max_running: int = 8  # sequences decoding at once (paged: as blocks allow; rows: if the budget holds the rows)
     kv_cache_mib: float = 384.0  # KV-cache budget: blocks of 16 tokens (paged), or rows of max_total_tokens
-    # paged: the cache is a pool of 16-token blocks (models/paged_cache.py), a sequence holds the blocks its
+    # paged: the cache is a pool of 16-token blocks (models/cache/paged.py), a sequence holds the blocks its
     # tokens fill, and the engine preempts the newest sequence when they run out; false: one preallocated
     # row of max_total_tokens per sequence. Sliding-window models always keep rows (a ring of the window).
     paged: bool = True

@@ -13,7 +13,7 @@ Every step, on the engine's one thread:
 3. one decode step over all live rows [0, n) (each at its own cache position), one token per row;
 4. free the rows of requests that finished; the last live rows move into the holes, so the live
    rows stay packed at the front of the cache.
-On a paged cache (the default; models/paged_cache.py) a request holds the 16-token blocks its tokens
+On a paged cache (the default; models/cache/paged.py) a request holds the 16-token blocks its tokens
 fill, so `max_running` sequences share the budget whatever their lengths. Admission takes a request
 only when blocks for its context and first token are free (or held only by the prefix cache, which
 gives them back); the blocks of its prefix hit are shared, not new, and pinned until its prefill. When a decode step needs more blocks than are free, the most recently
@@ -38,6 +38,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from models.cache.base import KeyValueCache
+from models.cache.dense import KVCache
+from models.cache.paged import PagedKVCache
 from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.execution.executors import DecoderExecutor
@@ -45,20 +48,18 @@ from models.execution.graphs import GraphCaptureError
 from models.execution.plan import ExecutionPlan, PlanError
 from models.execution.planner import Runtime, plan_model
 from models.inputs import select_batch
-from models.kv_cache import KVCache
-from models.paged_cache import PagedKVCache
 from models.text import TextTokenizer
 
 from ..telemetry.hooks import EngineObserver
 from .admission import Ask, ewma
-from .batch import Picked, RunningBatch
+from .batch import RunningBatch
 from .config import EngineConfig
 from .events import RequestHandle
 from .grammar import Grammars
 from .limits import EngineLimits
 from .loop import StepLoop
 from .prefix_cache import PagedPrefixCache, Pin, PrefixCache
-from .sequence import SeqState
+from .sequence import Picked, SeqState
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class GenerationEngine(StepLoop):
         self.model, self.tokenizer = model, tokenizer
         self.device = weight.device
         self.limits = EngineLimits.resolve(self.config, model.cfg, weight.dtype, max_input_tokens)
-        self.cache: KVCache | PagedKVCache
+        self.cache: KeyValueCache
         if self.limits.blocks:
             self.cache = PagedKVCache.for_model(model.cfg, self.limits.rows, self.limits.blocks,
                                                 self.limits.max_total_tokens, weight.dtype, self.device)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from models.cache.dense import slots_per_row
+from models.cache.paged import BLOCK_TOKENS, blocks_for
 from models.config import DecoderConfig
 from models.decoding import SamplingParams
-from models.kv_cache import slots_per_row
-from models.paged_cache import BLOCK_TOKENS, blocks_for
 
 from ..errors import InvalidRequest, RequestTooLarge
 from .config import EngineConfig

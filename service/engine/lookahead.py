@@ -21,13 +21,15 @@ waits, so that is rare.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .sequence import SeqState
+from models.decoding import choose
+
+from .sequence import Picked, SeqState
 
 
 def to_host(tokens: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
@@ -87,3 +89,58 @@ class Ahead:
 def launch_states(seqs: list[SeqState]) -> dict[int, Tensor]:
     """The generator state of every sampled row, before a step ahead draws."""
     return {id(seq): seq.sampler.generator.get_state() for seq in seqs if not seq.sampler.params.greedy}
+
+
+class LookAhead:
+    """RunningBatch's steps launched ahead (a mixin: the batch owns `_ahead`, `graphs` and the rows)."""
+
+    def can_look_ahead(self) -> bool:
+        """Whether the next step may be launched before this one's tokens are handed out: decode
+        graphs; no prompt in chunks (it joins the batch after its last chunk); no row whose next step
+        needs its token on the host first (a structured output's mask) or that reads log-probabilities;
+        room for one more token in every row, and the blocks for it."""
+        if self.graphs is None or self.partial is not None:
+            return False
+        if any(s.matcher is not None or s.params.logprobs is not None for s in self.rows):
+            return False
+        c, n = self.cache, len(self.rows)
+        if any(c.host_lengths[row] + 1 > c.max_len for row in range(n)):
+            return False
+        return self.make_room(sum(c.blocks_needed(row, c.host_lengths[row] + 1) for row in range(n)))
+
+    def _hand_out(self, tokens: Tensor, read_tokens: Callable[[], list[int]], launch: bool) -> list[Picked]:
+        """Every row's sampled token (B,) on the device: marked seen and counted, the next step
+        launched on them when `launch` (can_look_ahead held), then read back."""
+        self._mark(tokens, 0)
+        if launch:
+            self._launch(tokens)
+        return [(t, None) for t in read_tokens()]
+
+    def _launch(self, tokens: Tensor) -> None:
+        """The next decode step of every row on `tokens` (B,), sampled, its tokens on their way to the host."""
+        seqs, n = list(self.rows), len(self.rows)
+        states = launch_states(seqs)
+        logits = self.graphs.step([], 0, n, ids=tokens)  # (B, V)
+        params, samplers = self._batch_params()
+        choice = choose(logits.float(), params, samplers, self.seen[:n], self.counts[:n])  # (B,)
+        host, ready = to_host(choice.tokens)
+        self._ahead = Ahead(seqs, choice.tokens, host, ready, states)
+
+    def _collect(self, ahead: bool) -> list[Picked]:
+        """The step launched ahead, for the rows still here (some may have left, others moved)."""
+        a, self._ahead = self._ahead, None
+        assert a is not None
+        a.give_back(keep=self.rows)  # a preempted row draws again when it comes back
+        order = a.order(self.rows)
+        tokens = a.tokens  # (B',)
+        if order != list(range(len(a.seqs))):
+            tokens = tokens.index_select(0, torch.tensor(order, device=self.device))  # (B,)
+        self.cache.advance(1, 0, len(self.rows))
+        return self._hand_out(tokens, lambda: a.read(order), launch=ahead and self.can_look_ahead())
+
+    def _drop_ahead(self) -> None:
+        """Forget the step launched ahead (the batch changed): its rows draw again from where they were;
+        the keys it wrote past their lengths are overwritten by the step that runs instead."""
+        if self._ahead is not None:
+            self._ahead.give_back()
+            self._ahead = None

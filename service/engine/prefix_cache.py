@@ -8,9 +8,9 @@ vLLM's automatic prefix caching). Entries keep their tokens and their parent's h
 lookup, so a hash collision can never serve another prompt's keys. A hit is at most the prompt's length - 1 (the last prompt token
 is always computed: its logits give the first sampled token). Entries are evicted least recently
 used once the budget is spent. Loading is a copy into a row of the engine's dense KV cache
-(models.kv_cache.KVCache), storing a copy out of it: no change to the model or its cache layout.
+(models.cache.dense.KVCache), storing a copy out of it: no change to the model or its cache layout.
 
-On a paged cache (models/paged_cache.py) nothing is copied: `PagedPrefixCache` keeps a reference
+On a paged cache (models/cache/paged.py) nothing is copied: `PagedPrefixCache` keeps a reference
 on the row's full blocks themselves, and a hit hands the same blocks to the new row (its table
 points at them). Those blocks count in the pool; ones no row uses are given back on demand
 (`reclaim`, least recently used first) before the engine preempts anyone.
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from models.kv_cache import KVCache
-from models.paged_cache import BLOCK_TOKENS, PagedKVCache
+from models.cache.dense import KVCache
+from models.cache.paged import BLOCK_TOKENS, PagedKVCache
 
 BLOCK = BLOCK_TOKENS  # tokens per cached block: a paged cache's block
 

@@ -17,6 +17,10 @@ from models.text import IncrementalDetokenizer, TextTokenizer
 from ..messages import FinishReason, TokenLogprob, Usage
 from .events import Delta, Event, Finished, RequestHandle, Timing
 
+# a row's sampled token, and (its log-probability, ((token id, log-probability) of the best k, best
+# first)) when the request asked for log-probabilities
+Picked = tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]
+
 
 class SeqState:
     """Mutated by the engine thread only, except `cancelled` (set by cancel() from any thread)

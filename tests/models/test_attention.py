@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from models.attention import MultiHeadAttention, attention, causal_mask, padding_mask, positions_from_mask
+from models.cache.dense import KVCache
 from models.config import DecoderConfig
-from models.kv_cache import KVCache
 from models.positions import RotaryPositions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest

@@ -16,9 +16,9 @@ import torch
 
 from models import beam_search
 from models.beam_search import BeamParams, _Request, translate_ids
+from models.cache.paged import kernel_runs
 from models.execution.planner import plan_model
 from models.kernels import native
-from models.paged_cache import kernel_runs
 from models.tiny import tiny_model
 from tests.models.projections.test_quant import needs_kernels
 

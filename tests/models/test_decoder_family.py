@@ -15,12 +15,12 @@ import pytest
 import torch
 import transformers as hf
 
+from models.cache.dense import KVCache
 from models.checkpoints import llama
 from models.checkpoints.registry import import_hf
 from models.config import RopeScaling
 from models.decoding import SamplingParams
 from models.generate import generate
-from models.kv_cache import KVCache
 from models.positions import RotaryPositions
 
 from .test_generation_parity import PROMPTS, hf_greedy, spread

@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from models.cache.dense import KVCache
 from models.config import PRESETS, BlockConfig, DecoderConfig, EncoderConfig, RopeScaling, Seq2SeqConfig
 from models.decoder import DecoderLM
 from models.encoder import EncoderModel
-from models.kv_cache import KVCache
 from models.projections.dense import kernels_here, pack_dense
 from models.seq2seq import Seq2Seq
 

@@ -23,10 +23,10 @@ from torch import Tensor
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from models.beam_search import BeamParams, translate_ids
+from models.cache.dense import KVCache
 from models.checkpoints import t5
 from models.checkpoints.format import CheckpointError, load_checkpoint, save_checkpoint
 from models.checkpoints.registry import IMPORTERS
-from models.kv_cache import KVCache
 from models.positions import RelativePositionBias, relative_bucket
 from models.seq2seq import Seq2Seq
 from tests.models.test_generation_parity import right_pad as right_pad_mask

@@ -12,13 +12,13 @@ import torch
 from torch._dynamo.utils import counters
 
 from models.beam_search import BeamParams, translate_ids
+from models.cache.dense import KVCache
 from models.catalog import ModelSpec, load_model
 from models.decoding import SamplingParams
 from models.execution.compiled import compile_blocks, warm_up
 from models.execution.plan import PlanError
 from models.generate import generate
 from models.kernels import native
-from models.kv_cache import KVCache
 from models.projections.quant import quantize
 from models.tiny import tiny_model
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.cache.paged import PagedKVCache
 from models.decoder import DecoderLM
 from models.execution.graphs import DecodeGraphs, FixedStep, bucket, buckets
-from models.paged_cache import PagedKVCache
 from models.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

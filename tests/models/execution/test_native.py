@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from models.beam_search import BeamParams, BeamSearch, translate_ids
+from models.cache.paged import PagedKVCache
 from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.encoder import EncoderModel
@@ -22,14 +23,13 @@ from models.execution.plan import PlanError
 from models.execution.planner import Runtime, plan_model
 from models.generate import generate
 from models.inputs import PaddedBatch
-from models.paged_cache import PagedKVCache
 from models.projections.dense import pack_dense
 from models.projections.fuse import fuse_projections
 from models.projections.quant import quantize
 from models.seq2seq import Seq2Seq
 from models.tiny import SEQ2SEQ_SPREAD, tiny_model
+from tests.models.cache.test_paged import PROMPTS, gqa_model
 from tests.models.projections.test_quant import needs_kernels
-from tests.models.test_paged_cache import PROMPTS, gqa_model
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), needs_kernels]
 
@@ -361,7 +361,7 @@ def test_beam_search_through_the_op_keeps_its_translations(beam: int, shipped_tr
 def test_left_padded_sources_keep_the_blocks_path() -> None:
     """The op attends a prefix of each source's keys: a left-padded source (real keys not a prefix) has
     no row_sources, and the native step refuses it (the searches pad sources on the right)."""
-    from models.kv_cache import CrossCache
+    from models.cache.cross import CrossCache
 
     k = torch.zeros(2, 4, 3, 64)  # (N, K, S, D)
     right = CrossCache.build([(k, k)], torch.tensor([[True, True, False], [True, True, True]]))

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.cache.dense import KVCache
 from models.catalog import ModelSpec, load_model
-from models.kv_cache import KVCache
 from models.projections import dense
 from models.projections.base import RepackedLinear
 from models.projections.dense import (

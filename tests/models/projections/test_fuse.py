@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from models.cache.dense import KVCache
 from models.catalog import ModelSpec, load_model
 from models.config import BlockConfig
-from models.kv_cache import KVCache
 from models.projections.base import RepackedLinear
 from models.projections.dense import AtenLinear
 from models.projections.fuse import fuse_projections

@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
+from models.cache.dense import KVCache
 from models.catalog import ModelSpec, load_model
 from models.config import EncoderConfig
 from models.decoding import SamplingParams
 from models.encoder import EncoderModel
 from models.generate import generate
 from models.kernels import native
-from models.kv_cache import KVCache
 from models.projections import quant
 from models.projections.panels import BlockLinear
 from models.projections.quant import (

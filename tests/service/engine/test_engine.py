@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from models.cache.dense import CacheView
 from models.decoder import DecoderLM
 from models.decoding import SamplingParams
 from models.generate import generate
-from models.kv_cache import CacheView
 from models.projections.quant import quantize_int8
 from models.text import TextTokenizer
 from models.tiny import EOS, tiny_model

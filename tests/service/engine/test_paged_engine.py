@@ -1,4 +1,4 @@
-"""The engine on a paged KV cache (models/paged_cache.py): sequences bounded by the blocks they fill,
+"""The engine on a paged KV cache (models/cache/paged.py): sequences bounded by the blocks they fill,
 preemption when blocks run out (the same tokens as a run never preempted), prefix hits that share
 blocks instead of copying them, and every block back in the pool when the engine is idle.
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from models.cache.dense import KVCache
 from models.decoding import SamplingParams
-from models.kv_cache import KVCache
 from models.text import TextTokenizer
 from models.tiny import tiny_model
 from service.engine.config import EngineConfig

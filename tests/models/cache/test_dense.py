@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 
 from models.attention import AttentionMask, causal_mask, padding_mask
+from models.cache.cross import CrossCache, CrossSlots
+from models.cache.dense import UNWRITTEN, KVCache
 from models.config import PRESETS
-from models.kv_cache import UNWRITTEN, CrossCache, CrossSlots, KVCache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: one thread is fastest
 
@@ -358,7 +359,7 @@ def test_a_decode_step_reads_nothing_from_the_device(family: str) -> None:
     model = model.to("meta")
     cache = KVCache.for_model(model.cfg, rows=3, max_len=16, device="meta")
     if family == "paged":  # rows over 1 and 2 blocks of 4 (the step needs a new block for row 0)
-        from models.paged_cache import PagedKVCache
+        from models.cache.paged import PagedKVCache
 
         cache = PagedKVCache(model.cfg.n_layers, 3, model.cfg.kv_heads, 16, model.cfg.head_dim, blocks=10,
                              device="meta", block=4)

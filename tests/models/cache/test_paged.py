@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
+from models.cache.dense import KVCache
+from models.cache.paged import CacheFull, PagedKVCache
 from models.decoder import DecoderLM
 from models.kernels import native
-from models.kv_cache import KVCache
-from models.paged_cache import CacheFull, PagedKVCache
 from models.tiny import tiny_model
 from tests.models.projections.test_quant import needs_kernels
 

@@ -12,7 +12,7 @@ length, and a shared full block lies wholly before it. Block 0 is the null block
 out, it fills a table past a row's blocks, so padding written beyond a row's blocks, and keys read
 past a row's length (masked), land there harmlessly.
 
-The same surface as the dense models.kv_cache.KVCache for the engine and the model (`view`,
+The same surface as the dense cache (base.KeyValueCache) for the engine and the model (`view`,
 `reset`, `advance`, `move_row`, `relocate`, lengths on the device and the host), plus the
 allocator: `ensure` (blocks for a row to hold n tokens, CacheFull when the pool is out),
 `blocks_free`, `share`. A view's step either attends through the native decode kernel (one new
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attention import AttentionMask, attention
-from .kernels import native
-from .kv_cache import RowLengths
+from ..attention import AttentionMask, attention
+from ..kernels import native
+from .base import RowLengths
 
 BLOCK_TOKENS = 16  # token slots per block (the prefix cache's block too)
 
@@ -91,7 +91,7 @@ class PagedKVCache(RowLengths):
                   decode_kernel: bool | None = None, zeroed: bool = True) -> PagedKVCache:
         """A pool shaped for a decoder config (no sliding window: windowed models keep the dense ring)."""
         if getattr(cfg, "sliding_window", None) is not None:
-            raise ValueError("a sliding-window model keeps the dense cache's ring (models.kv_cache.KVCache)")
+            raise ValueError("a sliding-window model keeps the dense cache's ring (models.cache.dense.KVCache)")
         n_layers = getattr(cfg, "n_decoder_layers", cfg.n_layers)
         return cls(n_layers, rows, cfg.kv_heads, max_len or cfg.max_positions, cfg.head_dim, blocks,
                    dtype or torch.float32, device or "cpu", decode_kernel=decode_kernel, zeroed=zeroed)
@@ -180,7 +180,7 @@ class PagedKVCache(RowLengths):
         width = self.tables.size(1)
         self._put(slice(start, start + len(tables)), [list(t) + [0] * (width - len(t)) for t in tables])
 
-    # -- the engine's surface (as models.kv_cache.KVCache) -------------------------------------
+    # -- the engine's surface (as models.cache.dense.KVCache) -------------------------------------
 
     def nbytes(self) -> int:
         return self._pool.numel() * self._pool.element_size()
@@ -410,7 +410,7 @@ class PagedCacheView:
 @dataclass(frozen=True)
 class PagedLayerCache:
     """One layer's pool during a step. Tensors and plain values only (one compiled block serves every
-    layer, as models.kv_cache.LayerCache)."""
+    layer, as models.cache.dense.LayerCache)."""
 
     flat_k: Tensor  # (N * K * BS + 1, D)
     flat_v: Tensor  # (N * K * BS + 1, D)
