@@ -399,20 +399,28 @@ def _run(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | N
     """One stack_step: rows (B, C) or tokens -> (B, C), or the logits (B, V) of `head`; rope (B, D) each;
     slots and keys, or each row's past length (a decode step: the op derives them, and the rows'
     positions, through the tables); cross_k, cross_v, sources: each layer's cross-attention keys and
-    values (N, K, S, D) and each row's source with its key count."""
-    cos, sin = rope if rope is not None else (None, None)
-    src, src_keys = sources if sources is not None else (None, None)
-    x = ids = table = pos_table = positions = None
-    scale = 1.0
+    values (N, K, S, D) and each row's source with its key count. The op's StepArgs (ops.h) by name."""
+    a = native.module().StepArgs()
     if isinstance(rows, TokenRows):
-        ids = rows.ids.reshape(-1).contiguous()  # (B,)
-        table, scale, pos_table = rows.embedding
-        if pos_table is not None and rows.positions is not None:
-            positions = rows.positions.reshape(-1).contiguous()  # (B,)
+        a.ids = rows.ids.reshape(-1).contiguous()  # (B,)
+        a.embed, a.embed_scale, a.pos_table = rows.embedding
+        if rows.embedding.positions is not None and rows.positions is not None:
+            a.positions = rows.positions.reshape(-1).contiguous()  # (B,)
     else:
-        x = rows.reshape(rows.size(0), -1).contiguous()  # (B, C)
-    fw, fb, feps, frms = final if final is not None else (None, None, 0.0, True)
-    hw, hb, hkind, hn, hparts = head if head is not None else (None, None, 0, 0, 1)
-    return native.module().stack_step(
-        stack.native, x, ids, table, scale, pos_table, positions, cos, sin, k_pools, v_pools, slots, tables, keys, past,
-        cross_k, cross_v, src, src_keys, block, fw, fb, feps, frms, hw, hb, hkind, hn, hparts)  # (B, C) or (B, V)
+        a.x = rows.reshape(rows.size(0), -1).contiguous()  # (B, C)
+    if rope is not None:
+        a.cos, a.sin = rope
+    a.k_pools, a.v_pools, a.tables, a.block = k_pools, v_pools, tables, block
+    if past:
+        a.past = past
+    else:
+        a.slots, a.keys = slots, keys
+    if cross_k:
+        a.cross_k, a.cross_v = cross_k, cross_v
+    if sources is not None:
+        a.sources, a.source_keys = sources
+    if final is not None:
+        a.final_norm, a.final_norm_bias, a.final_eps, a.final_rms = final
+    if head is not None:
+        a.head, a.head_bias, a.head_kind, a.head_n, a.head_parts = head
+    return native.module().stack_step(stack.native, a)  # (B, C) or (B, V)

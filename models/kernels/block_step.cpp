@@ -1,4 +1,4 @@
-// A stack of transformer blocks over rows of tokens in one op, stack_step (models/native_blocks.py
+// A stack of transformer blocks over rows of tokens in one op, stack_step (models/execution/native.py
 // calls it for a causal stack's decode step, and for an encoder's forward pass). Each block:
 // self-attention (the fused q/k/v projection, rotary positions where the model has them, the new key
 // and value written into the paged pool, decode attention over each row's own keys, the output
@@ -350,19 +350,11 @@ ts::Blocks::Blocks(std::vector<at::Tensor> norms_, std::vector<c10::optional<at:
 // layer's block (one pool and, with cross-attention, one encoder key/value pair per layer), then the
 // final norm (if any). The same arithmetic, in the same order, as Embeddings.forward, the blocks one
 // after another and the norm; then, when given, the model's output projection (its logits returned).
-at::Tensor ts::stack_step(const Blocks& bs, const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& ids,
-                          const c10::optional<at::Tensor>& embed, double embed_scale,
-                          const c10::optional<at::Tensor>& pos_table, const c10::optional<at::Tensor>& positions,
-                          const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
-                          const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
-                          const c10::optional<at::Tensor>& slots, const at::Tensor& tables,
-                          const c10::optional<at::Tensor>& keys, const std::vector<int64_t>& past,
-                          const std::vector<at::Tensor>& cross_k, const std::vector<at::Tensor>& cross_v,
-                          const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& source_keys,
-                          int64_t block, const c10::optional<at::Tensor>& final_norm,
-                          const c10::optional<at::Tensor>& final_norm_bias, double final_eps, bool final_rms,
-                          const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_bias,
-                          int64_t head_kind, int64_t head_n, int64_t head_parts) {
+at::Tensor ts::stack_step(const Blocks& bs, const StepArgs& a) {
+  const auto& [x, ids, embed, pos_table, positions, cos, sin, embed_scale, k_pools, v_pools, slots, keys, tables, past,
+               block, cross_k, cross_v, sources, source_keys, final_norm, final_norm_bias, final_eps, final_rms, head,
+               head_bias, head_kind, head_n, head_parts] = a;
+
   const size_t L = bs.layers, P = bs.P;
   const bool cross = P == 6;
   TORCH_CHECK(k_pools.size() == L && v_pools.size() == L, "one key pool and one value pool per layer");

@@ -71,22 +71,32 @@ struct Blocks {
          int64_t heads, int64_t kv_heads, double scale, int64_t layers, bool cross);
 };
 
-// One step of a stack (block_step.cpp): x (B, C) or each row's token embedded, every block, the final norm,
-// and the output projection `head` (its `head_kind` layout, `head_n` outputs) when given. The new keys'
-// slots and the key counts are given, or derived from each row's `past` length (a decode step: the
-// position too) through its table
-at::Tensor stack_step(const Blocks& blocks, const c10::optional<at::Tensor>& x, const c10::optional<at::Tensor>& ids,
-                      const c10::optional<at::Tensor>& embed, double embed_scale,
-                      const c10::optional<at::Tensor>& pos_table, const c10::optional<at::Tensor>& positions,
-                      const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
-                      const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
-                      const c10::optional<at::Tensor>& slots, const at::Tensor& tables,
-                      const c10::optional<at::Tensor>& keys, const std::vector<int64_t>& past,
-                      const std::vector<at::Tensor>& cross_k, const std::vector<at::Tensor>& cross_v,
-                      const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& source_keys,
-                      int64_t block, const c10::optional<at::Tensor>& final_norm,
-                      const c10::optional<at::Tensor>& final_norm_bias, double final_eps, bool final_rms,
-                      const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_bias,
-                      int64_t head_kind, int64_t head_n, int64_t head_parts);
+// What one stack_step computes besides the stack itself, by name (module.cpp binds each field; Python sets
+// those it uses). The input rows: x (B, C), or each row's token `ids` (B,) embedded from `embed` (V, C)
+// times `embed_scale`, plus its row of `pos_table` at `positions` (B,) (or at its past length). Rotary
+// `cos`, `sin` (B, D). Each layer's key and value pool; the new keys' `slots` (B * K,) and each row's key
+// count `keys` (B,), or each row's `past` length (a decode step: the op derives both, and the position,
+// through the row's `tables` (B, M) of `block`-token blocks). With cross-attention, each layer's encoder
+// keys and values (N, K, S, D) and each row's source (B, 1) with its key count. Then the final norm and
+// the output projection `head` (its `head_kind` layout, `head_n` outputs) when given.
+struct StepArgs {
+  c10::optional<at::Tensor> x, ids, embed, pos_table, positions, cos, sin;
+  double embed_scale = 1.0;
+  std::vector<at::Tensor> k_pools, v_pools;
+  c10::optional<at::Tensor> slots, keys;
+  at::Tensor tables;
+  std::vector<int64_t> past;
+  int64_t block = 0;
+  std::vector<at::Tensor> cross_k, cross_v;
+  c10::optional<at::Tensor> sources, source_keys;
+  c10::optional<at::Tensor> final_norm, final_norm_bias;
+  double final_eps = 0.0;
+  bool final_rms = true;
+  c10::optional<at::Tensor> head, head_bias;
+  int64_t head_kind = 0, head_n = 0, head_parts = 1;
+};
+
+// One step of a stack (block_step.cpp): the rows through every block, then the final norm and the head
+at::Tensor stack_step(const Blocks& blocks, const StepArgs& args);
 
 }  // namespace ts
