@@ -4,8 +4,8 @@ For each phase the candidates are tried in one order of preference, native, cuda
 torch (the first that runs wins under "auto"); a backend asked for by name must run or the load fails
 with PlanError naming the phase, the backend and what it needs. Every backend not taken keeps its
 reason in the plan. What is measured at load (the float projections' kernel per shape, the weights
-prompts run on) was settled before planning (models/projections/dense.py, models/projections/prompt_weights.py) and appears
-here as detail. Call after the model's layers are final (quantized, fused, packed, compiled).
+prompts run on) was settled before planning (models/projections/dense.py, prompt_weights.py) and
+appears here as detail. Call after the model's layers are final (quantized, fused, packed, compiled).
 """
 
 from __future__ import annotations
@@ -155,13 +155,13 @@ def _decode(model: nn.Module, runtime: Runtime, head: Callable[[], object] | Non
     phase.native(build, lambda step: ", ".join([_isa(), weights, step.detail(), *head_reason]), ours)
     device = next(model.parameters()).device
     if head is not None:
-        phase.cannot("cuda_graphs", "a generation engine (beam steps run eagerly)")
+        phase.cannot("cuda_graphs", "needs a generator's engine (beam steps are not captured)")
     elif runtime.graphs is False:
         phase.cannot("cuda_graphs", "engine.decode_graphs: false")
     elif not runtime.paged or model.cfg.sliding_window is not None or model.cfg.position == "relative":
-        phase.cannot("cuda_graphs", "a paged cache without sliding window or relative positions")
+        phase.cannot("cuda_graphs", "needs a paged cache, no sliding window, no relative positions")
     elif device.type != "cuda" and runtime.graphs is not True:
-        phase.cannot("cuda_graphs", f"a CUDA device; this model is on {device.type}")
+        phase.cannot("cuda_graphs", f"needs a CUDA device; this model is on {device.type}")
     else:
         phase.can("cuda_graphs", detail=f"{weights}, " + ("captured per bucket of rows x key blocks"
                                                           if device.type == "cuda" else "padded buckets, eager (no CUDA)"))

@@ -879,11 +879,11 @@ def test_models_show_the_execution_plan_and_metrics_export_it(server: Cluster) -
         assert set(card["not_taken"]) == {"torch", "compiled", "native", "cuda_graphs"} - {card["backend"]}
         line = f'transformer_serve_execution_plan_info{{model="{TINY}",phase="{phase}",backend="{card["backend"]}"}} 1.0'
         assert line in metrics, [m for m in metrics.splitlines() if "execution_plan" in m]
-    assert plan["decode"]["not_taken"]["cuda_graphs"] == "a CUDA device; this model is on cpu"
+    assert plan["decode"]["not_taken"]["cuda_graphs"] == "needs a CUDA device; this model is on cpu"
     from ray import serve
 
     try:
-        with pytest.raises(RuntimeError, match="decode on cuda_graphs: a CUDA device; this model is on cpu"):
+        with pytest.raises(RuntimeError, match="decode on cuda_graphs: needs a CUDA device; this model is on cpu"):
             deploy({"device": "cpu", "deployments": {"generator": {
                 "model": {"name": "no-gpu", "tasks": ["generate"], "source": "tiny:decoder",
                           "execution": {"decode": "cuda_graphs"}}, "num_cpus": 0}}}, "no-gpu", "/no-gpu")

@@ -47,7 +47,7 @@ def test_a_loaded_model_has_one_plan_naming_every_phase_and_why_not_the_others(k
 
 def test_a_backend_the_machine_lacks_fails_the_load_naming_it() -> None:
     spec = dataclasses.replace(SPECS["generator"], execution={"decode": "cuda_graphs"})
-    with pytest.raises(PlanError, match="decode on cuda_graphs: a CUDA device; this model is on cpu"):
+    with pytest.raises(PlanError, match="decode on cuda_graphs: needs a CUDA device; this model is on cpu"):
         load_model(spec, Path("/nonexistent"))
     with pytest.raises(PlanError, match="prefill on native: decode steps only"):
         load_model(dataclasses.replace(SPECS["generator"], execution={"prefill": "native"}), Path("/nonexistent"))
