@@ -1,17 +1,13 @@
 """Masks, the one attention function, and multi-head self/cross attention.
 
-Dimension legend (used in every shape comment of this package):
-    B batch rows, T query length, S key length, H query heads, K key/value heads
-    (K divides H; K < H is grouped-query attention), D head dim, C model dim (H * D unless the
-    config sets d_head: Qwen3, T5; the projections map C <-> H * D).
+    B batch rows, T query length, S key length, H query heads, K key/value heads (K divides H; K < H
+    is grouped-query attention), D head dim, C model dim (H * D unless the config sets d_head)
 
-Masks are boolean with True = attend, built only by the helpers below:
-    padding mask   (B, 1, 1, S)  from a (B, S) "is a real token" mask
-    causal mask    (B, 1, T, S)  from per-row query positions and key positions, so it is
-                                 right-aligned for cached decoding (query t of row b sits at
-                                 position lengths[b] + t and sees keys at positions <= that)
-A query row with no key to attend gives zeros, never NaN. An additive float bias (T5's relative
-positions, (B|1, H, T, S)) may come next to the boolean mask; the mask still decides who attends.
+Masks are boolean, True = attend, built only by the helpers here: a padding mask (B, 1, 1, S) from a
+(B, S) "is a real token" mask, a causal mask (B, 1, T, S) from per-row query and key positions, so it
+is right-aligned for cached decoding (query t of row b at position lengths[b] + t sees keys <= it). A
+query with no key to attend gives zeros, never NaN. An additive float bias (T5's relative positions,
+(B|1, H, T, S)) may come with the mask; the mask still decides who attends.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Greedy and beam-search decoding for the encoder-decoder, with a beam size per request.
 
-Each source runs its encoder once; all its beams attend its one copy of the cross-attention keys/values.
-The rows of all live hypotheses share one KV cache and one decoder call per step; finished
-requests leave the batch at once. Beam scoring follows `transformers` generate(num_beams=n):
-top 2n candidates per request, a finished hypothesis scores sum(logprob) / length**length_penalty
-(length counts generated tokens including the end token), and a request stops once its n finished
-hypotheses cannot be beaten by its best running beam (early_stopping=False heuristic).
-
-`BeamSearch` runs the search step by step over a set of sources that may change between steps
-(sources join a search in progress and leave as soon as they end); `translate_ids` is one such
-search over a fixed batch.
+Each source runs its encoder once, and all its beams attend its one copy of the cross-attention
+keys/values; every live hypothesis is a row of one KV cache, with one decoder call per step. Scoring
+follows `transformers` generate(num_beams=n): top 2n candidates per request, a finished hypothesis
+scores sum(logprob) / length**length_penalty (generated tokens, the end token included), and a
+request stops once its best running beam cannot beat its n finished ones (early_stopping=False).
+`BeamSearch` runs step by step over sources that join and leave between steps; `translate_ids` is
+one such search over a fixed batch.
 """
 
 from __future__ import annotations
@@ -258,7 +255,7 @@ class BeamSearch:
         """One token for every row. `cancelled(key)`, asked once per step for each live source: True
         drops its rows from this step on (its result is None). Returns what happened to each source:
         its greedy token, or its end."""
-        if torch.is_inference_mode_enabled():  # (translate_ids) entering it again costs ~1 us a step
+        if torch.is_inference_mode_enabled():  # (translate_ids) already inside: no second entry
             return self._step(cancelled)
         with torch.inference_mode():
             return self._step(cancelled)

@@ -1,18 +1,14 @@
-"""The model catalog: where a model's weights come from and how to load them.
+"""The model catalog: where a model's weights come from and how `load_model` makes it serve.
 
-A `ModelSpec` (models/spec.py, torch-free; `DEFAULT_SPECS` says which model serves each task by
-default) names a model, its task and its sources as URIs, so an operator can point a task at
-another checkpoint from the Serve config without code changes:
-
-    zoo:NAME        pinned default weights fetched by `python -m models.zoo fetch` (see zoo.py)
-    builtin:NAME    weights committed in this repository under models/weights/NAME
-    dir:PATH        a checkpoint in our format (config.json + model.safetensors)
-    hf:PATH         a Hugging Face directory imported on load (the architectures of
-                    models/checkpoints/registry.py: BERT, GPT-2, Llama, Mistral, Qwen2/3, Marian, ...)
-    gguf:PATH       a llama / qwen2 / qwen3 GGUF file (converted once, then cached)
-    tiny:FAMILY     a tiny random model with a character tokenizer (tests only)
-
-Loaders are looked up in a registry dict by scheme.
+A `ModelSpec` (models/spec.py, torch-free) names its sources as URIs, looked up in LOADERS by scheme:
+    zoo:NAME      pinned default weights (`python -m models.zoo fetch`)
+    builtin:NAME  weights committed under models/weights/NAME
+    dir:PATH      our format (config.json + model.safetensors)
+    hf:PATH       a Hugging Face directory (models/checkpoints/registry.py's architectures)
+    gguf:PATH     a llama / qwen2 / qwen3 GGUF file (converted once, then cached)
+    tiny:FAMILY   a tiny random model with a character tokenizer (tests only)
+`load_model` puts the model on its device and dtype, fuses, quantizes, packs and compiles its layers,
+and plans its execution last (models/execution/planner.py): its LoadedModel carries the executor.
 """
 
 from __future__ import annotations

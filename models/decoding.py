@@ -1,17 +1,13 @@
-"""Decoding strategies on batches where every row has its own parameters.
+"""Decoding strategies on batches where every row has its own parameters: pure functions from logits
+(B, V) to next tokens. No model calls: the generation loops (generate.py, beam_search.py, the
+service's engine) own the model and the cache.
 
-Pure functions from logits to next tokens: greedy, temperature / top-k / top-p sampling with a
-per-row seeded generator, a logit bias, penalties (repetition over prompt and output as
-`transformers` applies it; presence and frequency over the output, as OpenAI and vLLM define them),
-log-probabilities of the chosen and the best tokens, and stop conditions (token ids, stop
-strings, max new tokens). No model calls here: generation loops (generate.py, beam_search.py, and
-the service's continuous-batching engine) own the model and the cache.
-
-The order of the transformations, for every row: logit bias, repetition penalty, presence and
-frequency penalties, then (sampling rows) temperature and the top-k / top-p filter. Log-probabilities
-are those of the distribution the token was drawn from, after every step the row applies (for a
-greedy row: after bias and penalties); a token the filter removed has log-probability -inf, sent as
-LOGPROB_FLOOR (JSON has no infinity; vLLM sends the same).
+Greedy, or temperature / top-k / top-p sampling with a per-row seeded generator; a logit bias;
+repetition (over prompt and output, as `transformers`), presence and frequency penalties (over the
+output, as OpenAI and vLLM); stop conditions. Per row, in order: bias, repetition, presence and
+frequency, then (sampling rows) temperature and the top-k / top-p filter. Log-probabilities are those
+of the distribution the token was drawn from (greedy: after bias and penalties); a token the filter
+removed has -inf, sent as LOGPROB_FLOOR (JSON has no infinity; vLLM does the same).
 """
 
 from __future__ import annotations

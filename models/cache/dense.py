@@ -1,21 +1,14 @@
-"""Preallocated key/value cache with one position per row (the dense cache).
+"""The dense key/value cache: `KVCache`, a preallocated row per sequence (base.KeyValueCache).
 
-A row holds one sequence. `lengths[r]` counts the tokens stored in row r; a step that feeds
-T new tokens writes them at slots lengths[r] .. lengths[r] + T - 1, so rows may sit at
-different steps. Right-padded prompts leave garbage after a row's real tokens; the caller
-advances each row by its real token count only, and the next step overwrites that garbage.
+    R rows, L slots a row, K kv heads, D head dim, W window
 
-Sliding window (Mistral, windowed Qwen): a query sees only its last W keys, so a row keeps only
-W slots, used as a ring: position p lives in slot p mod W, and a row's memory is W tokens
-whatever its length (`ring`: when the window is shorter than the row). A one-token step writes
-first, over the key that just left its window; a step of several tokens per row (a prefill) reads
-its rows' past slots first and attends them followed by its own keys, then stores only each row's
-last W real tokens (padding and older tokens go to a trash slot past the buffers).
-`key_positions()` says which position each key holds, so the one causal mask
-(attention.causal_mask) sees through the ring.
-
-Continuous batching keeps the live rows packed at the front: `move_row` fills the slot of a
-finished row, `view(start, stop)` hands a contiguous (copy-free) slice of rows to the model.
+`lengths[r]` counts row r's stored tokens; a step of T new tokens writes slots lengths[r] ..
+lengths[r] + T - 1, so rows may sit at different steps. Right-padded prompts leave garbage after a
+row's real tokens: the caller advances each row by its real count and the next step overwrites it.
+With a sliding window shorter than a row (`ring`), a row keeps W slots, position p in slot p mod W;
+a multi-token step attends its past slots and its own keys, then stores each row's last W real
+tokens (the rest goes to a trash slot), and `key_positions()` lets the causal mask see through the
+ring. `move_row` keeps live rows packed at the front; `view(start, stop)` is a copy-free row slice.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """A paged key/value cache: a pool of fixed-size blocks shared by all rows (as vLLM's PagedAttention).
 
-Each layer's keys (and values) live in one pool of N blocks of BS token slots for every key/value
-head, seen flat as (N * K * BS + 1, D): block n, head k, slot t at (n * K + k) * BS + t (the last
-row is a trash slot). A row (one sequence) owns a block table: its i-th block holds positions
-i * BS .. i * BS + BS - 1. So a row costs the blocks its tokens fill, not a reserved maximum, and
-the number of sequences is bounded by the blocks in use.
+    R rows, N blocks, BS token slots a block, K kv heads, D head dim, M table entries a row
 
-Blocks are reference counted: a block may be shared by several rows and by the prefix cache
-(service/engine/prefix_cache.py) once it is full, since a row writes only at positions >= its
-length, and a shared full block lies wholly before it. Block 0 is the null block: never handed
-out, it fills a table past a row's blocks, so padding written beyond a row's blocks, and keys read
-past a row's length (masked), land there harmlessly.
-
-The same surface as the dense cache (base.KeyValueCache) for the engine and the model (`view`,
-`reset`, `advance`, `move_row`, `relocate`, lengths on the device and the host), plus the
-allocator: `ensure` (blocks for a row to hold n tokens, CacheFull when the pool is out),
-`blocks_free`, `share`. A view's step either attends through the native decode kernel (one new
-token per row, float32 on CPU: models/kernels/attention.cpp reads each row's own blocks in place,
-no mask, no padding to the longest row) or gathers its rows' blocks into (B, K, S, D) for the one
-attention function (prefills, other dtypes and devices).
+A layer's keys (and values) are one flat (N * K * BS + 1, D) pool: block n, head k, slot t at row
+(n * K + k) * BS + t; the last row is a trash slot. Row r's table (R, M) lists its blocks in position
+order, so a row costs the blocks its tokens fill. Blocks are reference counted: a full block may be
+shared by rows and the prefix cache, since a row writes only at positions >= its length. Block 0, the
+null block, is never handed out and fills tables past a row's blocks. `ensure` allocates (CacheFull
+when the pool is out); the rest is base.KeyValueCache's surface. A step attends through the native
+decode kernel (one token a row, float32 on the CPU: `kernel_runs`) or gathers rows to (B, K, S, D).
 """
 
 from __future__ import annotations
@@ -57,7 +47,7 @@ class PagedKVCache(RowLengths):
                  block: int = BLOCK_TOKENS, decode_kernel: bool | None = None, zeroed: bool = True) -> None:
         """zeroed False: the pool starts uninitialised and each block is zeroed when `ensure` hands it
         out, so only the pages of blocks in use are ever touched (a beam search: its pool is sized for
-        every beam's longest output, and zeroing all of it took ~20 ms a call at 32 sources)."""
+        every beam's longest output, most of which it never uses)."""
         if blocks < 2:
             raise ValueError(f"a paged cache needs at least 2 blocks (one is the null block), got {blocks}")
         self.block, self.kv_heads, self.max_len, self.n_blocks = block, kv_heads, max_len, blocks

@@ -1,17 +1,14 @@
 """A cache of converted weights, so a GGUF model starts in seconds instead of being re-decoded each time.
 
-Converting a GGUF (dequantize every tensor, rebuild the tokenizer from its metadata) is slow; the
-result is stored once under `<cache_dir>/converted/<key>/`:
+A conversion is stored once under `<cache_dir>/converted/<key>/`, key = `<sha256 of the source
+file>-f<FORMAT_VERSION>c<CONVERTER_VERSION>` (a new file, format or converter gives a new entry):
 
     config.json, model.safetensors   our checkpoint format (models.checkpoints.format)
-    tokenizer/                       the transformers tokenizer (tokenizer.json, tokenizer_config.json, ...)
-    chat_template.jinja              `tokenizer.chat_template` from the GGUF (absent if it had none)
+    tokenizer/                       the transformers tokenizer
+    chat_template.jinja              the GGUF's `tokenizer.chat_template` (absent if it had none)
     source.json                      what was converted: file name, sha256, versions, the HF config
-
-key = `<sha256 of the source file>-f<FORMAT_VERSION>c<CONVERTER_VERSION>`: a new source file, a new
-checkpoint format or a change to the conversion gives a new entry (old ones can simply be deleted).
-An entry is built in a temporary folder next to it and renamed into place, so a reader sees either
-no entry or a complete one; two processes converting at once both succeed and one result is kept.
+An entry is built in a temporary folder and renamed into place: a reader sees no entry or a whole
+one, and two processes converting at once both succeed.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
-"""Import Llama-family GGUF files (llama.cpp's `llama`, `qwen2`, `qwen3` architectures) as Hugging
-Face-style config + state, then our DecoderLM.
+"""Import Llama-family GGUF files (llama.cpp's `llama`, `qwen2`, `qwen3`) as a Hugging Face-style config
+and state, then our DecoderLM through `models.checkpoints.llama.from_hf`.
 
-What a GGUF holds and how it maps:
-- metadata `<arch>.*` / `tokenizer.ggml.*` -> a transformers Llama/Qwen2/Qwen3 config dict
-  (hf_config_from_gguf);
-  `tie_word_embeddings` is True when the file has no `output.weight` tensor;
-- tensors, possibly quantized (Q4_1, Q8_0, ...), are dequantized to float32 and reshaped to the
-  reversed GGUF shape (GGUF lists the fastest-varying dimension first): `(out, in)` like nn.Linear;
-- GGUF names (`blk.N.attn_q.weight`, ...) -> transformers names (`model.layers.N.self_attn.q_proj.weight`);
-- for `llama` only, llama.cpp's converter permutes the rows of the q and k projections (HF rotates the
-  two halves of each head, llama.cpp rotates adjacent pairs); `unpermute_rotary` undoes it, as
-  transformers' own GGUF loader does (modeling_gguf_pytorch_utils.LlamaTensorProcessor). Qwen models
-  use llama.cpp's NEOX rotation (rotate-half, as HF), so their rows are stored as they are.
-The state is then handed to `models.checkpoints.llama.from_hf`. The chat template is metadata
-`tokenizer.chat_template`; the tokenizer is rebuilt by transformers from the `tokenizer.ggml.*` fields
-(load_gguf_tokenizer; slow: cache it with models.checkpoints.cache).
+- metadata `<arch>.*` / `tokenizer.ggml.*` -> a transformers config dict (`hf_config_from_gguf`;
+  `tie_word_embeddings` when the file has no `output.weight`);
+- tensors, quantized or not, are dequantized to float32, reshaped to the reversed GGUF shape
+  (`(out, in)`, as nn.Linear) and renamed (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj...`);
+- for `llama` only, `unpermute_rotary` undoes llama.cpp's row permutation of q and k (as transformers'
+  GGUF loader does); Qwen files keep HF's rotate-half order.
+The chat template is `tokenizer.chat_template`; `load_gguf_tokenizer` rebuilds the tokenizer (slow:
+cache it with models.checkpoints.cache).
 """
 
 from __future__ import annotations

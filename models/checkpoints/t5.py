@@ -1,20 +1,13 @@
-"""Import T5 / Flan-T5 (v1.0 and v1.1) and mT5 from Hugging Face `T5ForConditionalGeneration` /
+"""Import T5 / Flan-T5 (v1.0, v1.1) and mT5 from Hugging Face `T5ForConditionalGeneration` /
 `MT5ForConditionalGeneration` weights into our Seq2Seq.
 
-T5 is pre-norm with RMSNorm (T5LayerNorm) and a final norm per stack, no biases anywhere, unscaled
-attention scores, no position embeddings but a bucketed relative position bias stored in the first
-layer of each stack (ours: one table per stack, `encoder.relative_bias` / `decoder.relative_bias`),
-a ReLU (v1.0) or gated-GELU (v1.1, tanh GELU) feed-forward, and the start token = pad.
-
-The output head: `transformers` 5 ties `lm_head` to `shared` unless the checkpoint stores a different
-`lm_head.weight` (v1.1, mT5), so we read the tying from the weights, not from `tie_word_embeddings`
-(which transformers 5 always writes as true). The decoder output is scaled by d_model**-0.5 before
-the head when `scale_decoder_outputs` says so, or, in configs written before it existed, when
-`tie_word_embeddings` is not false (T5 v1.0); mT5 never scales.
-
-Task prefixes come from `task_specific_params` (`translation_en_to_de: {prefix: "translate English to
-German: "}`) and are kept in Seq2SeqConfig.translation_prefixes for the service. Configs our
-architecture cannot express raise naming the field.
+T5: pre-norm RMSNorm with a final norm per stack, no biases, unscaled attention scores, a bucketed
+relative position bias (ours: one table per stack, `encoder.relative_bias` / `decoder.relative_bias`),
+a ReLU (v1.0) or gated tanh-GELU (v1.1) feed-forward, start token = pad. The head's tying is read from
+the weights (transformers 5 always writes `tie_word_embeddings: true`); the decoder output is scaled by
+d_model**-0.5 before the head when `scale_decoder_outputs` says so, or in older configs when
+`tie_word_embeddings` is not false (v1.0); mT5 never. Task prefixes (`task_specific_params`) go to
+Seq2SeqConfig.translation_prefixes. A config our architecture cannot express raises, naming the field.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ plan names, behind one executor per family (executors.py) that engines, searches
     native.py     our C++ stack step (models/kernels/block_step.cpp) for an encoder pass or a decode step
     compiled.py   the blocks through torch.compile, warmed up at load
     graphs.py     decode steps as CUDA graphs, per bucket of rows x key blocks
-
-The model's own forward (models/stacks.py) is the torch backend and the reference the others are
-tested against.
+The model's own forward (models/stacks.py, plain torch) is the torch backend and the reference the
+others are tested against.
 """

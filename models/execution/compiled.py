@@ -1,33 +1,13 @@
-"""Compiled transformer blocks: `compile_blocks(model)` hands every Block to torch.compile.
+"""The compiled backend: `compile_blocks(model)` hands every Block to torch.compile, in place.
 
-A decode step on CPU is hundreds of small operations per token (norms, rotary, residuals, cache
-writes, the SwiGLU product) around the projections; in eager PyTorch each costs a dispatch and a
-pass over a few KB. Inductor fuses them into a few C++ loops: SmolLM2's 4-bit decode step went from
-about 22 to 12 ms on the 2-core AMD EPYC (docs/benchmarks.md).
-
-Regional compilation: each Block is compiled, not the whole model. Every block of a model runs the
-same code on its own parameters (inputs of the graph, not constants) and its own cache buffers
-(cache.dense.LayerCache, cache.paged.PagedLayerCache), so one graph serves all layers of a stack: SmolLM2 warms up in ~15 s on 2
-cores, where compiling its 30-layer stack as one graph took about 90 s per graph (that graph ran a
-step ~25 % faster: one guard check and one call per step instead of 30; the next lever if start-up
-time allows). Sizes are symbolic (`dynamic=True`: the cache growing or a new batch size does not
-recompile); torch specialises sizes of 1 (and would assume sizes equal that were while tracing: turned off), so a block has a few graphs (one row or
-more; a prefill on an empty cache, where S = T, or a decode step), which `warm_up` builds at load,
-before the first request. Guards: all on the inputs, but on module state only the structural ones
-(MODULE_GUARDS: a submodule's type, a None, a flag, a size): checking every parameter's tensor
-metadata on each call cost ~2 ms a step, and without them blocks of another structure (a
-translator's encoder and decoder, a second model in the process) still get their own graphs. The
-parameters' values are inputs, but compile after the model's layers are final (quantized, packed):
-load_model does it last.
-
-A Llama-style stack's decode steps on a paged cache skip the blocks altogether: one native op per
-layer (models/execution/native.py), which at one row costs less than entering a compiled graph. The
-compiled blocks serve its prefills, and every step of the other families.
-
-Inductor caches its output ($TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER): a restart
-on the same machine skips most of the work. Results: the same arithmetic fused in another order,
-within ~1e-5 of eager (tests/models/test_compiled.py; the shipped models' greedy tokens are equal,
-docs/benchmarks.md).
+Regional: each Block is compiled, not the stack, so one graph serves every layer (parameters and cache
+buffers are graph inputs); compiling a whole stack as one graph cost far more start-up than it saved
+(docs/benchmarks-history.md, "Our own CPU kernels and compiled blocks"). Sizes are symbolic
+(`dynamic=True`, no duck sizing), sizes of 1 specialise, and guards on module state are only the
+structural ones (MODULE_GUARDS), so a block has a few graphs, which `warm_up` builds at load. Call it
+after the layers are final (quantized, packed): catalog.load_model compiles last, and the planner
+(planner.py) then gives it the phases it runs. torch keeps compiler settings per thread: a thread that
+runs compiled blocks calls `thread_settings()` first. Results: eager's to ~1e-5 (test_compiled.py).
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
-"""CUDA graphs of the decode step: one new token per row over a paged KV cache, replayed.
-
-Eagerly, a decode step of a 30-layer model launches about 1,200 small kernels from Python; on an
-H200 that took 24 ms of host time for 2.4 ms of device work (loadtests/gpu/check.py's step
-profile, docs/benchmarks.md). A CUDA graph records the step's kernels once and replays them with
-one launch. A graph replays fixed shapes on fixed memory, so:
-
-- steps are padded to buckets: R rows (1, 2, 4, ... up to the engine's rows) by nb key blocks
-  (1, 2, 4, ... up to a row's table width); one graph per bucket, captured at warm-up
-  (`capture_all`) or on its first use;
-- a step's inputs are static buffers, one packed int64 tensor per bucket that the host fills
-  (token ids, positions, the slots the new keys go to, block tables, keys per row) with one
-  non-blocking copy from pinned memory; the graph reads them and the cache's pools in place;
-- padding rows write their keys to the pool's trash slot and attend one key of the null block:
-  real rows never see them (attention, norms and projections are row by row), and their logits
-  are cut off.
-
-Nothing in the captured forward synchronizes with the host (the mask is built from the static
-positions on the device); the one synchronization of a step is the caller's read of its sampled
-tokens. On the CPU (tests) the same buckets and buffers run eagerly (`capture=False`): the
-padding, the buffers and the bucket choice are what the tests check there, the graphs are what a
-GPU run checks (loadtests/gpu/check.py).
+"""The cuda_graphs backend: decode steps (one new token per row over a paged KV cache) captured as CUDA
+graphs and replayed, since eager steps are bound by the host's kernel launches (docs/benchmarks.md,
+"GPU"). `DecodeGraphs.step` pads a step to a bucket, R rows x nb key blocks (1, 2, 4, ... up to the
+cache's rows and a table's width), one graph per bucket, captured by `capture_all` at warm-up or at
+first use. A bucket's inputs (`FixedStep`: ids, positions, slots, tables, keys) are views of one int64
+buffer the host fills with one non-blocking copy; padding rows write the pool's trash slot and read
+the null block, and their logits are cut off. Nothing captured syncs with the host; the returned
+logits are the graph's buffer (read before the next step) and the caller advances the lengths. On the
+CPU (tests) the same padded steps run eagerly (`capture=False`); loadtests/gpu/check.py runs the graphs.
 """
 
 from __future__ import annotations

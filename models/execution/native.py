@@ -1,17 +1,14 @@
-"""The native backend: a whole stack of blocks in one call of our C++ kernels (models/kernels/block_step.cpp).
-
-Owns turning a loaded stack into the kernels' arguments, once, and the two calls that run it:
-`NativeEncoder` (an encoder stack's pass over the real tokens of a padded batch) and `NativeDecoder` (a
-causal stack's decode step, one token per row on a paged KV cache, with the token embedding, the final
-norm and the model's output head inside the same call where the model allows).
-
-Contract: built from the model as it serves (quantized, fused, packed, eval mode) by the planner
-(planner.py); `Unsupported` says why a stack cannot be built, and that reason goes into the plan. A
-built backend never falls back: a call it cannot compute raises. Swapping a module after building
-needs a new plan. Tensors are float32 on the CPU; results equal the torch blocks' to float32 rounding
-(the block formats: to their activation codes), and a row's bits do not depend on the other rows.
+"""The native backend: a whole stack of blocks in one call of our C++ kernels (kernels/block_step.cpp).
 
     B rows, T tokens a row, M real tokens, C model dim, K kv heads, D head dim, S keys, V vocabulary
+
+Turns a loaded stack into the kernels' arguments once: `NativeEncoder` (an encoder's pass over the
+real tokens of a padded batch), `NativeDecoder` (a causal stack's decode step, one token a row on a
+paged cache, with embedding, final norm and, where the model allows, its head in the same call).
+Built by the planner (planner.py) from the model as it serves (quantized, fused, packed, eval);
+`Unsupported` says why not, for the plan. A built backend never falls back: a call it cannot compute
+raises, and a swapped module needs a new plan. float32 on the CPU; results are the torch blocks' to
+float32 rounding (block formats: to their activation codes); a row's bits do not depend on the others.
 """
 
 from __future__ import annotations

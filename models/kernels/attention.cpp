@@ -1,4 +1,4 @@
-// Decode attention straight from a paged KV cache (models/paged_cache.py): one new query token per
+// Decode attention straight from a paged KV cache (models/cache/paged.py): one new query token per
 // row, each row attending exactly its own keys (no padding to the longest row, no mask), read in
 // place through the row's block table (no gather copy).
 //

@@ -11,11 +11,10 @@
 // stack's final norm after them, so that a step is one call.
 //
 // The projections and the attention are the kernels of panels.cpp and attention.cpp (ops.h); what
-// this adds is the glue between them, written as plain loops over each row, so a step costs one
-// call instead of a compiled graph's entry, guards and wrapper per block, or an eager block's few
-// dozen small ops (at a few rows either took more time than the products: docs/benchmarks.md), or
-// one call per block with its embedding and norm as torch ops around them (the small translator's
-// step spent ~20 us in its embedding's four ops alone).
+// this adds is the glue between them, written as plain loops over each row, so a step is one call:
+// at a few rows a compiled graph's entry, guards and wrapper per block, an eager block's few dozen
+// small ops, or torch ops around each block's call cost as much as the products or more
+// (docs/benchmarks-history.md, "One op per layer for decode steps", "One call per decode step").
 // Every row is computed on its own, in a fixed order, so a row's result does not depend on what it
 // is batched with (bitwise), like the kernels.
 //
@@ -30,7 +29,7 @@
 // turn: qkv, o, [cross q, cross o,] up (gate_up when gated), down. cos, sin (B, D): each row's rotary
 // angles (None: no rotary). k_pools, v_pools: each layer's pool. slots (B * K,): the pool row each new
 // key/value goes to (row b, head k at b * K + k); tables (B, M) and keys (B,): each row's blocks and
-// key count after this step (models/paged_cache.py), the same in every layer; or, for a decode step,
+// key count after this step (models/cache/paged.py), the same in every layer; or, for a decode step,
 // past (B,): each row's keys before it, from which the op derives slots, key counts and positions. cross_k, cross_v: each
 // layer's encoder keys/values (N, K, S, D), one row per source (empty: no cross-attention); sources
 // (B, 1): each row's source; source_keys (B,): its real keys. final_norm, final_norm_bias: the norm
@@ -54,8 +53,8 @@ using namespace ts;
 // the feed-forward's activation (models/layers.py's _ACT and _GATED)
 enum class Act : int64_t { SILU = 0, RELU = 1, GELU = 2, GELU_TANH = 3 };
 // rows per task of the glue loops (copies, norms, residuals, activations) over rows of `width` floats:
-// enough that a task outweighs waking the other threads (~1-2 us a parallel region on this CPU; a row
-// of 256 floats takes ~50 ns to normalise), so a decode step's few rows stay on one thread
+// enough that a task outweighs waking the other threads (a parallel region costs far more than
+// normalising a row), so a decode step's few rows stay on one thread
 inline int64_t grain(int64_t width) { return std::max<int64_t>(4, 16384 / std::max<int64_t>(width, 1)); }
 
 // y = w * (x / sqrt(mean(x^2) + eps)), as RMSNorm (models/norms.py) computes it in float32; y may be x

@@ -1,9 +1,9 @@
 // The Python module of the kernels' build (models/kernels/native.py imports it): the stack step of
 // block_step.cpp as a plain function. A torch op's call from Python checks every argument for
-// __torch_function__ and converts each list element into the dispatcher's values: for the small
-// translator's step that was ~15 us of ~300, more than its embedding and attention together; bound
-// directly, the arguments convert once and the step runs without the GIL (the replica's event loop
-// goes on while a step computes, as it did during an op's call).
+// __torch_function__ and converts each list element into the dispatcher's values, which cost a small
+// translator's step more than its embedding and attention together; bound directly, the arguments
+// convert once and the step runs without the GIL (the replica's event loop goes on while a step
+// computes, as it did during an op's call).
 
 #include <torch/extension.h>
 

@@ -1,26 +1,13 @@
-"""Building and loading models/kernels/: the `torch.ops.ts_panels` kernels, the projections
-(panels.cpp), decode attention over a paged KV cache (attention.cpp) and a beam search step's
-candidates (select.cpp), and, as plain Python functions of the build's module (module.cpp), a whole
-stack's decode step (or an encoder's pass) on them, block after block (block_step.cpp), and the copy of a
-paged pool's blocks (pool.cpp).
+"""Building and loading models/kernels/: the `torch.ops.ts_panels` ops (projections, panels.cpp; paged
+decode attention, attention.cpp; a beam step's candidates, select.cpp) and the build's Python module
+(module.cpp: a whole stack's decode step or encoder pass, block_step.cpp; copying pool blocks, pool.cpp).
 
-The sources are compiled once per machine with torch's own extension builder (g++, the headers of the
-installed torch) into torch's extension cache ($TORCH_EXTENSIONS_DIR, default
-~/.cache/torch_extensions); a second process, or a restart, loads the cached library in well under a
-second, and concurrent first loads wait on torch's build lock instead of compiling twice. The first
-build takes about 40 s on 2 cores: `make weights` (or `python -m models.kernels.native`) builds it
-ahead, and the Docker image does so at build time.
-
-The kernels are written once on the vector operations of simd.h and built per instruction set, the
-widest this CPU runs (`isa()`): AVX-512 with VNNI (the 8-bit dot products in one vpdpbusd), AVX-512
-(F, BW, VL, DQ; the same integers by multiply-adds), or AVX2 with FMA and F16C (half the lanes, for
-CPUs without AVX-512 such as AMD's Zen 2 and 3). Each is its own cached build, so a cache shared
-between machines never runs one where the CPU lacks it, and all compute the same bits (the integer
-sums are exact and the float work lane by lane: tests compare them). TS_NATIVE_ISA=avx512 or avx2
-builds and runs a narrower one on a wider CPU (never a wider one).
-
-`available()` is False, and the callers keep torch's own kernels, when the CPU has none of these,
-when TS_NATIVE_KERNELS=0, or when the build fails (no compiler): each reason is logged once.
+`available()` builds once per machine and instruction set (torch's extension builder, cached under
+$TORCH_EXTENSIONS_DIR; concurrent first loads wait on its lock; `python -m models.kernels.native`
+builds ahead) and loads once per process; it is False, and callers keep torch's kernels, with no
+AVX2/FMA/F16C or AVX-512, with TS_NATIVE_KERNELS=0, or when the build fails (`unavailable_reason`).
+`isa()` picks the widest build the CPU runs (TS_NATIVE_ISA may pick a narrower one); every build
+computes the same bits. `module()` only after available() said True.
 """
 
 from __future__ import annotations

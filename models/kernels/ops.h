@@ -12,7 +12,7 @@
 
 namespace ts {
 
-// How a projection's weights are stored (models/panels.py): float32 panels, or GGUF-style blocks
+// How a projection's weights are stored (models/projections/panels.py): float32 panels, or GGUF-style blocks
 enum class Kind : int64_t { F32 = 0, Q4_1 = 1, Q8_0 = 2 };
 
 // y (M, n) = x (M, K) W^T + bias, W in `kind`'s layout; parts: the activations' 8-bit parts (blocks)
@@ -48,7 +48,7 @@ std::vector<Candidates> search_select(const at::Tensor& logits, const std::vecto
 void copy_blocks(const at::Tensor& pool, const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
                  int64_t block_rows);
 
-// A stack's parameters, held once (models/native_blocks.py builds one per stack, through module.cpp):
+// A stack's parameters, held once (models/execution/native.py builds one per stack, through module.cpp):
 // each block's norms and projections in turn (qkv, o, [cross q, cross o,] up or gate/up, down; the
 // sublayers' norms self, [cross,] ff), and what every block shares. A step passes this one object.
 struct Blocks {

@@ -9,7 +9,7 @@
 // rows, and a row's activations are quantized on their own, so a row's result does not depend on
 // what it is batched with (bitwise).
 //
-// Weight formats (models/panels.py packs them):
+// Weight formats (models/projections/panels.py packs them):
 //   f32   w (P, K, 32) float32: element (k, j) of panel p is W[32 p + j, k]; activations float32.
 //   q8_0  (P, K / 32, 1088) uint8 records, GGUF's Q8_0 (w = q * d per group of 32 inputs):
 //   q4_1  (P, K / 32, 640) uint8 records, GGUF's Q4_1 (w = q * d + mn per group of 32):
@@ -236,8 +236,8 @@ struct Q41Format {
 
 // Records a pass reads ahead of the one it computes: a panel's records, and the next panel's after
 // them, lie one after another, but at one row the hardware prefetcher alone lets the first groups of
-// every panel wait on memory (a 576 x 576 Q4_1 projection ran at 3 GB/s with cold weights, 11 GB/s
-// hot). Past the end of the weights it fetches nothing (a prefetch never faults).
+// every panel wait on memory (cold weights streamed at a fraction of the rate of warm ones). Past
+// the end of the weights it fetches nothing (a prefetch never faults).
 constexpr int64_t AHEAD = 8;
 template <int64_t BYTES>
 TS_TARGET inline void prefetch_record(const uint8_t* rec) {

@@ -1,7 +1,7 @@
 // A beam search step's choices (models/beam_search.py): for each group of `rows` beams, the k best
 // (beam, token) pairs by running score + log-prob, over all rows * V of them, in one pass over the
-// log-probs (torch's add then topk over (G, rows * V) wrote the sums out and partially sorted them: ~1 ns
-// a candidate on this CPU, more than the decoder step at a few rows); and the whole selection from the
+// log-probs (torch's add then topk over (G, rows * V) wrote the sums out and partially sorted them,
+// which took longer than the decoder step at a few rows); and the whole selection from the
 // decoder's logits in one call (search_select: log-softmax, banned tokens, the forced end token, each
 // request's argmax or best candidates), the small torch ops and Python between them being most of a
 // small translator's step after its decoder call.

@@ -1,25 +1,13 @@
-"""Float projections on CPU: MKL, oneDNN with prepacked weights, or our own panel kernels, chosen
-per weight shape by measurement.
+"""Float32 projections on the CPU: MKL (F.linear), oneDNN with prepacked weights, or our panel kernels
+(panels.py), chosen per weight shape at load: `pack_dense(model, kernel)` swaps layers in place.
 
-`torch.nn.functional.linear` on CPU calls MKL's sgemm. On the AMD EPYC this project was measured on
-(AVX-512, 2 threads), MKL runs SmolLM2's 30 layers of projections plus its head at 10 GB/s at one row
-and 6-9 GB/s at 2-32 rows, while oneDNN with the weight reordered once into its blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`, the path inductor's freezing uses) reaches 17-21 GB/s: a
-1.8-2.8x faster decode step at the same fp32 precision; our own kernels (models/projections/panels.py, where
-the CPU has AVX-512 or AVX2 and a compiler built them) stream a decoder's weights at one row about 2x faster
-again. Which one wins depends on the CPU and the shape (MKL is at its best on Intel; oneDNN at a few
-hundred rows), so `pack_dense(model, "auto")` times every candidate at load on every projection, in
-sweeps over the model's layers in order (so the caches hold what a forward pass leaves in them), and
-keeps the fastest per weight shape, except that a block's projections take the panels where our
-kernels run, since the op that runs a whole block in one call needs them; "panels" or "onednn" packs every float layer with that
-kernel, "aten" leaves the model as it is. Only float32 weights on the CPU are packed (bf16 and CUDA
-keep F.linear).
-
-Results: the same fp32 arithmetic in another summation order, so logits differ from F.linear's in the
-last bits (~1e-6 relative); neither library gives a row bitwise the same result at every batch size.
-A tied output head (the embedding matrix, lm_head None) gets a packed copy as its head, the lookup
-keeps the dense table: one extra head-sized matrix of memory (SmolLM2: 113 MB). While measuring,
-each candidate holds its own copy of the weights for a moment (up to 3x the projections' memory).
+"auto" times every candidate on every projection at load, in sweeps over the layers in model order
+(so caches hold what a forward pass leaves), and keeps the fastest per shape, except that block and
+encoder-decoder head projections take the panels where they run (the native backend needs them);
+"panels" / "onednn" pack every float layer, "aten" none. Which kernel wins depends on the CPU and
+shape (docs/benchmarks-history.md, "Float projections through oneDNN"). Only float32 CPU weights are
+packed; results differ from F.linear's in the last bits (summation order). A tied head gets a packed
+copy (one more head-sized matrix); while timing, candidates hold up to 3x the projections' memory.
 """
 
 from __future__ import annotations
@@ -128,8 +116,8 @@ def measure(slots: list[Slot], candidates: Candidates) -> dict[Shape, dict[str, 
     the caches hold what a forward pass after another leaves there (a decoder's weights stream from
     memory; a small translator's stay in cache, except what its head evicts). Timed after another
     kernel's sweep instead, a translator ran every candidate from memory (the candidates' copies
-    together outgrow the cache), where its head's kernels tie, and the choice flipped between
-    loads: oneDNN at 86-138 us a step, where the panels take 61-73 in cache (8000 x 256, one row)."""
+    together outgrow the cache) and the choice flipped between loads (docs/benchmarks-history.md,
+    "Translator after the beam step changes")."""
     totals: dict[Shape, dict[str, float]] = {slot.shape: dict.fromkeys(candidates, 0.0) for slot in slots}
     with torch.inference_mode():
         for rows in PROBE_ROWS:
@@ -158,9 +146,10 @@ def _slots(model: nn.Module) -> list[Slot]:
 def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = measure) -> dict[str, str]:
     """Swap float32 CPU nn.Linear layers of `model` (in place) for packed ones where `kernel` says:
     "panels" or "onednn" all (with that kernel), "auto" the projections of transformer blocks with
-    the panels where they exist (models/execution/native.py runs such a block in one op) and every other
-    weight shape with the kernel `timer` measures fastest, "aten" none. A tied head is packed as a copy. For inference only (a packed copy
-    does not follow training updates). A kernel this process cannot run falls back to "auto".
+    the panels where they exist (models/execution/native.py runs a whole stack of such blocks in one
+    call) and every other weight shape with the kernel `timer` measures fastest, "aten" none. A tied
+    head is packed as a copy. For inference only (a packed copy does not follow training updates). A
+    kernel this process cannot run falls back to "auto".
     Returns the choice per weight shape: "NxK" -> "panels 1.9x" (the winner and how much faster it
     ran than the next best kernel) or just the kernel's name when it was not measured."""
     slots = _slots(model)
@@ -177,11 +166,11 @@ def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = me
         modules = {id(slot): build(kernel, slot) for slot in slots}
         report = {_shape_name(slot.shape): kernel for slot in slots}
     else:
-        # a block's projections go to the panels where they exist: the native op that runs a whole block
-        # in one call takes only panels, and it beat every per-projection choice (a translator step
-        # 0.87 -> 0.41 ms); timed one projection at a time they tie with oneDNN within the machine's
-        # noise, so a load could lose the op to a coin toss. An encoder-decoder's head too: the decoder's
-        # native step applies it in the same call (Seq2Seq.decode). Every projection is still timed, in
+        # a block's projections go to the panels where they exist: the native backend, which runs a whole
+        # stack in one call, takes only panels and beats every per-projection choice, while timed one
+        # projection at a time they tie with oneDNN within the machine's noise, so a load could lose the
+        # native backend to a coin toss. An encoder-decoder's head too: the native decode step applies it
+        # in the same call (models/execution/native.py's NativeDecoder). Every projection is still timed, in
         # model order, so the others (a decoder-only model's head) are measured with the caches as a
         # forward pass leaves them.
         blocks = _block_parts(model) | _fused_heads(model) if "panels" in here else set()

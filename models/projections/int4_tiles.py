@@ -1,16 +1,12 @@
-"""GGUF's Q4_1 blocks on PyTorch's int4 tile kernel (tinygemm: `torch.ops.aten._weight_int4pack_mm`),
-the 4-bit path on CUDA, where this project's block kernels (models/projections/panels.py) do not run.
+"""GGUF's Q4_1 blocks on PyTorch's int4 tile kernel (`torch.ops.aten._weight_int4pack_mm`): the 4-bit
+path on CUDA, where our block kernels (panels.py) do not run.
 
-Q4_1 stores 4-bit codes q in 0..15 with a float16 scale d and minimum m per group of 32 inputs:
-w = d q + m. The tile kernel computes w = (q - 8) scale + zero per group, so the same codes serve
-with scale = d and zero = m + 8 d (tests check the identity against `panels.dequantize`). The kernel
-reads its scales and zeros in bfloat16 and multiplies bfloat16 activations: the weights are the
-file's up to the bfloat16 rounding of d and m + 8 d (relative 2^-9), the products accumulate in
-float32. A row's result does not depend on the other rows of its batch (no activation scales).
-
-CPU has the same operation (`_weight_int4pack_mm_for_cpu`, float32 activations and scales there),
-slower than our panel kernels at one row: the tests run it to check the layout and the formula, the
-CPU service uses `BlockLinear`.
+Q4_1's codes q in 0..15 with a float16 scale d and minimum m per group of 32 inputs (w = d q + m)
+serve as they are with scale = d and zero = m + 8 d (the kernel computes (q - 8) scale + zero). Scales,
+zeros and activations are bfloat16, products accumulate in float32: the weights are the file's up to
+bfloat16 rounding (relative 2^-9), and a row's result does not depend on the other rows. The CPU form
+(`_weight_int4pack_mm_for_cpu`) is for tests only, which check the layout and the formula against
+`panels.dequantize`; the CPU service uses `BlockLinear`.
 """
 
 from __future__ import annotations

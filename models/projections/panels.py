@@ -1,23 +1,14 @@
-"""Projections through our own CPU kernels (models/kernels/panels.cpp), weights packed once in panels.
+"""Projections through our CPU kernels (models/kernels/panels.cpp), weights packed once in panels of 32
+outputs: x (..., K) -> (..., N) in x's dtype, float32 inside.
 
-Three weight formats:
-- `PanelLinear`: float32 weights and activations. At one row it streams the weights at ~2x the rate
-  of oneDNN's packed path on the AMD EPYC this was measured on (docs/benchmarks.md);
-  `dense_kernel: auto` times it against MKL and oneDNN at load (models/projections/dense.py) and keeps the
-  fastest per weight shape.
-- `BlockLinear("q8_0")`: GGUF's Q8_0, 8-bit codes with a float16 scale per group of 32 inputs:
-  w = q * d. `BlockLinear("q4_1")`: GGUF's Q4_1, 4-bit codes with a float16 scale and minimum per
-  group of 32: w = q * d + m. Their activations are quantized per row and group of 32 inputs in two
-  8-bit parts (`quantize_activations`: llama.cpp's Q8_1 / Q8_0 of x, then the same of what it
-  leaves; one part alone, `activation_bits=8`, flips close calls of the float model, such as
-  SmolLM2's answer to "the capital of France"; two carry ~16 bits) and the products summed exactly
-  in int32 by 8-bit dot-product instructions; `reference` is the same arithmetic in float64 (tests
-  compare). The weight quantizers are llama.cpp's reference ones, so re-quantizing a GGUF's
-  dequantized Q4_1 / Q8_0 weights gives back the file's own blocks (tests
-  check this on the shipped SmolLM2): `quantize: q4_1` on that file computes with exactly its weights.
-
-Each output is summed over the inputs in one fixed order whatever the number of rows, and a row's
-activations are quantized on their own, so results are bitwise the same alone and in a batch.
+- `PanelLinear`: float32 weights and activations (`dense_kernel` picks it per shape: dense.py).
+- `BlockLinear`: GGUF's Q8_0 (8-bit codes, a float16 scale d per group of 32 inputs: w = q d) or Q4_1
+  (4-bit codes, d and a minimum m: w = q d + m); activations quantized per row and group of 32 in two
+  8-bit parts (`quantize_activations`; one part, `activation_bits=8`, flips close calls), products
+  summed exactly in int32; `reference` is the same arithmetic in float64. The quantizers round as
+  llama.cpp's reference ones and dequantized blocks quantize back to themselves (test_panels.py checks
+  the round trip on random weights), so a GGUF's Q4_1 / Q8_0 blocks serve as they are in the file.
+A row's result is bitwise the same alone and in any batch (fixed summation order, per-row activations).
 """
 
 from __future__ import annotations

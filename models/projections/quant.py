@@ -1,29 +1,13 @@
-"""Quantized weights for every family. `quantize(model, mode)`:
-- "int8": `quantize_int8(model)` swaps each `nn.Linear` for an `Int8Linear` (below);
-- "q8_0" / "q4_1": GGUF's block formats on our CPU kernels (models/projections/panels.py): 8-bit or 4-bit
-  weights in groups of 32 inputs, activations quantized to 8 bits per row and group of 32 inside the
-  kernels (as llama.cpp computes these formats); a model loaded from a GGUF file with those blocks is
-  served with exactly its own weights. On CUDA, q4_1 runs on PyTorch's int4 tile kernel
-  (models/projections/int4_tiles.py: the same codes, bfloat16 scales and activations).
+"""Quantized weights for every family: `quantize(model, mode)` swaps the float32 projections in place.
 
-int8 in detail:
-
-Weights: int8, symmetric, one scale per output channel. Activations: int8, symmetric, one scale
-per row (per token), computed from that row alone, so a row's result never depends on what it is
-batched with. The product is an exact int8 x int8 -> int32 matmul (`torch._int_mm`), rescaled by
-the row's and the channel's scales (on a CPU where torch's int8 GEMM is slower than float32, i.e.
-without VNNI or AMX, the same integers come from float32 products in exact chunks: `int_mm_on_floats`):
-
-    y[b, n] = (sum_k xq[b, k] * wq[n, k]) * sx[b] * sw[n] + bias[n],   xq = quant(x * m), wq = quant(W / m)
-
-`m` (per input channel, 1 without calibration) is SmoothQuant's migration of activation outliers
-into the weights: with `calibrate` (a function that runs the float model on sample inputs), each
-Linear's input channels get m_k = max|W_k|^(1-a) / max|x_k|^a (a = 0.5), which leaves the float
-product unchanged and makes a few large activation channels cost the other channels no precision.
-Exact integer accumulation makes the invariance tests hold bitwise (batched = alone, padded =
-unpadded rows), not just within a tolerance. Speed and measured loss against fp32 on the default
-models: docs/benchmarks.md (`python -m loadtests.models.quant`). Quantization changes results, so it is
-a mode an operator turns on (`quantize: int8` in a model's settings), never a silent default.
+- "int8": `Int8Linear`, int8 weights with a scale per output channel and int8 activations with a
+  scale per row from that row alone, summed exactly in int32 (torch._int_mm, or exact float32 chunks
+  where this CPU's int8 GEMM is slower: `int_mm_on_floats`); `calibrate` adds SmoothQuant's
+  per-input-channel migration. Exact sums make a row's result bitwise the same alone, batched or padded.
+- "q8_0" / "q4_1": GGUF's block formats, `BlockLinear` on our CPU kernels (panels.py), q4_1 as
+  `TiledInt4Linear` on CUDA (int4_tiles.py); a GGUF file's own blocks are served as they are.
+FLOAT_LAYERS / BLOCK_FLOAT_LAYERS stay float. Results change, so a mode is opt-in (`quantize:` in a
+model's settings); speed and measured loss: docs/benchmarks.md, "Quantized quality".
 """
 
 from __future__ import annotations
@@ -68,9 +52,9 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 @functools.cache
 def int_mm_on_floats() -> bool:
     """Whether this CPU multiplies int8 matrices faster as float32 (exactly: `exact_int_mm`) than with
-    torch._int_mm. torch's int8 GEMM is fast with AVX512-VNNI or AMX and a slow fallback without them
-    (an AVX2 AMD EPYC: 75 ms against 3.4 ms for float32 at 32 x 576 x 1536). Measured once per process
-    at the first quantization, best of 3 on a 32 x 1024 x 1024 product."""
+    torch._int_mm. torch's int8 GEMM is fast only with AVX512-VNNI or AMX (docs/benchmarks-history.md,
+    "Our own CPU kernels and compiled blocks"). Measured once per process at the first quantization,
+    best of 3 on a 32 x 1024 x 1024 product."""
     a = torch.randint(-127, 128, (32, EXACT_FLOAT_K), dtype=torch.int8)  # (M, K)
     b = torch.randint(-127, 128, (EXACT_FLOAT_K, EXACT_FLOAT_K), dtype=torch.int8)  # (K, N)
     bf = b.float()
@@ -100,8 +84,11 @@ def exact_int_mm(xq: Tensor, w: Tensor) -> Tensor:
 
 
 class Int8Linear(nn.Module):
-    """A Linear with int8 weights and per-row int8 activations (see the module docstring).
-    `smooth` (K,): the input channels' migration factors m (None: 1)."""
+    """A Linear with int8 weights and per-row int8 activations, the product summed exactly in int32:
+
+        y[b, n] = (sum_k xq[b, k] * wq[n, k]) * sx[b] * sw[n] + bias[n];  xq = quant(x * m), wq = quant(W / m)
+
+    `smooth` (K,): the input channels' migration factors m (SmoothQuant, from `calibrate`; None: 1)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, smooth: Tensor | None = None) -> None:
         super().__init__()
