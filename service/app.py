@@ -5,11 +5,9 @@ model (service/deployments.py).
     serve run service.app:build_app device=cpu  # or args on the command line
     python -m service                           # = make serve: local Ray + the config above
 
-Hops per request: ingress replica (validate, route) -> model replica (batch, run). `python -m
-service` turns on Ray Serve's throughput mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, service/ray_env.py):
-the ingress replica serves HTTP itself and replicas talk gRPC; without it, Serve's HTTP proxy adds
-a hop in front. Each replica imports only its own side: the ingress never imports torch, a model
-replica never imports FastAPI.
+A request goes ingress replica (validate, route) -> model replica (batch, run); under throughput mode
+(service/ray_env.py) the ingress serves HTTP itself, else Serve's proxy adds a hop. Each replica
+imports only its own side: the ingress never torch, a model replica never FastAPI.
 """
 
 from __future__ import annotations

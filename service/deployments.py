@@ -49,7 +49,7 @@ T = TypeVar("T")
 async def answered(call: Awaitable[T]) -> T | ServiceError:
     """A refusal (overloaded, over a limit, bad input) is returned as a value, not raised: Serve would
     log each raised error with its traceback and wrap it in a RayTaskError, which under a burst of
-    refusals starved the replica's event loop (503s after 2-4 s instead of at once). The ingress
+    refusals starved the replica's event loop (503s came seconds late instead of at once). The ingress
     (service/ingress.py) raises it again."""
     try:
         return await call

@@ -1,14 +1,12 @@
 """The error types of the service, free of torch and FastAPI.
 
-They are raised anywhere (the edge, the batcher, the engine, a model replica) and cross from a
-model replica to the ingress inside Ray's RayTaskError. Unpickling an exception imports the module
-that defines it, so every error a replica raises is defined here: an error defined next to the
-engine (which imports torch) once made the ingress import torch on the first refusal of a burst
-and stall ~1.5 s. Their constructor arguments are kept in `args`, so they pickle whole.
-
-Every error the API returns is JSON `{"error": {"type", "message", "param"?}}` with the status in
-`STATUS` (service/http/errors.py writes the responses). Bad input is never a 500; an unexpected
-exception is a 500 with a generic message (the traceback goes to the log only).
+They are raised anywhere (the edge, the batcher, the engine, a model replica) and cross from a model
+replica to the ingress inside Ray's RayTaskError. Unpickling an exception imports the module that
+defines it, so every error a replica raises is defined here, or the ingress would import torch to
+read one. Their constructor arguments are kept in `args`, so they pickle whole. Every error the API
+returns is JSON `{"error": {"type", "message", "param"?}}` with the status in `STATUS`
+(service/http/errors.py writes the responses). Bad input is never a 500; an unexpected exception is
+a 500 with a generic message (the traceback goes to the log only).
 """
 
 from __future__ import annotations

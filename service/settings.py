@@ -1,23 +1,13 @@
 """One settings object for the service, built once at start-up and passed in (never read at import).
 
-Sources, later ones winning:
-1. the defaults below (models from `models.spec.DEFAULT_SPECS`);
-2. the application `args` of the Serve config (deploy/serve_config.yaml) or of `build_app(args)`;
-3. environment variables `TS_<FIELD>`; `__` separates nesting levels and a value is read as JSON
-   when it parses as JSON, else as a string:
-
-       TS_DEVICE=cpu
-       TS_REQUEST_TIMEOUT_S=10
-       TS_DEPLOYMENTS__ENCODER__NUM_REPLICAS=2
-       TS_DEPLOYMENTS__ENCODER__BATCHING__MAX_WAIT_MS=2
-
-`deployments` maps a deployment name to what it serves. When `args` gives `deployments`, that is
-the whole set; a deployment without `model` serves `DEFAULT_SPECS[<its name>]`. The kind of
-deployment (encoder, translator, generator) follows from the model's tasks (`ModelSpec.kind`).
-
-Each concern has one type, validated once: a model is a `models.spec.ModelSpec`, a deployment's
-batching a `BatchLimits` (service/replica/config.py) and its engine an `EngineConfig`
-(service/engine/config.py), all torch-free dataclasses that pydantic validates here as they are.
+Sources, later ones winning: the defaults below (models from `models.spec.DEFAULT_SPECS`); the
+application `args` of the Serve config (deploy/serve_config.yaml) or of `build_app(args)`; then
+environment variables `TS_<FIELD>`, `__` between nesting levels, a value read as JSON when it parses
+(e.g. `TS_DEPLOYMENTS__ENCODER__BATCHING__MAX_WAIT_MS=2`), else as a string. `deployments` maps a
+deployment name to what it serves: given in `args`, it is the whole set, and a deployment without
+`model` serves `DEFAULT_SPECS[<its name>]`; its kind follows from the model's tasks (`ModelSpec.kind`).
+Each concern has one torch-free type, validated here as it is: `ModelSpec`, `BatchLimits`
+(service/replica/config.py), `EngineConfig` (service/engine/config.py).
 """
 
 from __future__ import annotations
@@ -69,7 +59,7 @@ class DeploymentSettings(_Frozen):
     device: str | None = None  # None: Settings.device
     dtype: str | None = None  # None: Settings.dtype
     torch_threads: int | None = Field(None, ge=1)  # None: max(1, num_cpus)
-    # glibc malloc_trim after a batch or engine step at most this often (service/heap.py); 0: never
+    # glibc malloc_trim after a batch or engine step at most this often (service/replica/heap.py); 0: never
     heap_trim_interval_s: float = Field(1.0, ge=0)
     max_ongoing_requests: int = Field(256, ge=1)  # requests in one replica at once (they batch there)
     max_queued_requests: int = Field(1024, ge=1)  # requests each caller queues for this deployment
@@ -110,7 +100,7 @@ class Settings(_Frozen):
     max_document_chars: int = Field(20_000, ge=1)
     retry_after_s: float = Field(1.0, gt=0)  # Retry-After on 503
     readiness_timeout_s: float = Field(2.0, gt=0)  # how long /readyz waits for each deployment
-    # API keys (service/auth.py); none here nor in the file: no auth. TS_API_KEYS=key1,key2
+    # API keys (service/http/auth.py); none here nor in the file: no auth. TS_API_KEYS=key1,key2
     api_keys: tuple[SecretStr, ...] = ()
     api_keys_file: str | None = None  # one key per line, read by the ingress at start-up
     protect_metrics: bool = False  # with keys: /metrics needs one too

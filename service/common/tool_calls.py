@@ -1,28 +1,13 @@
 """Tool calls in chat, torch-free and FastAPI-free (the ingress parses, the replica renders).
 
-A model whose chat template knows tools (it reads `tools`, as Qwen2.5's does) gets them through the
-template, with assistant `tool_calls` and `tool` messages in Hugging Face's shape; its answers are
-parsed in the same <tool_call> form below (Qwen's and Hermes'; a model that writes calls in another
-form, such as Llama 3.1's bare JSON, is answered as text unless the call is forced).
-Any other template (SmolLM2's has no tools) gets them in this documented format, the one Hermes and
-Qwen models are trained on:
-
-    system:    <the request's system message, if any>
-
-               You may call functions. Their JSON Schemas:
-               <tools>
-               {"name": ..., "description": ..., "parameters": {...}}
-               </tools>
-               To call one, answer with
-               <tool_call>{"name": <name>, "arguments": <JSON object>}</tool_call>
-               (one block per call) and nothing else.
-    assistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
-    user:      <tool_response>{"temperature": 21}</tool_response>      (a `tool` message)
-
-The answer is parsed back: every <tool_call> block whose JSON names a requested tool becomes a
-tool call (OpenAI's shape), the text outside them the content. With `tool_choice` "required" or a
-named function, the answer is constrained (structured outputs) to one such block whose JSON
-validates against the tool's parameters.
+A chat template that reads `tools` (Qwen2.5's: `template_knows_tools`) gets them through the
+template, with messages in Hugging Face's shape (`hf_messages`). Any other template (SmolLM2's) gets
+them in the format Hermes and Qwen models are trained on (`render_in_prompt`): the JSON Schemas in the
+system message (`tools_prompt`), each assistant call as <tool_call>{"name": ..., "arguments": {...}}
+</tool_call>, each `tool` message as a user <tool_response>...</tool_response>. `parse` turns every
+<tool_call> block naming a requested tool into an OpenAI tool call and the rest into the content
+(another form, such as Llama 3.1's bare JSON, stays text); `call_grammar` constrains a forced call
+(`tool_choice` "required" or a named function) to one block valid against the tool's parameters.
 """
 
 from __future__ import annotations
@@ -73,7 +58,7 @@ def call_text(call: ToolCall) -> str:
 
 def render_in_prompt(messages: Sequence[dict[str, Any]], tools: Sequence[Tool]) -> list[dict[str, Any]]:
     """Messages (role, content, tool_calls?, tool_call_id?) as plain system/user/assistant messages,
-    the tools in the system message (the format above), for templates that know no tools."""
+    the tools in the system message (`tools_prompt`), for templates that know no tools."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m["role"] == "tool":

@@ -1,17 +1,13 @@
 """How long a new request would wait for a KV-cache row, and take once it has one, from what the engine
-measures: its step time and how many tokens its requests take. The engine refuses a request at once
-(503 + Retry-After) when it could not make its deadline, rather than queue it into a 504: a stream's
-deadline covers its start (the first token), a whole answer's covers the wait and its own decoding.
+measures (`WaitEstimator`): the engine refuses a request at once (503 + Retry-After) when it could not
+make its deadline, rather than queue it into a 504. A stream's deadline covers its first token, a
+whole answer's its wait and its decoding.
 
-With every row busy, a row frees up every L x tau / rows seconds on average (L: tokens a request
-takes, tau: one step's time, prompts prefilled in it included; rows: rows decoding at once), so the
-k-th request past the free rows starts after about k x L x tau / rows seconds. Its own decoding takes
-about min(max_new_tokens, L) x tau_d (all of max_new_tokens when it ignores eos), tau_d: the time of
-a step that prefilled nothing (one long prompt's step would otherwise count for hundreds of tokens).
-Until a step was measured each estimate is 0 (a cold engine never refuses); until a request finished,
-L is the mean of what the requests asked for are expected to take (`Ask.expected`: a generation's
-max_new_tokens; a translation's about twice its source, never past its max_new_tokens). A replica's warm-up steps (cold: first calls
-allocate and compile) are forgotten (StepLoop.forget_timings).
+    L tokens a request takes, tau a step's time (prefills included), tau_d a step without prefill
+The k-th request past the free rows waits about k x L x tau / rows, and decodes in about
+min(max_new_tokens, L) x tau_d (all of it when it ignores eos). Each estimate is 0 until measured (a
+cold engine never refuses); L is the mean of what requests expect (`Ask.expected`) until one finished.
+Warm-up steps are forgotten (StepLoop.forget_timings). Not thread-safe: the engine's lock guards it.
 """
 
 from __future__ import annotations

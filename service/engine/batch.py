@@ -40,17 +40,16 @@ from .sequence import Picked, SeqState
 # grow with the variety of prompt lengths (docs/reliability.md, Heap trimming); with 32, a prefill
 # budget of 2048 tokens allows 64 distinct row counts, and decode steps add one per batch size.
 # Elsewhere (float32 on our panel and block kernels or MKL, CUDA) nothing is kept per shape, and
-# padding to 32 computed ~20 % of a closed loop's prompt tokens for nothing (prompts of 10-200
-# tokens: 0.79 of the padded tokens real, 0.98 with 2; prefill 1.15x faster with 2:
-# loadtests/experiments/prefill_padding.py, docs/benchmarks.md).
-# There 2, which keeps a one-prompt prefill from being one token wide (the decode step's shape).
+# padding to 32 would compute many prompt tokens for nothing (docs/benchmarks.md, "Smaller figures":
+# prefill padding). There 2, which keeps a one-prompt prefill from being one token wide (the decode
+# step's shape).
 PREFILL_MULTIPLE = 32
 SHAPE_FREE_MULTIPLE = 2
 
 
 def prefill_multiple(*models: torch.nn.Module) -> int:
     """B x T of a prefill is a multiple of this: PREFILL_MULTIPLE where a model's projections keep
-    kernels per shape (models.dense.kernels_per_shape), else SHAPE_FREE_MULTIPLE."""
+    kernels per shape (models.projections.dense.kernels_per_shape), else SHAPE_FREE_MULTIPLE."""
     return PREFILL_MULTIPLE if any(kernels_per_shape(m) for m in models) else SHAPE_FREE_MULTIPLE
 
 

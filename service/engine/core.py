@@ -1,31 +1,13 @@
-"""Continuous batching for a decoder-only LM: scheduling at the level of decode steps (as vLLM and
-TGI do), on our own model and KV cache. No Ray and no FastAPI here: a generator replica owns one engine
-(service/replica/generator.py).
+"""Continuous batching for a decoder-only LM: `GenerationEngine` owns the model's KV cache and schedules
+requests per decode step. No Ray, no FastAPI: a generator replica owns one (service/replica/generator.py).
 
-Every step, on the engine's one thread:
-1. free the rows of cancelled requests;
-2. admit waiting requests (FIFO, while rows are free and their padded prompts fit the prefill
-   budget), prefilled on fresh rows at the end of the live block in groups of similar prompt
-   length (one right-padded forward per group, so little compute goes to padding), sampling each
-   request's first token at its last prompt index;
-   a prompt longer than `prefill_chunk` is prefilled instead a chunk per step on the cache's last
-   row (one such prompt at a time), and joins the live rows after its last chunk;
-3. one decode step over all live rows [0, n) (each at its own cache position), one token per row;
-4. free the rows of requests that finished; the last live rows move into the holes, so the live
-   rows stay packed at the front of the cache.
-On a paged cache (the default; models/cache/paged.py) a request holds the 16-token blocks its tokens
-fill, so `max_running` sequences share the budget whatever their lengths. Admission takes a request
-only when blocks for its context and first token are free (or held only by the prefix cache, which
-gives them back); the blocks of its prefix hit are shared, not new, and pinned until its prefill. When a decode step needs more blocks than are free, the most recently
-admitted request is preempted: its blocks freed, it waits at the head of the queue, and when
-admitted again its prompt and output are recomputed in one forward (no sampling) and it decodes on
-from where it stopped: the same tokens as a run never preempted (its sampler's state is its own).
-Each request's tokens depend only on its own rows and its own seeded generator, so a request
-decodes the same tokens alone or among others, and as models.generate.generate does.
-
-A failing forward or sampling step is retried row by row (a step writes each row's next cache
-slots before its length advances, so a retry is harmless): only the requests that fail again get
-an error event. Anything else that escapes a step fails the running requests; the engine goes on.
+Each step, on the engine's one thread: free finished and cancelled rows (live rows stay packed at the
+front); admit waiting requests FIFO within the prefill budget (engine/prefill.py: groups of similar
+length, or a long prompt a `prefill_chunk` per step); one decode step over every live row. On a paged
+cache, short of blocks, the newest admitted request is preempted back to the head of the queue and
+later recomputed to where it stopped. A request's tokens depend only on its rows and its own seeded
+generator: alone, batched or preempted it decodes what models.generate.generate gives. A failing step
+is retried row by row and fails only the rows that fail again; anything else fails what it held.
 """
 
 from __future__ import annotations

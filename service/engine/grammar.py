@@ -1,17 +1,12 @@
 """Structured outputs: token masks from llguidance, so the text always matches the request's JSON
-schema, regex or Lark grammar (no retries).
+schema, regex or Lark grammar (no retries). No Ray, no FastAPI.
 
-llguidance over xgrammar, measured on this machine (`python -m loadtests.experiments.grammar.compare`,
-docs/benchmarks.md): xgrammar 0.2.9 fills the masks of 32 rows about 8x faster (0.10 vs 0.82 ms a
-step median, both small next to a decode step, and computed beside the forward pass here), but it lets
-length-bounded strings (`maxLength` / `minLength`) take raw control characters and no escapes, so
-its "JSON" can fail to parse; llguidance refuses them, and has no dependencies.
-
-`Grammars` (one per engine) turns a GrammarSpec into a validated llguidance grammar (cached by
-source) and makes a matcher per request. Every step, the rows with a matcher get their allowed-token
-mask (B, V) bool, True = allowed: `RunningBatch` computes it on a worker thread while the model's
-forward pass runs (llguidance releases the GIL), and the sampler masks the logits with it. After
-sampling, each matcher consumes its row's token. No Ray and no FastAPI here.
+llguidance rather than the faster xgrammar, whose length-bounded strings may hold raw control
+characters (invalid JSON) (docs/benchmarks.md, "Smaller figures"). `Grammars` (one per engine) turns
+a GrammarSpec into a validated grammar (cached by source) and makes a matcher per request. Each step,
+the rows with a matcher get their allowed-token mask (B, V) bool, True = allowed, computed on a
+worker thread during the forward pass (llguidance releases the GIL); the sampler masks the logits
+with it, and each matcher then consumes its row's token.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
-"""A decode step launched one step ahead: the device computes step k + 1 while the host hands out
-step k's tokens.
+"""A decode step launched one step ahead (a mixin of engine/batch.py's RunningBatch): the device computes
+step k + 1 while the host hands out step k's tokens.
 
-With CUDA graphs (models/execution/graphs.py) a decode step is a few launches, and what is left of a
-step's time is the host's: reading the sampled tokens, detokenizing and stopping each row, events,
-the next step's inputs (the H200 check: 1B Llama shape, 256 rows, 4.1 ms on the device in a 7.6 ms
-step). So right after a step samples its tokens, and before they are read back, the running batch
-launches the next step on them (`RunningBatch.decode(ahead=True)`): the graph takes its token ids
-from the device, the copy of this step's tokens to the host is queued first, and the host's work
-for step k overlaps the device's for step k + 1.
-
-An `Ahead` is the step in flight: the rows it computed (by identity: rows finished, cancelled or
-preempted meanwhile are dropped from it, and rows that moved are found), their sampled tokens on the
-device and on their way to the host, and the generator states its sampled rows had before their
-draw. A row that leaves before the step is collected computed one token for nothing (its blocks are
-freed with it); a preempted one gets its generator state back, so its recomputation draws what it
-would have drawn. When the batch gained a row it does not cover (an admission), the whole step is
-dropped the same way and the step runs as usual; the engine launches one ahead only when no request
-waits, so that is rare.
+With CUDA graphs a step's remaining cost is the host's (reading tokens, detokenizing, events, the next
+inputs; docs/benchmarks.md, "GPU"). So `RunningBatch.decode(ahead=True)` launches the next step on the
+sampled tokens while they are still on the device, queuing their copy to the host first. `Ahead` is the
+step in flight: its rows by identity (rows that finished, were cancelled or preempted meanwhile are
+dropped, rows that moved are found), its tokens, and each sampled row's generator state before its
+draw. A preempted row gets that state back (`give_back`), so its recomputation draws the same tokens;
+a row that left wasted one token. A batch that gained a row drops the whole step and runs as usual;
+the engine looks ahead only when no request waits. Engine thread only.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
-"""Automatic prefix caching for the engine: the keys/values of prompt blocks already computed, kept
-by content so a new request with the same beginning (a system prompt, a chat history, n > 1
-siblings arriving apart) copies them into its cache row and prefills only the rest.
+"""Automatic prefix caching: the keys/values of prompt blocks already computed, kept by content, so a
+request with the same beginning (a system prompt, a chat history, n > 1 siblings) prefills only the rest.
 
-A prompt is cut into blocks of BLOCK tokens; a full block is addressed by a chain hash (its tokens
-and the hash of the block before it), so a block is reused only after the same whole prefix (as
-vLLM's automatic prefix caching). Entries keep their tokens and their parent's hash, compared on
-lookup, so a hash collision can never serve another prompt's keys. A hit is at most the prompt's length - 1 (the last prompt token
-is always computed: its logits give the first sampled token). Entries are evicted least recently
-used once the budget is spent. Loading is a copy into a row of the engine's dense KV cache
-(models.cache.dense.KVCache), storing a copy out of it: no change to the model or its cache layout.
-
-On a paged cache (models/cache/paged.py) nothing is copied: `PagedPrefixCache` keeps a reference
-on the row's full blocks themselves, and a hit hands the same blocks to the new row (its table
-points at them). Those blocks count in the pool; ones no row uses are given back on demand
-(`reclaim`, least recently used first) before the engine preempts anyone.
-
-An admission counts a waiting request's hit as blocks it will not need (as vLLM's scheduler does),
-so it `pin`s the hit's entries until the request is prefilled: neither `reclaim` nor the budget's
-eviction takes a pinned entry, and the hit is still there when the prefill looks it up.
-
-The engine thread owns it (no locks).
+A full block of BLOCK tokens is keyed by a chain hash (its tokens and its parent's hash), so it is
+reused only after the same whole prefix; entries keep their tokens and parent, compared on lookup,
+so a collision never serves another prompt's keys. A hit is at most len(prompt) - 1 tokens (the last
+is always computed for its logits). `PrefixCache` copies into and out of a dense cache's rows;
+`PagedPrefixCache` holds references on a paged cache's blocks and hands them to the new row, and
+`reclaim` gives back blocks no row uses, least recently used first. An admission `pin`s its hit until
+its prefill: neither eviction nor `reclaim` takes a pinned entry. Engine thread only (no locks).
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
-"""Continuous batching for the encoder-decoder: the scheduler loop generation uses (engine/loop.py),
-stepping a models.beam_search.BeamSearch. No Ray and no FastAPI here: a translator replica owns one
-engine (service/replica/translator.py).
+"""Continuous batching for the encoder-decoder: `TranslationEngine` runs the shared scheduler loop
+(engine/loop.py) over a models.beam_search.BeamSearch. No Ray, no FastAPI: a translator replica owns
+one (service/replica/translator.py).
 
-Every step, on the engine's one thread:
-1. admit waiting requests (FIFO, while the search has rows free for their whole beam size and their
-   padded sources fit the encoder budget): their sources are encoded together, one padded pass per
-   group of similar lengths, and their cross-attention keys/values kept once per source;
-2. one decoder step over every row of every request (each beam is a row), each request's beams
-   scored and reordered by its own beam size, length penalty and length limit;
-3. a request leaves as soon as its search ends, or at the step after it was cancelled (its client
-   went away, its deadline passed); its rows go to the next requests admitted.
-A greedy request streams its text token by token (Delta events, as generation's); a beam search's
-text comes with its Finished event. Each request's result is what models.beam_search.translate_ids
-gives it alone.
-
-When a step's decoder call fails, each source's rows are decoded alone and only the sources that
-fail again are failed (models.beam_search.BeamSearch.step); a step that fails anywhere else fails
-the requests it held (their search state cannot be trusted) and the engine goes on with an empty
-search.
+Each step, on the engine's one thread: admit waiting requests FIFO while the search has rows for their
+whole beam and their padded sources fit the encoder budget (encoded together by length group, their
+cross-attention keys/values kept once per source); one decoder step over every beam of every request,
+each scored by its own beam size, length penalty and limit; a request leaves when its search ends or
+the step after it is cancelled. Greedy requests stream Delta events, beam searches send their text
+with Finished; each result is what models.beam_search.translate_ids gives the request alone. A failing
+decoder call is retried source by source; a failure elsewhere fails the step's requests.
 """
 
 from __future__ import annotations
@@ -47,8 +38,8 @@ log = logging.getLogger(__name__)
 ENCODE_OVERHEAD_TOKENS = 32
 # Admission's guess of a translation's length before any request finished: twice its source tokens
 # (+2, the end token and slack), never past its max_new_tokens. A translation runs about as long as its
-# source, so this overestimates; the default max_new_tokens (128) overestimated a short sentence ~10x,
-# and a cold engine refused a third of a 500-sentence burst that it then translated in 4 s.
+# source, so this overestimates, but far less than the default max_new_tokens (128) would for a short
+# sentence, with which a cold engine refused bursts it could have translated in time.
 EXPECTED_PER_SOURCE_TOKEN = 2
 
 

@@ -1,20 +1,12 @@
-"""The nginx configuration of the front (service/front/), rendered from plain values.
+"""The nginx configuration of the front (service/front/), rendered from plain values (pure functions).
 
-Two files: `nginx.conf` (written once) and `upstreams.conf` (the ingress targets, rewritten and
-reloaded when Serve's ingress replicas change). Choices, each for a reason:
-- HTTP/1.1 keep-alive to the upstreams, no request or response buffering: streams (SSE) reach the
-  client token by token and a request is passed on as it arrives;
-- `proxy_ignore_client_abort off` (nginx's default, stated): a client that hangs up closes the
-  upstream connection, which Serve turns into a cancelled request (the engine frees its row);
-- Serve's own proxy as the `backup` server: a connection refused by a replaced replica's old port
-  (between the replacement and the next reload) is retried there, where Serve routes it;
-  `proxy_next_upstream error timeout` only retries what never reached an upstream (nginx does not
-  retry a POST once it was sent);
-- the errors nginx answers itself (no upstream, a body over the limit, an upstream that died while
-  answering) carry our JSON error shape (service/errors.py), never nginx's HTML;
-- no access log (the ingress logs every request with its id) but a line on stdout per answer nginx
-  gives itself (`ANSWER_TAG status path`), which the front counts for /metrics (answers.py); errors
-  to stderr.
+`nginx.conf` is written once; `upstreams.conf` (the ingress targets) is rewritten and reloaded when
+Serve's ingress replicas change. HTTP/1.1 keep-alive upstream and no buffering, so SSE streams pass
+token by token; `proxy_ignore_client_abort off`, so a client's hang-up cancels its request; Serve's
+own proxy as the `backup` server, for a replaced replica's refused port (`proxy_next_upstream error
+timeout` retries only what never reached an upstream); the answers nginx gives itself carry our JSON
+error shape (service/errors.py) and one `ANSWER_TAG status path` line on stdout, which answers.py
+counts for /metrics; no access log (the ingress logs every request), errors to stderr.
 """
 
 from __future__ import annotations
@@ -72,7 +64,7 @@ class FrontConfig:
     run_dir: Path  # nginx's prefix: its pid file, temp files and our two config files
     max_body_bytes: int  # the ingress's own limit (Settings.max_body_bytes): 413 past it
     retry_after_s: int
-    workers: int = 1  # 2 served the near-free classify no faster on 2 cores (docs/benchmarks.md)
+    workers: int = 1  # 2 were no faster (docs/benchmarks.md, "Front and request path")
     read_timeout_s: int = 3600  # silence allowed between an upstream's bytes (a stream's tokens)
 
 

@@ -1,21 +1,13 @@
-"""Access control of the HTTP API: optional API keys (`Authorization: Bearer <key>` on every route
-but the public ones) and CORS, off unless `cors_origins` names origins.
+"""Access control of the HTTP API: optional API keys (`Authorization: Bearer <key>`) and CORS (off
+unless `cors_origins` names origins).
 
-Keys come from the settings (`api_keys`, e.g. `TS_API_KEYS=key1,key2`) and from the file named by
-`api_keys_file` (one key per line; blank lines and `#` comments skipped), read once when the
-ingress builds its app. No key configured: no check at all. A key file that holds no key is an
-error at start-up (fail closed), never an open server.
-
-Always public: /healthz and /readyz (probes carry no credentials). Public unless the settings
-protect them: /metrics (`protect_metrics`: scrapers are often configured without a key) and the
-API docs, /docs, /redoc, /openapi.json (`protect_docs`: the schema is the public contract and
-holds no secret). Everything else, unknown paths included, needs a key: a client without one
-learns nothing about which routes exist.
-
-The check hashes the presented token and compares it with the hash of every configured key with
-`hmac.compare_digest`, without stopping at a match, so its time depends neither on which key
-matched nor on how much of one did. Every refusal is the same 401 `unauthorized` JSON error with
-`WWW-Authenticate: Bearer`, whether the header was missing, had another scheme or a wrong key.
+Keys come from `api_keys` (e.g. `TS_API_KEYS=key1,key2`) and the file `api_keys_file` (one a line,
+blank lines and `#` comments skipped), read once when the ingress builds its app; none configured: no
+check. A key file with no key fails start-up (fail closed). Always public: /healthz, /readyz; public
+unless `protect_metrics` / `protect_docs`: /metrics and /docs, /redoc, /openapi.json. Every other
+path, unknown ones included, needs a key. The check compares the token's hash with every key's by
+`hmac.compare_digest`, never stopping at a match (constant time); every refusal is the same 401
+`unauthorized` with `WWW-Authenticate: Bearer`, whatever was wrong.
 """
 
 from __future__ import annotations

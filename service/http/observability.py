@@ -1,20 +1,13 @@
-"""The ingress's view of each HTTP request: its id, its metrics, its access-log line.
+"""`Observability`, the outermost ASGI middleware of the API (service/http/api.py): each request's id,
+metrics and access-log line.
 
-`Observability` is the outermost ASGI middleware of the API (service/http/api.py):
-- request id: a valid `X-Request-ID` header (service/telemetry/logs.py: up to 128 characters of
-  `[A-Za-z0-9._:;=+/@-]`) is kept, anything else is replaced by a fresh id; the id is set for the
-  request's logs and returned in `X-Request-ID` on every response, errors included. Behind Ray
-  Serve's proxy, which already copies the incoming header (or an id it generated) onto every
-  response, the middleware adds the header only when it replaced an invalid id;
-- metrics: requests by endpoint and status, latency to the last byte (a whole SSE stream),
-  requests in progress, 503 refusals by error type (service/telemetry/metrics.py);
+- id: a valid `X-Request-ID` (service/telemetry/logs.py) is kept, else replaced by a fresh one; it is
+  set for the request's logs and returned on every response, errors included (behind Serve's proxy,
+  which already echoes the header, only when it was replaced);
+- metrics (service/telemetry/metrics.py), labelled by `endpoint`: the route's path or "other";
 - an access-log line per request only when `access_log` is on;
 - an unexpected exception becomes the generic JSON 500 here, so it carries the id too;
-- a `receive` that fails is the client gone, not an error: behind Ray Serve, the proxy cancels the
-  replica's pending `receive` when the client disconnects (Ray's TaskCancelledError), which a
-  streaming response is awaiting the whole time. The app is told `http.disconnect` (the ASGI way), so
-  the stream stops quietly instead of logging three tracebacks per disconnected client.
-`endpoint` is the route's path, or "other" for paths the API does not have (bounded cardinality).
+- a failing `receive` is the client gone (Serve cancels it on disconnect): the app gets `http.disconnect`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
-"""The headers Ray Serve's own HTTP servers act on before our app sees a request, made safe.
+"""`ProxyHeaders`: the ASGI middleware that Ray Serve's own HTTP servers (its proxy, or in throughput
+mode the ingress replica's) run before our app, via `proxy_middlewares` (set by service/ray_env.py).
 
-Serve's proxy (and, in throughput mode, the ingress replica's own HTTP server) reads three request
-headers itself (ray/serve/_private/proxy.py, replica.py, http_util.py in Ray 2.60):
-- `x-request-timeout-seconds`: replaces the deployment's request timeout, and a value <= 0 turns it
-  off, so a client could hold a replica slot for ever;
-- `x-request-disconnect-disabled: ?1`: stops Serve cancelling the request when the client hangs up,
-  so a client could leave work running that nobody reads;
-- `x-request-id`: taken as it is for Serve's logs and echoed on the response; an id that our
-  app then rejected (service/telemetry/logs.py) reached Ray's logs and came back twice.
-
-`ProxyHeaders` is a pure ASGI middleware that Serve puts outside its own (Serve applies the
-middlewares of `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, which service/ray_env.py sets to
-`proxy_middlewares` before Ray starts): it drops the first two and keeps exactly one valid request
-id (the client's when valid, else a fresh one). Our own per-request deadline is `X-Request-Timeout`
-(service/http/deadline.py), which can only lower the configured one.
-
-It also gives the errors Serve's proxy answers by itself our JSON error shape (service/errors.py):
-those never passed through our app, and are plain text. When the ingress replica died while
-answering (or its node was lost) Serve's proxy answers nothing and the HTTP server sends a bare
-`500 Internal Server Error`: that becomes `503 model_not_ready` with Retry-After (so does a plain-text
-500 with Ray's exception text); Serve's 503s become `overloaded_error` (with its Retry-After) or
-`model_not_ready`, its 408 timeout a `504 timeout_error`. No torch, no FastAPI here: this module runs in
-Serve's proxy process.
+Serve acts on three request headers itself (Ray 2.60): `x-request-timeout-seconds` (<= 0 turns the
+timeout off) and `x-request-disconnect-disabled` (work runs on after a hang-up) are dropped; exactly
+one valid `x-request-id` is kept (the client's when valid, else a fresh one). Our own deadline is
+`X-Request-Timeout` (service/http/deadline.py), which can only lower the configured one. Errors Serve
+answers by itself get our JSON shape (service/errors.py): a bare or Ray-text 500 (the ingress died
+while answering) becomes `503 model_not_ready` with Retry-After, Serve's 503s `overloaded_error` or
+`model_not_ready`, its 408 a `504 timeout_error`. Runs in Serve's proxy process: no torch, no FastAPI.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
-"""Dynamic batching inside a model replica: token budgets, length grouping, one inference thread.
-No Ray here (padding and the batch cost model are models/inputs.py's).
+"""Dynamic batching inside a model replica: `DynamicBatcher` queues a request's items (one per input text)
+and runs batches one at a time on the replica's single inference thread. No Ray here.
 
-A request is split into items, one per input text. Items wait in one bounded queue per replica;
-a loop forms batches and runs them, one at a time, in the replica's single inference thread:
-
-- a batch is dispatched when the queue could fill one (max_batch_size items, or more padded
-  tokens than the budget) or when its oldest item has waited max_wait;
-- a batch always takes the oldest waiting item (nobody starves) and the run of items next to it in
-  length order that wastes the least compute on padding and empty slots, within
-  `n_rows * longest <= max_batch_tokens` (see `select_batch`);
-- each result goes to its own item's future; items of one request may land in different batches
-  and are reassembled in order by `submit_many`;
-- an item whose computation fails fails alone (a failing batch is split and re-run in halves);
-- cancelled items (the client went away) and expired items are dropped before compute and never
-  block the loop (cf. ray-project/ray#50046);
-- past `max_queued` waiting items a request is refused at once with `Overloaded`; so is a request
-  whose wait before its first batch, estimated as the queued work (padded tokens) times the measured
-  seconds per padded token, would outlast its deadline (it could only end in a 504).
-
-Contract of `run_batch(payloads) -> results`: exactly one result per payload, in order; a result
-may be an Exception instance, which fails only that item, or STOPPED for an input whose work
-run_batch stopped because `still_wanted(payload)` said it was no longer wanted (its caller went
-away, or its deadline passed: a DeadlineExceeded then).
+A batch goes when the queue could fill one or its oldest item waited max_wait; it takes the oldest
+item and the run next to it in length order that wastes least on padding, within
+`n_rows * longest <= max_batch_tokens` (models.inputs.select_batch). Past `max_queued` items, or when
+the estimated wait would outlast its deadline, a request is refused at once with `Overloaded`.
+Cancelled and expired items are dropped before compute; a failing batch is split and re-run in
+halves, so an item fails alone. `run_batch(payloads)` returns one result per payload, in order: a
+value, an Exception (fails that item), or STOPPED where `still_wanted(payload)` said to stop.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ def resolve_device(device: str, dtype: str) -> tuple[str, torch.dtype]:
 
 def cpu_has_amx_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU has AMX-BF16 tiles (Intel Sapphire Rapids and later), where oneDNN's bfloat16
-    matmuls run 1.6x (32 rows) to 3.8x (256 rows) faster than float32 ones (docs/benchmarks.md).
-    Without them bfloat16 is emulated and slower than float32. Linux only; False elsewhere."""
+    matrix products of many rows beat float32 ones (docs/benchmarks-history.md, "Where the serving
+    targets stand"). Without them bfloat16 is emulated and slower than float32. Linux only; False
+    elsewhere."""
     try:
         with open(cpuinfo) as f:
             return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)

@@ -1,16 +1,11 @@
 """Give the C heap's free memory back to the operating system, at most once per interval.
 
-A replica allocates activations of a different shape for almost every batch (padded lengths and
-batch sizes vary). glibc's malloc keeps what is freed in its heaps and, having raised its mmap
-threshold after the first large frees, serves later large tensors from those heaps too, so the
-resident set grows with the variety of shapes seen, not with the load: the MiniLM encoder on
-random batches of 1-24 texts of 4-120 tokens went from 330 MiB to 1,030 MiB in 1,500 batches.
-`malloc_trim(0)` returns the free pages; once a second it kept the same run at 360-410 MiB for
-about 10 ms a call (~1 % of the inference thread). Setting MALLOC_ARENA_MAX=2 did not help;
-a fixed MALLOC_MMAP_THRESHOLD_ did, but made every batch ~35 % slower (a page fault per tensor).
-
-The replica's inference thread (a batcher's, or the generation engine's) calls `maybe_trim()`
-after each batch or step. Elsewhere than glibc (musl, macOS) it does nothing.
+A replica allocates activations of a new shape for almost every batch, and glibc's malloc keeps what
+is freed in its heaps, so the resident set grows with the variety of shapes seen, not with the load.
+`malloc_trim(0)` every `heap_trim_interval_s` (1 s by default) bounds it cheaply (docs/reliability.md,
+"Heap trimming"); a fixed MALLOC_MMAP_THRESHOLD_ would cost a page fault per tensor, and
+MALLOC_ARENA_MAX does not help. The replica's inference thread (a batcher's, or the engine's) calls
+`HeapTrimmer.maybe_trim()` after each batch or step. Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Structured logs: one JSON object per line, with the id of the request being served.
 
-The ingress sets `REQUEST_ID` for each request (service/observability.py) from a valid
+The ingress sets `REQUEST_ID` for each request (service/http/observability.py) from a valid
 `X-Request-ID` header, or a fresh id; every line logged while serving it carries `request_id`.
 In a model replica, where the request arrived through a Ray Serve handle, the id is Serve's request
 id (the same X-Request-ID, which Serve's proxy passes along). `configure_logging` is called once

@@ -1,19 +1,13 @@
 """Prometheus metrics of the service, defined once (SPECS) and documented in docs/observability.md.
 
-One prefix (`transformer_serve_`), base units (seconds, tokens, ratios in [0, 1]), and only
-bounded labels: `endpoint` (a route of the API, or "other"), `status` (the HTTP status code),
-`model` (a configured model name), a few fixed enums (`reason`, `finish_reason`) and the model's
-deployment/kind/device/dtype on `model_info`. Never request content.
-
-Every replica of the service (the ingress, each model replica) is its own Ray worker process. In
-a replica started by the app (service/app.py, service/deployments.py) the environment variable PROMETHEUS_MULTIPROC_DIR
-is set through the Ray runtime_env before Python starts, so prometheus_client runs in multiprocess
-mode; each replica then points it at its own node's subdirectory (`bind_to_node`, before its
-metrics are built), so prometheus_client writes each process's values to files that only the
-processes of its node share, even where several Ray nodes run on one host. `GET /metrics` on the
-ingress (`render`) merges the files of every process of its node with a MultiProcessCollector,
-after dropping the live gauges of processes that died (`clean_dead_processes`). Without the
-variable (tests, a plain process) `render` serves this process's own registry.
+One prefix (`transformer_serve_`), base units (seconds, tokens, ratios in [0, 1]), and only bounded
+labels: `endpoint` (a route, or "other"), `status`, `model`, a few fixed enums and `model_info`'s
+deployment/kind/device/dtype; never request content. Each replica is its own Ray worker process: the
+app sets PROMETHEUS_MULTIPROC_DIR through the runtime_env, and each replica points it at its node's
+subdirectory (`bind_to_node`, before building its metrics), so only one node's processes share files.
+`render` (GET /metrics on the ingress) merges its node's files after dropping dead processes' live
+gauges (`clean_dead_processes`); without the variable (tests, a plain process) it serves this
+process's own registry.
 """
 
 from __future__ import annotations
