@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -272,8 +272,8 @@ class NativeEncoder:
         if keep is None:
             pool = x.new_empty(b * stack.kv_heads * t + 1, stack.head_dim)  # (B * K * T + 1, D)
             slots, tables, keys = _unpadded_rows(b, t, stack.kv_heads, x.device)
-            h = _run(stack, x.reshape(b * t, c), None, None, [pool] * n, [torch.empty_like(pool)] * n, slots, tables,
-                     keys, [], t)  # (B * T, C)
+            a = _args([pool] * n, [torch.empty_like(pool)] * n, t)
+            h = _run(stack, a, x.reshape(b * t, c), tables, slots=slots, keys=keys)  # (B * T, C)
             return h.view(b, t, c)  # (B, T, C)
         real = keep.reshape(-1).nonzero().squeeze(1)  # (M,) flat index of each real token
         lengths = keep.sum(-1)  # (B,)
@@ -289,7 +289,7 @@ class NativeEncoder:
         tables, keys = seq[:, None].contiguous(), lengths.index_select(0, seq)  # (M, 1), (M,)
         h = x.reshape(b * t, c).index_select(0, real)  # (M, C)
         if h.size(0):
-            h = _run(stack, h, None, None, [k_pool] * n, [v_pool] * n, slots, tables, keys, [], longest)  # (M, C)
+            h = _run(stack, _args([k_pool] * n, [v_pool] * n, longest), h, tables, slots=slots, keys=keys)  # (M, C)
         return x.new_zeros(b * t, c).index_copy_(0, real, h).view(b, t, c)  # (B, T, C)
 
 
@@ -316,6 +316,9 @@ class NativeDecoder:
     final: FinalNorm | None
     norm: nn.Module | None  # the stack's final norm, run in torch after the step when `final` is None
     head: Head | None
+    # the StepArgs of the last cache and cross rows stepped on (what stays the same from step to step),
+    # with that cache and those rows: [cache, cross, args]
+    _held: list = field(default_factory=list, init=False, compare=False, repr=False)
 
     @classmethod
     def build(cls, stack: nn.Module, head: Callable[[], Head] | None = None) -> NativeDecoder:
@@ -373,9 +376,10 @@ class NativeDecoder:
             cos, sin = self.rotary(positions, torch.float32)  # (B, 1, 1, D) each
             rope = (cos.reshape(b, -1).contiguous(), sin.reshape(b, -1).contiguous())  # (B, D) each
         k_pools, v_pools, past, tables, block = cache.decode_args(len(self.stack.layers))
-        out = _run(self.stack, rows, rope, self.final, k_pools, v_pools, None, tables, None, past, block,
-                   cross.k if cross else (), cross.v if cross else (),
-                   (cross.sources, cross.counts) if cross else None, self.head).view(b, 1, -1)  # (B, 1, C|V)
+        held = self._held
+        if not held or held[0] is not cache.cache or held[1] is not cross:  # another cache, or another layout
+            held[:] = [cache.cache, cross, _args(k_pools, v_pools, block, self.final, self.head, self.embedding, cross)]
+        out = _run(self.stack, held[2], rows, tables, past, rope=rope).view(b, 1, -1)  # (B, 1, C|V)
         if self.head is None and self.final is None and self.norm is not None:
             return self.norm(out)
         return out
@@ -389,35 +393,39 @@ class TokenRows(NamedTuple):
     embedding: Embedding
 
 
-def _run(stack: Stack, rows: Tensor | TokenRows, rope: tuple[Tensor, Tensor] | None, final: FinalNorm | None,
-         k_pools: list[Tensor], v_pools: list[Tensor], slots: Tensor | None, tables: Tensor, keys: Tensor | None,
-         past: list[int], block: int, cross_k: list[Tensor] = (), cross_v: list[Tensor] = (),
-         sources: tuple[Tensor, Tensor] | None = None, head: Head | None = None) -> Tensor:
-    """One stack_step: rows (B, C) or tokens -> (B, C), or the logits (B, V) of `head`; rope (B, D) each;
-    slots and keys, or each row's past length (a decode step: the op derives them, and the rows'
-    positions, through the tables); cross_k, cross_v, sources: each layer's cross-attention keys and
-    values (N, K, S, D) and each row's source with its key count. The op's StepArgs (ops.h) by name."""
+def _args(k_pools: list[Tensor], v_pools: list[Tensor], block: int, final: FinalNorm | None = None,
+          head: Head | None = None, embedding: Embedding | None = None, cross: CrossRows | None = None):  # noqa: ANN202
+    """A StepArgs (ops.h) with what stays the same from one step to the next over these pools: each
+    layer's pool, the block size, the final norm, the head, the embedding tables, the cross-attention."""
     a = native.module().StepArgs()
+    a.k_pools, a.v_pools, a.block = k_pools, v_pools, block
+    if final is not None:
+        a.final_norm, a.final_norm_bias, a.final_eps, a.final_rms = final
+    if head is not None:
+        a.head, a.head_bias, a.head_kind, a.head_n, a.head_parts = head
+    if embedding is not None:
+        a.embed, a.embed_scale, a.pos_table = embedding
+    if cross is not None:
+        a.cross_k, a.cross_v, a.sources, a.source_keys = cross.k, cross.v, cross.sources, cross.counts
+    return a
+
+
+def _run(stack: Stack, a, rows: Tensor | TokenRows, tables: Tensor, past: list[int] | None = None,  # noqa: ANN001
+         slots: Tensor | None = None, keys: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """One stack_step with StepArgs `a` (_args) and this step's rows (B, C) or tokens, its tables, and
+    each row's past length (a decode step: the op derives the new keys' slots, the key counts and the
+    positions) or the slots and key counts; rope (B, D) each. -> (B, C), or the logits (B, V) of a head."""
     if isinstance(rows, TokenRows):
         a.ids = rows.ids.reshape(-1).contiguous()  # (B,)
-        a.embed, a.embed_scale, a.pos_table = rows.embedding
         if rows.embedding.positions is not None and rows.positions is not None:
             a.positions = rows.positions.reshape(-1).contiguous()  # (B,)
     else:
         a.x = rows.reshape(rows.size(0), -1).contiguous()  # (B, C)
     if rope is not None:
         a.cos, a.sin = rope
-    a.k_pools, a.v_pools, a.tables, a.block = k_pools, v_pools, tables, block
-    if past:
+    a.tables = tables
+    if past is not None:
         a.past = past
     else:
         a.slots, a.keys = slots, keys
-    if cross_k:
-        a.cross_k, a.cross_v = cross_k, cross_v
-    if sources is not None:
-        a.sources, a.source_keys = sources
-    if final is not None:
-        a.final_norm, a.final_norm_bias, a.final_eps, a.final_rms = final
-    if head is not None:
-        a.head, a.head_bias, a.head_kind, a.head_n, a.head_parts = head
     return native.module().stack_step(stack.native, a)  # (B, C) or (B, V)
