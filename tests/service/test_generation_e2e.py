@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -875,18 +876,22 @@ def test_models_show_the_execution_plan_and_metrics_export_it(server: Cluster) -
     # tiny:decoder fused and packed as loaded: its decode steps are native where our kernels run
     decode = plan["decode"]["backend"]
     assert decode == ("native" if native.available() else "torch")
+    exported = {tuple(sorted(re.findall(r'(\w+)="([^"]*)"', line))) for line in metrics.splitlines()
+                if line.startswith("transformer_serve_execution_plan_info{") and line.endswith(" 1.0")}
     for phase, card in plan.items():
         assert set(card["not_taken"]) == {"torch", "compiled", "native", "cuda_graphs"} - {card["backend"]}
-        line = f'transformer_serve_execution_plan_info{{model="{TINY}",phase="{phase}",backend="{card["backend"]}"}} 1.0'
-        assert line in metrics, [m for m in metrics.splitlines() if "execution_plan" in m]
+        assert (("backend", card["backend"]), ("model", TINY), ("phase", phase)) in exported, exported
     assert plan["decode"]["not_taken"]["cuda_graphs"] == "needs a CUDA device; this model is on cpu"
     from ray import serve
 
     try:
-        with pytest.raises(RuntimeError, match="decode on cuda_graphs: needs a CUDA device; this model is on cpu"):
+        with pytest.raises(RuntimeError, match=r"Failed to update the deployments \['generator'\]"):
             deploy({"device": "cpu", "deployments": {"generator": {
                 "model": {"name": "no-gpu", "tasks": ["generate"], "source": "tiny:decoder",
                           "execution": {"decode": "cuda_graphs"}}, "num_cpus": 0}}}, "no-gpu", "/no-gpu")
+        # what `serve status` shows the operator: the replica's start-up error, naming what it needs
+        message = serve.status().applications["no-gpu"].deployments["generator"].message
+        assert "PlanError: decode on cuda_graphs: needs a CUDA device; this model is on cpu" in message, message
     finally:
         serve.delete("no-gpu")
 
