@@ -166,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("stopping")
     except RuntimeError as e:  # a deployment failed to start (the replica logs above say why), or nginx did not
         log.error("%s", e)
+        for name, reason in _failed_deployments():
+            log.error("%s: %s", name, reason)
         return 1
     finally:
         serve.shutdown()
@@ -173,6 +175,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if own_metrics_dir and settings.metrics_dir is not None:
             shutil.rmtree(settings.metrics_dir, ignore_errors=True)
     return 0
+
+
+FAILED = ("UNHEALTHY", "DEPLOY_FAILED")  # Serve's statuses of a deployment whose replicas cannot start
+
+
+def _failed_deployments() -> list[tuple[str, str]]:
+    """(deployment, the last line of its error) of every deployment Serve reports unhealthy, e.g. a
+    replica whose model's execution plan named a backend this machine cannot run."""
+    from ray import serve
+
+    try:
+        apps = serve.status().applications
+    except Exception:  # noqa: BLE001 - Serve itself is gone: the error above is all there is
+        return []
+    return [(name, (dep.message.strip().splitlines() or [""])[-1]) for app in apps.values()
+            for name, dep in app.deployments.items() if dep.status in FAILED and dep.message]
 
 
 if __name__ == "__main__":

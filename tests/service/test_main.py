@@ -47,3 +47,21 @@ def test_missing_weights_checks_a_pinned_gguf(tmp_path: Path) -> None:
     problems = missing_weights(Settings.build({"cache_dir": str(tmp_path), "deployments": {"gen": {"model": gen}}},
                                               env={}))
     assert len(problems) == 1 and problems[0].startswith("gen (gen): gguf:zoo:smollm2: ") and "fetch" in problems[0]
+
+
+def test_a_deployment_that_cannot_start_is_named_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When serve.run fails, `python -m service` logs each failed deployment's error (its last line: a
+    PlanError naming the backend the machine lacks), not only Serve's "Failed to update"."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from service import __main__ as main
+
+    failed = SimpleNamespace(status="DEPLOY_FAILED", message="The deployment failed to start 3 times in a row.\n"
+                             "Traceback ...\nmodels.execution.plan.PlanError: decode on cuda_graphs: needs a CUDA device")
+    fine = SimpleNamespace(status="HEALTHY", message="")
+    apps = {"transformer-serve": SimpleNamespace(deployments={"generator": failed, "encoder": fine})}
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications=apps))
+    assert main._failed_deployments() == [
+        ("generator", "models.execution.plan.PlanError: decode on cuda_graphs: needs a CUDA device")]
