@@ -40,6 +40,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; the returned text ends before the first one
     ignore_eos: bool = False  # benchmarks: always produce max_new_tokens
+    speculative: bool = True  # False: the request never drafts where the engine speculates (its tokens are the same)
 
     def __post_init__(self) -> None:
         problems = []

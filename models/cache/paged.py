@@ -185,6 +185,14 @@ class PagedKVCache(RowLengths):
     def view(self, start: int = 0, stop: int | None = None) -> PagedCacheView:
         return PagedCacheView(self, start, self.rows if stop is None else stop)
 
+    def view_tokens(self, rows: Sequence[int], past: Sequence[int]) -> PagedTokensView:
+        """A one-token step over entries that need not be rows [start, stop): entry i is row rows[i]'s
+        token at position past[i]. A row may have several entries (speculative decoding verifies a
+        row's drafted tokens as entries at consecutive positions); every entry's key is written before
+        any entry attends, so an entry sees the keys of the same row's earlier entries of the step.
+        The rows' lengths do not change (the caller advances them by the tokens it keeps)."""
+        return PagedTokensView(self, 0, len(rows), rows=list(rows), past=list(past))
+
     def reset(self, start: int = 0, stop: int | None = None) -> None:
         """Empty rows [start, stop): their blocks go back to the pool (unless shared)."""
         stop = self.rows if stop is None else stop
@@ -439,3 +447,67 @@ class PagedLayerCache:
             return out.view(b, h, 1, d)  # (B, H, T, D)
         k_all, v_all = self.write(k, v)  # (B, K, S, D) each
         return attention(q, k_all, v_all, mask, scale=scale, gqa=gqa)  # (B, H, T, D)
+
+
+@dataclass
+class PagedTokensView(PagedCacheView):
+    """One token per entry, entry i at position past[i] of row rows[i] (PagedKVCache.view_tokens): a
+    decode step whose entries are given rather than rows [start, stop). Keys written past a row's
+    length are not part of it until the caller advances the length (rejected drafts stay unread and
+    are overwritten by the row's next tokens: a rollback without copies)."""
+
+    rows: list[int] | None = None  # (B,) the cache row of each entry
+    past: list[int] | None = None  # (B,) each entry's position: the keys it attends before its own
+
+    def fresh(self) -> bool:
+        return False
+
+    @property
+    def lengths(self) -> Tensor:
+        return torch.tensor(self.past, dtype=torch.long, device=self.cache.lengths.device)  # (B,)
+
+    def _index(self) -> Tensor:
+        return torch.tensor(self.rows, dtype=torch.long, device=self.cache.tables.device)  # (B,)
+
+    def begin(self, t: int, keep: Tensor | None = None) -> tuple[Tensor, int]:
+        if t != 1 or keep is not None:
+            raise ValueError("a token view takes one token per entry")
+        past = self.begin_decode()
+        self._decode_tensors()
+        return torch.tensor(past, dtype=torch.long, device=self.cache.lengths.device).view(-1, 1), self.step_len  # (B, 1)
+
+    def begin_decode(self) -> list[int]:
+        c, past = self.cache, self.past
+        longest = max(past, default=0) + 1
+        if longest > c.max_len:
+            raise ValueError(f"KV cache holds {c.max_len} tokens per row; this step needs {longest}")
+        for row, n in zip(self.rows, past, strict=True):
+            c.ensure(row, n + 1)
+        nb = min(blocks_for(longest, c.block), c.width)
+        self.step_len = nb * c.block
+        self._slots = self._keys = self._tables = None
+        self._past = list(past)
+        return self._past
+
+    def _decode_tensors(self) -> None:
+        c = self.cache
+        slots = [slot for row, n in zip(self.rows, self._past, strict=True) for slot in c.key_slots(row, n)]
+        flat = torch.tensor(slots + [n + 1 for n in self._past], dtype=torch.long, device=c.tables.device)  # (B * K + B,)
+        self._slots, self._keys = flat[:len(slots)], flat[len(slots):]  # (B * K,), (B,)
+
+    def decode_args(self, layers: int) -> tuple[list[Tensor], list[Tensor], list[int], Tensor, int]:
+        if self._past is None:
+            raise RuntimeError("PagedTokensView.decode_args() before begin_decode()")
+        c = self.cache
+        return c._flat_k[:layers], c._flat_v[:layers], self._past, c.tables.index_select(0, self._index()), c.block
+
+    def layer(self, i: int) -> PagedLayerCache:
+        c = self.cache
+        if self._past is None:
+            raise RuntimeError("PagedTokensView.layer() before begin()")
+        if self._slots is None:
+            self._decode_tensors()
+        if self._tables is None:
+            self._tables = c.tables.index_select(0, self._index())[:, :self.step_len // c.block].contiguous()  # (B, nb)
+        return PagedLayerCache(c._flat_k[i], c._flat_v[i], self._slots, self._tables, self._keys, c.block,
+                               self.decode_kernel)

@@ -14,7 +14,7 @@ engine/blocks.py's, steps launched ahead engine/lookahead.py's. Engine thread on
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -33,6 +33,7 @@ from .lookahead import Ahead, LookAhead, read, to_host
 from .prefill import Prefill
 from .prefix_cache import PrefixCache
 from .sequence import Picked, SeqState
+from .verify import Verify
 
 # A prefill pads its prompts (T) so that B x T, the rows its Linears see, is a multiple of
 # prefill_multiple() (within the cache row). Where the Linears keep a oneDNN kernel per row count
@@ -53,10 +54,11 @@ def prefill_multiple(*models: torch.nn.Module) -> int:
     return PREFILL_MULTIPLE if any(kernels_per_shape(m) for m in models) else SHAPE_FREE_MULTIPLE
 
 
-class RunningBatch(Prefill, Blocks, LookAhead):
+class RunningBatch(Prefill, Blocks, LookAhead, Verify):
     """Owned by the engine thread. Its admissions are Prefill's (engine/prefill.py), its KV blocks,
     prefix hits and preemptions Blocks' (engine/blocks.py), its steps launched ahead LookAhead's
-    (engine/lookahead.py); the rows, decode steps and sampling are here."""
+    (engine/lookahead.py), speculative decoding's verify steps Verify's (engine/verify.py); the rows,
+    decode steps and sampling are here."""
 
     def __init__(self, steps: DecoderExecutor, cache: KeyValueCache, vocab_size: int,
                  prefix: PrefixCache | None = None, graphs: DecodeGraphs | None = None) -> None:
@@ -79,6 +81,7 @@ class RunningBatch(Prefill, Blocks, LookAhead):
         self.partial_done = 0  # its prompt tokens in the cache
         self._masks = MaskBuilder(vocab_size)
         self._mask_thread: ThreadPoolExecutor | None = None  # structured outputs: masks beside the forward
+        self.on_leave: Callable[[SeqState], object] | None = None  # told of each request that leaves the rows
 
     def _width_multiple(self, rows: int) -> int:
         """What a prompt forward of `rows` rows pads its width T to a multiple of, so that B x T is a
@@ -92,10 +95,11 @@ class RunningBatch(Prefill, Blocks, LookAhead):
             return torch.tensor(rows, dtype=torch.long, device=self.device)
         return torch.tensor(rows, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
 
-    def _start_masks(self, seqs: list[SeqState]) -> Future[Tensor | None] | None:
-        """Begin the allowed-token masks of the constrained rows among `seqs` on a worker thread, so
-        they are computed while the forward pass runs; None when no row is constrained."""
-        matchers = [s.matcher for s in seqs]
+    def _start_masks(self, seqs: list[SeqState | None]) -> Future[Tensor | None] | None:
+        """Begin the allowed-token masks of the constrained rows among `seqs` (None: a row with no
+        constraint) on a worker thread, so they are computed while the forward pass runs; None when no
+        row is constrained."""
+        matchers = [s.matcher if s is not None else None for s in seqs]
         if all(m is None for m in matchers):
             return None
         if self._mask_thread is None:
@@ -184,6 +188,7 @@ class RunningBatch(Prefill, Blocks, LookAhead):
         del self.rows[keep_n:]
         self.cache.reset(keep_n, n)
         self._params = None
+        self._left(removed)
         return removed
 
     def clear(self) -> list[SeqState]:
@@ -191,7 +196,13 @@ class RunningBatch(Prefill, Blocks, LookAhead):
         removed, self.rows, self._params, self._ahead = self.rows, [], None, None
         partial = self.drop_partial()
         self.cache.reset()
+        self._left(removed)
         return removed + ([partial] if partial is not None else [])
+
+    def _left(self, seqs: list[SeqState]) -> None:
+        if self.on_leave is not None:
+            for seq in seqs:
+                self.on_leave(seq)
 
     def _took(self, choice: Choice, start: int, seqs: list[SeqState]) -> list[Picked]:
         """Mark the sampled tokens (B,) as seen (and counted) by their rows; each row's token and,

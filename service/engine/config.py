@@ -4,7 +4,48 @@ resolves it against one model, once, when the engine is built."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (service/engine/speculation/): rows propose tokens that the model verifies in
+    one step, as extra entries of the decode step, keeping the tokens it would have chosen itself
+    (greedy: the same output; sampling: the same distribution). Whether a step drafts, and how many
+    tokens each row drafts, is decided per step from the measured step times and each request's
+    acceptance so far; large batches stop drafting by themselves."""
+
+    __pydantic_config__ = {"extra": "forbid"}
+
+    # "ngram": prompt lookup (the tokens that followed the latest earlier occurrence of the sequence's
+    # last n tokens, in its prompt or output; no second model); "draft": a draft model of the same
+    # tokenizer (`draft`) proposes its greedy tokens
+    method: Literal["ngram", "draft"] = "ngram"
+    max_draft_tokens: int = 8  # tokens a row proposes in a step, at most
+    ngram_max: int = 4  # ngram: the longest suffix looked up (the longest match wins)
+    ngram_min: int = 2  # ngram: the shortest
+    # draft: the draft model, as changes to the deployment's model spec (e.g. {"quantize": "q4_1"}: the
+    # same weights as 4-bit blocks; {"source": ...}: a smaller model of the family, same tokenizer)
+    draft: Mapping[str, Any] = field(default_factory=dict)
+    # a row's acceptance rate before any of its drafts was verified (the adaptive rule's prior)
+    prior_acceptance: float = 0.6
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 1 <= self.max_draft_tokens <= 32:
+            problems.append(f"max_draft_tokens must be in [1, 32], got {self.max_draft_tokens!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            problems.append(f"ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max <= 16, "
+                            f"got {self.ngram_min!r} and {self.ngram_max!r}")
+        if not 0.0 < self.prior_acceptance < 1.0:
+            problems.append(f"prior_acceptance must be in (0, 1), got {self.prior_acceptance!r}")
+        if self.method == "draft" and not self.draft:
+            problems.append("method 'draft' needs `draft`: the draft model as changes to the model spec, "
+                            "e.g. {quantize: q4_1}")
+        if problems:
+            raise ValueError("SpeculativeConfig: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -44,6 +85,8 @@ class EngineConfig:
     # the host's per-row work overlaps the device's next step (engine/lookahead.py); only while no
     # request waits for a row
     decode_ahead: bool = True
+    # speculative decoding (SpeculativeConfig; None: off). Needs the paged cache; not with decode graphs
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be a positive integer, got {getattr(self, name)!r}"
@@ -58,6 +101,10 @@ class EngineConfig:
             problems.append(f"prefill_step_ms must be > 0, got {self.prefill_step_ms!r}")
         if not self.prefix_cache_mib >= 0:
             problems.append(f"prefix_cache_mib must be >= 0, got {self.prefix_cache_mib!r}")
+        if self.speculative is not None and not self.paged:
+            problems.append("speculative decoding verifies drafts on the paged cache: it needs paged: true")
+        if self.speculative is not None and self.decode_graphs:
+            problems.append("speculative decoding does not run on captured decode graphs: set decode_graphs: false")
         if problems:
             raise ValueError("EngineConfig: " + "; ".join(problems))
 

@@ -42,6 +42,8 @@ from .limits import EngineLimits
 from .loop import StepLoop
 from .prefix_cache import PagedPrefixCache, Pin, PrefixCache
 from .sequence import Picked, SeqState
+from .speculation.draft_model import DraftModel
+from .speculation.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,9 @@ class Submission:
 
 
 def engine_runtime(config: EngineConfig) -> Runtime:
-    """What an engine with this config gives its model's decode steps (the plan depends on it)."""
-    return Runtime(paged=config.paged, graphs=config.decode_graphs)
+    """What an engine with this config gives its model's decode steps (the plan depends on it):
+    speculative decoding's verify steps do not run on captured graphs."""
+    return Runtime(paged=config.paged, graphs=False if config.speculative is not None else config.decode_graphs)
 
 
 # select_batch's fixed cost of one prefill forward pass, in padded prompt tokens: prompts of very
@@ -77,11 +80,12 @@ class GenerationEngine(StepLoop):
     def __init__(self, model: DecoderLM | DecoderExecutor, tokenizer: TextTokenizer, config: EngineConfig | None = None,
                  observer: EngineObserver | None = None, name: str = "generation-engine",
                  after_step: Callable[[], object] | None = None, max_input_tokens: int | None = None,
-                 prompt_model: DecoderLM | None = None) -> None:
+                 prompt_model: DecoderLM | None = None, draft: DecoderExecutor | None = None) -> None:
         """`model`: its executor (models.catalog.LoadedModel.executor), planned for this engine's
         config (engine_runtime); a bare model is planned here with execution "auto", with
         `prompt_model` (the same model on other weights) for prompts. `max_input_tokens`: the model's
-        input limit (the prompt limit when the config sets none)."""
+        input limit (the prompt limit when the config sets none). `draft`: the draft model's executor
+        (config.speculative.method "draft" only)."""
         self.config = config or EngineConfig()
         if isinstance(model, DecoderExecutor):
             steps = model
@@ -112,8 +116,34 @@ class GenerationEngine(StepLoop):
             raise PlanError(f"{name}: decode on native needs a paged KV cache; this engine keeps rows "
                             "(plan the model with engine_runtime(config))")
         self._batch = RunningBatch(steps, self.cache, model.cfg.vocab_size, prefix, steps.graphs(self.cache))
+        self.speculator = self._speculator(draft)
+        if self.speculator is not None:
+            self._batch.on_leave = self.speculator.release
         self._admitting: list[SeqState] = []
         self._prefill_token_s: float | None = None  # measured seconds per padded prefill token (a moving average)
+
+    def _speculator(self, draft: DecoderExecutor | None) -> Speculator | None:
+        """Speculative decoding as the config asks (None: off); ValueError where it cannot run."""
+        spec = self.config.speculative
+        if spec is None:
+            if draft is not None:
+                raise ValueError(f"{self.name}: a draft model was given, and the engine config does not speculate")
+            return None
+        if not self.cache.paged:
+            raise ValueError(f"{self.name}: speculative decoding needs the paged cache (a sliding-window model "
+                             "keeps rows)")
+        if self._batch.graphs is not None:
+            raise ValueError(f"{self.name}: speculative decoding does not run on captured decode graphs")
+        if spec.method != "draft":
+            if draft is not None:
+                raise ValueError(f"{self.name}: a draft model was given for method {spec.method!r}")
+            return Speculator(spec)
+        if draft is None:
+            raise ValueError(f"{self.name}: speculative method 'draft' needs the draft model")
+        if draft.model.cfg.vocab_size != self.model.cfg.vocab_size:
+            raise ValueError(f"{self.name}: the draft model's vocabulary ({draft.model.cfg.vocab_size}) is not the "
+                             f"model's ({self.model.cfg.vocab_size}): a draft needs the same tokenizer")
+        return Speculator(spec, DraftModel(draft, self.limits.rows, self.limits.blocks, self.limits.max_total_tokens))
 
     @property
     def plan(self) -> ExecutionPlan:
@@ -212,6 +242,10 @@ class GenerationEngine(StepLoop):
                  "preempted": self._counts["preempted"]}
         if self.cache.paged:
             stats |= {"kv_blocks": self.cache.blocks_total, "kv_blocks_free": self.cache.blocks_free}
+        if self.speculator is not None:
+            c = self.speculator.counts
+            stats |= {"spec_drafted": c.drafted, "spec_accepted": c.accepted, "spec_steps": c.steps,
+                      "spec_step_ms": round(c.step_s * 1000), "spec_plain_ms": round(c.plain_s * 1000)}
         return stats
 
     def _make_room(self) -> None:
@@ -365,7 +399,7 @@ class GenerationEngine(StepLoop):
         last chunk, and a block for each sibling that may join on a copy of its row)."""
         batch = self._batch
         need = batch.cache.blocks_needed(batch.partial_row, tokens + last)
-        return need + (min(len(self._waiting), batch.free - 1) if last else 0)
+        return need + (max(0, min(len(self._waiting), batch.free - 1)) if last else 0)
 
     def _long(self, rest: int) -> bool:
         """Whether a prompt with `rest` tokens to compute is prefilled in chunks."""
@@ -426,13 +460,18 @@ class GenerationEngine(StepLoop):
         return group
 
     def _decode(self) -> None:
-        """One token for every live row; if the step fails, each row is retried alone and only the
-        rows that fail again are failed."""
+        """One token for every live row (with speculation, one or more: the drafts it keeps and one);
+        if the step fails, each row is retried alone and only the rows that fail again are failed."""
         n = len(self._batch)
+        if self.speculator is not None and self._speculate():
+            return
         results: list[tuple[int, Picked]] = []
+        started = time.perf_counter()
         try:
             # no request waits for a row: launch the next step before this one's tokens are handed out
             results = list(enumerate(self._batch.decode(ahead=self.config.decode_ahead and not self._waiting)))
+            if self.speculator is not None:
+                self.speculator.timed(n, time.perf_counter() - started)
         except Exception as exc:
             if n == 1:
                 self._fail(self._batch.rows[0], exc)
@@ -443,10 +482,41 @@ class GenerationEngine(StepLoop):
                     self._fail(self._batch.rows[row], row_exc)
         self._accept(results, time.perf_counter())
 
+    def _speculate(self) -> bool:
+        """A verify step of every row with the drafts the speculator proposes; False when it proposes
+        none (or drafting failed: logged), and the plain step runs instead. A verify step that fails
+        leaves the rows as they were, and the plain step (with its row-by-row retry) runs."""
+        batch, spec = self._batch, self.speculator
+        started = time.perf_counter()
+        try:
+            drafts = spec.propose(batch)
+        except Exception:
+            log.exception("%s: drafting failed; this step decodes without drafts", self.name)
+            return False
+        if not drafts:
+            return False
+        entries = len(batch) + sum(len(d) for d in drafts.values())
+        verifying = time.perf_counter()
+        try:
+            results, kept = batch.verify(drafts)
+        except Exception:
+            log.exception("%s: a verify step failed; this step decodes without drafts", self.name)
+            return False
+        done = time.perf_counter()
+        spec.timed(entries, done - verifying)
+        spec.verified(batch, drafts, kept, entries, len(results), done - started)
+        self._accept(results, done)
+        return True
+
     def _accept(self, results: list[tuple[int, Picked]], now: float) -> None:
-        """Hand each row its new token; a request whose text handling fails is failed alone."""
+        """Hand each row its new tokens, in order (a row's tokens after it finished are dropped); a
+        request whose text handling fails is failed alone."""
+        taken = 0
         for row, (token, logprobs) in results:
             seq = self._batch.rows[row]
+            if seq.reason is not None or seq.closed:
+                continue
+            taken += 1
             try:
                 seq.accept(token, now, logprobs)
             except Exception as exc:
@@ -457,7 +527,7 @@ class GenerationEngine(StepLoop):
                 self._observe("on_first_token", times[0])
             else:
                 self._observe("on_inter_token", times[-1] - times[-2])
-        self._counts["generated_tokens"] += len(results)
+        self._counts["generated_tokens"] += taken
 
     def _evict(self) -> None:
         """Free the rows of finished, cancelled and failed requests, then send their Finished events."""

@@ -74,10 +74,12 @@ class Prefill:
             self.prefix.store(seq.prompt, row)
         for sibling in siblings:
             sibling.cached_tokens = len(sibling.prompt)  # nothing computed for it
-        for dst in range(start, stop):
-            self.cache.move_row(row, dst)  # the prompt's keys and length
-        if row >= stop:
-            self.cache.reset(row, row + 1)
+        for dst in range(start + 1, stop):
+            self.cache.move_row(row, dst)  # the siblings: copies of the prompt's keys and length
+        if row >= stop:  # its own row is nobody's: its blocks move (no copy, no block more)
+            self.cache.relocate(row, start)
+        else:
+            self.cache.move_row(row, start)
         self.partial, self.partial_done = None, 0
         self.rows.extend(group)
         self._params = None

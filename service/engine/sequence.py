@@ -35,6 +35,7 @@ class SeqState:
         self.handle = handle
         self.sampler = RowSampler(params)
         self.matcher = matcher  # structured output: a grammar Matcher (engine/grammar.py), or None
+        self.speculation: Any = None  # speculative decoding's state of it (engine/speculation/speculator.py)
         self.stop_ids = frozenset() if params.ignore_eos else eos_ids | frozenset(params.stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt=self.prompt)
         self.tokens: list[int] = []  # output without a final stop token

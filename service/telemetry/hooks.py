@@ -50,6 +50,13 @@ class EngineStats:
     kv_blocks: int = 0  # paged cache: blocks sequences can hold (0: a row per sequence)
     kv_blocks_free: int = 0
     preempted: int = 0  # requests preempted when blocks ran out
+    # speculative decoding (service/engine/speculation/): tokens drafted and verified, of them kept, verify
+    # steps, their time (drafting included) and the time plain steps would have taken for the same tokens
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0
+    spec_step_ms: int = 0
+    spec_plain_ms: int = 0
 
 
 class EngineObserver:

@@ -234,3 +234,50 @@ def test_a_beam_search_never_reads_what_its_rows_did_not_write(kernel: bool) -> 
                 out[event.key] = event.ids
     assert out == translate_ids(model, sources, params)
     assert all(not t.isnan().any() for t in cache.block_kv(0))  # the null block stays zero
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_a_token_view_step_equals_one_step_per_token(backend: str, kernel: bool) -> None:
+    """A row's next tokens as entries of one step (view_tokens: speculative decoding's verify step)
+    give the logits of decoding them one step at a time: bitwise on the native step (every entry is a
+    decode row of its own), and the row's length is left for the caller to advance."""
+    if (kernel or backend == "native") and not native.available() and not os.environ.get("REQUIRE_NATIVE_KERNELS"):
+        pytest.skip("no AVX2 or AVX-512 CPU, or no compiler, for the native kernels")
+    if backend == "native" and not kernel:
+        pytest.skip("the native step attends through the kernel")
+    from models.execution.planner import Runtime, plan_model
+    from tests.models.execution.test_native import fast_model
+
+    model = fast_model("q4_1")
+    steps = plan_model(model, {"decode": backend, "prefill": "torch"}, Runtime(paged=True, graphs=False))
+    prompts, n = [PROMPTS[0], PROMPTS[1]], 14  # across block boundaries (blocks of 16)
+    caches = [PagedKVCache.for_model(model.cfg, rows=2, blocks=20, max_len=64, decode_kernel=kernel) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            ids = torch.tensor([p + [0] * (len(prompts[0]) - len(p)) for p in prompts])  # (B, T) right-padded
+            steps.prefill(ids, cache.view(), torch.tensor([len(p) - 1 for p in prompts]))
+            cache.advance([len(p) for p in prompts])
+        plain, tokens = [], [[5], [6]]
+        for _ in range(n):  # one token a row a step
+            logits = steps.decode(torch.tensor([[t[-1]] for t in tokens]), caches[0].view())[:, 0]  # (B, V)
+            caches[0].advance(1)
+            plain.append(logits)
+            for row in range(2):
+                tokens[row].append(int(logits[row].argmax()))
+        # row 0: its n tokens as n entries of one step; row 1: 3 entries, then the rest in a second step
+        base = list(caches[1].host_lengths[:2])
+        rows = [0] * n + [1] * 3
+        past = [base[0] + j for j in range(n)] + [base[1] + j for j in range(3)]
+        ids = torch.tensor([[t] for t in tokens[0][:n] + tokens[1][:3]])  # (E, 1)
+        first = steps.decode(ids, caches[1].view_tokens(rows, past))[:, 0]  # (E, V)
+        assert caches[1].host_lengths[:2] == base
+        caches[1].advance([0, 3])
+        rest = steps.decode(torch.tensor([[t] for t in tokens[1][3:n]]),
+                            caches[1].view_tokens([1] * (n - 3), [base[1] + j for j in range(3, n)]))[:, 0]
+    want = torch.stack([plain[j][0] for j in range(n)] + [plain[j][1] for j in range(n)])  # (2n, V)
+    got = torch.cat([first[:n], first[n:], rest])
+    if backend == "native":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

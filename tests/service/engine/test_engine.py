@@ -43,12 +43,12 @@ def tiny() -> tuple[nn.Module, TextTokenizer]:
     return tiny_model("decoder")
 
 
-def make(model: nn.Module, tok: TextTokenizer, observer: EngineObserver | None = None,
+def make(model: nn.Module, tok: TextTokenizer, observer: EngineObserver | None = None, draft: Any = None,
          **config: Any) -> GenerationEngine:
     # roomy limits unless a test sets its own (the operator defaults suit SmolLM2, not these tests)
     config = {"max_total_tokens": 128, "max_running": 32, "kv_cache_mib": 256, "max_new_tokens": None,
               "max_queued": 256, "prefill_tokens": 4096, **config}
-    return GenerationEngine(model, tok, EngineConfig(**config), observer)
+    return GenerationEngine(model, tok, EngineConfig(**config), observer, draft=draft)
 
 
 def run_until_idle(engine: GenerationEngine, max_steps: int = 1000) -> list[EngineStats]:

@@ -1,0 +1,274 @@
+"""Speculative decoding in the engine (service/engine/speculation/, engine/verify.py): the same tokens as
+decoding without drafts (greedy, penalties, seeded sampling), alone and among others, with prefix hits,
+chunked prefill and preemption; sampling keeps the model's distribution (a chi-square test a wrong
+acceptance rule fails); rejected drafts leave the cache as a run that never drafted; the adaptive rule
+stops drafting where it does not pay; a request may opt out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from models.decoder import DecoderLM
+from models.decoding import SamplingParams
+from models.execution.planner import Runtime, plan_model
+from models.text import TextTokenizer
+from models.tiny import tiny_model
+from service.engine.config import SpeculativeConfig
+from service.engine.core import GenerationEngine
+from service.engine.speculation.ngram import PromptLookup
+from service.engine.speculation.policy import Candidate, StepTimes, choose_drafts
+from service.engine.verify import kept_tokens
+
+from .test_engine import make, read, run_until_idle
+from .test_paged_engine import mib_for_blocks
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NGRAM = SpeculativeConfig(method="ngram", max_draft_tokens=6)
+# a GPT-2-like block: post-norm LayerNorm with biases, learned positions, a plain GELU MLP
+POST_NORM = {"prenorm": False, "norm": "layernorm", "position": "learned", "activation": "gelu",
+             "attn_bias": True, "mlp_bias": True}
+
+
+def native_model() -> DecoderLM:
+    """SmolLM2's shape in small as the shipped generator holds it (q4_1 blocks): decode steps on the
+    native step, where an entry's bits do not depend on the entries beside it."""
+    from tests.models.execution.test_native import fast_model
+
+    return fast_model("q4_1")
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2", "native"])
+def family(request: pytest.FixtureRequest) -> tuple[nn.Module, TextTokenizer]:
+    model, tok = tiny_model("decoder")
+    if request.param == "gpt2":
+        torch.manual_seed(0)
+        model = DecoderLM(model.cfg.replace(**POST_NORM)).eval()
+    elif request.param == "native":
+        model = native_model()
+    return model, tok
+
+
+def prompts_of(tok: TextTokenizer, n: int) -> list[list[int]]:
+    """Prompts that repeat themselves (prompt lookup finds its n-grams) and ones that do not."""
+    return [tok.encode(f"item {i}: " + "the cat sat on the mat, " * (i % 3), add_special_tokens=False)
+            for i in range(n)]
+
+
+PARAMS = [SamplingParams(max_new_tokens=40, ignore_eos=True),
+          SamplingParams(max_new_tokens=33, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4),
+          SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.9, seed=7, top_k=20),
+          SamplingParams(max_new_tokens=25, ignore_eos=True, temperature=1.2, seed=3, top_p=0.8, presence_penalty=0.5),
+          SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=2)]
+
+
+def run(model: nn.Module, tok: TextTokenizer, prompts: list[list[int]], params: list[SamplingParams],
+        draft: nn.Module | None = None, **config: object) -> tuple[list, list]:
+    """Every request at once; their Finished events and the stats of every step."""
+    engine = make(model, tok, **config) if draft is None else make(
+        model, tok, draft=plan_model(draft, "auto", Runtime(paged=True, graphs=False)), **config)
+    handles = [engine.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+    history = run_until_idle(engine)
+    held = len(engine._batch.prefix) if engine._batch.prefix is not None else 0
+    assert engine.cache.blocks_free + held == engine.cache.blocks_total  # no block leaked by drafts
+    return [read(h)[1] for h in handles], history
+
+
+def same(a: list, b: list) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids and x.text == y.text and x.finish_reason == y.finish_reason
+        assert (x.logprobs is None) == (y.logprobs is None)
+        if x.logprobs is not None:
+            assert [(e.token, [t for t, _ in e.top]) for e in x.logprobs] == [(e.token, [t for t, _ in e.top])
+                                                                              for e in y.logprobs]
+            values = [v for e in x.logprobs for v in (e.logprob, *(v for _, v in e.top))]
+            assert values == pytest.approx([v for e in y.logprobs for v in (e.logprob, *(v for _, v in e.top))], abs=1e-4)
+
+
+def test_prompt_lookup_gives_the_tokens_of_plain_decoding(family: tuple[nn.Module, TextTokenizer]) -> None:
+    """Greedy, penalised, seeded sampled and log-probability rows among each other: the tokens (and
+    text, log-probabilities) of decoding without drafts; drafts were verified and most kept."""
+    model, tok = family
+    prompts, params = prompts_of(tok, 10), (PARAMS * 2)[:10]
+    plain, _ = run(model, tok, prompts, params)
+    spec, history = run(model, tok, prompts, params, speculative=NGRAM)
+    same(spec, plain)
+    last = history[-1]
+    assert last.spec_steps > 0 and last.spec_accepted > 0 and last.spec_drafted >= last.spec_accepted
+    assert last.generated_tokens == sum(len(f.token_ids) for f in plain)
+
+
+def test_alone_equals_among_others() -> None:
+    model, tok = native_model(), tiny_model("decoder")[1]
+    prompts = prompts_of(tok, 6)
+    params = (PARAMS * 2)[:6]
+    together, _ = run(model, tok, prompts, params, speculative=NGRAM)
+    for i in range(6):
+        alone, _ = run(model, tok, [prompts[i]], [params[i]], speculative=NGRAM)
+        same(alone, [together[i]])
+
+
+def test_a_draft_model_gives_the_tokens_of_plain_decoding() -> None:
+    """A draft of other weights (a second random model: its drafts are mostly rejected) and of the
+    same weights (all kept): the target's tokens either way."""
+    model, tok = tiny_model("decoder")
+    prompts, params = prompts_of(tok, 5), PARAMS
+    plain, _ = run(model, tok, prompts, params)
+    other = tiny_model("decoder", seed=1)[0]
+    draft = SpeculativeConfig(method="draft", max_draft_tokens=4, draft={"source": "tiny"})
+    for drafter in (other, model):
+        spec, history = run(model, tok, prompts, params, draft=drafter, speculative=draft)
+        same(spec, plain)
+        assert history[-1].spec_steps > 0
+    greedy = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 3
+    _, history = run(model, tok, prompts[:3], greedy, draft=model, speculative=draft)
+    assert 0 < history[-1].spec_accepted == history[-1].spec_drafted  # the same weights, greedy: every draft kept
+
+
+@pytest.mark.parametrize("prefix_mib", [0.0, 1.0])
+def test_preemption_chunked_prefill_and_prefix_hits_keep_the_tokens(prefix_mib: float) -> None:
+    """A pool too small for every request (preemption and recomputation), prompts longer than a chunk,
+    and prompts sharing their beginning (prefix hits): the tokens of the same run without drafts."""
+    model, tok = tiny_model("decoder")
+    shared = "the cat sat on the mat, " * 2
+    prompts = [tok.encode(shared + f"request {i} " + "and so on, " * (i % 3), add_special_tokens=False) for i in range(4)]
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True),
+              SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.9, seed=7, top_k=20),
+              SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.5),
+              SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=1.1, seed=3, frequency_penalty=0.7)]
+    config = dict(max_running=4, kv_cache_mib=mib_for_blocks(model, 12), prefix_cache_mib=prefix_mib, prefill_chunk=40)
+    plain, plain_history = run(model, tok, prompts, params, **config)
+    spec, history = run(model, tok, prompts, params, speculative=NGRAM, **config)
+    same(spec, plain)
+    assert history[-1].preempted > 0 and history[-1].spec_accepted > 0
+    if prefix_mib:
+        assert history[-1].cached_prompt_tokens > 0
+
+
+def row_keys(engine: GenerationEngine, row: int) -> torch.Tensor:
+    """Row `row`'s keys and values in every layer, position by position, up to its length: (2L, K, N, D)."""
+    c = engine.cache
+    n = c.host_lengths[row]
+    slots = torch.tensor([c.key_slots(row, p) for p in range(n)]).T  # (K, N)
+    return torch.stack([buf[slots] for buf in c._flat_k + c._flat_v])
+
+
+def test_rejected_drafts_leave_the_cache_as_a_run_that_never_drafted() -> None:
+    """After drafts were rejected, every key and value up to the row's length is the plain run's (the
+    native step: the same bits)."""
+    model, tok = native_model(), tiny_model("decoder")[1]
+    prompt = prompts_of(tok, 3)[2]
+    params = SamplingParams(max_new_tokens=70, ignore_eos=True, temperature=1.0, seed=11)
+    eager = SpeculativeConfig(method="ngram", max_draft_tokens=4, ngram_min=1)  # proposes at almost every step
+    engines = [make(model, tok), make(model, tok, speculative=eager)]
+    for e in engines:
+        e.submit(prompt, params)
+    spec = engines[1]
+    for _ in range(100):
+        if spec.stats().spec_drafted > spec.stats().spec_accepted and spec.cache.host_lengths[0] >= 90:
+            break
+        spec.step()
+    assert spec.stats().spec_drafted > spec.stats().spec_accepted  # some drafts were rejected
+    while engines[0].cache.host_lengths[0] < spec.cache.host_lengths[0]:
+        engines[0].step()
+    n = spec.cache.host_lengths[0]
+    assert torch.equal(row_keys(spec, 0), row_keys(engines[0], 0)[:, :, :n])
+
+
+def chi_square(counts: Counter, probs: dict[int, float], n: int) -> float:
+    return sum((counts.get(t, 0) - n * p) ** 2 / (n * p) for t, p in probs.items())
+
+
+def test_sampling_with_drafts_keeps_the_models_distribution() -> None:
+    """Rows with one context and many seeds, each verifying the same draft d: the first token's
+    frequencies match the model's distribution p (chi-square, 7 degrees of freedom, p = 0.001 bound),
+    and d is kept as often as p(d). A rule that kept d with probability p(d) and otherwise drew from p
+    (d not removed) would put p(d) (2 - p(d)) on d: the test's sample is large enough to fail it."""
+    model, tok = tiny_model("decoder")
+    prompt = prompts_of(tok, 1)[0]
+    params = [SamplingParams(max_new_tokens=8, temperature=1.0, top_k=8, seed=s, ignore_eos=True) for s in range(1200)]
+    engine = make(model, tok, max_running=1200, kv_cache_mib=64, max_total_tokens=64, prefill_tokens=50_000,
+                  max_queued=2000, speculative=NGRAM)
+    for p in params:
+        engine.submit(prompt, p)
+    with torch.inference_mode():
+        engine._admit()
+    batch = engine._batch
+    pending = 65  # every row's next input: one context for all
+    for seq in batch.rows:
+        seq.pending = pending
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + [pending]])
+        logits = model(ids)[0, -1].float()  # (V,)
+    top = logits.topk(8)
+    probs = dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist(), strict=True))
+    d = top.indices[1].item()  # a likely token, not the likeliest
+    with torch.inference_mode():
+        results, kept = batch.verify({r: [d] for r in range(len(batch.rows))})
+    firsts: Counter = Counter()
+    row_seen = set()
+    for row, (token, _) in results:
+        if row not in row_seen:
+            firsts[token] += 1
+            row_seen.add(row)
+    n = len(batch.rows)
+    bound = 24.32  # chi-square, 7 degrees of freedom, p = 0.001
+    assert chi_square(firsts, probs, n) < bound
+    assert sum(kept.values()) == firsts[d]
+    broken = {t: (p * (1 - probs[d]) if t != d else probs[d] * (2 - probs[d])) for t, p in probs.items()}
+    expected_broken = sum((n * broken[t] - n * p) ** 2 / (n * p) for t, p in probs.items())
+    assert expected_broken > 2 * bound
+
+
+def test_a_request_may_opt_out_and_grammar_rows_do_not_draft() -> None:
+    model, tok = tiny_model("decoder")
+    prompts = prompts_of(tok, 3)
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True, speculative=False)] * 3
+    plain, _ = run(model, tok, prompts, params)
+    spec, history = run(model, tok, prompts, params, speculative=NGRAM)
+    same(spec, plain)
+    assert history[-1].spec_drafted == 0
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_latest_match() -> None:
+    lookup = PromptLookup(2, 3, [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3])
+    assert lookup.propose(3) == [4, 9, 2]  # the longest suffix (1, 2, 3) wins over (2, 3)
+    latest = PromptLookup(2, 3, [2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3])
+    assert latest.propose(3) == [5, 6, 7]  # (2, 3): its latest earlier occurrence
+    lookup = PromptLookup(2, 3, [1, 2, 3, 4, 7, 1, 2, 3])
+    assert lookup.propose(2) == [4, 7]  # the longest suffix (1, 2, 3) wins
+    lookup.extend([8])
+    assert lookup.propose(4) == []  # (2, 3, 8) and (3, 8) never occurred before
+    loop = PromptLookup(2, 2, [5, 7, 7, 7, 7])
+    assert loop.propose(4) == [7, 7, 7, 7]  # a loop goes on as a loop
+    cycle = PromptLookup(2, 2, [1, 2, 1, 2])
+    assert cycle.propose(5) == [1, 2, 1, 2, 1]
+
+
+def test_kept_tokens_stop_at_the_first_difference() -> None:
+    assert kept_tokens([4, 5, 6], [4, 5]) == 3  # both drafts kept, and the token after them
+    assert kept_tokens([4, 9, 6], [4, 5]) == 2  # the second draft rejected: the model's token instead
+    assert kept_tokens([7, 5, 6], [4, 5]) == 1
+    assert kept_tokens([7], []) == 1
+
+
+def test_large_batches_stop_drafting_by_themselves() -> None:
+    """Where an entry costs little beside the step (weights read once), rows draft; where each entry
+    costs as much as a row's share of the step, the expected gain does not pay and no row drafts."""
+    cheap, dear = StepTimes(), StepTimes()
+    for e in (1, 4, 8, 32, 64):
+        cheap.record(e, 0.010 + 0.0002 * e)  # batch 1 on a CPU: the weights dominate
+        dear.record(e, 0.002 + 0.004 * e)  # compute-bound: t(E) proportional to E
+    candidates = [Candidate(r, 6, 0.7) for r in range(32)]
+    assert choose_drafts(1, candidates[:1], cheap) == {0: 6}
+    assert choose_drafts(32, candidates, dear) == {}
+    # a low acceptance does not draft even when entries are cheap; a draft model's cost counts
+    assert choose_drafts(1, [Candidate(0, 6, 0.01)], cheap) == {}
+    assert choose_drafts(1, candidates[:1], cheap, draft_s=lambda k, n: 0.05 * k) == {}
+    assert math.isclose(cheap.estimate(8), 0.0116, rel_tol=1e-6)
