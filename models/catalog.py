@@ -62,6 +62,7 @@ class LoadedModel:
     prompt_model: nn.Module | None = None
     prompt_speedup: float | None = None  # prompt_weights "auto": float32 / blocks, as measured at load
     executor: Executor | None = None  # how it runs: its execution plan and the backends it chose
+    draft: LoadedModel | None = None  # a generator's draft model for speculative decoding (its engine asks for one)
 
     @property
     def plan(self) -> ExecutionPlan:

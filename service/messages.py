@@ -72,6 +72,8 @@ class ModelInfo:
     prompt_weights: str | None = None  # "float": prompts computed on a float32 copy (ModelSpec.prompt_weights)
     # the execution plan (models/execution/): phase -> {backend, detail, not_taken: {backend: reason}}
     plan: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # generators: speculative decoding's drafter (service/engine/speculation/), None where it does not speculate
+    speculative: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool | None = None
+    speculative: bool | None = None  # False: this request does not draft (speculative decoding); None: the default
     # field of this request -> the name the client used (OpenAI's max_tokens for max_new_tokens)
     names: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float | None = None  # seconds left of its deadline when the ingress sent it (admission)

@@ -148,7 +148,7 @@ def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = 
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logit_bias=body.bias(), logprobs=logprobs, seed=seed,
         grammar=grammar if grammar is not None else grammar_of(body.response_format), tools=tools,
-        stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, names=dict(names or {}))
+        stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, speculative=body.speculative, names=dict(names or {}))
 
 
 def usage(done: GenerationDone) -> CompletionUsage:

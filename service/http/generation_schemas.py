@@ -118,6 +118,9 @@ class Sampling(_Request):
     stop: Stops | None = None
     ignore_eos: StrictBool | None = Field(None, description="Keep generating past the end-of-sequence token "
                                                              "until max tokens (benchmarks; as vLLM's extra).")
+    speculative: StrictBool | None = Field(None, description="false: this request does not draft where the model "
+                                                              "decodes speculatively (its text is the same either "
+                                                              "way). Default: the model's.")
     stream: StrictBool = Field(False, description="Answer with server-sent events as the text is generated.")
     response_format: ResponseFormat | None = Field(
         None, description="Structured output (OpenAI's): `json_object` (any JSON object) or `json_schema`; the "

@@ -46,7 +46,8 @@ def ops_router(settings: Settings, routes: ModelRoutes, backend: Backend, metric
                     defaults=result.defaults, stats=result.stats, limits=result.limits or None,
                     quantize=result.quantize, kernels=result.kernels or None, compiled=result.compiled,
                     block_activation_bits=result.block_activation_bits, prompt_weights=result.prompt_weights,
-                    plan={phase: PhaseCard(**card) for phase, card in result.plan.items()} or None))
+                    plan={phase: PhaseCard(**card) for phase, card in result.plan.items()} or None,
+                    speculative=result.speculative))
             else:
                 cards.append(ModelCard(id=dep.model.name, created=0, deployment=name, tasks=list(dep.model.tasks),
                                        ready=False, defaults=dict(dep.model.defaults), quantize=dep.model.quantize))

@@ -167,6 +167,10 @@ class ModelCard(BaseModel):
     plan: dict[str, PhaseCard] | None = Field(None, description="The execution plan chosen at load: phase (encode, "
                                                                 "prefill, decode) -> its backend and why not the "
                                                                 "others; null until loaded.")
+    speculative: dict[str, Any] | None = Field(None, description="Generators: speculative decoding's drafter "
+                                                                "(`method` ngram: prompt lookup, or draft: a draft "
+                                                                "model, its spec changes and plan) and its limits; "
+                                                                "null where it does not speculate.")
 
 
 class ModelList(BaseModel):

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # request fields that fall back to the model's defaults (ModelSpec.defaults), then SamplingParams'
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "logprobs", "seed", "ignore_eos")
+                   "frequency_penalty", "logprobs", "seed", "ignore_eos", "speculative")
 CHAT_ROLES = {"developer": "system"}  # roles the templates know under another name
 WARM_UP_STEPS = 8
 DEFAULT_MAX_NEW = SamplingParams().max_new_tokens  # when neither the request nor the model sets one
@@ -62,15 +62,18 @@ class GeneratorRunner(EngineRunner):
     def __init__(self, loaded: LoadedModel, deployment: str, config: EngineConfig,
                  observer: EngineObserver | None = None, heap: HeapTrimmer | None = None) -> None:
         super().__init__(loaded, deployment, heap)
+        draft = loaded.draft.executor if loaded.draft is not None else None
         self.engine = GenerationEngine(loaded.executor, loaded.tokenizer, config, observer, name=f"{deployment}-engine",
-                                       after_step=self.heap.maybe_trim, max_input_tokens=loaded.max_input_tokens)
+                                       after_step=self.heap.maybe_trim, max_input_tokens=loaded.max_input_tokens,
+                                       draft=draft)
         self.defaults = {k: v for k, v in loaded.spec.defaults.items() if k in SAMPLING_FIELDS}
         SamplingParams(**self.defaults)  # bad model defaults fail the replica at start, not each request
 
     @classmethod
     def for_deployment(cls, loaded: LoadedModel, deployment: str, settings: DeploymentSettings,
                        metrics: ServiceMetrics) -> GeneratorRunner:
-        return cls(loaded, deployment, settings.engine, PrometheusEngineObserver(metrics, loaded.spec.name),
+        speculative = settings.engine.speculative.method if settings.engine.speculative is not None else None
+        return cls(loaded, deployment, settings.engine, PrometheusEngineObserver(metrics, loaded.spec.name, speculative),
                    HeapTrimmer(settings.heap_trim_interval_s))
 
     # -- requests --------------------------------------------------------------------------------
@@ -287,6 +290,16 @@ class GeneratorRunner(EngineRunner):
 
     def limits(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.limits)
+
+    def speculative(self) -> dict[str, Any] | None:
+        spec = self.engine.speculator
+        if spec is None:
+            return None
+        out = spec.describe()
+        if self.loaded.draft is not None:
+            out["draft_plan"] = self.loaded.draft.plan.to_dict()
+            out["draft_quantize"] = self.loaded.draft.quantize
+        return out
 
 
 def _done(event: Finished) -> GenerationDone:

@@ -102,6 +102,10 @@ class ModelRunner:
     def limits(self) -> dict[str, Any]:
         return {}
 
+    def speculative(self) -> dict[str, Any] | None:
+        """Generators: what drafts for speculative decoding (None: it does not speculate)."""
+        return None
+
     def info(self) -> ModelInfo:
         """What /v1/models and /readyz report about this replica's model."""
         spec, loaded = self.loaded.spec, self.loaded
@@ -112,7 +116,8 @@ class ModelRunner:
             loaded_at=self.loaded_at, load_seconds=loaded.load_seconds, stats=self.stats(), limits=self.limits(),
             quantize=loaded.quantize, kernels=dict(loaded.kernels), compiled=loaded.compiled,
             block_activation_bits=loaded.block_activation_bits,
-            prompt_weights="float" if loaded.prompt_model is not None else None, plan=loaded.plan.to_dict())
+            prompt_weights="float" if loaded.prompt_model is not None else None, plan=loaded.plan.to_dict(),
+            speculative=self.speculative())
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop serving: requests still open fail or are cancelled."""

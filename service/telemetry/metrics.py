@@ -121,6 +121,16 @@ SPECS: dict[str, Spec] = {
     "generation_kv_blocks": Spec("gauge", ("model", "kind"), "Paged KV cache: 16-token blocks used and free"),
     "generation_preempted_total": Spec("counter", ("model",), "Requests preempted when KV blocks ran out "
                                                                 "(recomputed when admitted again)"),
+    "generation_spec_draft_tokens_total": Spec("counter", ("model", "method"), "Speculative decoding: drafted "
+                                                                           "tokens verified"),
+    "generation_spec_accepted_tokens_total": Spec("counter", ("model", "method"), "Speculative decoding: drafted "
+                                                                              "tokens kept"),
+    "generation_spec_verify_steps_total": Spec("counter", ("model", "method"), "Speculative decoding: verify steps"),
+    "generation_spec_step_seconds_total": Spec("counter", ("model", "method"), "Speculative decoding: time in "
+                                                                           "verify steps, drafting included"),
+    "generation_spec_plain_seconds_total": Spec("counter", ("model", "method"), "Speculative decoding: the time "
+                                                "plain decode steps would have taken for the same tokens (estimated "
+                                                "from measured steps); minus step_seconds: the time saved"),
     "generation_requests_finished_total": Spec("counter", ("model", "finish_reason"),
                                                "Generation requests ended (stop, length, cancelled, error)"),
 }

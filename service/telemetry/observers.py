@@ -61,12 +61,22 @@ class PrometheusBatchObserver(AdmissionMetrics, BatchObserver):
         self.metrics["batch_dropped_items_total"].labels(self.model, reason).inc(items)
 
 
+# EngineStats field -> its counter (generation_spec_<name>); milliseconds are exported as seconds
+SPEC_COUNTERS = {"spec_drafted": "draft_tokens_total", "spec_accepted": "accepted_tokens_total",
+                 "spec_steps": "verify_steps_total", "spec_step_ms": "step_seconds_total",
+                 "spec_plain_ms": "plain_seconds_total"}
+
+
 class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
     """A GenerationEngine's hooks -> the generation metrics of one model (and its queue and steps
     in the shared queue/batch metrics)."""
 
-    def __init__(self, metrics: ServiceMetrics, model: str) -> None:
+    def __init__(self, metrics: ServiceMetrics, model: str, speculative: str | None = None) -> None:
+        """`speculative`: the engine's speculative method (its counters are exported from the start)."""
         self.metrics, self.model = metrics, model
+        self.spec = {f: metrics[f"generation_spec_{name}"].labels(model, speculative)
+                     for f, name in SPEC_COUNTERS.items()} if speculative else {}
+        self._spec_seen = dict.fromkeys(self.spec, 0)  # the engine's counts at the last step
         self.wait = metrics["queue_wait_seconds"].labels(model)
         self.depth = metrics["queue_depth"].labels(model)
         self.size = metrics["batch_size"].labels(model)
@@ -110,6 +120,12 @@ class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
         if stats.preempted > self._preempted:
             self.preempted.inc(stats.preempted - self._preempted)
             self._preempted = stats.preempted
+        for field, counter in self.spec.items():
+            now = getattr(stats, field)
+            if now > self._spec_seen[field]:
+                scale = 1000 if field.endswith("_ms") else 1
+                counter.inc((now - self._spec_seen[field]) / scale)
+                self._spec_seen[field] = now
         self.rss.set(resident_bytes())
         if generated:
             self.generated.inc(generated)
