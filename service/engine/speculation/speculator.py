@@ -75,8 +75,8 @@ class Speculator:
         self.times.record(entries, seconds)
 
     def propose(self, batch) -> dict[int, list[int]]:  # noqa: ANN001 - engine/batch.py's RunningBatch
-        """Each drafting row's drafted tokens ({} for a plain step). Blocks for them are made free here
-        (without them, no row drafts)."""
+        """Each drafting row's drafted tokens ({} for a plain step): only where the pool has free blocks
+        for them and every row's next token."""
         rows, cache, most_k = batch.rows, batch.cache, self.config.max_draft_tokens
         candidates: list[Candidate] = []
         proposals: dict[int, list[int]] = {}
@@ -102,8 +102,8 @@ class Speculator:
                 rows[c.row].speculation.acceptance.forget()
         if not chosen:
             return {}
-        need = sum(cache.blocks_needed(r, cache.host_lengths[r] + 1 + chosen.get(r, 0)) for r in range(len(rows)))
-        if not batch.make_room(need):
+        # free blocks only: drafts never evict the prefix cache's blocks (nor preempt anyone)
+        if sum(cache.blocks_needed(r, cache.host_lengths[r] + 1 + chosen.get(r, 0)) for r in range(len(rows))) > cache.blocks_free:
             return {}
         if self.draft is None:
             return {r: proposals[r][:k] for r, k in chosen.items()}

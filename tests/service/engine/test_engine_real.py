@@ -100,3 +100,49 @@ def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_p
     assert mixed == alone
     assert small.stats().preempted >= 1 and squeezed == alone
     assert len(steps) >= 4 * 23 and max(steps) == 3  # every decode step, alone and with three rows, took the op
+
+
+GROUNDED = ("Fix the spelling in this note and keep everything else the same: The new librray opens on "
+            "Monday 3 March at 9am. Membres can borow up to ten books for three weeks, and the cafe on the "
+            "ground flor serves coffee until 5pm. Please bring your old card to the front desk.")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_shipped_smollm2_speculative_gives_the_plain_tokens(method: str) -> None:
+    """The shipped Q4_1 generator (ngram: prompt lookup) and its float32 weights with the Q4_1 blocks
+    drafting (draft): greedy and seeded requests, alone and among others, give the tokens of decoding
+    without drafts, and drafts were kept."""
+    import dataclasses
+
+    from service.engine.config import SpeculativeConfig
+    from service.engine.core import engine_runtime
+    from service.replica.loading import draft_spec
+
+    spec_cfg = (SpeculativeConfig(method="ngram") if method == "ngram"
+                else SpeculativeConfig(method="draft", max_draft_tokens=4, draft={"quantize": "q4_1"}))
+    base = DEFAULT_SPECS["generator"]
+    spec = base if method == "ngram" else dataclasses.replace(base, quantize=None, prompt_weights="same")
+    plain_cfg = EngineConfig(max_total_tokens=512, max_running=8, kv_cache_mib=512)
+    fast_cfg = dataclasses.replace(plain_cfg, speculative=spec_cfg)
+    lm = load_model(spec, zoo.default_cache_dir(), runtime=engine_runtime(fast_cfg))
+    draft = None
+    if method == "draft":
+        draft = load_model(draft_spec(spec, spec_cfg.draft), zoo.default_cache_dir(),
+                           runtime=engine_runtime(fast_cfg)).executor
+    tok = lm.tokenizer
+
+    def chat(text: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+    greedy = SamplingParams(max_new_tokens=48)
+    seeded = SamplingParams(max_new_tokens=48, temperature=0.8, top_p=0.95, seed=11)
+    requests = [(chat(GROUNDED), greedy), (chat(GROUNDED), seeded)] + [(chat(t), greedy) for t in OTHERS[:4]]
+    with torch.inference_mode():
+        plain = run(GenerationEngine(lm.executor, tok, plain_cfg), requests)
+        engine = GenerationEngine(lm.executor, tok, fast_cfg, draft=draft)
+        alone = [run(engine, [r])[0] for r in requests[:2]]
+        together = run(engine, requests)
+    assert together == plain and alone == plain[:2]
+    assert "librar" in tok.decode(plain[0]).lower()
+    stats = engine.stats()  # the q4_1 blocks agree with their float32 weights on most greedy tokens
+    assert stats.spec_accepted > (0.5 if method == "draft" else 0.0) * stats.spec_drafted > 0, stats
