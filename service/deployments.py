@@ -37,6 +37,7 @@ from .replica.encoder import EncoderRunner
 from .replica.generator import GeneratorRunner
 from .replica.loading import load_for_deployment
 from .replica.runner import ModelRunner
+from .replica.threads import on_own_thread
 from .replica.translator import TranslatorEngineRunner, TranslatorRunner, for_translator
 from .settings import DeploymentSettings, Settings
 from .telemetry.logs import serve_logging_config
@@ -76,11 +77,20 @@ class ModelDeployment:
 
     def __init__(self, name: str, settings: Settings) -> None:
         bind_to_node(ray.get_runtime_context().get_node_id())
-        dep, loaded = load_for_deployment(name, settings)
         metrics = process_metrics()
-        self.runner = self.build_runner(loaded, name, dep, metrics)
-        started = time.perf_counter()
-        self.runner.warm_up()
+        timed: dict[str, float] = {}
+
+        def prepare() -> tuple[DeploymentSettings, LoadedModel, ModelRunner]:
+            dep, loaded = load_for_deployment(name, settings)
+            runner = self.build_runner(loaded, name, dep, metrics)
+            timed["started"] = time.perf_counter()
+            runner.warm_up()
+            return dep, loaded, runner
+
+        # load and warm up on a thread that ends first: the runner's thread has the process's only
+        # OpenMP pool (service/replica/threads.py)
+        dep, loaded, self.runner = on_own_thread(prepare, f"{name}-load")
+        started = timed["started"]
         self.runner.start()
         dtype = str(loaded.dtype).removeprefix("torch.")
         log.info("%s: %s loaded on %s/%s in %.1f s, warmed up in %.2f s; execution plan %s", name, loaded.spec.name,

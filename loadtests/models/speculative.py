@@ -117,6 +117,7 @@ def ours_worker(mode: Mode, job: dict[str, Any]) -> dict[str, Any]:
     from models.decoding import SamplingParams
     from service.engine.config import EngineConfig
     from service.engine.core import GenerationEngine, engine_runtime
+    from service.replica.threads import on_own_thread
 
     torch.set_num_threads(job["threads"])
     spec, dtype, cache_dir = shipped_generator()
@@ -134,12 +135,18 @@ def ours_worker(mode: Mode, job: dict[str, Any]) -> dict[str, Any]:
     runtime = engine_runtime(config)
     if mode.weights == "f32":
         spec = dataclasses.replace(spec, quantize=None, prompt_weights="same")
-    target = load_model(spec, cache_dir, dtype=torch_dtype, runtime=runtime)
-    kwargs = {}
-    if mode.drafting == "draft":
-        draft_spec = dataclasses.replace(spec, quantize="q4_1", prompt_weights="same")
-        kwargs["draft"] = load_model(draft_spec, cache_dir, dtype=torch_dtype, runtime=runtime).executor
-    engine = GenerationEngine(target.executor, target.tokenizer, config, **kwargs).start()
+
+    def load() -> GenerationEngine:
+        target = load_model(spec, cache_dir, dtype=torch_dtype, runtime=runtime)
+        kwargs = {}
+        if mode.drafting == "draft":
+            draft_spec = dataclasses.replace(spec, quantize="q4_1", prompt_weights="same")
+            kwargs["draft"] = load_model(draft_spec, cache_dir, dtype=torch_dtype, runtime=runtime).executor
+        return GenerationEngine(target.executor, target.tokenizer, config, **kwargs)
+
+    # loaded on a thread that ends, as a replica loads (service/replica/threads.py): the engine's thread
+    # then has the process's only OpenMP pool
+    engine = on_own_thread(load).start()
     params = SamplingParams(max_new_tokens=job["max_new"], temperature=0.0)
 
     def once(ids: list[int]) -> dict[str, Any]:

@@ -127,6 +127,16 @@ def our_service_batches(cfg: LaunchConfig) -> Launch:
     return our_service(cfg, "batches", {"translator": {"translation": {"scheduler": "batches"}}})
 
 
+def our_service_ngram(cfg: LaunchConfig) -> Launch:
+    """Ours with speculative decoding by prompt lookup (service/engine/speculation/)."""
+    return our_service(cfg, "ngram", {"generator": {"engine": {"speculative": {"method": "ngram"}}}})
+
+
+def our_service_plain_decode(cfg: LaunchConfig) -> Launch:
+    """Ours with speculative decoding off."""
+    return our_service(cfg, "plain_decode", {"generator": {"engine": {"speculative": None}}})
+
+
 def our_service_rows(cfg: LaunchConfig) -> Launch:
     """Ours with the generator's KV cache in preallocated rows (before the paged cache)."""
     return our_service(cfg, "rows", {"generator": {"engine": {"paged": False}}})
@@ -234,6 +244,8 @@ SYSTEMS: dict[str, Callable[[LaunchConfig], Launch]] = {
     "ours": our_service,
     "ours_batches": our_service_batches,
     "ours_rows": our_service_rows,
+    "ours_ngram": our_service_ngram,
+    "ours_plain_decode": our_service_plain_decode,
     "ours_serve_proxy": our_service_serve_proxy,
     "llama_server": llama_server,
     "vllm_cpu": vllm_cpu,

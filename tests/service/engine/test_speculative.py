@@ -272,3 +272,27 @@ def test_large_batches_stop_drafting_by_themselves() -> None:
     assert choose_drafts(1, [Candidate(0, 6, 0.01)], cheap) == {}
     assert choose_drafts(1, candidates[:1], cheap, draft_s=lambda k, n: 0.05 * k) == {}
     assert math.isclose(cheap.estimate(8), 0.0116, rel_tol=1e-6)
+
+
+def test_bad_speculative_settings_are_refused_with_their_reason() -> None:
+    from models.spec import ModelSpec
+    from service.engine.config import EngineConfig
+    from service.replica.loading import draft_spec
+
+    with pytest.raises(ValueError, match="max_draft_tokens must be in"):
+        SpeculativeConfig(max_draft_tokens=0)
+    with pytest.raises(ValueError, match="method 'draft' needs `draft`"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="needs paged: true"):
+        EngineConfig(paged=False, speculative=NGRAM)
+    model, tok = tiny_model("decoder")
+    with pytest.raises(ValueError, match="needs the draft model"):
+        make(model, tok, speculative=SpeculativeConfig(method="draft", draft={"quantize": "q4_1"}))
+    other = DecoderLM(model.cfg.replace(vocab_size=model.cfg.vocab_size + 1)).eval()
+    with pytest.raises(ValueError, match="a draft needs the same tokenizer"):
+        make(model, tok, draft=plan_model(other, "auto", Runtime(paged=True, graphs=False)),
+             speculative=SpeculativeConfig(method="draft", draft={"source": "other"}))
+    spec = ModelSpec(name="m", source="tiny:decoder")
+    assert draft_spec(spec, {"quantize": "q4_1"}).name == "m-draft"
+    with pytest.raises(ValueError, match=r"\['quantise'\] are not model spec fields"):
+        draft_spec(spec, {"quantise": "q4_1"})
