@@ -127,13 +127,8 @@ def our_service_batches(cfg: LaunchConfig) -> Launch:
     return our_service(cfg, "batches", {"translator": {"translation": {"scheduler": "batches"}}})
 
 
-def our_service_ngram(cfg: LaunchConfig) -> Launch:
-    """Ours with speculative decoding by prompt lookup (service/engine/speculation/)."""
-    return our_service(cfg, "ngram", {"generator": {"engine": {"speculative": {"method": "ngram"}}}})
-
-
 def our_service_plain_decode(cfg: LaunchConfig) -> Launch:
-    """Ours with speculative decoding off."""
+    """Ours with speculative decoding off (the shipped config decodes with prompt lookup)."""
     return our_service(cfg, "plain_decode", {"generator": {"engine": {"speculative": None}}})
 
 
@@ -244,7 +239,6 @@ SYSTEMS: dict[str, Callable[[LaunchConfig], Launch]] = {
     "ours": our_service,
     "ours_batches": our_service_batches,
     "ours_rows": our_service_rows,
-    "ours_ngram": our_service_ngram,
     "ours_plain_decode": our_service_plain_decode,
     "ours_serve_proxy": our_service_serve_proxy,
     "llama_server": llama_server,

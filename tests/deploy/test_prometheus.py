@@ -155,7 +155,8 @@ def app_args(metrics_dir: Path) -> dict[str, Any]:
             "generator": {"model": {"name": "tiny-decoder", "tasks": ["generate"], "source": "tiny:decoder",
                                     "defaults": {"max_new_tokens": 12}},
                           "num_cpus": 0, "torch_threads": 1,
-                          "engine": {"max_running": 4, "max_queued": 16, "max_total_tokens": None}},
+                          "engine": {"max_running": 4, "max_queued": 16, "max_total_tokens": None,
+                                     "speculative": {"method": "ngram"}}},
         },
     }
 
