@@ -227,6 +227,10 @@ def test_sampling_with_drafts_keeps_the_models_distribution() -> None:
 
 
 def test_a_request_may_opt_out_and_grammar_rows_do_not_draft() -> None:
+    """Opted-out rows and rows under a grammar (a regex of repeats, which prompt lookup would propose)
+    never draft, beside a row that does; every row's tokens are those without drafts."""
+    from service.messages import GrammarSpec
+
     model, tok = tiny_model("decoder")
     prompts = prompts_of(tok, 3)
     params = [SamplingParams(max_new_tokens=40, ignore_eos=True, speculative=False)] * 3
@@ -234,6 +238,29 @@ def test_a_request_may_opt_out_and_grammar_rows_do_not_draft() -> None:
     spec, history = run(model, tok, prompts, params, speculative=NGRAM)
     same(spec, plain)
     assert history[-1].spec_drafted == 0
+
+    drafted_under_grammar = []
+
+    def with_grammar(**config: object) -> tuple[list, GenerationEngine]:
+        engine = make(model, tok, **config)
+        verify = engine._batch.verify
+
+        def watched(drafts: dict[int, list[int]]) -> object:
+            drafted_under_grammar.extend(r for r in drafts if engine._batch.rows[r].matcher is not None)
+            return verify(drafts)
+
+        engine._batch.verify = watched
+        grammar = engine.grammars.compile(GrammarSpec("regex", "(ab ){8}"))
+        free = engine.submit(prompts[2], SamplingParams(max_new_tokens=40, ignore_eos=True))
+        ruled = engine.submit(prompts[2], SamplingParams(max_new_tokens=30), grammar=grammar)
+        run_until_idle(engine)
+        return [read(free)[1], read(ruled)[1]], engine
+
+    plain, _ = with_grammar()
+    spec, engine = with_grammar(speculative=NGRAM)
+    same(spec, plain)
+    assert set(spec[1].text.split()) == {"ab"} and engine.stats().spec_drafted > 0
+    assert drafted_under_grammar == []
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_latest_match() -> None:
