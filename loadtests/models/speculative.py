@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.peers.env import ROOT, PeerEnv, PeerFailed, exit_reason
+from loadtests.systems.process import ServerProcess, StartError, free_port
 
 log = logging.getLogger("bench.spec")
 PROMPTS_DIR = ROOT / "loadtests" / "prompts"
@@ -189,44 +189,25 @@ def run_ours(mode: Mode, job: dict[str, Any]) -> dict[str, Any]:
 
 # --- llama.cpp: llama-server per mode -----------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def llama_server(binary: Path, model: Path, threads: int, ctx: int, extra: list[str],
                  log_path: Path) -> Iterator[str]:
     """llama-server on 127.0.0.1 (a free port, one slot) until /health answers 200; yields its base URL
-    and stops it after. PeerFailed, with its log's last line, when it exits or does not come up."""
+    and stops it after. PeerFailed, with its log's tail, when it exits or does not come up."""
     port = free_port()
     argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
             "-tb", str(threads), "-np", "1", "-c", str(ctx), *extra]
     log.info("$ %s", " ".join(argv))
-    url = f"http://127.0.0.1:{port}"
-    with log_path.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    server = ServerProcess("llama-server", argv, port, log_path, threads=threads)
+    server.start()
     try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if proc.poll() is not None:
-                last = (log_path.read_text().strip().splitlines() or [""])[-1]
-                raise PeerFailed(f"llama-server {exit_reason(proc.returncode)}: {last[:160]}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise PeerFailed(f"llama-server did not answer /health in {SERVER_START_S:.0f} s")
-            time.sleep(0.25)
-        yield url
-    finally:
-        proc.terminate()
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            server.wait_ready(SERVER_START_S, path="/health")
+        except StartError as e:
+            raise PeerFailed(str(e)) from e
+        yield server.url
+    finally:
+        server.stop(grace_s=10)
 
 
 def complete(url: str, ids: list[int], max_new: int) -> dict[str, Any]:
