@@ -40,8 +40,9 @@ def measure(model, tok, cache: str, clients: int, args: argparse.Namespace,  # n
 
     from .engine_models import shipped_generator_engine
 
+    # rows: no speculative decoding (it verifies drafts on the paged cache)
     config = shipped_generator_engine(max_running=clients, paged=cache == "paged", max_queued=clients,
-                                      max_new_tokens=None)
+                                      max_new_tokens=None, **({} if cache == "paged" else {"speculative": None}))
     engine = GenerationEngine(model, tok, EngineConfig(**config), prompt_model=prompt_model).start()
     work = requests(random.Random(args.seed), model.cfg.vocab_size, 100_000)
     lock, taken = threading.Lock(), [0]

@@ -134,7 +134,7 @@ def our_service_plain_decode(cfg: LaunchConfig) -> Launch:
 
 def our_service_rows(cfg: LaunchConfig) -> Launch:
     """Ours with the generator's KV cache in preallocated rows (before the paged cache)."""
-    return our_service(cfg, "rows", {"generator": {"engine": {"paged": False}}})
+    return our_service(cfg, "rows", {"generator": {"engine": {"paged": False, "speculative": None}}})
 
 
 # llama-server's OpenAI-style completions route, as far as the benchmark uses it (it publishes no

@@ -89,6 +89,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, Mapping):  # as a config file's mapping, read without pydantic
+            object.__setattr__(self, "speculative", SpeculativeConfig(**self.speculative))
         problems = [f"{name} must be a positive integer, got {getattr(self, name)!r}"
                     for name in ("max_running", "max_queued", "prefill_tokens", "max_prompt_tokens",
                                  "max_new_tokens", "prefill_chunk")

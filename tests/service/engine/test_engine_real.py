@@ -145,4 +145,6 @@ def test_shipped_smollm2_speculative_gives_the_plain_tokens(method: str) -> None
     assert together == plain and alone == plain[:2]
     assert "librar" in tok.decode(plain[0]).lower()
     stats = engine.stats()  # the q4_1 blocks agree with their float32 weights on most greedy tokens
-    assert stats.spec_accepted > (0.5 if method == "draft" else 0.0) * stats.spec_drafted > 0, stats
+    assert stats.spec_drafted > 0 and stats.spec_accepted > 0, stats
+    if method == "draft":
+        assert stats.spec_accepted > 0.5 * stats.spec_drafted, stats

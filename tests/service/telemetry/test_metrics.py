@@ -55,7 +55,7 @@ from service.telemetry.observers import PrometheusBatchObserver, PrometheusEngin
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs" / "observability.md"
 BOUNDED_LABELS = {"endpoint", "status", "model", "reason", "finish_reason", "deployment", "kind", "device", "dtype",
-                  "phase", "backend"}
+                  "phase", "backend", "method"}
 ENCODER = {"name": "enc", "tasks": ["classify", "embed"], "source": "tiny:encoder"}
 
 
