@@ -32,7 +32,7 @@ from .grammar import MaskBuilder
 from .lookahead import Ahead, LookAhead, read, to_host
 from .prefill import Prefill
 from .prefix_cache import PrefixCache
-from .sequence import Picked, SeqState
+from .sequence import Picked, SeqState, picked
 from .verify import Verify
 
 # A prefill pads its prompts (T) so that B x T, the rows its Linears see, is a multiple of
@@ -207,20 +207,8 @@ class RunningBatch(Prefill, Blocks, LookAhead, Verify):
     def _took(self, choice: Choice, start: int, seqs: list[SeqState]) -> list[Picked]:
         """Mark the sampled tokens (B,) as seen (and counted) by their rows; each row's token and,
         when it asked for them, its log-probabilities."""
-        tokens = choice.tokens  # (B,)
-        self._mark(tokens, start)
-        ids = tokens.tolist()
-        if choice.logprobs is None:
-            return [(t, None) for t in ids]
-        chosen = choice.logprobs.tolist()
-        top_ids = choice.top_ids.tolist() if choice.top_ids is not None else [[] for _ in ids]
-        top_lp = choice.top_logprobs.tolist() if choice.top_logprobs is not None else [[] for _ in ids]
-        picked: list[Picked] = []
-        for i, (token, seq) in enumerate(zip(ids, seqs, strict=True)):
-            k = seq.params.logprobs
-            entry = None if k is None else (chosen[i], tuple(zip(top_ids[i][:k], top_lp[i][:k], strict=True)))
-            picked.append((token, entry))
-        return picked
+        self._mark(choice.tokens, start)  # (B,)
+        return picked(choice, range(len(seqs)), [seq.params.logprobs for seq in seqs])
 
     def _mark(self, tokens: Tensor, start: int) -> None:
         """Rows start.. took `tokens` (B,): seen (repetition penalty) and counted (output penalties)."""

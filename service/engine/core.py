@@ -504,7 +504,7 @@ class GenerationEngine(StepLoop):
             return False
         done = time.perf_counter()
         spec.timed(entries, done - verifying)
-        spec.verified(batch, drafts, kept, entries, len(results), done - started)
+        spec.verified(batch, drafts, kept, len(results), done - started)
         self._accept(results, done)
         return True
 

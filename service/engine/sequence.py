@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from models.decoding import RowSampler, SamplingParams, find_stop, stop_holdback
+from models.decoding import Choice, RowSampler, SamplingParams, find_stop, stop_holdback
 from models.text import IncrementalDetokenizer, TextTokenizer
 
 from ..messages import FinishReason, TokenLogprob, Usage
@@ -21,6 +21,18 @@ from .events import Delta, Event, Finished, RequestHandle, Timing
 # first)) when the request asked for log-probabilities
 Picked = tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]
 
+
+def picked(choice: Choice, index: Sequence[int], wanted: Sequence[int | None]) -> list[Picked]:
+    """The rows `index` of a choice as Picked: each one's token and, where `wanted` (its request's
+    `logprobs`, one per index) is not None, its log-probability and its best `wanted` alternatives."""
+    ids = choice.tokens.tolist()
+    if choice.logprobs is None:
+        return [(ids[i], None) for i in index]
+    chosen = choice.logprobs.tolist()
+    top_ids = choice.top_ids.tolist() if choice.top_ids is not None else [[] for _ in ids]
+    top_lp = choice.top_logprobs.tolist() if choice.top_logprobs is not None else [[] for _ in ids]
+    return [(ids[i], None if k is None else (chosen[i], tuple(zip(top_ids[i][:k], top_lp[i][:k], strict=True))))
+            for i, k in zip(index, wanted, strict=True)]
 
 class SeqState:
     """Mutated by the engine thread only, except `cancelled` (set by cancel() from any thread)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from models.decoding import BatchParams, choose
 
-from .sequence import Picked
+from .sequence import Picked, picked
 
 
 def kept_tokens(chosen: list[int], drafts: list[int]) -> int:
@@ -69,7 +69,6 @@ class Verify:
             raise
         chosen = choice.tokens.tolist()
         first = 0
-        out: list[tuple[int, Picked]] = []
         kept_drafts: dict[int, int] = {}
         lengths = []
         entries: list[int] = []  # the kept entries, in order
@@ -92,8 +91,8 @@ class Verify:
         tokens = choice.tokens.index_select(0, index)  # (K,)
         self.seen[kept_rows, tokens] = True
         self.counts.index_put_((kept_rows, tokens), torch.ones_like(tokens, dtype=self.counts.dtype), accumulate=True)
-        out = [(rows[e], self._picked(choice, e, self.rows[rows[e]].params.logprobs)) for e in entries]
-        return out, kept_drafts
+        entry_tokens = picked(choice, entries, [self.rows[rows[e]].params.logprobs for e in entries])
+        return [(rows[e], p) for e, p in zip(entries, entry_tokens, strict=True)], kept_drafts
 
     def _entry_history(self, rows: list[int], ids: list[int], params: BatchParams) -> tuple[Tensor | None, Tensor | None]:
         """Each entry's seen tokens and output counts (E, V): its row's, plus the drafts before it
@@ -113,17 +112,6 @@ class Verify:
             if counts is not None:
                 counts[e].index_add_(0, earlier, torch.ones_like(earlier, dtype=counts.dtype))
         return seen, counts
-
-    @staticmethod
-    def _picked(choice, e: int, k: int | None) -> Picked:  # noqa: ANN001 - a models.decoding.Choice
-        """Entry e's token and, when its request asked for them, its log-probabilities."""
-        token = int(choice.tokens[e])
-        if k is None or choice.logprobs is None:
-            return token, None
-        top = ()
-        if choice.top_ids is not None and k:
-            top = tuple(zip(choice.top_ids[e, :k].tolist(), choice.top_logprobs[e, :k].tolist(), strict=True))
-        return token, (float(choice.logprobs[e]), top)
 
 
 def _first_entry(rows: list[int], e: int) -> int:

@@ -5,7 +5,6 @@ after the verify step (engine/verify.py), `verified`; `timed` records every deco
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from ..config import SpeculativeConfig
@@ -13,8 +12,6 @@ from ..sequence import SeqState
 from .draft_model import DraftModel
 from .ngram import PromptLookup
 from .policy import Acceptance, Candidate, StepTimes, choose_drafts
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,8 +35,7 @@ class Speculator:
     """Proposes drafts for a RunningBatch's rows; owns the method's drafter and the step-time model."""
 
     def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None) -> None:
-        if (config.method == "draft") != (draft is not None):
-            raise ValueError("a draft model is needed exactly for method 'draft'")
+        """`draft`: method "draft"'s model (GenerationEngine checks that it is given exactly then)."""
         self.config, self.draft = config, draft
         self.times = StepTimes()  # decode and verify steps, by entries
         self.counts = SpecCounts()
@@ -111,10 +107,9 @@ class Speculator:
         drafted = self.draft.draft([rows[r] for r in chosen], k)
         return {r: d[:chosen[r]] for r, d in zip(chosen, drafted, strict=True) if d}
 
-    def verified(self, batch, drafts: dict[int, list[int]], kept: dict[int, int], entries: int,  # noqa: ANN001
+    def verified(self, batch, drafts: dict[int, list[int]], kept: dict[int, int],  # noqa: ANN001
                  emitted: int, seconds: float) -> None:
-        """The verify step (`entries` entries, `emitted` tokens kept in all, `seconds` with drafting)
-        kept kept[r] of drafts[r]."""
+        """The verify step (`emitted` tokens kept in all, `seconds` with drafting) kept kept[r] of drafts[r]."""
         c = self.counts
         c.steps += 1
         for r, d in drafts.items():
