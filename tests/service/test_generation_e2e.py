@@ -939,12 +939,13 @@ SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.
 
 
 def shipped_generator() -> dict[str, Any]:
-    """The shipped config's generator model settings (4-bit blocks, compiled, float32), as deployed."""
+    """The shipped config's generator model settings (4-bit blocks, compiled, float32) and its speculative
+    decoding (prompt lookup), as deployed."""
     import yaml
 
     (app,) = yaml.safe_load(SHIPPED_CONFIG.read_text())["applications"]
     gen = app["args"]["deployments"]["generator"]
-    return {"model": gen["model"], "dtype": gen["dtype"]}
+    return {"model": gen["model"], "dtype": gen["dtype"], "engine": {"speculative": gen["engine"]["speculative"]}}
 
 
 @pytest.fixture(scope="module")
@@ -981,6 +982,20 @@ def test_smollm2_answers_the_capital_of_france(smollm2: Cluster) -> None:
     stream = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages,  # type: ignore[arg-type]
                                             temperature=0, max_tokens=40, stream=True)
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == text
+    # as shipped it decodes with prompt lookup: an answer that copies its prompt is the one without drafts
+    assert card["speculative"]["method"] == "ngram"
+    copy = [{"role": "user", "content": "Repeat exactly: the library opens on Monday at nine, and members may "
+                                        "borrow ten books for three weeks."}]
+    answers = [client.chat.completions.create(model="smollm2-135m-instruct", messages=copy,  # type: ignore[arg-type]
+                                              temperature=0, max_tokens=48, extra_body={"speculative": on})
+               .choices[0].message.content for on in (True, False)]
+    assert answers[0] == answers[1] and "library" in (answers[0] or "").lower(), answers
+    with smollm2.client() as c:
+        metrics = c.get("/smollm2/metrics").text
+    kept = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+            if line.startswith("transformer_serve_generation_spec_accepted_tokens_total{")
+            and 'model="smollm2-135m-instruct"' in line]
+    assert kept and kept[0] > 0, kept
 
 
 @pytest.mark.slow

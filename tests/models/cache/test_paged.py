@@ -236,16 +236,14 @@ def test_a_beam_search_never_reads_what_its_rows_did_not_write(kernel: bool) -> 
     assert all(not t.isnan().any() for t in cache.block_kv(0))  # the null block stays zero
 
 
-@pytest.mark.parametrize("backend", ["torch", "native"])
-@pytest.mark.parametrize("kernel", [False, True])
+# the native step always attends through the decode kernel
+@pytest.mark.parametrize(("backend", "kernel"), [("torch", False), ("torch", True), ("native", True)])
 def test_a_token_view_step_equals_one_step_per_token(backend: str, kernel: bool) -> None:
     """A row's next tokens as entries of one step (view_tokens: speculative decoding's verify step)
     give the logits of decoding them one step at a time: bitwise on the native step (every entry is a
     decode row of its own), and the row's length is left for the caller to advance."""
     if (kernel or backend == "native") and not native.available() and not os.environ.get("REQUIRE_NATIVE_KERNELS"):
         pytest.skip("no AVX2 or AVX-512 CPU, or no compiler, for the native kernels")
-    if backend == "native" and not kernel:
-        pytest.skip("the native step attends through the kernel")
     from models.execution.planner import Runtime, plan_model
     from tests.models.execution.test_native import fast_model
 
