@@ -25,6 +25,7 @@ STATUS: dict[str, int] = {
     "internal_error": 500,
 }
 RETRY_LATER = frozenset({"overloaded_error", "model_not_ready"})  # answered with Retry-After
+UNAVAILABLE = tuple(kind for kind, status in STATUS.items() if status == 503)  # the error types of a 503
 
 
 class ServiceError(Exception):

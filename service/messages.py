@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from .common.tool_calls import Tool, ToolCall, call_grammar
 
 AnswerFinish = Literal["stop", "length"]  # how an answer a client receives ended
 # ... and how a request can end inside the engine: its client went away, or it failed
 FinishReason = Literal[AnswerFinish, "cancelled", "error"]
+FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)  # every value, in order
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool | None = None
     speculative: bool | None = None  # False: this request does not draft (speculative decoding); None: the default
+    session: str | None = None  # routing only: requests of one session go to one replica (service/fleet/router.py)
     # field of this request -> the name the client used (OpenAI's max_tokens for max_new_tokens)
     names: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float | None = None  # seconds left of its deadline when the ingress sent it (admission)

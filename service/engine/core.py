@@ -239,7 +239,8 @@ class GenerationEngine(StepLoop):
 
     def _extra_stats(self) -> dict[str, int]:
         stats = {"prefix_cache_bytes": self._batch.prefix.nbytes if self._batch.prefix is not None else 0,
-                 "preempted": self._counts["preempted"]}
+                 "preempted": self._counts["preempted"], "first_tokens": self._counts["first_tokens"],
+                 "ttft_ms": self._counts["ttft_ms"]}
         if self.cache.paged:
             stats |= {"kv_blocks": self.cache.blocks_total, "kv_blocks_free": self.cache.blocks_free}
         if self.speculator is not None:
@@ -524,6 +525,8 @@ class GenerationEngine(StepLoop):
                 continue
             times = seq.token_times
             if len(times) == 1:
+                self._counts["first_tokens"] += 1
+                self._counts["ttft_ms"] += round(times[0] * 1000)
                 self._observe("on_first_token", times[0])
             else:
                 self._observe("on_inter_token", times[-1] - times[-2])

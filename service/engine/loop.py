@@ -24,7 +24,7 @@ import torch
 from models.execution.compiled import thread_settings
 
 from ..errors import EngineClosed, EngineOverloaded, InvalidRequest
-from ..telemetry.hooks import EngineObserver, EngineStats
+from ..telemetry.hooks import DEADLINE, QUEUE_FULL, EngineObserver, EngineStats
 from .admission import Ask, WaitEstimator
 from .events import Finished
 
@@ -107,7 +107,7 @@ class StepLoop:
             if taken:
                 raise InvalidRequest(f"request_id {taken[0]!r} is already in use", "request_id")
             if self._beyond_free_rows(states) > self.max_queued:
-                self._observe("on_admission", None, "queue_full")
+                self._observe("on_admission", None, QUEUE_FULL)
                 raise EngineOverloaded(f"{len(self._waiting)} {self.kind} requests are waiting, more than the free "
                                        f"rows take at the next step and max_queued={self.max_queued}; retry later")
             self._wait.on_asked([ask.prior for ask in asks])
@@ -115,7 +115,7 @@ class StepLoop:
             wait = self._wait.wait_s(ahead, self.rows - self._snapshot[0], self.rows)
             need = self._wait.late_s(asks, wait, time.perf_counter())
             if need is not None:
-                self._observe("on_admission", wait, "deadline")
+                self._observe("on_admission", wait, DEADLINE)
                 raise EngineOverloaded(f"{len(self._waiting)} {self.kind} requests are waiting: this one would "
                                        f"start in about {wait:.1f} s and need about {need:.1f} s in all, past its "
                                        f"deadline; retry later")

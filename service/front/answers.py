@@ -6,7 +6,9 @@ front reads them (`Answers.read`), counts them by path and status, and writes th
 node's metrics directory (`Answers.write`; service/telemetry/front_answers.py has the file and the
 /metrics side). Totals only grow, across nginx restarts. At most MAX_PATHS distinct paths are kept
 (a client can send any number): later ones count under the path "", which /metrics reports as the
-endpoint "other" like any path the API does not have.
+endpoint "other" like any path the API does not have. The statuses nginx can answer (config.py's
+ANSWERED, passed in) are counted at 0 under that path from the start, so /metrics shows each as
+soon as the front runs, before it first answers.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ MAX_PATHS = 64
 
 
 class Answers:
-    """Counts of nginx's own answers by (path, status), written to `file` (None: kept here only); thread-safe."""
+    """Counts of nginx's own answers by (path, status), written to `file` (None: kept here only);
+    `statuses` start at 0 under the path "". Thread-safe."""
 
-    def __init__(self, file: Path | None = None) -> None:
+    def __init__(self, file: Path | None = None, statuses: Iterable[int] = ()) -> None:
         self.file = file
         self._lock = threading.Lock()
-        self._counts: Counter[tuple[str, int]] = Counter()
+        self._counts: Counter[tuple[str, int]] = Counter({("", status): 0 for status in statuses})
         self._paths: set[str] = set()  # the paths counted under their own name (at most MAX_PATHS)
         self._written: dict[tuple[str, int], int] = {}
         self._warned = False

@@ -46,6 +46,10 @@ ERRORS: dict[int, tuple[int, ServiceError]] = {
     503: (503, NotReady(LOST)),
     504: (504, DeadlineExceeded("the service did not answer in time")),
 }
+BODY_TOO_LARGE = 413
+# The statuses of nginx's own answers (the ones above, a body over the limit): what answers.py counts,
+# each exported at 0 from the front's start
+ANSWERED: tuple[int, ...] = tuple(sorted({code for code, _ in ERRORS.values()} | {BODY_TOO_LARGE}))
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,8 @@ def _error_location(status: int, answer: tuple[int, ServiceError], retry_after_s
 
 def render_nginx(cfg: FrontConfig) -> str:
     """nginx.conf for `cfg` (it includes UPSTREAMS from the same directory)."""
-    errors = {**ERRORS, 413: (413, PayloadTooLarge(f"the request body is over the limit of {cfg.max_body_bytes} bytes"))}
+    too_large = PayloadTooLarge(f"the request body is over the limit of {cfg.max_body_bytes} bytes")
+    errors = {**ERRORS, BODY_TOO_LARGE: (BODY_TOO_LARGE, too_large)}
     temp = "\n".join(f"    {kind}_temp_path {_quoted(str(cfg.run_dir / kind))};" for kind in
                      ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     # `::` alone would be IPv6 only in nginx, where Serve's servers on `::` took IPv4 too

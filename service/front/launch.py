@@ -20,7 +20,7 @@ from ..ray_env import HA_PROXY, THROUGHPUT
 from ..telemetry.front_answers import answers_file
 from ..telemetry.metrics import node_dir
 from .answers import Answers
-from .config import Address, FrontConfig
+from .config import ANSWERED, Address, FrontConfig
 from .supervisor import Front, nginx_binary
 from .targets import is_loopback, serve_controller, serve_targets
 
@@ -56,8 +56,9 @@ def choose_front(requested: str, env: Mapping[str, str]) -> str | None:
 def serve_front(binary: str, listen: Address, backup: Address, max_body_bytes: int, retry_after_s: int,
                 poll_s: float = 0.5, route_prefix: str = "/", metrics_dir: str | None = None) -> Iterator[Front]:
     """nginx on `listen`, following this process's Serve (already started, its proxy at `backup`) for
-    the application at `route_prefix`; the counts of its own answers go to this node's directory of
-    `metrics_dir` (the app's, service/telemetry/metrics.py), where the ingress's /metrics reads them."""
+    the application at `route_prefix`; the counts of its own answers (each status it can answer at 0
+    from its start) go to this node's directory of `metrics_dir` (the app's,
+    service/telemetry/metrics.py), where the ingress's /metrics reads them."""
     import ray
 
     run_dir = Path(tempfile.mkdtemp(prefix="ts-front-"))
@@ -66,7 +67,7 @@ def serve_front(binary: str, listen: Address, backup: Address, max_body_bytes: i
     counts = None if metrics_dir is None else answers_file(
         node_dir(Path(metrics_dir), ray.get_runtime_context().get_node_id()), os.getpid())
     front = Front(cfg, serve_targets(serve_controller(), route_prefix, host=host), binary, poll_s=poll_s,
-                  answers=Answers(counts))
+                  answers=Answers(counts, ANSWERED))
     try:
         yield front.start()
     finally:

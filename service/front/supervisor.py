@@ -121,6 +121,7 @@ class Front:
         _write(run / "nginx.conf", render_nginx(self.cfg))
         self.current = self._ask() or ()
         _write(run / UPSTREAMS, render_upstreams(self.current, self.cfg.backup))
+        self.answers.write()  # the counts it starts from (its statuses at 0): /metrics knows this front at once
         self._spawn()
         self._thread = threading.Thread(target=self._follow, name="front", daemon=True)
         self._thread.start()

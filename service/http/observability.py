@@ -4,7 +4,9 @@ metrics and access-log line.
 - id: a valid `X-Request-ID` (service/telemetry/logs.py) is kept, else replaced by a fresh one; it is
   set for the request's logs and returned on every response, errors included (behind Serve's proxy,
   which already echoes the header, only when it was replaced);
-- metrics (service/telemetry/metrics.py), labelled by `endpoint`: the route's path or "other";
+- metrics (service/telemetry/metrics.py), labelled by `endpoint`: the route's path or "other"; the
+  API's routes are exported at 0 from the first request on (`ServiceMetrics.routes_known`), that
+  first scrape of /metrics included;
 - an access-log line per request only when `access_log` is on;
 - an unexpected exception becomes the generic JSON 500 here, so it carries the id too;
 - a failing `receive` is the client gone (Serve cancels it on disconnect): the app gets `http.disconnect`.
@@ -21,7 +23,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import InternalError
-from ..telemetry.endpoints import endpoint_label
+from ..telemetry.endpoints import endpoint_label, is_api
 from ..telemetry.logs import REQUEST_ID, new_request_id, valid_request_id
 from ..telemetry.metrics import ServiceMetrics
 from .errors import error_response
@@ -60,6 +62,7 @@ class Observability:
     def endpoint(self, path: str) -> str:
         if self._endpoints is None:
             self._endpoints = frozenset(self._endpoints_fn())
+            self.metrics.routes_known(self._endpoints)
         return endpoint_label(path, self._endpoints)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -102,7 +105,7 @@ class Observability:
                 scope, receive, observed_send)
         finally:
             seconds = time.perf_counter() - started
-            refused = reject_reason if status == 503 and endpoint.startswith("/v1/") else None
+            refused = reject_reason if status == 503 and is_api(endpoint) else None
             self.metrics.request_finished(endpoint, status, seconds, refused)
             if self.access_log:
                 path = printable(scope["path"])

@@ -25,7 +25,7 @@ from models.inputs import select_batch
 
 from ..engine.admission import ewma
 from ..errors import DeadlineExceeded, Overloaded
-from ..telemetry.hooks import BatchObserver
+from ..telemetry.hooks import CANCELLED, DEADLINE, EXPIRED, QUEUE_FULL, REJECTED, BatchObserver
 from .config import BatchLimits
 
 log = logging.getLogger(__name__)
@@ -154,8 +154,8 @@ class DynamicBatcher(Generic[P, R]):
             self._drop_finished()
         if len(self._queue) + n > self.limits.max_queued:
             self.stats.rejected += n
-            self._observe("on_dropped", "rejected", n)
-            self._observe("on_admission", None, "queue_full")
+            self._observe("on_dropped", REJECTED, n)
+            self._observe("on_admission", None, QUEUE_FULL)
             raise Overloaded(f"{self.name}: {len(self._queue)} inputs are queued (limit "
                              f"{self.limits.max_queued}); retry later")
 
@@ -176,7 +176,7 @@ class DynamicBatcher(Generic[P, R]):
         """Refuse (Overloaded) a request whose estimated wait outlasts its deadline."""
         wait = self.wait_estimate()
         if deadline is not None and wait > 0 and wait > deadline - time.monotonic():
-            self._observe("on_admission", wait, "deadline")
+            self._observe("on_admission", wait, DEADLINE)
             raise Overloaded(f"{self.name}: about {wait:.1f} s of queued work before this request would start, "
                              "past its deadline; retry later")
         self._observe("on_admission", wait, None)
@@ -229,18 +229,18 @@ class DynamicBatcher(Generic[P, R]):
         """Remove cancelled items and fail expired ones (both before compute)."""
         now = time.monotonic()
         kept: list[_Item[P]] = []
-        dropped = {"cancelled": 0, "expired": 0}
+        dropped = {CANCELLED: 0, EXPIRED: 0}
         for it in self._queue:
             if it.future.done():
-                dropped["cancelled"] += 1
+                dropped[CANCELLED] += 1
             elif it.deadline is not None and now >= it.deadline:
                 it.future.set_exception(DeadlineExceeded(f"{self.name}: deadline passed while queued"))
-                dropped["expired"] += 1
+                dropped[EXPIRED] += 1
             else:
                 kept.append(it)
         self._queue = kept
-        self.stats.cancelled += dropped["cancelled"]
-        self.stats.expired += dropped["expired"]
+        self.stats.cancelled += dropped[CANCELLED]
+        self.stats.expired += dropped[EXPIRED]
         for reason, n in dropped.items():
             if n:
                 self._observe("on_dropped", reason, n)

@@ -7,8 +7,15 @@ from __future__ import annotations
 from collections.abc import Collection
 
 OTHER = "other"
+API_PREFIX = "/v1/"  # the routes clients call (the others: health, metrics, docs)
 
 
 def endpoint_label(path: str, endpoints: Collection[str]) -> str:
     """`path` when it is one of the API's `endpoints`, else OTHER."""
     return path if path in endpoints else OTHER
+
+
+def is_api(endpoint: str) -> bool:
+    """Whether `endpoint` (a label) is a route clients call: its refusals are counted, its counters
+    exported from the start."""
+    return endpoint.startswith(API_PREFIX)

@@ -44,7 +44,10 @@ def load_totals(file: Path) -> dict[tuple[str, int], int]:
 class FrontAnswersCollector:
     """A prometheus_client collector of the counter `name` (prometheus_client's family name, without
     _total): every front file of `node_dir`, paths mapped to endpoints (`endpoints()`: the API's
-    paths; any other path is "other")."""
+    paths; any other path is "other"). A front writes its file when it starts, with each status it
+    can answer at 0 under the endpoint "other" (service/front/answers.py), so a node with a front
+    exports those from the first scrape; a node without one (no file) exports nothing: no front
+    answers there, and no series says otherwise."""
 
     def __init__(self, node_dir: Path, name: str, help_text: str, endpoints: Callable[[], Collection[str]]) -> None:
         self.node_dir, self.name, self.help_text, self.endpoints = node_dir, name, help_text, endpoints

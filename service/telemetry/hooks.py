@@ -11,6 +11,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..engine.events import Finished
 
+# on_admission's `refused`: no room in the queue, or the estimated wait outlasts the request's deadline
+QUEUE_FULL, DEADLINE = "queue_full", "deadline"
+REFUSALS = (QUEUE_FULL, DEADLINE)
+# on_dropped's `reason`: refused at submit (queue full), the caller went away, its deadline passed
+REJECTED, CANCELLED, EXPIRED = "rejected", "cancelled", "expired"
+DROPS = (REJECTED, CANCELLED, EXPIRED)
+
 
 class BatchObserver:
     """Metrics hooks of a DynamicBatcher; the defaults do nothing. Called on the replica's event loop;
@@ -25,11 +32,11 @@ class BatchObserver:
         long each of its items waited in the queue."""
 
     def on_dropped(self, reason: str, items: int) -> None:
-        """Items that never reached the model: reason is "rejected" (queue full), "cancelled" or "expired"."""
+        """Items that never reached the model: reason is one of DROPS."""
 
     def on_admission(self, wait_s: float | None, refused: str | None) -> None:
-        """A request was queued (refused None) or refused ("queue_full", "deadline"); wait_s: the
-        estimated wait before its first batch starts (None: not estimated)."""
+        """A request was queued (refused None) or refused (one of REFUSALS); wait_s: the estimated
+        wait before its first batch starts (None: not estimated)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,8 @@ class EngineStats:
     kv_blocks: int = 0  # paged cache: blocks sequences can hold (0: a row per sequence)
     kv_blocks_free: int = 0
     preempted: int = 0  # requests preempted when blocks ran out
+    first_tokens: int = 0  # requests that got their first token
+    ttft_ms: int = 0  # their times to first token, summed (milliseconds)
     # speculative decoding (service/engine/speculation/): tokens drafted and verified, of them kept, verify
     # steps, their time (drafting included) and the time plain steps would have taken for the same tokens
     spec_drafted: int = 0
@@ -81,5 +90,5 @@ class EngineObserver:
         """A request ended (any finish_reason); its usage and timing are in the event."""
 
     def on_admission(self, wait_s: float | None, refused: str | None) -> None:
-        """A submission was admitted to the queue (refused None) or refused ("queue_full", "deadline");
+        """A submission was admitted to the queue (refused None) or refused (one of REFUSALS);
         wait_s: the estimated wait for a row (None: not estimated). On the submitting thread."""

@@ -2,9 +2,13 @@
 
 One prefix (`transformer_serve_`), base units (seconds, tokens, ratios in [0, 1]), and only bounded
 labels: `endpoint` (a route, or "other"), `status`, `model`, a few fixed enums and `model_info`'s
-deployment/kind/device/dtype; never request content. Each replica is its own Ray worker process: the
-app sets PROMETHEUS_MULTIPROC_DIR through the runtime_env, and each replica points it at its node's
-subdirectory (`bind_to_node`, before building its metrics), so only one node's processes share files.
+deployment/kind/device/dtype; never request content. A labelled counter is exported at 0 for each
+of its known label values from the first scrape (observers.py, `ServiceMetrics.routes_known`,
+front_answers.py), so a panel shows 0 rather than "No data" before the first event.
+
+Each replica is its own Ray worker process: the app sets PROMETHEUS_MULTIPROC_DIR through the
+runtime_env, and each replica points it at its node's subdirectory (`bind_to_node`, before building
+its metrics), so only one node's processes share files.
 `render` (GET /metrics on the ingress) merges its node's files after dropping dead processes' live
 gauges (`clean_dead_processes`); without the variable (tests, a plain process) it serves this
 process's own registry.
@@ -32,6 +36,8 @@ from prometheus_client import (
     multiprocess,
 )
 
+from ..errors import UNAVAILABLE
+from .endpoints import is_api
 from .front_answers import FrontAnswersCollector
 from .memory import resident_bytes
 
@@ -69,6 +75,9 @@ SPECS: dict[str, Spec] = {
     "requests_in_progress": Spec("gauge", ("endpoint",), "HTTP requests being answered by the ingress"),
     "rejected_requests_total": Spec(
         "counter", ("endpoint", "reason"), "Requests refused with 503 by the ingress (reason: the error type)"),
+    "routing_decisions_total": Spec(
+        "counter", ("deployment", "decision"), "Generation requests the ingress routed, by why their replica "
+        "(service/fleet/router.py: session, prefix, spread, new, other)"),
     # every model replica
     "model_info": Spec("gauge", ("model", "deployment", "kind", "device", "dtype"),
                        "Live model replicas (the value) and what they run"),
@@ -107,10 +116,10 @@ SPECS: dict[str, Spec] = {
         "histogram", ("model",), "Time from a request's submission to its first token", LATENCY_BUCKETS),
     "generation_inter_token_latency_seconds": Spec(
         "histogram", ("model",), "Time between two consecutive tokens of one request", TOKEN_GAP_BUCKETS),
-    "generation_prompt_tokens_total": Spec("counter", ("model",), "Prompt tokens admitted"),
+    "generation_prompt_tokens_total": Spec("counter", ("model", "replica"), "Prompt tokens admitted"),
     "generation_prompt_cached_tokens_total": Spec(
-        "counter", ("model",), "Prompt tokens not computed: prefix cache hits and siblings' shared rows "
-                               "(hit rate = this / generation_prompt_tokens_total)"),
+        "counter", ("model", "replica"), "Prompt tokens not computed: prefix cache hits and siblings' shared "
+                                         "rows (hit rate = this / generation_prompt_tokens_total)"),
     "generation_prefix_cache_bytes": Spec("gauge", ("model",), "Keys/values held by the prefix cache, the "
                                                                "fullest live replica", mode="livemax"),
     "generation_generated_tokens_total": Spec("counter", ("model",), "Tokens generated"),
@@ -142,6 +151,7 @@ COLLECTED: dict[str, Spec] = {
                                 "HTTP it could not take, an ingress silent past its timeout)"),
 }
 KINDS: dict[str, type] = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+OK = "200"  # the status every API route answers when it works: requests_total's series from the start
 
 
 def _build(name: str, spec: Spec, registry: CollectorRegistry) -> Any:
@@ -157,8 +167,10 @@ class ServiceMetrics:
     """The metrics of one process, registered in `registry` (a fresh one by default). Build one per
     process (`process_metrics()`): in multiprocess mode two objects would overwrite each other's values."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, replica: str = "") -> None:
+        """`replica`: this process's Serve replica id, the `replica` label of per-replica metrics."""
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.replica = replica
         self.metrics: dict[str, Any] = {name: _build(name, spec, self.registry) for name, spec in SPECS.items()}
 
     def __getitem__(self, name: str) -> Any:
@@ -166,6 +178,15 @@ class ServiceMetrics:
         return self.metrics[name]
 
     # -- ingress -----------------------------------------------------------------------------------
+
+    def routes_known(self, endpoints: Collection[str]) -> None:
+        """Export, at 0 until they move, requests_total{status=OK} and rejected_requests_total for each
+        503 error type (UNAVAILABLE) on every API route (`is_api`) of `endpoints`. Other statuses
+        are not a known set: they appear when first answered."""
+        for endpoint in filter(is_api, endpoints):
+            self["requests_total"].labels(endpoint, OK)
+            for reason in UNAVAILABLE:
+                self["rejected_requests_total"].labels(endpoint, reason)
 
     def request_started(self, endpoint: str) -> None:
         self["requests_in_progress"].labels(endpoint).inc()

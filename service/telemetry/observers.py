@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .hooks import BatchObserver, EngineObserver, EngineStats
+from ..messages import FINISH_REASONS
+from .hooks import DROPS, REFUSALS, BatchObserver, EngineObserver, EngineStats
 from .memory import resident_bytes
 from .metrics import ServiceMetrics
 
@@ -15,10 +16,13 @@ if TYPE_CHECKING:
 
 
 class AdmissionMetrics:
-    """on_admission of both observers: the wait estimate, and the refusals by reason."""
+    """on_admission of both observers: the wait estimate, and the refusals by reason (each of
+    REFUSALS exported at 0 from the start)."""
 
-    metrics: ServiceMetrics
-    model: str
+    def __init__(self, metrics: ServiceMetrics, model: str) -> None:
+        self.metrics, self.model = metrics, model
+        for reason in REFUSALS:
+            metrics["admission_refused_total"].labels(model, reason)
 
     def on_admission(self, wait_s: float | None, refused: str | None) -> None:
         if wait_s is not None:
@@ -28,10 +32,13 @@ class AdmissionMetrics:
 
 
 class PrometheusBatchObserver(AdmissionMetrics, BatchObserver):
-    """A DynamicBatcher's hooks -> the batch and queue metrics of one model."""
+    """A DynamicBatcher's hooks -> the batch and queue metrics of one model (each drop reason of
+    DROPS exported at 0 from the start)."""
 
     def __init__(self, metrics: ServiceMetrics, model: str) -> None:
-        self.metrics, self.model = metrics, model
+        super().__init__(metrics, model)
+        for reason in DROPS:
+            metrics["batch_dropped_items_total"].labels(model, reason)
         self.depth = metrics["queue_depth"].labels(model)
         self.wait = metrics["queue_wait_seconds"].labels(model)
         self.size = metrics["batch_size"].labels(model)
@@ -72,8 +79,11 @@ class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
     in the shared queue/batch metrics)."""
 
     def __init__(self, metrics: ServiceMetrics, model: str, speculative: str | None = None) -> None:
-        """`speculative`: the engine's speculative method (its counters are exported from the start)."""
-        self.metrics, self.model = metrics, model
+        """`speculative`: the engine's speculative method (its counters are exported from the start,
+        as are the finished requests of each of FINISH_REASONS)."""
+        super().__init__(metrics, model)
+        for reason in FINISH_REASONS:
+            metrics["generation_requests_finished_total"].labels(model, reason)
         self.spec = {f: metrics[f"generation_spec_{name}"].labels(model, speculative)
                      for f, name in SPEC_COUNTERS.items()} if speculative else {}
         self._spec_seen = dict.fromkeys(self.spec, 0)  # the engine's counts at the last step
@@ -83,8 +93,8 @@ class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
         self.inference = metrics["batch_inference_seconds"].labels(model)
         self.ttft = metrics["generation_time_to_first_token_seconds"].labels(model)
         self.itl = metrics["generation_inter_token_latency_seconds"].labels(model)
-        self.prompt = metrics["generation_prompt_tokens_total"].labels(model)
-        self.cached = metrics["generation_prompt_cached_tokens_total"].labels(model)
+        self.prompt = metrics["generation_prompt_tokens_total"].labels(model, metrics.replica)
+        self.cached = metrics["generation_prompt_cached_tokens_total"].labels(model, metrics.replica)
         self.prefix_bytes = metrics["generation_prefix_cache_bytes"].labels(model)
         self.generated = metrics["generation_generated_tokens_total"].labels(model)
         self.running = metrics["generation_running_requests"].labels(model)

@@ -1,6 +1,7 @@
 """The monitoring assets against the real thing: a Prometheus server (Debian package `prometheus`)
 scrapes a real Ray Serve running tiny models while traffic goes to every endpoint; then every
 PromQL expression of every dashboard panel must return data and every alert rule must evaluate.
+Before any traffic, the first /metrics already has every counter a panel queries (at 0).
 
 Also: promtool checks the shipped config and rules; the dashboard is valid JSON whose expressions
 use only metrics the service defines and cover the required panels.
@@ -263,8 +264,21 @@ def wait_for_scrapes(stack: Stack, since: float, n: int, timeout_s: float = 30) 
         time.sleep(0.5)
 
 
+def dashboard_counters(fronted: bool) -> set[str]:
+    """The counters the dashboard queries (full names); the front's only with a front."""
+    defined = SPECS | COLLECTED
+    names = {n.removeprefix(PREFIX) for n in re.findall(rf"\b{PREFIX}\w+", DASHBOARD.read_text())}
+    counters = {PREFIX + n for n in names if n in defined and defined[n].kind == "counter"}
+    return counters if fronted else counters - {PREFIX + "front_answers_total"}
+
+
 @pytest.mark.e2e
 def test_prometheus_scrapes_every_replica_and_every_panel_and_alert_evaluates(stack: Stack) -> None:
+    first = httpx.get(stack.serve_url + "/metrics", timeout=30).text  # before any traffic: nothing moved yet
+    counters = dashboard_counters(stack.fronted)
+    assert f"{PREFIX}admission_refused_total" in counters
+    missing = sorted(n for n in counters if not re.search(rf"^{n}{{", first, re.MULTILINE))
+    assert not missing, f"counters a panel queries, absent before they first move: {missing}"
     seen = drive_traffic(stack.serve_url)
     expected = {k: 200 for k in seen} | {"invalid": 422, "not found": 404, "overloaded": 503, "too large": 413}
     assert seen == expected

@@ -27,7 +27,7 @@ from ray.serve.schema import Target, TargetGroup
 
 from service.errors import STATUS
 from service.front.answers import ANSWER_TAG, MAX_PATHS, Answers
-from service.front.config import Address, FrontConfig, render_nginx, render_upstreams
+from service.front.config import ANSWERED, Address, FrontConfig, render_nginx, render_upstreams
 from service.front.launch import choose_front
 from service.front.ports import free_port
 from service.front.supervisor import Front, FrontError
@@ -262,6 +262,36 @@ def test_answers_keep_a_bounded_number_of_paths() -> None:
     totals = answers.totals()
     assert len(totals) == MAX_PATHS + 1 and totals[("", 503)] == 10  # past the bound: "other" at /metrics
     assert sum(totals.values()) == MAX_PATHS + 10
+
+
+def test_the_statuses_counted_from_the_start_are_those_nginx_answers(tmp_path: Path) -> None:
+    """ANSWERED, exported at 0 from the front's start, is exactly the set of statuses the rendered
+    configuration makes nginx answer itself (each `return <status>` of its error locations)."""
+    cfg = FrontConfig(Address(LOCAL, 8000), Address(LOCAL, 8001), tmp_path, 1000, retry_after_s=2)
+    returned = {int(code) for code in re.findall(r"^\s*return (\d{3}) ", render_nginx(cfg), re.MULTILINE)}
+    assert returned == set(ANSWERED) and {413, 503} <= returned
+
+
+def test_a_started_front_exports_each_status_it_can_answer_at_0(nginx: str, tmp_path: Path) -> None:
+    """Before nginx answered anything, a front's file already holds each of ANSWERED at 0 under the
+    path "" (the endpoint "other"), so the node's /metrics has the series from its first scrape;
+    a node without a front has no file and no series. A real answer adds to the zeros."""
+    node = tmp_path / "metrics" / "node-1"
+    collector = FrontAnswersCollector(node, "ts_front_answers", "help", lambda: {"/v1/classify"})
+    node.mkdir(parents=True)
+    assert list(collector.collect()) == []  # no front on this node
+
+    def samples() -> dict[tuple[str, str], float]:
+        return {(s.labels["endpoint"], s.labels["status"]): s.value for m in collector.collect() for s in m.samples}
+
+    dead = Address(LOCAL, free_port())
+    zeros = {("other", str(status)): 0.0 for status in ANSWERED}
+    with front(nginx, tmp_path, [dead], dead, answers=Answers(answers_file(node, 7), ANSWERED)) as f:
+        assert load_totals(answers_file(node, 7)) == {("", status): 0 for status in ANSWERED}  # at start()
+        assert samples() == zeros
+        assert httpx.post(f.url + "/v1/classify", json={"inputs": "x"}).status_code == 503
+        wait_until(lambda: samples() == {**zeros, ("/v1/classify", "503"): 1.0})
+    assert samples() == {**zeros, ("/v1/classify", "503"): 1.0}
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:

@@ -1,7 +1,8 @@
 """Metrics, request ids and logs, in process (no Ray): names and labels as documented in
 docs/observability.md, histograms that observe what they claim (fed by a real DynamicBatcher,
-a real GenerationEngine on the tiny decoder, and the HTTP API with a fake backend), the
-multiprocess merge of several processes, and JSON log lines carrying the request id.
+a real GenerationEngine on the tiny decoder, and the HTTP API with a fake backend), every counter
+a dashboard queries exported at 0 for its known labels from the first scrape, the multiprocess
+merge of several processes, and JSON log lines carrying the request id.
 
 Every test reads a fresh CollectorRegistry (`ServiceMetrics(CollectorRegistry())`).
 """
@@ -17,28 +18,32 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from models.decoding import SamplingParams
 from models.tiny import tiny_model
 from service.engine.config import EngineConfig
 from service.engine.core import GenerationEngine
-from service.errors import NotReady, Overloaded
+from service.errors import UNAVAILABLE, DeadlineExceeded, EngineOverloaded, NotReady, Overloaded
 from service.http.api import create_api
-from service.messages import Classification, ModelInfo
+from service.messages import FINISH_REASONS, Classification, ModelInfo
 from service.replica.batcher import DynamicBatcher
 from service.replica.config import BatchLimits
 from service.settings import Settings
 from service.telemetry import metrics as metrics_module
+from service.telemetry.endpoints import is_api
 from service.telemetry.front_answers import answers_file, write_totals
+from service.telemetry.hooks import CANCELLED, DEADLINE, DROPS, EXPIRED, QUEUE_FULL, REFUSALS, REJECTED
 from service.telemetry.logs import REQUEST_ID, JsonFormatter, PlainFormatter, valid_request_id
 from service.telemetry.memory import resident_bytes
 from service.telemetry.metrics import (
@@ -55,7 +60,8 @@ from service.telemetry.observers import PrometheusBatchObserver, PrometheusEngin
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs" / "observability.md"
 BOUNDED_LABELS = {"endpoint", "status", "model", "reason", "finish_reason", "deployment", "kind", "device", "dtype",
-                  "phase", "backend", "method"}
+                  "phase", "backend", "method", "decision",
+                  "replica"}  # replica: a Serve replica id (new ones as replicas come and go, as in Ray's own metrics)
 ENCODER = {"name": "enc", "tasks": ["classify", "embed"], "source": "tiny:encoder"}
 
 
@@ -155,7 +161,7 @@ def test_engine_metrics_observe_what_the_engine_did(metrics: ServiceMetrics) -> 
     generated = sum(r.usage.completion_tokens for r in results)
     assert generated == 12
     assert value(metrics, "generation_generated_tokens_total", **m) == generated
-    assert value(metrics, "generation_prompt_tokens_total", **m) == sum(r.usage.prompt_tokens for r in results)
+    assert value(metrics, "generation_prompt_tokens_total", **m, replica="") == sum(r.usage.prompt_tokens for r in results)
     assert value(metrics, "generation_time_to_first_token_seconds_count", **m) == 3
     assert value(metrics, "generation_inter_token_latency_seconds_count", **m) == generated - 3
     assert value(metrics, "queue_wait_seconds_count", **m) == 3
@@ -279,6 +285,126 @@ def test_metrics_route_serves_the_text_format(metrics: ServiceMetrics) -> None:
     assert samples[(PREFIX + "requests_total", (("endpoint", "/v1/classify"), ("status", "200")))] == 1
 
 
+# -- counters from the start --------------------------------------------------------------------------
+
+DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
+# counters a dashboard queries that neither the observers nor the API export: the front's (from its
+# file: tests/service/front/test_front.py) and the ingress deployment's routers' (service/ingress.py)
+ELSEWHERE = {"front_answers_total", "routing_decisions_total"}
+
+
+def dashboard_counters() -> set[str]:
+    """The counters (names without PREFIX) the Grafana dashboards query."""
+    names = {n for f in DASHBOARDS.glob("*.json") for n in re.findall(rf"\b{PREFIX}(\w+)", f.read_text())}
+    defined = SPECS | COLLECTED
+    return {n for n in names if n in defined and defined[n].kind == "counter"}
+
+
+def counter_labels(text: str) -> dict[str, dict[tuple[str, ...], float]]:
+    """A scrape's counters: name without PREFIX -> {label values (in label order): value}."""
+    out: dict[str, dict[tuple[str, ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name = s.name.removeprefix(PREFIX)
+            if family.type == "counter" and name in SPECS | COLLECTED:
+                labels = tuple(s.labels[label] for label in (SPECS | COLLECTED)[name].labels)
+                out.setdefault(name, {})[labels] = s.value
+    return out
+
+
+def first_scrape(metrics: ServiceMetrics) -> tuple[str, set[str]]:
+    """GET /metrics as the ingress's very first request: the body, and the API's routes (`/v1/...`)."""
+    app = create_api(Settings.build({"deployments": {"encoder": {"model": ENCODER}}}, env={}), Backend(), metrics)
+    routes = {path for path in app.openapi()["paths"] if is_api(path)}
+
+    async def main() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.get("/metrics")
+
+    return asyncio.run(main()).text, routes
+
+
+def test_the_first_scrape_shows_every_counter_a_dashboard_queries_at_0_for_its_known_labels(
+        metrics: ServiceMetrics) -> None:
+    """A fresh replica's observers and the ingress's first request export each labelled counter at 0
+    for every known label value (the producers' constants), so no panel starts as "No data"; the
+    counters exported elsewhere are ELSEWHERE."""
+    PrometheusBatchObserver(metrics, "enc")
+    PrometheusEngineObserver(metrics, "gen", speculative="ngram")
+    text, routes = first_scrape(metrics)
+    counters = counter_labels(text)
+    assert set(COLLECTED) <= ELSEWHERE
+    wanted = dashboard_counters() - ELSEWHERE
+    assert "admission_refused_total" in wanted and "requests_total" in wanted  # the dashboards were read
+    assert wanted <= set(counters), sorted(wanted - set(counters))
+    assert {v for series in counters.values() for v in series.values()} == {0.0}
+    assert set(counters["admission_refused_total"]) == {(m, r) for m in ("enc", "gen") for r in REFUSALS}
+    assert set(counters["batch_dropped_items_total"]) == {("enc", r) for r in DROPS}
+    assert set(counters["generation_requests_finished_total"]) == {("gen", r) for r in FINISH_REASONS}
+    assert "/v1/classify" in routes and "/v1/chat/completions" in routes
+    assert set(counters["requests_total"]) == {(route, "200") for route in routes}
+    assert set(counters["rejected_requests_total"]) == {(route, r) for route in routes for r in UNAVAILABLE}
+    assert set(UNAVAILABLE) == {"overloaded_error", "model_not_ready"}  # the reasons 503s carry (errors.STATUS)
+
+
+def test_the_batcher_reports_exactly_the_known_drop_and_refusal_reasons(metrics: ServiceMetrics) -> None:
+    """A real DynamicBatcher driven into every drop (rejected, cancelled, expired) and refusal (queue
+    full, deadline): the reasons it reports are the constants exported from the start, no other."""
+    executor = ThreadPoolExecutor(max_workers=1)
+
+    def run_batch(payloads: list[int]) -> list[int]:
+        time.sleep(0.05)
+        return payloads
+
+    async def main() -> None:
+        batcher = DynamicBatcher(run_batch, BatchLimits(max_batch_size=4, max_wait_ms=2000, max_queued=4),
+                                 executor, name="b", observer=PrometheusBatchObserver(metrics, "m"))
+        assert await batcher.submit_many([1] * 4, [1] * 4) == [1] * 4  # a full batch: the time per token measured
+        late = asyncio.ensure_future(batcher.submit(3, 1, deadline=time.monotonic() + 0.01))  # nothing ahead
+        gone = asyncio.ensure_future(batcher.submit(2, 1))
+        waiting = asyncio.ensure_future(batcher.submit(4, 1))  # waits for company (max_wait_ms)
+        await asyncio.sleep(0.05)
+        gone.cancel()  # its caller went away
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded, match="deadline"):  # 1 input ahead x the measured time
+            await batcher.submit(5, 1, deadline=time.monotonic())
+        with pytest.raises(Overloaded, match="inputs are queued"):  # drops `gone` and `late`, still full
+            await batcher.submit_many([6] * 4, [1] * 4)
+        with pytest.raises(DeadlineExceeded):
+            await late
+        await batcher.close()
+        await asyncio.gather(waiting, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+    executor.shutdown()
+    counters = counter_labels(generate_latest(metrics.registry).decode())
+    assert counters["batch_dropped_items_total"] == {("m", REJECTED): 4, ("m", CANCELLED): 1, ("m", EXPIRED): 1}
+    assert set(DROPS) == {REJECTED, CANCELLED, EXPIRED}
+    assert counters["admission_refused_total"] == {("m", r): 1 for r in REFUSALS}
+
+
+def test_the_engine_reports_only_the_known_refusals_and_finish_reasons(metrics: ServiceMetrics) -> None:
+    """A real GenerationEngine (tiny decoder): a full queue refused, a request cancelled while waiting,
+    one run to its length; every label it increments is one exported from the start."""
+    torch.set_num_threads(1)
+    model, tok = tiny_model("decoder")
+    engine = GenerationEngine(model, tok, EngineConfig(max_running=1, max_queued=1, max_total_tokens=64),
+                              PrometheusEngineObserver(metrics, "gen"))
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    ran, cancelled = (engine.submit(tok.encode(p), params) for p in ("hello", "there"))
+    with pytest.raises(EngineOverloaded):
+        engine.submit(tok.encode("one too many"), params)
+    cancelled.cancel()
+    for _ in range(20):
+        engine.step()
+    assert (ran.result_sync().finish_reason, cancelled.result_sync().finish_reason) == ("length", "cancelled")
+    counters = counter_labels(generate_latest(metrics.registry).decode())
+    assert counters["admission_refused_total"] == {("gen", QUEUE_FULL): 1, ("gen", DEADLINE): 0}
+    finished = counters["generation_requests_finished_total"]
+    assert set(finished) == {("gen", r) for r in FINISH_REASONS}  # no reason outside the constant
+    assert (finished[("gen", "length")], finished[("gen", "cancelled")]) == (1, 1)
+
+
 # -- several processes of a node ----------------------------------------------------------------------
 
 CHILD = textwrap.dedent("""
@@ -396,11 +522,11 @@ def test_every_replica_gets_the_metrics_dir_and_quiet_serve_logs(tmp_path: Path)
 
     args = {"deployments": {"encoder": {"model": ENCODER}}, "metrics_dir": str(tmp_path)}
     settings = Settings.build(args, env={})
-    opts = deployment_options(settings.deployments["encoder"], settings, cluster_gpus=0)
+    opts = deployment_options("encoder", settings.deployments["encoder"], settings, cluster_gpus=0)
     assert opts["ray_actor_options"]["runtime_env"] == {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}}
     assert opts["logging_config"] == {"encoding": "JSON", "enable_access_log": False}
     loud = Settings.build({**args, "access_log": True, "log_json": False}, env={})
-    assert deployment_options(loud.deployments["encoder"], loud, 0)["logging_config"] == {
+    assert deployment_options("encoder", loud.deployments["encoder"], loud, 0)["logging_config"] == {
         "encoding": "TEXT", "enable_access_log": True}
 
 
