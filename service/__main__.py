@@ -2,8 +2,10 @@
 
     python -m service [--config deploy/serve_config.yaml] [--host 0.0.0.0] [--port 8000] [--front auto]
 
-No cluster is needed: Ray starts in this process and stops with it (Ctrl-C or SIGTERM). The
-settings are built once, here, from the config's application `args` and TS_* variables.
+No cluster is needed: Ray starts in this process and stops with it (Ctrl-C or SIGTERM: the front
+stops listening, the requests in flight, streams included, finish within the ingress's grace, the
+longest `drain_grace_s` + 5 s, then Serve's replicas stop). The settings are built once, here, from
+the config's application `args` and TS_* variables.
 
 The front (service/front/): with nginx installed (the default `auto`), nginx listens on the port and
 forwards to the ingress replicas' own ports, Serve's proxy (on a free 127.0.0.1 port) behind it as
@@ -128,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from .app import build_app_from_settings
+    from .app import build_app_from_settings, ingress_grace_s
 
     http = dict(config.get("http_options") or {})
     http["host"] = args.host or http.get("host", "0.0.0.0")
@@ -152,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 nginx_front = front.enter_context(serve_front(
                     nginx, listen, Address(http["host"], http["port"]), settings.max_body_bytes,
                     max(1, math.ceil(settings.retry_after_s)), route_prefix=prefix,
-                    metrics_dir=settings.metrics_dir))
+                    metrics_dir=settings.metrics_dir, grace_s=ingress_grace_s(settings)))
             serve.run(build_app_from_settings(settings), name=app_config.get("name", "default"), route_prefix=prefix)
             log.info("serving on http://%s (OpenAPI at /docs) through %s; Ctrl-C stops", listen,
                      "nginx" if nginx else "Serve's proxy")

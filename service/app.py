@@ -40,7 +40,18 @@ def build_app_from_settings(settings: Settings) -> Application:
         max_ongoing_requests=ing.max_ongoing_requests,
         max_queued_requests=ing.max_queued_requests,
         backpressure_config={"retry_after_s": settings.retry_after_s},
+        # the ingress holds the HTTP side of every stream: it drains as long as the longest model grace
+        graceful_shutdown_timeout_s=ingress_grace_s(settings),
     ).bind(settings, models)
+
+
+def ingress_grace_s(settings: Settings) -> float:
+    """How long a stopping ingress replica finishes its requests: the model deployments' longest drain
+    plus a margin, so that a stream a model replica finishes also reaches its client."""
+    return max(dep.drain_grace_s for dep in settings.deployments.values()) + INGRESS_MARGIN_S
+
+
+INGRESS_MARGIN_S = 5.0
 
 
 def build_app(args: dict[str, Any]) -> Application:

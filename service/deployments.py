@@ -16,11 +16,13 @@ from typing import Any, ClassVar, TypeVar
 
 import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
 
 from models.catalog import LoadedModel
 
 from .errors import ServiceError
+from .fleet.load import LoadReport
 from .messages import (
     Classification,
     Embeddings,
@@ -78,6 +80,7 @@ class ModelDeployment:
     def __init__(self, name: str, settings: Settings) -> None:
         bind_to_node(ray.get_runtime_context().get_node_id())
         metrics = process_metrics()
+        metrics.replica = serve.get_replica_context().replica_id.unique_id  # per-replica metrics' label
         timed: dict[str, float] = {}
 
         def prepare() -> tuple[DeploymentSettings, LoadedModel, ModelRunner]:
@@ -100,6 +103,11 @@ class ModelDeployment:
                              {p.phase: p.backend for p in loaded.plan.phases})
         if limits := self.runner.limits():
             log.info("%s: limits %s", name, limits)
+        self._load = LoadReport(generator=loaded.spec.kind == "generator")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Load signals for Serve's autoscaler (service/fleet/load.py, autoscaling.py)."""
+        return self._load(self.runner.stats())
 
     def build_runner(self, loaded: LoadedModel, name: str, dep: DeploymentSettings,
                      metrics: ServiceMetrics) -> ModelRunner:
@@ -194,7 +202,11 @@ DEPLOYMENTS: dict[str, Deployment] = {"encoder": EncoderDeployment, "translator"
                                       "generator": GeneratorDeployment}
 
 
-def deployment_options(dep: DeploymentSettings, settings: Settings, cluster_gpus: float) -> dict[str, Any]:
+DRAIN_POLL_S = 0.5  # how often a draining replica checks whether its requests have ended
+PREFIX_ROUTER = "service.fleet.router:PrefixAffinityRouter"
+
+
+def deployment_options(name: str, dep: DeploymentSettings, settings: Settings, cluster_gpus: float) -> dict[str, Any]:
     """Serve options from the settings: replicas or autoscaling, CPUs/GPUs, queue bounds."""
     device, _ = settings.device_for(dep)
     gpus = dep.num_gpus
@@ -213,6 +225,15 @@ def deployment_options(dep: DeploymentSettings, settings: Settings, cluster_gpus
         options["num_replicas"] = dep.num_replicas
     if dep.max_replicas_per_node is not None:
         options["max_replicas_per_node"] = dep.max_replicas_per_node
+    # a stopping replica takes no new requests (Serve routes around it) and finishes its own, streams
+    # included, for at most drain_grace_s (docs/deploy.md: Draining)
+    options["graceful_shutdown_timeout_s"] = dep.drain_grace_s
+    options["graceful_shutdown_wait_loop_s"] = DRAIN_POLL_S
+    routing = dep.routing_policy()
+    if routing.policy == "prefix":
+        kwargs = routing.model_dump(exclude={"policy"})
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PREFIX_ROUTER, request_router_kwargs={**kwargs, "deployment": name})
     return options
 
 
@@ -223,4 +244,4 @@ def bind_model(name: str, settings: Settings, cluster_gpus: float) -> Applicatio
     if kind not in DEPLOYMENTS:
         raise ValueError(f"deployment {name!r} serves {list(dep.model.tasks)}, but this server has no "
                          f"{kind} deployment yet (known: {sorted(DEPLOYMENTS)})")
-    return DEPLOYMENTS[kind].options(name=name, **deployment_options(dep, settings, cluster_gpus)).bind(name, settings)
+    return DEPLOYMENTS[kind].options(name=name, **deployment_options(name, dep, settings, cluster_gpus)).bind(name, settings)

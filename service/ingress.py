@@ -22,6 +22,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from ray.serve.handle import DeploymentHandle
 
 from .errors import InternalError, NotReady, Overloaded, ServiceError
+from .fleet.router import decision_counters
 from .http.api import create_api
 from .http.routing import probed_readiness
 from .messages import ModelInfo
@@ -62,6 +63,7 @@ class ServeBackend:
         self._probes: dict[str, asyncio.Future[ModelInfo]] = {}  # in flight, by deployment (_ready)
         self._readiness: tuple[float, dict[str, str]] | None = None  # (when, states)
         self._readiness_lock = asyncio.Lock()
+        self._states_cache: tuple[float, dict[str, dict[str, int]]] | None = None  # (when, _replica_states())
 
     async def call(self, deployment: str, method: str, *args: Any) -> Any:
         await self._ready(deployment)
@@ -147,7 +149,7 @@ class ServeBackend:
             if cached is not None and time.monotonic() - cached[0] < READINESS_CACHE_S:
                 return cached[1]
             try:
-                running = await asyncio.to_thread(_running_replicas)
+                running = {d: states.get("RUNNING", 0) for d, states in (await self._states()).items()}
             except Exception as e:  # the controller did not answer: the replicas themselves decide
                 log.warning("readiness: Serve's status is unavailable (%r); probing the replicas", e)
                 running = dict.fromkeys(deployments, 1)
@@ -158,6 +160,19 @@ class ServeBackend:
             states = {d: states[d] for d in deployments}
             self._readiness = (time.monotonic(), states)
             return states
+
+    async def replica_states(self) -> dict[str, dict[str, int]]:
+        try:
+            return await self._states()
+        except Exception:  # noqa: BLE001 - the controller did not answer: nothing to say
+            return {}
+
+    async def _states(self) -> dict[str, dict[str, int]]:
+        """Serve's replica states of this application, at most READINESS_CACHE_S old."""
+        cached = self._states_cache
+        if cached is None or time.monotonic() - cached[0] >= READINESS_CACHE_S:
+            cached = self._states_cache = (time.monotonic(), await asyncio.to_thread(_replica_states))
+        return cached[1]
 
     def _failed(self, deployment: str, exc: BaseException) -> ServiceError:
         err = _as_service_error(deployment, exc)
@@ -170,13 +185,13 @@ async def _wait(response: Any) -> Any:
     return await response
 
 
-def _running_replicas() -> dict[str, int]:
-    """deployment -> its RUNNING replicas, in this ingress's application (Serve's controller)."""
+def _replica_states() -> dict[str, dict[str, int]]:
+    """deployment -> {state: replicas}, in this ingress's application (Serve's controller)."""
     app = serve.get_replica_context().app_name
     status = serve.status().applications.get(app)
     if status is None:
         return {}
-    return {name: sum(n for state, n in d.replica_states.items() if getattr(state, "value", state) == "RUNNING")
+    return {name: {str(getattr(state, "value", state)): n for state, n in d.replica_states.items()}
             for name, d in status.deployments.items()}
 
 
@@ -188,6 +203,9 @@ class Ingress:
     def __init__(self, settings: Settings, handles: dict[str, DeploymentHandle]) -> None:
         configure_logging(settings.log_json)
         bind_to_node(ray.get_runtime_context().get_node_id())  # /metrics: this node's replicas
+        for name, dep in settings.deployments.items():  # their routers' decisions, exported at 0
+            if dep.routing_policy().policy == "prefix":
+                decision_counters(name)
         self.settings = settings
         self.backend = ServeBackend(handles, settings.readiness_timeout_s)
 

@@ -17,7 +17,7 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -45,6 +45,20 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class RoutingSettings(_Frozen):
+    """How the ingress picks a generator replica for a request (service/fleet/router.py): by the
+    prefix of its prompt (a conversation goes where its history is cached, while load stays balanced),
+    or Serve's power of two choices."""
+
+    policy: Literal["prefix", "power_of_two"] = "prefix"
+    chunk_chars: int = Field(128, ge=16)  # a prompt's prefix is matched in chunks of this many characters
+    min_match_chars: int = Field(256, ge=0)  # shorter matches are no affinity (a shared "You are" is no history)
+    # a replica with this many more ongoing requests than the least loaded one gets no affinity requests
+    max_imbalance: int = Field(8, ge=0)
+    session_affinity: bool = True  # `x-session-id` header or the OpenAI `user` field: stick to one replica
+    max_chunks: int = Field(200_000, ge=1)  # prefix chunks remembered per router (least recently used go)
+
+
 class DeploymentSettings(_Frozen):
     """One model deployment: what it serves and how it scales."""
 
@@ -54,6 +68,9 @@ class DeploymentSettings(_Frozen):
     translation: TranslationConfig = TranslationConfig()  # translator deployments (service/engine/translation.py)
     num_replicas: int = Field(1, ge=1)
     autoscaling_config: dict[str, Any] | None = None  # Ray Serve's; replaces num_replicas when set
+    routing: RoutingSettings | None = None  # generators; None: prefix-aware for generators, else power of two
+    # a stopping replica (downscale, update, shutdown) finishes what it runs for at most this long
+    drain_grace_s: float = Field(60.0, gt=0)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float | None = Field(None, ge=0)  # None: 1 when the device may be CUDA and Ray has a GPU
     device: str | None = None  # None: Settings.device
@@ -72,7 +89,18 @@ class DeploymentSettings(_Frozen):
         _check_device(self.device, self.dtype)
         if self.autoscaling_config is not None:
             _check_autoscaling(self.autoscaling_config)
+        if self.routing is not None and self.routing.policy == "prefix" and self.model is not None \
+                and self.model.kind != "generator":
+            raise ValueError(f"routing.policy prefix is for generator deployments; this one serves "
+                             f"{list(self.model.tasks)} (use power_of_two)")
         return self
+
+    def routing_policy(self) -> RoutingSettings:
+        """The routing in effect: the configured one, else prefix-aware for generators."""
+        if self.routing is not None:
+            return self.routing
+        generator = self.model is not None and self.model.kind == "generator"
+        return RoutingSettings(policy="prefix" if generator else "power_of_two")
 
     def threads(self) -> int:
         return self.torch_threads or max(1, int(self.num_cpus))

@@ -54,11 +54,13 @@ def choose_front(requested: str, env: Mapping[str, str]) -> str | None:
 
 @contextmanager
 def serve_front(binary: str, listen: Address, backup: Address, max_body_bytes: int, retry_after_s: int,
-                poll_s: float = 0.5, route_prefix: str = "/", metrics_dir: str | None = None) -> Iterator[Front]:
+                poll_s: float = 0.5, route_prefix: str = "/", metrics_dir: str | None = None,
+                grace_s: float = 5.0) -> Iterator[Front]:
     """nginx on `listen`, following this process's Serve (already started, its proxy at `backup`) for
     the application at `route_prefix`; the counts of its own answers (each status it can answer at 0
     from its start) go to this node's directory of `metrics_dir` (the app's,
-    service/telemetry/metrics.py), where the ingress's /metrics reads them."""
+    service/telemetry/metrics.py), where the ingress's /metrics reads them. On exit nginx stops
+    listening and gives the requests it holds (streams) `grace_s` to finish."""
     import ray
 
     run_dir = Path(tempfile.mkdtemp(prefix="ts-front-"))
@@ -71,5 +73,5 @@ def serve_front(binary: str, listen: Address, backup: Address, max_body_bytes: i
     try:
         yield front.start()
     finally:
-        front.stop()
+        front.stop(grace_s)
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -138,9 +138,11 @@ async def indexed(events: AsyncIterator[GenerationEvent]) -> AsyncIterator[tuple
 def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = None,
                messages: tuple[ChatMessage, ...] | None = None,
                names: Mapping[str, str] | None = None, logprobs: int | None = None,
-               sibling: int = 0, grammar: GrammarSpec | None = None, tools: tuple[Tool, ...] = ()) -> GenerationRequest:
+               sibling: int = 0, grammar: GrammarSpec | None = None, tools: tuple[Tool, ...] = (),
+               session: str | None = None) -> GenerationRequest:
     """`names`: the route's names of GenerationRequest fields, for the errors' `param`. `sibling`: the
-    choice's number among a prompt's n; a seeded request's siblings get seed + sibling."""
+    choice's number among a prompt's n; a seeded request's siblings get seed + sibling. `session`:
+    the routing session (`session_of`)."""
     seed = None if body.seed is None else (body.seed + sibling) % 2**63
     return GenerationRequest(
         request_id=uuid.uuid4().hex, prompt=prompt, messages=messages, max_new_tokens=max_new_tokens,
@@ -148,7 +150,23 @@ def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = 
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logit_bias=body.bias(), logprobs=logprobs, seed=seed,
         grammar=grammar if grammar is not None else grammar_of(body.response_format), tools=tools,
-        stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, speculative=body.speculative, names=dict(names or {}))
+        stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, speculative=body.speculative, names=dict(names or {}),
+        session=session)
+
+
+SESSION_HEADER = "x-session-id"
+MAX_SESSION_CHARS = 256
+
+
+def session_of(request: Request, body: Any) -> str | None:
+    """The request's routing session: the `x-session-id` header, else the OpenAI `user` field; its
+    requests go to one replica while load allows (service/fleet/router.py). A 422 past 256 characters."""
+    session = request.headers.get(SESSION_HEADER)
+    if session is None:
+        return getattr(body, "user", None)
+    if len(session) > MAX_SESSION_CHARS:
+        raise InvalidRequest(f"{SESSION_HEADER}: at most {MAX_SESSION_CHARS} characters", SESSION_HEADER)
+    return session
 
 
 def usage(done: GenerationDone) -> CompletionUsage:
@@ -233,7 +251,8 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         `{"model", "text": "", "finish_reason", "usage"}`."""
         route = routes.resolve("generate", body.model)
         req = to_request(body, body.max_new_tokens, prompt=body.prompt,
-                         grammar=grammar_of(body.response_format, body.regex, body.grammar))
+                         grammar=grammar_of(body.response_format, body.regex, body.grammar),
+                         session=session_of(request, body))
         if body.stream:
             return await calls.stream(route, [req], deadline(request), [GenerateFormat(route.model)])
         done, = await calls.complete(route, [req], deadline(request))
@@ -250,8 +269,9 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         check_choices(settings, route, len(prompts), best_of, "best_of" if best_of > n else "n" if n > 1 else "prompt")
         # best_of ranks candidates by their log-probabilities: asked for even when the client did not
         wanted = body.logprobs if best_of == n else (body.logprobs or 0)
+        session = session_of(request, body)
         reqs = [to_request(body, body.max_tokens, prompt=p, names={"max_new_tokens": "max_tokens"},
-                           logprobs=wanted, sibling=i) for p in prompts for i in range(best_of)]
+                           logprobs=wanted, sibling=i, session=session) for p in prompts for i in range(best_of)]
         cid, created = f"cmpl-{reqs[0].request_id}", int(time.time())
         log_user(body, cid)
         if body.stream:
@@ -285,8 +305,9 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         messages = tuple(m.message() for m in body.messages)
         names = {"max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"}
         k = body.logprobs_k()
+        session = session_of(request, body)
         reqs = [to_request(body, body.max_completion_tokens or body.max_tokens, messages=messages, names=names,
-                           logprobs=k, sibling=i, grammar=forced, tools=tools) for i in range(n)]
+                           logprobs=k, sibling=i, grammar=forced, tools=tools, session=session) for i in range(n)]
         cid, created = f"chatcmpl-{reqs[0].request_id}", int(time.time())
         log_user(body, cid)
         include = bool(body.stream and body.stream_options and body.stream_options.include_usage)

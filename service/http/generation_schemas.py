@@ -191,7 +191,9 @@ class OpenAISampling(Sampling):
                           description="Choices per prompt; siblings share the prompt's prefill and sample with "
                                       "seeds seed, seed + 1, ... when a seed is given.")
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = Field(None, max_length=256, description="An end-user id; logged as given, never used.")
+    user: StrictStr | None = Field(None, max_length=256, description="An end-user id: logged as given, and the "
+                                   "routing session when no x-session-id header is sent (its requests go to one "
+                                   "replica while load allows)")
 
 
 class CompletionRequest(OpenAISampling):

@@ -57,6 +57,7 @@ def ops_router(settings: Settings, routes: ModelRoutes, backend: Backend, metric
     @router.get(METRICS_PATH, response_class=Response, include_in_schema=False)  # an ops route, like /docs
     async def prometheus_metrics() -> Response:
         """Prometheus text format: the metrics of every replica on this node (docs/observability.md)."""
+        metrics.replicas_seen(list(settings.deployments), await backend.replica_states())
         body, content_type = await asyncio.to_thread(render, metrics, endpoints)
         return Response(body, media_type=content_type)
 

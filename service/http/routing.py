@@ -47,6 +47,11 @@ class Backend(Protocol):
         model replica's request slot while the deployment is serving (service/ingress.py)."""
         ...
 
+    async def replica_states(self) -> dict[str, dict[str, int]]:
+        """deployment -> {replica state: replicas} as Serve's controller counts them (STARTING,
+        RUNNING, STOPPING: draining, ...); {} when nothing says. Cheap enough for every scrape."""
+        ...
+
 
 async def probed_readiness(backend: Backend, deployments: Sequence[str], timeout_s: float) -> dict[str, str]:
     """Readiness from one info() call per deployment: "ready", or the error's text."""

@@ -75,6 +75,9 @@ SPECS: dict[str, Spec] = {
     "requests_in_progress": Spec("gauge", ("endpoint",), "HTTP requests being answered by the ingress"),
     "rejected_requests_total": Spec(
         "counter", ("endpoint", "reason"), "Requests refused with 503 by the ingress (reason: the error type)"),
+    "replicas": Spec("gauge", ("deployment", "state"), "Replicas of each deployment by Serve's state (STARTING, "
+                     "RUNNING, STOPPING: draining its requests, ...), as the ingress saw at this scrape",
+                     mode="livemax"),
     "routing_decisions_total": Spec(
         "counter", ("deployment", "decision"), "Generation requests the ingress routed, by why their replica "
         "(service/fleet/router.py: session, prefix, spread, new, other)"),
@@ -151,6 +154,8 @@ COLLECTED: dict[str, Spec] = {
                                 "HTTP it could not take, an ingress silent past its timeout)"),
 }
 KINDS: dict[str, type] = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+# Serve's replica states (ray.serve._private.common.ReplicaState, STOPPED aside: such a replica is gone)
+REPLICA_STATES = ("STARTING", "UPDATING", "RECOVERING", "RUNNING", "STOPPING", "PENDING_MIGRATION")
 OK = "200"  # the status every API route answers when it works: requests_total's series from the start
 
 
@@ -187,6 +192,13 @@ class ServiceMetrics:
             self["requests_total"].labels(endpoint, OK)
             for reason in UNAVAILABLE:
                 self["rejected_requests_total"].labels(endpoint, reason)
+
+    def replicas_seen(self, deployments: Collection[str], states: Mapping[str, Mapping[str, int]]) -> None:
+        """replicas{deployment, state} from Serve's counts; each of REPLICA_STATES at 0 when absent."""
+        for deployment in deployments:
+            seen = states.get(deployment, {})
+            for state in REPLICA_STATES:
+                self["replicas"].labels(deployment, state).set(seen.get(state, 0))
 
     def request_started(self, endpoint: str) -> None:
         self["requests_in_progress"].labels(endpoint).inc()

@@ -145,6 +145,9 @@ class EchoBackend:
     async def readiness(self, deployments: list[str], timeout_s: float) -> dict[str, str]:
         return await probed_readiness(self, deployments, timeout_s)
 
+    async def replica_states(self) -> dict[str, dict[str, int]]:
+        return {}
+
     async def info(self, deployment: str, timeout_s: float) -> ModelInfo:
         by_deployment = {
             "encoder": ModelInfo("enc", deployment, ("classify", "embed", "rerank"), "cpu", "float32", MAX_TOKENS,

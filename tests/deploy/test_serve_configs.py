@@ -7,8 +7,10 @@ import dataclasses
 from typing import Any
 
 import pytest
+from ray.serve.config import AutoscalingConfig
 
 from service.deployments import deployment_options
+from service.fleet.autoscaling import LoadPolicy
 from tests.deploy.serve_configs import CPU_CONFIG, GPU_CONFIG, check_serve_config, load, our_app, settings_of
 
 # what the GPU variant may change per deployment (placement and sizes); everything else must match
@@ -27,12 +29,18 @@ def test_config_is_valid_for_ray_and_our_settings(path: Any) -> None:
         assert auto is not None, f"{path.name}: {name} has no autoscaling_config"
         assert 1 <= auto["min_replicas"] <= auto["max_replicas"]
         assert auto["upscale_delay_s"] < auto["downscale_delay_s"]  # quick to add, slow to remove
-        assert 0 < auto["target_ongoing_requests"] <= dep.max_ongoing_requests
-        opts = deployment_options(dep, s, cluster_gpus=0)
+        # replicas from what the replicas report (service/fleet/), not from ongoing requests
+        policy = AutoscalingConfig(**auto).policy
+        assert policy.policy_function == "service.fleet.autoscaling:LoadPolicy", name
+        targets = policy.policy_kwargs["targets"]
+        assert set(targets) == ({"queued", "kv_usage", "ttft_s"} if name == "generator" else {"queued"}), name
+        assert LoadPolicy(targets).targets == targets
+        queue = dep.engine.max_queued if name == "generator" else dep.batching.max_queued
+        assert 0 < targets["queued"] < queue, name  # a replica starts well before the queue refuses requests
+        opts = deployment_options(name, dep, s, cluster_gpus=0)
         assert opts["autoscaling_config"] == auto and "num_replicas" not in opts
-    gen = s.deployments["generator"]
-    # the generator scales out before its streams wait for a KV-cache row
-    assert gen.autoscaling_config["target_ongoing_requests"] < gen.engine.max_running  # type: ignore[index]
+        assert opts["graceful_shutdown_timeout_s"] == dep.drain_grace_s
+        assert ("request_router_config" in opts) == (name == "generator")  # prefix-aware; the others power of two
 
 
 def test_cpu_config_runs_on_cpu_threads() -> None:
@@ -48,7 +56,7 @@ def test_gpu_config_puts_every_model_on_a_shared_gpu_in_bfloat16() -> None:
     for name, dep in s.deployments.items():
         assert s.device_for(dep) == ("cuda", "bfloat16"), name
         assert dep.num_gpus is not None and 0 < dep.num_gpus < 1, name
-        opts = deployment_options(dep, s, cluster_gpus=0)  # explicit fractions, whatever the cluster has
+        opts = deployment_options(name, dep, s, cluster_gpus=0)  # explicit fractions, whatever the cluster has
         assert opts["ray_actor_options"]["num_gpus"] == dep.num_gpus
         gpus_at_min += dep.num_gpus * dep.autoscaling_config["min_replicas"]  # type: ignore[index]
     assert gpus_at_min <= 1.0  # the whole service starts on one GPU

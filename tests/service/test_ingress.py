@@ -49,11 +49,11 @@ def test_readiness_probes_a_replica_only_until_it_has_seen_one(monkeypatch: pyte
     running = {"enc": 1}
     lookups = []
 
-    def replicas() -> dict[str, int]:
+    def replicas() -> dict[str, dict[str, int]]:
         lookups.append(1)
-        return dict(running)
+        return {name: {"RUNNING": n, "STOPPING": 1} for name, n in running.items()}
 
-    monkeypatch.setattr(ingress, "_running_replicas", replicas)
+    monkeypatch.setattr(ingress, "_replica_states", replicas)
     handle = FakeHandle()
     backend = ingress.ServeBackend({"enc": handle}, readiness_timeout_s=1.0)
 
@@ -72,7 +72,7 @@ def test_readiness_probes_a_replica_only_until_it_has_seen_one(monkeypatch: pyte
         handle.dead = True
         out.append(await backend.readiness(["enc"], 1.0))
         handle.dead = False
-        monkeypatch.setattr(ingress, "_running_replicas", lambda: 1 / 0)  # no controller: ask the replica
+        monkeypatch.setattr(ingress, "_replica_states", lambda: 1 / 0)  # no controller: ask the replica
         out.append(await backend.readiness(["enc"], 1.0))
         return out
 

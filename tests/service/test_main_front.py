@@ -6,6 +6,7 @@ ingress replica is tested through the same front by tests/reliability/test_fault
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -95,6 +96,72 @@ def test_python_m_service_serves_through_nginx_and_stops_clean(tmp_path: Path) -
         assert not any(Path(f"/proc/{pid}").exists() for pid in nginx)
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def slow_decoder(path: Path) -> Path:
+    """A decoder with 4096 positions and no end of sequence, wide enough that 3,000 tokens take several
+    seconds on one thread: a stream still running well past nginx's default 5 s stop."""
+    import torch
+
+    from models.checkpoints.format import save_checkpoint
+    from models.config import DecoderConfig
+    from models.decoder import DecoderLM
+    from models.tiny import VOCAB, byte_tokenizer
+
+    cfg = DecoderConfig(vocab_size=VOCAB, d_model=256, n_heads=4, n_kv_heads=2, d_ff=1024, n_layers=6,
+                        max_positions=4096, position="rotary", norm="rmsnorm", activation="swiglu",
+                        attn_bias=False, mlp_bias=False, eos_token_ids=())
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = DecoderLM(cfg).eval()
+    save_checkpoint(model, path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_sigterm_lets_running_streams_finish_before_the_service_exits(tmp_path: Path) -> None:
+    """SIGTERM: nginx stops listening, the streams it holds finish (the ingress's grace: the longest
+    drain_grace_s + 5 s), then Serve's replicas stop and the process exits 0."""
+    nginx_or_skip()
+    port = free_port()
+    model = {"name": "slow", "tasks": ["generate"], "source": f"dir:{slow_decoder(tmp_path / 'slow')}"}
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "default", "import_path": "service.app:build_app", "route_prefix": "/",
+                          "args": {"device": "cpu", "request_timeout_s": 120, "deployments": {"generator": {
+                              "model": model, "num_cpus": 0, "torch_threads": 1, "drain_grace_s": 60,
+                              "engine": {"max_running": 4, "max_total_tokens": 4096, "max_new_tokens": 4000}}}}}]}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TS_", "RAY_SERVE_"))}
+    log = (tmp_path / "service.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "service", "--config", str(config), "--num-cpus", "2"],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(url, "/readyz", 200, timeout_s=120)
+        tokens, finish, started, stopped_at = 0, None, time.monotonic(), None
+        with httpx.stream("POST", url + "/v1/generate", timeout=120, json={
+                "prompt": "keep going", "max_new_tokens": 3000, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if stopped_at is None and line.startswith("data: "):  # streaming: stop the service now
+                    proc.send_signal(signal.SIGTERM)
+                    stopped_at = time.monotonic()
+                if line.startswith("data: {") and '"finish_reason"' in line:
+                    event = json.loads(line[6:])
+                    finish, tokens = event["finish_reason"], event["usage"]["completion_tokens"]
+        assert stopped_at is not None and (finish, tokens) == ("length", 3000)
+        streamed_after_s = time.monotonic() - stopped_at
+        assert streamed_after_s > 5, f"the stream ended {streamed_after_s:.1f} s after SIGTERM: too short to tell"
+        assert proc.wait(timeout=60) == 0
+        with socket.socket() as s:  # nothing listens any more
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+        assert time.monotonic() - started < 120
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

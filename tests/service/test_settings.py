@@ -106,14 +106,14 @@ def test_serving_options_of_a_default_model_are_set_alone() -> None:
 def test_deployment_options_follow_the_settings() -> None:
     s = Settings.build({"deployments": {"a": {"model": TINY, "num_replicas": 3, "num_cpus": 2}}}, env={})
     dep = s.deployments["a"]
-    opts = deployment_options(dep, s, cluster_gpus=0)
+    opts = deployment_options("a", dep, s, cluster_gpus=0)
     assert opts["num_replicas"] == 3 and opts["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
     assert opts["max_ongoing_requests"] == 256 and opts["max_queued_requests"] == 1024
-    assert deployment_options(dep, s, cluster_gpus=1)["ray_actor_options"]["num_gpus"] == 1.0
+    assert deployment_options("a", dep, s, cluster_gpus=1)["ray_actor_options"]["num_gpus"] == 1.0
     cpu_only = dep.model_copy(update={"device": "cpu"})
-    assert deployment_options(cpu_only, s, cluster_gpus=1)["ray_actor_options"]["num_gpus"] == 0.0
+    assert deployment_options("generator", cpu_only, s, cluster_gpus=1)["ray_actor_options"]["num_gpus"] == 0.0
     scaled = DeploymentSettings(model=dep.model, autoscaling_config={"min_replicas": 1, "max_replicas": 4})
-    opts = deployment_options(scaled, s, cluster_gpus=0)
+    opts = deployment_options("encoder", scaled, s, cluster_gpus=0)
     assert "num_replicas" not in opts and opts["autoscaling_config"]["max_replicas"] == 4
     assert dep.threads() == 2 and DeploymentSettings(model=dep.model, num_cpus=0).threads() == 1
 

@@ -47,6 +47,9 @@ class FakeBackend:
     async def readiness(self, deployments: list[str], timeout_s: float) -> dict[str, str]:
         return await probed_readiness(self, deployments, timeout_s)
 
+    async def replica_states(self) -> dict[str, dict[str, int]]:
+        return {}
+
 
 def request(backend: FakeBackend, method: str, path: str, settings: dict[str, Any] | None = None,
             **kwargs: Any) -> httpx.Response:

@@ -63,6 +63,9 @@ class FakeBackend:
         return ModelInfo(name="gen", deployment=deployment, tasks=("generate",), device="cpu", dtype="float32",
                          max_input_tokens=8)
 
+    async def replica_states(self) -> dict[str, dict[str, int]]:
+        return {}
+
 
 def post(backend: FakeBackend, path: str, body: dict[str, Any]) -> httpx.Response:
     app = create_api(Settings.build({"deployments": {"generator": {"model": GEN}}, "retry_after_s": 3}, env={}),

@@ -49,6 +49,7 @@ from service.telemetry.memory import resident_bytes
 from service.telemetry.metrics import (
     COLLECTED,
     PREFIX,
+    REPLICA_STATES,
     SPECS,
     ServiceMetrics,
     bind_to_node,
@@ -60,7 +61,7 @@ from service.telemetry.observers import PrometheusBatchObserver, PrometheusEngin
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs" / "observability.md"
 BOUNDED_LABELS = {"endpoint", "status", "model", "reason", "finish_reason", "deployment", "kind", "device", "dtype",
-                  "phase", "backend", "method", "decision",
+                  "phase", "backend", "method", "decision", "state",
                   "replica"}  # replica: a Serve replica id (new ones as replicas come and go, as in Ray's own metrics)
 ENCODER = {"name": "enc", "tasks": ["classify", "embed"], "source": "tiny:encoder"}
 
@@ -206,6 +207,9 @@ class Backend:
         return ModelInfo(name="enc", deployment=deployment, tasks=("classify", "embed"), device="cpu",
                          dtype="float32", max_input_tokens=8)
 
+    async def replica_states(self) -> dict[str, dict[str, int]]:
+        return {"encoder": {"RUNNING": 2, "STOPPING": 1}}
+
 
 def call_api(metrics: ServiceMetrics, requests: list[tuple[str, str, dict[str, Any]]],
              error: BaseException | None = None, proxy_echoes_id: bool = False,
@@ -283,6 +287,10 @@ def test_metrics_route_serves_the_text_format(metrics: ServiceMetrics) -> None:
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(r.text) for s in f.samples}
     assert samples[(PREFIX + "requests_total", (("endpoint", "/v1/classify"), ("status", "200")))] == 1
+    # Serve's replica states as the backend reports them, every other state at 0
+    assert samples[(PREFIX + "replicas", (("deployment", "encoder"), ("state", "STOPPING")))] == 1
+    assert samples[(PREFIX + "replicas", (("deployment", "encoder"), ("state", "RUNNING")))] == 2
+    assert samples[(PREFIX + "replicas", (("deployment", "encoder"), ("state", "STARTING")))] == 0
 
 
 # -- counters from the start --------------------------------------------------------------------------
@@ -541,3 +549,14 @@ def test_access_lines_escape_the_path_and_plain_logs_carry_the_request_id(
     assert "[rid-8]" in text and line.path == "/v1/x\\nfake line\\x1b[31m"  # type: ignore[attr-defined]
     outside = logging.LogRecord("service.x", logging.INFO, __file__, 1, "no request", None, None)
     assert "[-]: no request" in PlainFormatter().format(outside)
+
+
+def test_replicas_by_state_are_exported_for_every_state_of_every_deployment() -> None:
+    metrics = ServiceMetrics()
+    metrics.replicas_seen(["generator", "encoder"], {"generator": {"RUNNING": 1, "STOPPING": 1}})
+    assert value(metrics, "replicas", deployment="generator", state="STOPPING") == 1
+    assert value(metrics, "replicas", deployment="generator", state="RUNNING") == 1
+    for state in REPLICA_STATES:
+        assert metrics.registry.get_sample_value(PREFIX + "replicas", {"deployment": "encoder", "state": state}) == 0
+    metrics.replicas_seen(["generator", "encoder"], {})  # the drain ended; the controller said nothing new
+    assert value(metrics, "replicas", deployment="generator", state="STOPPING") == 0

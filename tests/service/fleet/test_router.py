@@ -1,0 +1,154 @@
+"""The prefix-aware router's policy on Serve's RequestRouter, with replicas standing in for Serve's:
+a conversation sticks to the replica that holds its history while load is balanced, spreads when that
+replica is overloaded, and new prompts and other calls go to the least loaded."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.request_router import PendingRequest
+
+from service.fleet.router import PrefixAffinityRouter, routed_request, routing_text
+from service.messages import ChatMessage, GenerationRequest
+
+DEP = DeploymentID(name="generator", app_name="app")
+SYSTEM = "You are the support assistant of Acme. Answer briefly and politely. " * 6
+
+
+@dataclass
+class Replica:
+    """What the router reads of Serve's RunningReplica."""
+
+    name: str
+    replica_id: ReplicaID = field(init=False)
+    max_ongoing_requests: int = 64
+    node_id: str = "node"
+    availability_zone: str | None = None
+    multiplexed_model_ids: set[str] = field(default_factory=set)
+    routing_stats: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.replica_id = ReplicaID(self.name, DEP)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+class Routed:
+    """A router over replicas A and B whose loads the test sets."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.loop = asyncio.new_event_loop()  # Serve builds its routers on the handle's event loop
+        asyncio.set_event_loop(self.loop)
+        self.router = PrefixAffinityRouter(DEP, DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+        self.router.initialize_state(**{"chunk_chars": 32, "min_match_chars": 64, "max_imbalance": 4, **kwargs})
+        self.router._counters = {d: _Count() for d in ("session", "prefix", "spread", "new", "other")}
+        self.replicas = {"A": Replica("A"), "B": Replica("B")}
+        self.loads = {"A": 0, "B": 0}
+        self.router.load = lambda r: self.loads[r.replica_id.unique_id]  # type: ignore[method-assign]
+
+    def route(self, *args: Any, method: str = "generate_stream") -> str:
+        """The replica the request lands on: the least loaded of the first rank (as Serve picks)."""
+        pending = PendingRequest(args=list(args), kwargs={}, metadata=RequestMetadata(
+            request_id="r", internal_request_id=f"i{id(args)}", call_method=method))
+        ranks = self.loop.run_until_complete(self.router.choose_replicas(list(self.replicas.values()), pending))
+        first = min(ranks[0], key=lambda r: self.loads[r.replica_id.unique_id])
+        self.router.on_request_routed(pending, first.replica_id, None)  # type: ignore[arg-type]
+        return first.name
+
+    def decisions(self) -> dict[str, int]:
+        return {d: c.n for d, c in self.router._counters.items() if c.n}  # type: ignore[union-attr]
+
+
+class _Count:
+    n = 0
+
+    def inc(self) -> None:
+        self.n += 1
+
+
+def chat(*turns: str, session: str | None = None) -> GenerationRequest:
+    roles = ["user", "assistant"]
+    messages = (ChatMessage("system", SYSTEM), *(ChatMessage(roles[i % 2], t) for i, t in enumerate(turns)))
+    return GenerationRequest("x", messages=messages, session=session)
+
+
+def test_a_conversation_sticks_to_its_replica_while_load_is_balanced() -> None:
+    r = Routed()
+    first = r.route(chat("Where is my order 1234?"))
+    r.loads[first] += 3  # busier, within max_imbalance
+    history = ["Where is my order 1234?", "It ships tomorrow."]
+    for turn in range(4):
+        assert r.route(chat(*history, f"And question {turn}?")) == first
+        history += [f"And question {turn}?", f"Answer {turn}."]
+    assert r.decisions() == {"new": 1, "prefix": 4}
+
+
+def test_an_overloaded_replica_sheds_its_conversations_to_the_least_loaded() -> None:
+    r = Routed()
+    first = r.route(chat("Hello"))
+    other = "B" if first == "A" else "A"
+    r.loads[first] = 10  # more than max_imbalance (4) above the other
+    assert r.route(chat("Hello", "Hi!", "Next question")) == other
+    r.loads[first] = 0  # the prefix is now remembered on both: the most recent holder first
+    assert r.route(chat("Hello", "Hi!", "Next question", "Sure.", "More")) == other
+    assert r.decisions() == {"new": 1, "spread": 1, "prefix": 1}
+
+
+def test_new_prompts_and_other_calls_go_to_the_least_loaded() -> None:
+    r = Routed()
+    r.loads.update(A=5, B=1)
+    assert r.route(chat("Hi")) == "B"
+    assert r.route(GenerationRequest("x", prompt="short"), False, method="tokenize") == "B"
+    assert r.route([1, 2, 3], method="detokenize") == "B"
+    assert r.decisions() == {"new": 2, "other": 1}
+
+
+def test_a_short_shared_beginning_is_no_affinity() -> None:
+    r = Routed(min_match_chars=10_000)  # the whole system prompt is below it
+    r.route(chat("Hello"))
+    r.loads["A"] = r.loads["B"] = 0
+    r.route(chat("Hello", "Hi", "More"))
+    assert r.decisions() == {"new": 2}
+
+
+def test_sessions_stick_even_without_a_shared_prefix() -> None:
+    r = Routed()
+    home = r.route(GenerationRequest("x", prompt="first prompt of the session", session="s-1"))
+    r.loads[home] = 3
+    assert r.route(GenerationRequest("x", prompt="an unrelated second prompt", session="s-1")) == home
+    r.loads[home] = 9  # overloaded: spread
+    assert r.route(GenerationRequest("x", prompt="a third", session="s-1")) != home
+    off = Routed(session_affinity=False)
+    off.loads["A"] = 3
+    assert off.route(GenerationRequest("x", prompt="p", session="s")) == "B"
+
+
+def test_a_group_routes_by_its_first_request_and_a_gone_replica_is_forgotten() -> None:
+    r = Routed()
+    home = r.route([chat("Tell me a joke"), chat("Tell me a joke")], method="generate_group")
+    r.router.table.forget(home)
+    r.loads[home] = 1
+    assert r.route(chat("Tell me a joke", "Ha", "Another")) != home
+
+
+def test_routing_text_separates_roles_and_covers_tools() -> None:
+    a = GenerationRequest("x", messages=(ChatMessage("user", "ab"), ChatMessage("user", "c")))
+    b = GenerationRequest("x", messages=(ChatMessage("user", "a"), ChatMessage("user", "bc")))
+    assert routing_text(a) != routing_text(b)
+    assert routing_text(GenerationRequest("x", prompt="p")) == "p"
+    assert routed_request([]) is None and routed_request([[1, 2]]) is None
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"session_affinity": False}])
+def test_every_candidate_is_offered_so_serve_backs_off_before_asking_again(kwargs: dict[str, Any]) -> None:
+    r = Routed(**kwargs)
+    pending = PendingRequest(args=[chat("hi")], kwargs={}, metadata=RequestMetadata(
+        request_id="r", internal_request_id="i", call_method="generate"))
+    ranks = r.loop.run_until_complete(r.router.choose_replicas(list(r.replicas.values()), pending))
+    assert pending.routing_context.should_backoff
+    assert sorted(x.name for rank in ranks for x in rank) == ["A", "B"]
