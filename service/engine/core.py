@@ -240,7 +240,8 @@ class GenerationEngine(StepLoop):
     def _extra_stats(self) -> dict[str, int]:
         stats = {"prefix_cache_bytes": self._batch.prefix.nbytes if self._batch.prefix is not None else 0,
                  "preempted": self._counts["preempted"], "first_tokens": self._counts["first_tokens"],
-                 "ttft_ms": self._counts["ttft_ms"]}
+                 "ttft_ms": self._counts["ttft_ms"], "inter_tokens": self._counts["inter_tokens"],
+                 "itl_ms": self._counts["itl_ms"]}
         if self.cache.paged:
             stats |= {"kv_blocks": self.cache.blocks_total, "kv_blocks_free": self.cache.blocks_free}
         if self.speculator is not None:
@@ -529,6 +530,8 @@ class GenerationEngine(StepLoop):
                 self._counts["ttft_ms"] += round(times[0] * 1000)
                 self._observe("on_first_token", times[0])
             else:
+                self._counts["inter_tokens"] += 1
+                self._counts["itl_ms"] += round((times[-1] - times[-2]) * 1000)
                 self._observe("on_inter_token", times[-1] - times[-2])
         self._counts["generated_tokens"] += taken
 

@@ -6,7 +6,9 @@ load signals from its runner's stats, per report. No Ray, no torch.
   generator: 40 short streams and 40 long ones look alike, and a replica decodes all it admitted.
 - `kv_usage`: generators: the share of KV-cache blocks held (tokens held / capacity without pages).
 - `ttft_s`: generators: the mean time to first token of the requests that got theirs since the last
-  report (0 when none did).
+  report (0 when none did);
+- `itl_s`: generators: the mean gap between a stream's tokens since the last report (0 when no
+  stream got one): what every stream feels when a replica decodes more rows than it computes quickly.
 autoscaling.py turns them into a replica count.
 """
 
@@ -15,8 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-QUEUED, KV_USAGE, TTFT = "queued", "kv_usage", "ttft_s"
-SIGNALS = (QUEUED, KV_USAGE, TTFT)
+QUEUED, KV_USAGE, TTFT, ITL = "queued", "kv_usage", "ttft_s", "itl_s"
+SIGNALS = (QUEUED, KV_USAGE, TTFT, ITL)
+# a generator's mean over the last report's events: signal -> (EngineStats' count, its summed milliseconds)
+MEANS = {TTFT: ("first_tokens", "ttft_ms"), ITL: ("inter_tokens", "itl_ms")}
 
 
 class LoadReport:
@@ -25,7 +29,7 @@ class LoadReport:
 
     def __init__(self, generator: bool) -> None:
         self.generator = generator
-        self._first_tokens, self._ttft_ms = 0, 0
+        self._seen: dict[str, int] = {}  # EngineStats' counters at the last report
 
     def __call__(self, stats: Mapping[str, Any]) -> dict[str, float]:
         """`stats`: a runner's stats() (EngineStats' fields for an engine, a batcher's with `queued`)."""
@@ -36,7 +40,8 @@ class LoadReport:
             return report
         blocks = stats.get("kv_blocks", 0)
         report[KV_USAGE] = (1 - stats["kv_blocks_free"] / blocks) if blocks else float(stats["cache_usage"])
-        firsts = stats["first_tokens"] - self._first_tokens
-        report[TTFT] = (stats["ttft_ms"] - self._ttft_ms) / firsts / 1000 if firsts > 0 else 0.0
-        self._first_tokens, self._ttft_ms = stats["first_tokens"], stats["ttft_ms"]
+        for signal, (count, summed) in MEANS.items():
+            events = stats[count] - self._seen.get(count, 0)
+            report[signal] = (stats[summed] - self._seen.get(summed, 0)) / events / 1000 if events > 0 else 0.0
+            self._seen[count], self._seen[summed] = stats[count], stats[summed]
         return report

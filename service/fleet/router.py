@@ -25,6 +25,7 @@ several ingress replicas each learn the same conversations' placement from what 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +69,8 @@ class PrefixAffinityRouter(RequestRouter):
         self.session_affinity = session_affinity
         self.deployment = deployment
         self._decided: dict[str, tuple[str, frozenset[str]]] = {}  # request id -> (decision, first rank)
+        self._sent: dict[str, str] = {}  # request id -> replica, until the request completes
+        self._inflight: Counter[str] = Counter()  # replica -> requests this router sent that have not completed
         self._counters: dict[str, Any] | None = None
 
     # -- Serve's hooks -------------------------------------------------------------------------------
@@ -90,8 +93,11 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
-        decision, first = self._decided.pop(pending_request.metadata.internal_request_id, ("other", frozenset()))
+        request_id = pending_request.metadata.internal_request_id
+        decision, first = self._decided.pop(request_id, ("other", frozenset()))
         replica = replica_id.unique_id
+        self._sent[request_id] = replica
+        self._inflight[replica] += 1
         if first and replica not in first:  # the preferred replicas were full: Serve took another
             decision = "spread"
         self._count(decision)
@@ -101,6 +107,13 @@ class PrefixAffinityRouter(RequestRouter):
         self.table.record(routing_text(request), replica)
         if self.session_affinity and request.session:
             self.table.bind_session(request.session, replica)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        replica = self._sent.pop(internal_request_id, None)
+        if replica is not None:
+            self._inflight[replica] -= 1
+            if self._inflight[replica] <= 0:
+                del self._inflight[replica]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = {r.unique_id for r in self.curr_replicas}
@@ -137,9 +150,11 @@ class PrefixAffinityRouter(RequestRouter):
         return ("prefix", held) if held else ("spread", [])
 
     def load(self, replica: RunningReplica) -> int:
-        """Requests this router has ongoing at `replica` (Serve's queue-length cache; unknown: 0)."""
+        """Ongoing requests at `replica`: the larger of what this router sent there and has not seen
+        complete, and Serve's queue-length cache (every router's requests, as last probed; it forgets
+        stale entries, so a burst of new conversations would otherwise see equal loads)."""
         queued = self.replica_queue_len_cache.get(replica.replica_id)
-        return int(queued) if queued is not None else 0
+        return max(self._inflight.get(replica.replica_id.unique_id, 0), int(queued) if queued is not None else 0)
 
     def _count(self, decision: str) -> None:
         if self._counters is None:  # built on first use: Serve may build the router before the ingress binds metrics

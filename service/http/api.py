@@ -19,7 +19,7 @@ from .auth import install_access_control
 from .body_limit import BodyLimit
 from .deadline import TIMEOUT_HEADER
 from .errors import install_error_handlers
-from .generation import generation_router
+from .generation import SESSION_HEADER, generation_router
 from .inference import inference_router
 from .observability import Observability
 from .ops import METRICS_PATH, ops_router
@@ -46,11 +46,12 @@ def create_api(settings: Settings, backend: Backend, metrics: ServiceMetrics | N
         description="Classification, embeddings and translation on our own transformers, batched dynamically; "
                     "text generation (also OpenAI-compatible) with continuous batching. "
                     f"Errors are JSON {{\"error\": {{\"type\", \"message\", \"param\"?}}}}; send "
-                    f"`{TIMEOUT_HEADER}: <seconds>` to lower the per-request deadline.",
+                    f"`{TIMEOUT_HEADER}: <seconds>` to lower the per-request deadline; generations with the same "
+                    f"`{SESSION_HEADER}` go to the same replica while load allows.",
     )
     install_error_handlers(app, settings.retry_after_s)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s)
-    install_access_control(app, settings, ErrorResponse, (TIMEOUT_HEADER,))  # keys, CORS: before the body
+    install_access_control(app, settings, ErrorResponse, (TIMEOUT_HEADER, SESSION_HEADER))  # keys, CORS: before the body
     endpoints = functools.cache(lambda: frozenset(_paths(app)))  # read at the first request: every route exists
     app.add_middleware(Observability, metrics=metrics, endpoints=endpoints,  # outermost
                        retry_after_s=settings.retry_after_s, access_log=settings.access_log,

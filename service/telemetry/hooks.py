@@ -59,6 +59,8 @@ class EngineStats:
     preempted: int = 0  # requests preempted when blocks ran out
     first_tokens: int = 0  # requests that got their first token
     ttft_ms: int = 0  # their times to first token, summed (milliseconds)
+    inter_tokens: int = 0  # tokens after a request's first
+    itl_ms: int = 0  # the gaps before them, summed (milliseconds)
     # speculative decoding (service/engine/speculation/): tokens drafted and verified, of them kept, verify
     # steps, their time (drafting included) and the time plain steps would have taken for the same tokens
     spec_drafted: int = 0

@@ -33,7 +33,7 @@ def test_config_is_valid_for_ray_and_our_settings(path: Any) -> None:
         policy = AutoscalingConfig(**auto).policy
         assert policy.policy_function == "service.fleet.autoscaling:LoadPolicy", name
         targets = policy.policy_kwargs["targets"]
-        assert set(targets) == ({"queued", "kv_usage", "ttft_s"} if name == "generator" else {"queued"}), name
+        assert set(targets) == ({"queued", "kv_usage", "ttft_s", "itl_s"} if name == "generator" else {"queued"}), name
         assert LoadPolicy(targets).targets == targets
         queue = dep.engine.max_queued if name == "generator" else dep.batching.max_queued
         assert 0 < targets["queued"] < queue, name  # a replica starts well before the queue refuses requests

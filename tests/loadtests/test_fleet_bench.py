@@ -27,3 +27,22 @@ def test_the_table_compares_the_two_policies() -> None:
                            {**row, "policy": "power_of_two", "ttft_p50": 0.45, "routed": {}}])
     assert "| prefix | 0.80 | 0.50, 0.80; 0.50, 0.80 | 0.30 / 1.00 |" in text
     assert "new 16, prefix 112" in text and "1.50x" in text
+
+
+def test_the_scaling_run_deploys_the_shipped_autoscaling_and_counts_what_failed() -> None:
+    import argparse
+
+    from loadtests.fleet import scaling
+
+    args = argparse.Namespace(low=4, high=48, downscale_delay=30.0)
+    gen = Settings.build(scaling.app(args, 0), env={}).deployments["generator"]
+    assert gen.autoscaling_config is not None and gen.autoscaling_config["downscale_delay_s"] == 30.0
+    assert gen.autoscaling_config["policy"]["policy_function"] == "service.fleet.autoscaling:LoadPolicy"
+    assert scaling.app(args, 1)["retry_after_s"] != scaling.app(args, 0)["retry_after_s"]  # a new version
+    outcomes = [scaling.Outcome("step", 200, 64, True), scaling.Outcome("step", 504, 0, False),
+                scaling.Outcome("step", 200, 10, False)]
+    report = {"outcomes": outcomes, "seconds": {"step": 2.0}, "asked_s": 16.0, "running_s": 60.0,
+              "update_s": 100.0, "down_s": None}
+    text = scaling.table(report, args)
+    assert "| step | 48 | 3 | 1 | 1 | 1 | 37.0 |" in text
+    assert "asked for after 16.0 s" in text and "one replica again never" in text

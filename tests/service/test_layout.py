@@ -2,7 +2,8 @@
 interpreter, so a rule cannot erode unseen:
 
 - the ingress side (service/http/, service/telemetry/, errors.py, messages.py, settings.py,
-  ingress.py) and the nginx front (service/front/) never import torch, transformers or a models/ module that pulls torch: whatever
+  ingress.py, service/fleet/: the router runs in the ingress, the autoscaling policy in Serve's
+  controller) and the nginx front (service/front/) never import torch, transformers or a models/ module that pulls torch: whatever
   crosses from a model replica to the ingress unpickles there (a module that imported torch made
   the first burst of 503s stall the ingress for ~1.5 s);
 - service/engine/ imports neither Ray nor FastAPI, nor the replica or HTTP code around it;
@@ -26,7 +27,7 @@ import pytest
 from service.errors import ServiceError
 
 INGRESS_SIDE = ["service.http", "service.telemetry", "service.errors", "service.messages", "service.common", "service.settings",
-                "service.ingress", "service.front"]
+                "service.ingress", "service.front", "service.fleet"]
 TORCH_SIDE = ("torch", "transformers", "safetensors", "tokenizers")
 WEB_AND_RAY = ("ray", "fastapi", "starlette", "uvicorn")
 

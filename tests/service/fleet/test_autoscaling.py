@@ -23,7 +23,7 @@ def context(replicas: int, metrics: dict[str, list[float]], handle_queued: float
         last_scale_up_time=None, last_scale_down_time=None, current_time=0.0, config=None)
 
 
-POLICY = LoadPolicy({"queued": 2, "kv_usage": 0.7, "ttft_s": 2.0})
+POLICY = LoadPolicy({"queued": 2, "kv_usage": 0.7, "ttft_s": 2.0, "itl_s": 0.1})
 
 
 def test_queued_requests_scale_up_where_ongoing_ones_do_not() -> None:
@@ -39,6 +39,8 @@ def test_queued_requests_scale_up_where_ongoing_ones_do_not() -> None:
 def test_the_largest_ratio_decides_and_missing_signals_keep_the_count() -> None:
     assert POLICY(context(2, {"queued": [0, 0], "kv_usage": [0.9, 0.5]}))[0] == pytest.approx(2 * 0.7 / 0.7)
     assert POLICY(context(1, {"ttft_s": [5.0]}))[0] == pytest.approx(2.5)
+    # streams slowed to 5 tokens/s where 10 are the target: twice the replicas
+    assert POLICY(context(2, {"queued": [0, 0], "itl_s": [0.2, 0.2]}))[0] == pytest.approx(4)
     assert POLICY(context(3, {}))[0] == 3
     assert POLICY(context(0, {}))[0] == 0
 
@@ -52,11 +54,14 @@ def test_bad_targets_are_refused(targets: dict[str, Any]) -> None:
 def test_a_generator_reports_waiting_blocks_held_and_recent_ttft() -> None:
     report = LoadReport(generator=True)
     stats = EngineStats(running=40, waiting=3, rows=128, cache_usage=0.9, cache_bytes=1, prompt_tokens=0,
-                        generated_tokens=0, steps=0, kv_blocks=100, kv_blocks_free=75, first_tokens=4, ttft_ms=2000)
-    assert report(vars(stats)) == {"queued": 3.0, "kv_usage": 0.25, "ttft_s": 0.5}
-    later = vars(stats) | {"first_tokens": 5, "ttft_ms": 4000}  # one more first token, after 2 s
-    assert report(later)["ttft_s"] == pytest.approx(2.0)
-    assert report(later)["ttft_s"] == 0.0  # none since the last report
+                        generated_tokens=0, steps=0, kv_blocks=100, kv_blocks_free=75, first_tokens=4, ttft_ms=2000,
+                        inter_tokens=100, itl_ms=5000)
+    assert report(vars(stats)) == {"queued": 3.0, "kv_usage": 0.25, "ttft_s": 0.5, "itl_s": 0.05}
+    later = vars(stats) | {"first_tokens": 5, "ttft_ms": 4000, "inter_tokens": 110, "itl_ms": 7000}
+    assert report(later)["ttft_s"] == pytest.approx(2.0)  # one more first token, after 2 s
+    assert report(later)["itl_s"] == 0.0  # none since the last report
+    again = later | {"inter_tokens": 120, "itl_ms": 9000}
+    assert report(again)["itl_s"] == pytest.approx(0.2)
     dense = vars(stats) | {"kv_blocks": 0}
     assert LoadReport(generator=True)(dense)["kv_usage"] == 0.9
 

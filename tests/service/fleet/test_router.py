@@ -152,3 +152,23 @@ def test_every_candidate_is_offered_so_serve_backs_off_before_asking_again(kwarg
     ranks = r.loop.run_until_complete(r.router.choose_replicas(list(r.replicas.values()), pending))
     assert pending.routing_context.should_backoff
     assert sorted(x.name for rank in ranks for x in rank) == ["A", "B"]
+
+
+def test_a_burst_of_new_conversations_spreads_by_what_this_router_has_in_flight() -> None:
+    """Serve's queue-length cache knows nothing yet (or forgot): the router's own count of requests it
+    sent and that have not completed balances a burst, and a completion frees its replica's count."""
+    r = Routed()
+    del r.router.load  # the router's own load, not the test's
+    placed = []
+    for i in range(6):
+        meta = RequestMetadata(request_id="r", internal_request_id=f"burst-{i}", call_method="generate_stream")
+        pending = PendingRequest(args=[GenerationRequest("x", prompt=f"conversation {i}")], kwargs={}, metadata=meta)
+        ranks = r.loop.run_until_complete(r.router.choose_replicas(list(r.replicas.values()), pending))
+        chosen = min(ranks[0], key=r.router.load)
+        r.router.on_request_routed(pending, chosen.replica_id, None)  # type: ignore[arg-type]
+        placed.append(chosen.name)
+    assert sorted(placed) == ["A"] * 3 + ["B"] * 3
+    for i, name in enumerate(placed):
+        if name == "A":
+            r.router.on_request_completed(r.replicas["A"].replica_id, f"burst-{i}")
+    assert r.router.load(r.replicas["A"]) == 0 and r.router.load(r.replicas["B"]) == 3

@@ -67,14 +67,15 @@ class FakeBackend:
         return {}
 
 
-def post(backend: FakeBackend, path: str, body: dict[str, Any]) -> httpx.Response:
+def post(backend: FakeBackend, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+         ) -> httpx.Response:
     app = create_api(Settings.build({"deployments": {"generator": {"model": GEN}}, "retry_after_s": 3}, env={}),
                      backend)
 
     async def main() -> httpx.Response:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.post(path, json=body)
+            return await client.post(path, json=body, headers=headers)
 
     return asyncio.run(main())
 
@@ -198,3 +199,17 @@ def test_a_stream_keeps_its_deadline_until_its_first_token() -> None:
     slow_but_in_time = QueuedBackend(0.05)
     assert payloads(post(slow_but_in_time, "/v1/generate", {"prompt": "hi", "stream": True}))[0] == {"text": "Hé"}
     assert slow_but_in_time.closed == 1
+
+
+def test_the_routing_session_comes_from_the_header_else_the_openai_user() -> None:
+    backend = FakeBackend(EVENTS)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "user": "alice"}
+    assert post(backend, "/v1/chat/completions", chat).status_code == 200
+    assert post(backend, "/v1/chat/completions", chat, {"x-session-id": "s-1"}).status_code == 200
+    assert post(backend, "/v1/completions", {"prompt": "hi", "user": "bob"}).status_code == 200
+    assert post(backend, "/v1/generate", {"prompt": "hi"}, {"x-session-id": "s-2"}).status_code == 200
+    assert post(backend, "/v1/generate", {"prompt": "hi"}).status_code == 200
+    assert [r.session for r in backend.requests] == ["alice", "s-1", "bob", "s-2", None]
+    too_long = post(backend, "/v1/generate", {"prompt": "hi"}, {"x-session-id": "x" * 257})
+    assert too_long.status_code == 422 and too_long.json()["error"]["param"] == "x-session-id"
+    assert len(backend.requests) == 5
