@@ -1,31 +1,40 @@
 """Prefix-aware routing of generation requests over a deployment's replicas, on Serve's RequestRouter API.
 
-Serve builds one router per deployment handle, in the process that holds the handle (the ingress),
-and asks it for each request which replicas to try: ranks of replicas, best first; Serve sends the
-request to the least loaded replica of the first rank that has a free slot (max_ongoing_requests).
-Here, for a generation (a GenerationRequest, or a group of them, as the first argument):
+Serve builds one router per deployment handle, in the process that holds the handle (each ingress
+replica), and asks it for each request which replicas to try: ranks of replicas, best first; Serve
+sends the request to the least loaded replica of the first rank that has a free slot
+(max_ongoing_requests). Here, for a generation (a GenerationRequest, or a group of them, as the
+first argument):
 
 - **session**: a request with a session id (`x-session-id`, the OpenAI `user`) goes where the
   session's last request went;
-- **prefix**: else the replicas that were sent the longest prefix of its prompt text (PrefixTable,
-  at least `min_match_chars`) are tried first: a conversation's next turn finds its history in that
-  replica's prefix cache;
-- either only while that replica has at most `max_imbalance` more ongoing requests than the least
-  loaded one (this router's count: requests it sent and that have not ended); past it the request is
-  **spread**: the least loaded replica takes it, and its prefix is then remembered there too;
-- **new** prompts (no match) and other methods (**other**: info, tokenize) go to the least loaded.
+- **prefix**: else the replicas this router sent the longest prefix of its prompt text to
+  (PrefixTable, at least `min_match_chars`) are tried first: a conversation's next turn finds its
+  history in that replica's prefix cache;
+- **new**: a prompt this router has not seen goes to the replica its conversation hashes to
+  (rendezvous hashing of the conversation's start: the chat up to its first user message, or the
+  prompt's first `key_chars` characters; a session by its id), so that every ingress replica sends a
+  conversation to the same replica without sharing any state, and a replica added or removed moves
+  only the conversations that hash to it;
+- a new conversation also only while its replica would hold at most 1.25x the mean load (consistent
+  hashing with bounded loads, Mirrokni et al. 2018), and each only while that replica has at most
+  `max_imbalance` more ongoing requests than the least loaded one (counted by this router: requests it sent that have not completed, or Serve's cache if
+  larger); past it the request is **spread**: the least loaded replica takes it (a new conversation:
+  the next replica of its hash order within the bound), and its prefix is then remembered there;
+- other methods (**other**: info, tokenize) go to the least loaded.
 
 Why not Ray's PrefixCacheAffinityRouter (ray.serve.llm): it blocks the router's event loop on a
 remote prefix-tree actor several times per request, reads `prompt`/`messages` only as OpenAI dicts
 (ours are dataclasses: it would match nothing), fails on any other method's arguments, and imports
-ray.llm's dependencies (pyarrow) into the ingress. This one keeps its table in the router's process:
-several ingress replicas each learn the same conversations' placement from what they route.
+ray.llm's dependencies (pyarrow) into the ingress.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import math
 import random
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +43,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from ..messages import GenerationRequest
 from .prefix_table import PrefixTable
 
+MAX_DECIDED = 100_000  # decisions kept for requests not yet routed
+HASH_LOAD_FACTOR = 1.25  # a new conversation's hashed replica may hold up to this x the mean load
 # what a routing decision was, the label of transformer_serve_routing_decisions_total
 DECISIONS = ("session", "prefix", "spread", "new", "other")
 
@@ -44,6 +55,30 @@ def routed_request(args: Sequence[Any]) -> GenerationRequest | None:
     if isinstance(first, list | tuple) and first:
         first = first[0]
     return first if isinstance(first, GenerationRequest) else None
+
+
+def conversation_key(request: GenerationRequest, key_chars: int) -> str:
+    """What identifies a request's conversation for hashing: its session; else the chat up to and
+    including its first user message (every later turn starts with it); else the prompt's first
+    `key_chars` characters."""
+    if request.session:
+        return "session\x1f" + request.session
+    if request.messages is None:
+        return (request.prompt or "")[:key_chars]
+    first_user = next((i for i, m in enumerate(request.messages) if m.role == "user"), len(request.messages) - 1)
+    return routing_text(GenerationRequest(request.request_id, messages=request.messages[:first_user + 1],
+                                          tools=request.tools))
+
+
+def hash_order(key: str, replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """`replicas` by rendezvous hashing of `key`: the same order in every process for the same key and
+    replicas; removing a replica leaves the others' order as it was."""
+    digest = hashlib.blake2b(key.encode(errors="surrogatepass"), digest_size=16).digest()
+
+    def score(replica: RunningReplica) -> bytes:
+        return hashlib.blake2b(replica.replica_id.unique_id.encode(), key=digest, digest_size=8).digest()
+
+    return sorted(replicas, key=score, reverse=True)
 
 
 def routing_text(request: GenerationRequest) -> str:
@@ -63,14 +98,15 @@ class PrefixAffinityRouter(RequestRouter):
     """See the module docstring. Runs on the handle's event loop; choose_replicas never waits."""
 
     def initialize_state(self, chunk_chars: int = 128, min_match_chars: int = 256, max_imbalance: int = 8,
-                         session_affinity: bool = True, max_chunks: int = 200_000, deployment: str = "") -> None:
+                         session_affinity: bool = True, max_chunks: int = 200_000, key_chars: int = 1024,
+                         deployment: str = "") -> None:
         self.table = PrefixTable(chunk_chars, max_chunks)
-        self.min_match_chars, self.max_imbalance = min_match_chars, max_imbalance
+        self.min_match_chars, self.max_imbalance, self.key_chars = min_match_chars, max_imbalance, key_chars
         self.session_affinity = session_affinity
         self.deployment = deployment
-        self._decided: dict[str, tuple[str, frozenset[str]]] = {}  # request id -> (decision, first rank)
-        self._sent: dict[str, str] = {}  # request id -> replica, until the request completes
-        self._inflight: Counter[str] = Counter()  # replica -> requests this router sent that have not completed
+        # id(pending request) -> (decision, first rank), until Serve routes it (the internal request id is
+        # shared by the calls of one HTTP request)
+        self._decided: dict[int, tuple[str, frozenset[str]]] = {}
         self._counters: dict[str, Any] | None = None
 
     # -- Serve's hooks -------------------------------------------------------------------------------
@@ -84,8 +120,9 @@ class PrefixAffinityRouter(RequestRouter):
         request = routed_request(pending_request.args) if pending_request is not None else None
         decision, first = self.decide(request, candidate_replicas)
         if pending_request is not None:
-            self._decided[pending_request.metadata.internal_request_id] = (
-                decision, frozenset(r.replica_id.unique_id for r in first))
+            if len(self._decided) > MAX_DECIDED:  # requests cancelled before they were routed
+                self._decided.clear()
+            self._decided[id(pending_request)] = (decision, frozenset(r.replica_id.unique_id for r in first))
         if not first:
             return [shuffled(candidate_replicas)]  # one rank: Serve takes its least loaded replica
         rest = [r for r in candidate_replicas if r not in first]
@@ -93,11 +130,8 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
-        request_id = pending_request.metadata.internal_request_id
-        decision, first = self._decided.pop(request_id, ("other", frozenset()))
+        decision, first = self._decided.pop(id(pending_request), ("other", frozenset()))
         replica = replica_id.unique_id
-        self._sent[request_id] = replica
-        self._inflight[replica] += 1
         if first and replica not in first:  # the preferred replicas were full: Serve took another
             decision = "spread"
         self._count(decision)
@@ -107,13 +141,6 @@ class PrefixAffinityRouter(RequestRouter):
         self.table.record(routing_text(request), replica)
         if self.session_affinity and request.session:
             self.table.bind_session(request.session, replica)
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        replica = self._sent.pop(internal_request_id, None)
-        if replica is not None:
-            self._inflight[replica] -= 1
-            if self._inflight[replica] <= 0:
-                del self._inflight[replica]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = {r.unique_id for r in self.curr_replicas}
@@ -144,17 +171,28 @@ class PrefixAffinityRouter(RequestRouter):
             if replica in by_id:
                 return ("session", [by_id[replica]]) if balanced(replica) else ("spread", [])
         match = self.table.match(routing_text(request), by_id.keys())
-        if match.chars < self.min_match_chars or not match.replicas:
-            return "new", []
-        held = [by_id[r] for r in match.replicas if balanced(r)]
-        return ("prefix", held) if held else ("spread", [])
+        if match.chars >= self.min_match_chars and match.replicas:
+            held = [by_id[r] for r in match.replicas if balanced(r)]
+            return ("prefix", held) if held else ("spread", [])
+        if not self.session_affinity:
+            request = dataclasses.replace(request, session=None)
+        order = hash_order(conversation_key(request, self.key_chars), candidates)
+        # consistent hashing with bounded loads: a replica takes a new conversation while it would hold
+        # at most HASH_LOAD_FACTOR x the mean load, so that hashing never piles conversations up
+        # (one request above the least loaded is always allowed: at a handful of requests the mean says little)
+        cap = math.ceil(HASH_LOAD_FACTOR * (sum(loads.values()) + 1) / len(candidates))
+        within = [r for r in order if balanced(r.replica_id.unique_id)
+                  and (loads[r.replica_id.unique_id] < cap or loads[r.replica_id.unique_id] <= least + 1)]
+        decision = "session" if request.session else "new"
+        return (decision, within[:1]) if within[:1] == order[:1] else ("spread", within[:1])
 
     def load(self, replica: RunningReplica) -> int:
-        """Ongoing requests at `replica`: the larger of what this router sent there and has not seen
-        complete, and Serve's queue-length cache (every router's requests, as last probed; it forgets
-        stale entries, so a burst of new conversations would otherwise see equal loads)."""
+        """Ongoing requests at `replica`: Serve's queue-length cache (what the replica reported at its
+        last probe, plus what this router sent since; unknown: 0). Not a count of our own: Serve calls
+        on_request_completed before on_request_routed for quick calls, and the calls of one HTTP request
+        share their internal request id."""
         queued = self.replica_queue_len_cache.get(replica.replica_id)
-        return max(self._inflight.get(replica.replica_id.unique_id, 0), int(queued) if queued is not None else 0)
+        return int(queued) if queued is not None else 0
 
     def _count(self, decision: str) -> None:
         if self._counters is None:  # built on first use: Serve may build the router before the ingress binds metrics

@@ -12,7 +12,13 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
-from service.fleet.router import PrefixAffinityRouter, routed_request, routing_text
+from service.fleet.router import (
+    PrefixAffinityRouter,
+    conversation_key,
+    hash_order,
+    routed_request,
+    routing_text,
+)
 from service.messages import ChatMessage, GenerationRequest
 
 DEP = DeploymentID(name="generator", app_name="app")
@@ -124,16 +130,18 @@ def test_sessions_stick_even_without_a_shared_prefix() -> None:
     r.loads[home] = 9  # overloaded: spread
     assert r.route(GenerationRequest("x", prompt="a third", session="s-1")) != home
     off = Routed(session_affinity=False)
-    off.loads["A"] = 3
+    off.loads["A"] = 5  # past max_imbalance: whatever the prompt hashes to, B takes it
     assert off.route(GenerationRequest("x", prompt="p", session="s")) == "B"
+    assert off.decisions() in ({"new": 1}, {"spread": 1})
 
 
 def test_a_group_routes_by_its_first_request_and_a_gone_replica_is_forgotten() -> None:
     r = Routed()
     home = r.route([chat("Tell me a joke"), chat("Tell me a joke")], method="generate_group")
-    r.router.table.forget(home)
-    r.loads[home] = 1
-    assert r.route(chat("Tell me a joke", "Ha", "Another")) != home
+    assert r.route(chat("Tell me a joke", "Ha", "Another")) == home
+    r.router.table.forget(home)  # its prefixes go: the next turn is placed by its hash again (the same replica)
+    assert r.route(chat("Tell me a joke", "Ha", "Another", "Hi", "More")) == home
+    assert r.decisions() == {"new": 2, "prefix": 1}
 
 
 def test_routing_text_separates_roles_and_covers_tools() -> None:
@@ -154,21 +162,38 @@ def test_every_candidate_is_offered_so_serve_backs_off_before_asking_again(kwarg
     assert sorted(x.name for rank in ranks for x in rank) == ["A", "B"]
 
 
-def test_a_burst_of_new_conversations_spreads_by_what_this_router_has_in_flight() -> None:
-    """Serve's queue-length cache knows nothing yet (or forgot): the router's own count of requests it
-    sent and that have not completed balances a burst, and a completion frees its replica's count."""
-    r = Routed()
-    del r.router.load  # the router's own load, not the test's
-    placed = []
-    for i in range(6):
-        meta = RequestMetadata(request_id="r", internal_request_id=f"burst-{i}", call_method="generate_stream")
-        pending = PendingRequest(args=[GenerationRequest("x", prompt=f"conversation {i}")], kwargs={}, metadata=meta)
-        ranks = r.loop.run_until_complete(r.router.choose_replicas(list(r.replicas.values()), pending))
-        chosen = min(ranks[0], key=r.router.load)
-        r.router.on_request_routed(pending, chosen.replica_id, None)  # type: ignore[arg-type]
-        placed.append(chosen.name)
-    assert sorted(placed) == ["A"] * 3 + ["B"] * 3
-    for i, name in enumerate(placed):
-        if name == "A":
-            r.router.on_request_completed(r.replicas["A"].replica_id, f"burst-{i}")
-    assert r.router.load(r.replicas["A"]) == 0 and r.router.load(r.replicas["B"]) == 3
+def test_new_conversations_hash_to_the_same_replica_in_every_router() -> None:
+    """Two routers (two ingress replicas) that share nothing place the same new conversations on the
+    same replicas, and both replicas get some."""
+    placements = []
+    for _ in range(2):
+        r = Routed()
+        placements.append([r.route(GenerationRequest("x", prompt=f"conversation {i}: a first question"))
+                           for i in range(8)])
+    assert placements[0] == placements[1] and set(placements[0]) == {"A", "B"}
+
+
+def test_a_new_conversation_goes_elsewhere_when_its_replica_holds_more_than_its_share() -> None:
+    r = Routed(max_imbalance=8)
+    request = GenerationRequest("x", prompt="a conversation that hashes somewhere")
+    home = r.route(request)
+    other = "B" if home == "A" else "A"
+    r.router.table.forget(home)
+    r.loads.update({home: 3, other: 0})  # 3 of 3 requests: over 1.25 x the mean, and 2 above the least
+    assert r.route(request) == other
+    r.router.table.forget(other)
+    r.loads.update({home: 1, other: 0})  # one above the least is always allowed
+    assert r.route(request) == home
+    assert r.decisions() == {"new": 2, "spread": 1}
+
+
+def test_a_conversation_hashes_by_its_start_and_a_session_by_its_id() -> None:
+    a, b = Replica("A"), Replica("B")
+    key = conversation_key(chat("first question"), 1024)
+    assert key == conversation_key(chat("first question", "answer", "second question"), 1024)
+    assert key != conversation_key(chat("another first question"), 1024)
+    assert conversation_key(GenerationRequest("x", prompt="p" * 5000), 1024) == "p" * 1024
+    assert conversation_key(chat("q", session="s-1"), 1024) == conversation_key(chat("r", session="s-1"), 1024)
+    orders = {tuple(x.name for x in hash_order(f"conversation {i}", [a, b])) for i in range(20)}
+    assert orders == {("A", "B"), ("B", "A")}  # both replicas are preferred by some conversations
+    assert [x.name for x in hash_order("k", [a, b])] == [x.name for x in hash_order("k", [b, a])]
