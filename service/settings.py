@@ -47,8 +47,8 @@ class _Frozen(BaseModel):
 
 class RoutingSettings(_Frozen):
     """How the ingress picks a generator replica for a request (service/fleet/router.py): by the
-    prefix of its prompt (a conversation goes where its history is cached, while load stays balanced),
-    or Serve's power of two choices."""
+    prefix of its prompt (a conversation goes where its history is cached, while load stays balanced;
+    a new one where it hashes), or Serve's power of two choices."""
 
     policy: Literal["prefix", "power_of_two"] = "prefix"
     chunk_chars: int = Field(128, ge=16)  # a prompt's prefix is matched in chunks of this many characters
@@ -57,6 +57,7 @@ class RoutingSettings(_Frozen):
     max_imbalance: int = Field(8, ge=0)
     session_affinity: bool = True  # `x-session-id` header or the OpenAI `user` field: stick to one replica
     max_chunks: int = Field(200_000, ge=1)  # prefix chunks remembered per router (least recently used go)
+    key_chars: int = Field(1024, ge=1)  # a prompt (not a chat) is hashed to a replica by its first characters
 
 
 class DeploymentSettings(_Frozen):

@@ -35,6 +35,7 @@ import dataclasses
 import hashlib
 import math
 import random
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,6 +108,9 @@ class PrefixAffinityRouter(RequestRouter):
         # id(pending request) -> (decision, first rank), until Serve routes it (the internal request id is
         # shared by the calls of one HTTP request)
         self._decided: dict[int, tuple[str, frozenset[str]]] = {}
+        # replica -> requests decided for it and not yet sent: a burst of requests is decided before
+        # Serve's queue-length cache counts any of them
+        self._deciding: Counter[str] = Counter()
         self._counters: dict[str, Any] | None = None
 
     # -- Serve's hooks -------------------------------------------------------------------------------
@@ -120,9 +124,14 @@ class PrefixAffinityRouter(RequestRouter):
         request = routed_request(pending_request.args) if pending_request is not None else None
         decision, first = self.decide(request, candidate_replicas)
         if pending_request is not None:
+            self._forget_decision(id(pending_request))  # asked again (Serve backed off): the last answer goes
             if len(self._decided) > MAX_DECIDED:  # requests cancelled before they were routed
                 self._decided.clear()
-            self._decided[id(pending_request)] = (decision, frozenset(r.replica_id.unique_id for r in first))
+                self._deciding.clear()
+            ids = frozenset(r.replica_id.unique_id for r in first)
+            self._decided[id(pending_request)] = (decision, ids)
+            if len(first) == 1:  # counted as load there until Serve sends it (and counts it itself)
+                self._deciding[first[0].replica_id.unique_id] += 1
         if not first:
             return [shuffled(candidate_replicas)]  # one rank: Serve takes its least loaded replica
         rest = [r for r in candidate_replicas if r not in first]
@@ -130,7 +139,7 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
-        decision, first = self._decided.pop(id(pending_request), ("other", frozenset()))
+        decision, first = self._forget_decision(id(pending_request))
         replica = replica_id.unique_id
         if first and replica not in first:  # the preferred replicas were full: Serve took another
             decision = "spread"
@@ -141,6 +150,15 @@ class PrefixAffinityRouter(RequestRouter):
         self.table.record(routing_text(request), replica)
         if self.session_affinity and request.session:
             self.table.bind_session(request.session, replica)
+
+    def _forget_decision(self, key: int) -> tuple[str, frozenset[str]]:
+        decision, first = self._decided.pop(key, ("other", frozenset()))
+        if len(first) == 1:
+            (replica,) = first
+            self._deciding[replica] -= 1
+            if self._deciding[replica] <= 0:
+                del self._deciding[replica]
+        return decision, first
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = {r.unique_id for r in self.curr_replicas}
@@ -188,11 +206,11 @@ class PrefixAffinityRouter(RequestRouter):
 
     def load(self, replica: RunningReplica) -> int:
         """Ongoing requests at `replica`: Serve's queue-length cache (what the replica reported at its
-        last probe, plus what this router sent since; unknown: 0). Not a count of our own: Serve calls
-        on_request_completed before on_request_routed for quick calls, and the calls of one HTTP request
-        share their internal request id."""
+        last probe, plus what this router sent since; unknown: 0), plus the requests decided for it and
+        not yet sent. Not a count of completions of our own: Serve calls on_request_completed before
+        on_request_routed for quick calls, and the calls of one HTTP request share their request id."""
         queued = self.replica_queue_len_cache.get(replica.replica_id)
-        return int(queued) if queued is not None else 0
+        return (int(queued) if queued is not None else 0) + self._deciding.get(replica.replica_id.unique_id, 0)
 
     def _count(self, decision: str) -> None:
         if self._counters is None:  # built on first use: Serve may build the router before the ingress binds metrics

@@ -197,3 +197,21 @@ def test_a_conversation_hashes_by_its_start_and_a_session_by_its_id() -> None:
     orders = {tuple(x.name for x in hash_order(f"conversation {i}", [a, b])) for i in range(20)}
     assert orders == {("A", "B"), ("B", "A")}  # both replicas are preferred by some conversations
     assert [x.name for x in hash_order("k", [a, b])] == [x.name for x in hash_order("k", [b, a])]
+
+
+def test_a_burst_decided_before_serve_sends_any_is_balanced_and_forgotten_when_routed() -> None:
+    """Serve asks for many requests before its queue-length cache counts any: the requests decided
+    and not yet sent count as load, so the bound on a new conversation's replica holds in a burst."""
+    r = Routed()
+    del r.router.load  # the router's own load (Serve's cache is empty here)
+    pendings, firsts = [], []
+    for i in range(12):
+        meta = RequestMetadata(request_id="r", internal_request_id="shared", call_method="generate_stream")
+        pending = PendingRequest(args=[GenerationRequest("x", prompt=f"burst {i}")], kwargs={}, metadata=meta)
+        ranks = r.loop.run_until_complete(r.router.choose_replicas(list(r.replicas.values()), pending))
+        pendings.append(pending)
+        firsts.append(ranks[0][0].name if len(ranks[0]) == 1 else "any")
+    assert sorted(firsts.count(n) for n in ("A", "B")) in ([6, 6], [5, 7])  # at most 1.25 x the mean
+    for pending, name in zip(pendings, firsts, strict=True):
+        r.router.on_request_routed(pending, r.replicas[name].replica_id, None)  # type: ignore[arg-type]
+    assert r.router.load(r.replicas["A"]) == r.router.load(r.replicas["B"]) == 0
