@@ -42,9 +42,10 @@ RETRY_AFTER = "2"
 TEXT = "héllo ¿qué? 日本"
 
 
-def long_decoder(path: Path) -> Path:
-    """tiny:decoder's architecture with 4096 positions and no eos: only max_new_tokens stops it."""
-    cfg = DecoderConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_layers=2,
+def long_decoder(path: Path, d_model: int = 32, d_ff: int = 64, n_layers: int = 2) -> Path:
+    """tiny:decoder's architecture with 4096 positions and no eos: only max_new_tokens stops it (wider
+    and deeper when asked: slower steps)."""
+    cfg = DecoderConfig(vocab_size=VOCAB, d_model=d_model, n_heads=4, n_kv_heads=2, d_ff=d_ff, n_layers=n_layers,
                         max_positions=4096, position="rotary", norm="rmsnorm", activation="swiglu",
                         attn_bias=False, mlp_bias=False, eos_token_ids=())
     from models.checkpoints.format import save_checkpoint

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO, Any
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ import yaml
 from service.front.ports import free_port
 from service.testing.cluster import ROOT, wait_for
 from tests.service.front_checks import nginx_or_skip
+from tests.service.test_generation_e2e import long_decoder
 
 pytestmark = pytest.mark.e2e
 TINY = {"name": "tiny-encoder", "tasks": ["classify", "embed"], "source": "tiny:encoder"}
@@ -56,19 +58,26 @@ def children(pid: int, name: str) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_python_m_service_serves_through_nginx_and_stops_clean(tmp_path: Path) -> None:
-    nginx_or_skip()
-    port = free_port()
+def start_service(tmp_path: Path, port: int, args: dict[str, Any]) -> tuple[subprocess.Popen[bytes], IO[str]]:
+    """`python -m service` on 127.0.0.1:`port` with a config of one application with `args`, in a
+    session of its own (no TS_* or RAY_SERVE_* variables of ours); its output goes to the log returned."""
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [{"name": "default", "import_path": "service.app:build_app", "route_prefix": "/",
-                          "args": {"device": "cpu", "deployments": {"encoder": {
-                              "model": TINY, "num_cpus": 0, "torch_threads": 1}}}}]}))
+                          "args": args}]}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TS_", "RAY_SERVE_"))}
     log = (tmp_path / "service.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "service", "--config", str(config), "--num-cpus", "2"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def test_python_m_service_serves_through_nginx_and_stops_clean(tmp_path: Path) -> None:
+    nginx_or_skip()
+    port = free_port()
+    proc, log = start_service(tmp_path, port, {"device": "cpu", "deployments": {"encoder": {
+        "model": TINY, "num_cpus": 0, "torch_threads": 1}}})
     try:
         url = f"http://127.0.0.1:{port}"
         ready = wait_for(url, "/readyz", 200, timeout_s=120)
@@ -103,44 +112,17 @@ def test_python_m_service_serves_through_nginx_and_stops_clean(tmp_path: Path) -
         log.close()
 
 
-def slow_decoder(path: Path) -> Path:
-    """A decoder with 4096 positions and no end of sequence, wide enough that 3,000 tokens take several
-    seconds on one thread: a stream still running well past nginx's default 5 s stop."""
-    import torch
-
-    from models.checkpoints.format import save_checkpoint
-    from models.config import DecoderConfig
-    from models.decoder import DecoderLM
-    from models.tiny import VOCAB, byte_tokenizer
-
-    cfg = DecoderConfig(vocab_size=VOCAB, d_model=256, n_heads=4, n_kv_heads=2, d_ff=1024, n_layers=6,
-                        max_positions=4096, position="rotary", norm="rmsnorm", activation="swiglu",
-                        attn_bias=False, mlp_bias=False, eos_token_ids=())
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = DecoderLM(cfg).eval()
-    save_checkpoint(model, path)
-    byte_tokenizer().save(str(path / "tokenizer.json"))
-    return path
-
-
 def test_sigterm_lets_running_streams_finish_before_the_service_exits(tmp_path: Path) -> None:
     """SIGTERM: nginx stops listening, the streams it holds finish (the ingress's grace: the longest
     drain_grace_s + 5 s), then Serve's replicas stop and the process exits 0."""
     nginx_or_skip()
     port = free_port()
-    model = {"name": "slow", "tasks": ["generate"], "source": f"dir:{slow_decoder(tmp_path / 'slow')}"}
-    config = tmp_path / "serve.yaml"
-    config.write_text(yaml.safe_dump({
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{"name": "default", "import_path": "service.app:build_app", "route_prefix": "/",
-                          "args": {"device": "cpu", "request_timeout_s": 120, "deployments": {"generator": {
-                              "model": model, "num_cpus": 0, "torch_threads": 1, "drain_grace_s": 60,
-                              "engine": {"max_running": 4, "max_total_tokens": 4096, "max_new_tokens": 4000}}}}}]}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TS_", "RAY_SERVE_"))}
-    log = (tmp_path / "service.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--config", str(config), "--num-cpus", "2"],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # wide enough that 3,000 tokens take several seconds on one thread: past nginx's default 5 s stop
+    slow = long_decoder(tmp_path / "slow", d_model=256, d_ff=1024, n_layers=6)
+    model = {"name": "slow", "tasks": ["generate"], "source": f"dir:{slow}"}
+    proc, log = start_service(tmp_path, port, {"device": "cpu", "request_timeout_s": 120, "deployments": {
+        "generator": {"model": model, "num_cpus": 0, "torch_threads": 1, "drain_grace_s": 60,
+                      "engine": {"max_running": 4, "max_total_tokens": 4096, "max_new_tokens": 4000}}}})
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(url, "/readyz", 200, timeout_s=120)
