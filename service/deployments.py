@@ -226,7 +226,7 @@ def deployment_options(name: str, dep: DeploymentSettings, settings: Settings, c
     if dep.max_replicas_per_node is not None:
         options["max_replicas_per_node"] = dep.max_replicas_per_node
     # a stopping replica takes no new requests (Serve routes around it) and finishes its own, streams
-    # included, for at most drain_grace_s (docs/deploy.md: Draining)
+    # included, for at most drain_grace_s (docs/deploy.md, Scaling knobs)
     options["graceful_shutdown_timeout_s"] = dep.drain_grace_s
     options["graceful_shutdown_wait_loop_s"] = DRAIN_POLL_S
     routing = dep.routing_policy()

@@ -38,13 +38,18 @@ def system_prompt(tenant: int, tokens: int) -> str:
     return (rule * (tokens * 4 // len(rule) + 1))[:tokens * 4]
 
 
-def app_args(policy: str, replicas: int) -> dict[str, Any]:
-    """The shipped generator's settings on `replicas` one-CPU replicas, routed by `policy`."""
+def app_args(policy: str, replicas: int, autoscaling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The shipped generator's settings on one-CPU replicas routed by `policy`: `replicas` of them, or
+    with `autoscaling` the shipped autoscaling config with those keys changed."""
     config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     args = config["applications"][0]["args"]
     gen = args["deployments"]["generator"]
-    gen.pop("autoscaling_config", None)
-    gen.update(num_replicas=replicas, num_cpus=1, torch_threads=1, routing={"policy": policy})
+    shipped = gen.pop("autoscaling_config")
+    gen.update(num_cpus=1, torch_threads=1, routing={"policy": policy})
+    if autoscaling is None:
+        gen["num_replicas"] = replicas
+    else:
+        gen["autoscaling_config"] = {**shipped, **autoscaling}
     return {**args, "deployments": {"generator": gen}, "log_json": False}
 
 

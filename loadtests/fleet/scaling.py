@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import yaml
 from ray import serve
 
-from .affinity import ROOT
 from .affinity import app_args as shipped_generator
 
 APP = "fleet"
@@ -130,13 +128,8 @@ def wait_until(predicate: Any, timeout_s: float) -> float | None:
 
 def app(args: argparse.Namespace, version: int) -> dict[str, Any]:
     """The shipped generator, autoscaled 1..2 with the shipped policy; `version` changes an argument."""
-    spec = shipped_generator("prefix", 1)
-    gen = spec["deployments"]["generator"]
-    shipped = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
-    auto = dict(shipped["applications"][0]["args"]["deployments"]["generator"]["autoscaling_config"])
-    auto.update(min_replicas=1, max_replicas=2, downscale_delay_s=args.downscale_delay)
-    gen.pop("num_replicas")
-    gen["autoscaling_config"] = auto
+    spec = shipped_generator("prefix", 1, {"min_replicas": 1, "max_replicas": 2,
+                                           "downscale_delay_s": args.downscale_delay})
     spec["retry_after_s"] = 1 + version  # a changed argument: a new version of every deployment
     return spec
 

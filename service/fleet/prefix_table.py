@@ -19,6 +19,9 @@ from dataclasses import dataclass
 OWNERS_PER_PREFIX = 4  # replicas remembered per prefix (a popular system prompt spreads over several)
 
 
+Chain = tuple[tuple[int, int], ...]  # a text's whole chunks: (chain key, characters covered), first to last
+
+
 @dataclass(frozen=True)
 class Match:
     """The candidates holding the longest prefix of a prompt (most recent first), and its length."""
@@ -49,10 +52,15 @@ class PrefixTable:
     def __len__(self) -> int:
         return len(self._owners)
 
-    def match(self, text: str, candidates: Collection[str]) -> Match:
-        """The candidates that were sent the longest prefix of `text` (whole chunks)."""
+    def chain(self, text: str) -> Chain:
+        """`text`'s whole chunks as (chain key, characters covered): what match and record take, so a
+        request's text is hashed once."""
+        return tuple(chunk_keys(text, self.chunk_chars))
+
+    def match(self, chain: Chain, candidates: Collection[str]) -> Match:
+        """The candidates that were sent the longest prefix of a text (its `chain`)."""
         best = Match((), 0)
-        for key, chars in chunk_keys(text, self.chunk_chars):
+        for key, chars in chain:
             owners = self._owners.get(key)
             held = tuple(r for r in owners if r in candidates) if owners else ()
             if not held:
@@ -61,9 +69,9 @@ class PrefixTable:
             best = Match(held, chars)
         return best
 
-    def record(self, text: str, replica: str) -> None:
-        """`replica` was sent a prompt `text`: it holds (or soon will) each of its prefixes."""
-        for key, _ in chunk_keys(text, self.chunk_chars):
+    def record(self, chain: Chain, replica: str) -> None:
+        """`replica` was sent a text (its `chain`): it holds (or soon will) each of its prefixes."""
+        for key, _ in chain:
             owners = self._owners.pop(key, ())
             self._owners[key] = (replica, *(r for r in owners if r != replica))[:OWNERS_PER_PREFIX]
         while len(self._owners) > self.max_chunks:

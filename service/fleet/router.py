@@ -41,8 +41,9 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from ..messages import GenerationRequest
-from .prefix_table import PrefixTable
+from ..common.tool_calls import Tool
+from ..messages import ChatMessage, GenerationRequest
+from .prefix_table import Chain, PrefixTable
 
 MAX_DECIDED = 100_000  # decisions kept for requests not yet routed
 HASH_LOAD_FACTOR = 1.25  # a new conversation's hashed replica may hold up to this x the mean load
@@ -67,8 +68,7 @@ def conversation_key(request: GenerationRequest, key_chars: int) -> str:
     if request.messages is None:
         return (request.prompt or "")[:key_chars]
     first_user = next((i for i, m in enumerate(request.messages) if m.role == "user"), len(request.messages) - 1)
-    return routing_text(GenerationRequest(request.request_id, messages=request.messages[:first_user + 1],
-                                          tools=request.tools))
+    return chat_text(request.messages[:first_user + 1], request.tools)
 
 
 def hash_order(key: str, replicas: list[RunningReplica]) -> list[RunningReplica]:
@@ -83,13 +83,17 @@ def hash_order(key: str, replicas: list[RunningReplica]) -> list[RunningReplica]
 
 
 def routing_text(request: GenerationRequest) -> str:
-    """The text whose prefix decides the replica: the prompt, or the chat as the template renders it
-    in order (tools first, then each message's role and content), separators included so that
-    different splits of the same characters differ."""
+    """The text whose prefix decides the replica: the prompt, or the chat (chat_text)."""
     if request.messages is None:
         return request.prompt or ""
-    parts = [f"\x1d{t.name}\x1f{t.description}\x1f{t.parameters}" for t in request.tools]
-    for m in request.messages:
+    return chat_text(request.messages, request.tools)
+
+
+def chat_text(messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> str:
+    """A chat as the template renders it in order (tools first, then each message's role and content),
+    separators included so that different splits of the same characters differ."""
+    parts = [f"\x1d{t.name}\x1f{t.description}\x1f{t.parameters}" for t in tools]
+    for m in messages:
         calls = "".join(f"\x1f{c.name}\x1f{c.arguments}" for c in m.tool_calls)
         parts.append(f"\x1e{m.role}\x1f{m.content}{calls}")
     return "".join(parts)
@@ -105,9 +109,9 @@ class PrefixAffinityRouter(RequestRouter):
         self.min_match_chars, self.max_imbalance, self.key_chars = min_match_chars, max_imbalance, key_chars
         self.session_affinity = session_affinity
         self.deployment = deployment
-        # id(pending request) -> (decision, first rank), until Serve routes it (the internal request id is
-        # shared by the calls of one HTTP request)
-        self._decided: dict[int, tuple[str, frozenset[str]]] = {}
+        # id(pending request) -> (decision, first rank, its text's chain), until Serve routes it (the
+        # internal request id is shared by the calls of one HTTP request)
+        self._decided: dict[int, tuple[str, frozenset[str], Chain]] = {}
         # replica -> requests decided for it and not yet sent: a burst of requests is decided before
         # Serve's queue-length cache counts any of them
         self._deciding: Counter[str] = Counter()
@@ -122,14 +126,15 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         request = routed_request(pending_request.args) if pending_request is not None else None
-        decision, first = self.decide(request, candidate_replicas)
+        chain = self.table.chain(routing_text(request)) if request is not None else ()
+        decision, first = self.decide(request, candidate_replicas, chain)
         if pending_request is not None:
             self._forget_decision(id(pending_request))  # asked again (Serve backed off): the last answer goes
             if len(self._decided) > MAX_DECIDED:  # requests cancelled before they were routed
                 self._decided.clear()
                 self._deciding.clear()
             ids = frozenset(r.replica_id.unique_id for r in first)
-            self._decided[id(pending_request)] = (decision, ids)
+            self._decided[id(pending_request)] = (decision, ids, chain)
             if len(first) == 1:  # counted as load there until Serve sends it (and counts it itself)
                 self._deciding[first[0].replica_id.unique_id] += 1
         if not first:
@@ -139,7 +144,7 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
-        decision, first = self._forget_decision(id(pending_request))
+        decision, first, chain = self._forget_decision(id(pending_request))
         replica = replica_id.unique_id
         if first and replica not in first:  # the preferred replicas were full: Serve took another
             decision = "spread"
@@ -147,18 +152,18 @@ class PrefixAffinityRouter(RequestRouter):
         request = routed_request(pending_request.args)
         if request is None:
             return
-        self.table.record(routing_text(request), replica)
+        self.table.record(chain, replica)
         if self.session_affinity and request.session:
             self.table.bind_session(request.session, replica)
 
-    def _forget_decision(self, key: int) -> tuple[str, frozenset[str]]:
-        decision, first = self._decided.pop(key, ("other", frozenset()))
+    def _forget_decision(self, key: int) -> tuple[str, frozenset[str], Chain]:
+        decision, first, chain = self._decided.pop(key, ("other", frozenset(), ()))
         if len(first) == 1:
             (replica,) = first
             self._deciding[replica] -= 1
             if self._deciding[replica] <= 0:
                 del self._deciding[replica]
-        return decision, first
+        return decision, first, chain
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = {r.unique_id for r in self.curr_replicas}
@@ -172,9 +177,10 @@ class PrefixAffinityRouter(RequestRouter):
 
     # -- the policy ----------------------------------------------------------------------------------
 
-    def decide(self, request: GenerationRequest | None, candidates: list[RunningReplica]
+    def decide(self, request: GenerationRequest | None, candidates: list[RunningReplica], chain: Chain
                ) -> tuple[str, list[RunningReplica]]:
-        """(decision, the replicas to try first; [] = all, least loaded first)."""
+        """(decision, the replicas to try first; [] = all, least loaded first); `chain`: the request's
+        routing text in the table's chunks."""
         if request is None:
             return "other", []
         loads = {r.replica_id.unique_id: self.load(r) for r in candidates}
@@ -188,7 +194,7 @@ class PrefixAffinityRouter(RequestRouter):
             replica = self.table.session(request.session)
             if replica in by_id:
                 return ("session", [by_id[replica]]) if balanced(replica) else ("spread", [])
-        match = self.table.match(routing_text(request), by_id.keys())
+        match = self.table.match(chain, by_id.keys())
         if match.chars >= self.min_match_chars and match.replicas:
             held = [by_id[r] for r in match.replicas if balanced(r)]
             return ("prefix", held) if held else ("spread", [])

@@ -16,34 +16,35 @@ def test_chunk_keys_are_chained_whole_chunks() -> None:
 
 def test_the_longest_matching_prefix_wins_among_candidates() -> None:
     table = PrefixTable(chunk_chars=32)
-    table.record(SYSTEM + "turn one", "A")
-    table.record(SYSTEM[:100], "B")
-    match = table.match(SYSTEM + "turn one, and turn two", {"A", "B"})
+    table.record(table.chain(SYSTEM + "turn one"), "A")
+    table.record(table.chain(SYSTEM[:100]), "B")
+    match = table.match(table.chain(SYSTEM + "turn one, and turn two"), {"A", "B"})
     assert match.replicas == ("A",) and match.chars == len(SYSTEM + "turn one") // 32 * 32
     # B holds only the first 96 characters; without A among the candidates, that is the match
-    assert table.match(SYSTEM, {"B"}).replicas == ("B",) and table.match(SYSTEM, {"B"}).chars == 96
-    assert table.match("something else entirely, long enough to be a chunk", {"A", "B"}).chars == 0
-    assert table.match(SYSTEM, {"C"}).replicas == ()
+    only_b = table.match(table.chain(SYSTEM), {"B"})
+    assert only_b.replicas == ("B",) and only_b.chars == 96
+    assert table.match(table.chain("something else entirely, long enough to be a chunk"), {"A", "B"}).chars == 0
+    assert table.match(table.chain(SYSTEM), {"C"}).replicas == ()
 
 
 def test_owners_are_most_recent_first_and_forgotten_with_their_replica() -> None:
     table = PrefixTable(chunk_chars=32)
-    table.record(SYSTEM, "A")
-    table.record(SYSTEM, "B")
-    assert table.match(SYSTEM, {"A", "B"}).replicas == ("B", "A")
+    table.record(table.chain(SYSTEM), "A")
+    table.record(table.chain(SYSTEM), "B")
+    assert table.match(table.chain(SYSTEM), {"A", "B"}).replicas == ("B", "A")
     table.forget("B")
-    assert table.match(SYSTEM, {"A", "B"}).replicas == ("A",)
+    assert table.match(table.chain(SYSTEM), {"A", "B"}).replicas == ("A",)
     table.forget("A")
     assert len(table) == 0
 
 
 def test_the_table_is_bounded_least_recently_used_first() -> None:
     table = PrefixTable(chunk_chars=16, max_chunks=10)
-    table.record("a" * 160, "A")  # 10 chunks
-    table.match("a" * 160, {"A"})  # touched: most recent
-    table.record("b" * 80, "B")  # 5 more: the table drops 5 chunks
+    table.record(table.chain("a" * 160), "A")  # 10 chunks
+    table.match(table.chain("a" * 160), {"A"})  # touched: most recent
+    table.record(table.chain("b" * 80), "B")  # 5 more: the table drops 5 chunks
     assert len(table) == 10
-    assert table.match("b" * 80, {"B"}).chars == 80
+    assert table.match(table.chain("b" * 80), {"B"}).chars == 80
 
 
 def test_sessions_remember_their_replica_by_digest_only() -> None:
