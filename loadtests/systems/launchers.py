@@ -190,11 +190,11 @@ def _dtype(cfg: LaunchConfig) -> str:
     return "float32" if cfg.dtype == "auto" else cfg.dtype
 
 
-def vllm_cpu(cfg: LaunchConfig, max_seqs: int = 128) -> Launch:
+def vllm_cpu(cfg: LaunchConfig, max_seqs: int = 128, dtype: str | None = None) -> Launch:
     """vLLM's CPU build (`make peers-servers`: its own venv under .peers/) on SmolLM2 as a Hugging Face
     directory written from the pinned GGUF: the same weights our shipped generator computes with, in
-    float32 (the benchmark's --dtype otherwise), up to `max_seqs` sequences (ours runs 128), the
-    benchmark's threads, its OpenAI-compatible server. Generation only."""
+    float32 (the benchmark's --dtype otherwise; `dtype` over both), up to `max_seqs` sequences (ours
+    runs 128), the benchmark's threads, its OpenAI-compatible server. Generation only."""
     from ..peers import servers
 
     env = servers.vllm_env()
@@ -202,7 +202,7 @@ def vllm_cpu(cfg: LaunchConfig, max_seqs: int = 128) -> Launch:
     if early is not None:
         return early
     model = servers.ensure_smollm2_dir(env.root, Path(cfg.cache_dir) if cfg.cache_dir else None)
-    argv = [str(env.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", _dtype(cfg),
+    argv = [str(env.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype or _dtype(cfg),
             "--host", "127.0.0.1", "--port", str(cfg.port), "--served-model-name", "smollm2", "--max-num-seqs",
             str(max_seqs), "--max-model-len", "2048"]
     extra = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(cfg.threads)}
@@ -210,6 +210,12 @@ def vllm_cpu(cfg: LaunchConfig, max_seqs: int = 128) -> Launch:
     if preload is not None:
         extra["LD_PRELOAD"] = str(preload)
     return Launch(argv, extra, tasks=("generate",), skipped=skipped, ready_path="/health")
+
+
+def vllm_cpu_bf16(cfg: LaunchConfig) -> Launch:
+    """vLLM's CPU build in bfloat16 whatever the benchmark's --dtype: its best mode on a CPU with
+    AVX512-BF16 or AMX (the float32 weights rounded to bfloat16, its bf16 kernels)."""
+    return vllm_cpu(cfg, dtype="bfloat16")
 
 
 def infinity(cfg: LaunchConfig) -> Launch:
@@ -243,6 +249,7 @@ SYSTEMS: dict[str, Callable[[LaunchConfig], Launch]] = {
     "ours_serve_proxy": our_service_serve_proxy,
     "llama_server": llama_server,
     "vllm_cpu": vllm_cpu,
+    "vllm_cpu_bf16": vllm_cpu_bf16,
     "infinity": infinity,
     "plain": plain,
     "serve_batch": serve_batch,

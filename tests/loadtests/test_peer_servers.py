@@ -9,7 +9,7 @@ import pytest
 
 from loadtests.peers import servers
 from loadtests.systems import launchers
-from loadtests.systems.launchers import LaunchConfig, infinity, plain, serve_batch, vllm_cpu
+from loadtests.systems.launchers import LaunchConfig, infinity, plain, serve_batch, vllm_cpu, vllm_cpu_bf16
 
 
 def config(tmp_path: Path, tasks: tuple[str, ...] = ("classify", "embed", "generate"), dtype: str = "auto",
@@ -56,6 +56,17 @@ def test_vllm_serves_smollm2_from_the_gguf(tmp_path: Path, peers_root: Path, mon
     assert argv[argv.index("--port") + 1] == "8124" and argv[argv.index("--max-num-seqs") + 1] == "128"
     assert launch.env["OMP_NUM_THREADS"] == "1" and launch.env["LD_PRELOAD"] == "/lib/libtcmalloc_minimal.so.4"
     assert launchers.SYSTEMS["vllm_cpu"] is vllm_cpu
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_vllm_bf16_is_vllm_in_its_best_mode_whatever_the_benchmark_dtype(
+        tmp_path: Path, peers_root: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    install(servers.vllm_env())
+    monkeypatch.setattr(servers, "ensure_smollm2_dir", lambda root, cache_dir=None: tmp_path / "smollm2")
+    argv = vllm_cpu_bf16(config(tmp_path, dtype=dtype)).argv
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert argv[argv.index("--served-model-name") + 1] == "smollm2"
+    assert launchers.SYSTEMS["vllm_cpu_bf16"] is vllm_cpu_bf16
 
 
 def test_infinity_serves_the_shipped_minilm_directory(tmp_path: Path, peers_root: Path,
