@@ -179,10 +179,8 @@ Rows8 quantize_activations(const float* x, int64_t M, int64_t K, bool fine) {
 }
 
 // One activation part's integer sums over a group: sum(w q) per output (a format's partials while
-// its steps run, then int32)
-struct Sums {
-  vi dot[NV];  // outputs 0-15, 16-31 (AVX2: 0-7, 8-15, 16-23, 24-31)
-};
+// its steps run, then int32): outputs 0-15, 16-31 (AVX2: 0-7, 8-15, 16-23, 24-31)
+using Sums = vi[NV];
 
 // The two block formats: a record's step t as unsigned bytes (w[v]: outputs v LANES .. (v + 1) LANES - 1),
 // and what a group adds to the outputs once its integer sums are done: (q, dx) and (r, dr) are the
@@ -202,7 +200,7 @@ struct Q80Format {
     const vi oq = set1_i32(128 * sq), orr = set1_i32(128 * sr);
     const vf sdx = set1(dx), sdr = set1(dr);
     for (int v = 0; v < NV; ++v) {
-      const vf x = fmadd(to_float(sub_i32(r.dot[v], orr)), sdr, mul(to_float(sub_i32(q.dot[v], oq)), sdx));
+      const vf x = fmadd(to_float(sub_i32(r[v], orr)), sdr, mul(to_float(sub_i32(q[v], oq)), sdx));
       acc[v] = fmadd(x, halves(d + v * LANES * 2), acc[v]);
     }
   }
@@ -228,7 +226,7 @@ struct Q41Format {
     const vf sdx = set1(dx), sdr = set1(dr);
     const vf sum = set1(dx * static_cast<float>(sq) + dr * static_cast<float>(sr));
     for (int v = 0; v < NV; ++v) {
-      const vf x = fmadd(to_float(r.dot[v]), sdr, mul(to_float(q.dot[v]), sdx));
+      const vf x = fmadd(to_float(r[v]), sdr, mul(to_float(q[v]), sdx));
       acc[v] = fmadd(halves(d + 64 + v * LANES * 2), sum, fmadd(x, halves(d + v * LANES * 2), acc[v]));
     }
   }
@@ -264,10 +262,13 @@ struct Blocks {
       ahead.step();
       const uint8_t* rec = q + (p * G + g) * Format::RECORD;
       prefetch_record<Format::RECORD>(rec + AHEAD * Format::RECORD);
-      Sums coarse[R], fine[R];  // the activations' two parts
+      vi coarse[R][NV], fine[R][NV];  // the activations' two parts
       for (int i = 0; i < R; ++i)
-        for (int v = 0; v < NV; ++v) coarse[i].dot[v] = fine[i].dot[v] = zero_i();
+        for (int v = 0; v < NV; ++v) coarse[i][v] = fine[i][v] = zero_i();
       const int64_t at = m * G + g;
+      // unrolled: a loop over the steps made the compiler copy every accumulator through another
+      // register at each step (and spill some), twice the instructions of the products themselves
+#pragma GCC unroll 8
       for (int64_t t = 0; t < STEPS; ++t) {
         vi w[NV];
         Format::step(rec, t, w);
@@ -276,18 +277,18 @@ struct Blocks {
           int32_t four;
           std::memcpy(&four, x.q + k, 4);
           const vi bq = set1_i32(four);
-          for (int v = 0; v < NV; ++v) coarse[i].dot[v] = Format::dot(coarse[i].dot[v], w[v], bq);
+          for (int v = 0; v < NV; ++v) coarse[i][v] = Format::dot(coarse[i][v], w[v], bq);
           if constexpr (FINE) {
             std::memcpy(&four, x.r + k, 4);
             const vi br = set1_i32(four);
-            for (int v = 0; v < NV; ++v) fine[i].dot[v] = Format::dot(fine[i].dot[v], w[v], br);
+            for (int v = 0; v < NV; ++v) fine[i][v] = Format::dot(fine[i][v], w[v], br);
           }
         }
       }
       for (int i = 0; i < R; ++i) {  // one part: the fine sums stay 0 (adding exact zeros: the same bits)
         for (int v = 0; v < NV; ++v) {
-          coarse[i].dot[v] = Format::sum(coarse[i].dot[v]);
-          if constexpr (FINE) fine[i].dot[v] = Format::sum(fine[i].dot[v]);
+          coarse[i][v] = Format::sum(coarse[i][v]);
+          if constexpr (FINE) fine[i][v] = Format::sum(fine[i][v]);
         }
         const int64_t j = at + i * G;
         Format::add_to(rec, coarse[i], fine[i], x.dx[j], FINE ? x.dr[j] : 0.0f, x.sq[j], FINE ? x.sr[j] : 0, acc[i]);
