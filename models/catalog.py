@@ -35,7 +35,7 @@ from .projections.calibration import calibration_run
 from .projections.dense import pack_dense
 from .projections.fuse import fuse_projections
 from .projections.panels import BLOCK_FORMATS, set_activation_bits
-from .projections.prompt_weights import PROBE_TOKENS, prompt_speedup
+from .projections.prompt_weights import KERNELS, PROBE_TOKENS, fastest, prompt_speedup, twins_for
 from .projections.quant import keeps_fusion, quantize
 from .spec import DEFAULT_SPECS, ModelSpec
 from .text import TextTokenizer
@@ -58,11 +58,13 @@ class LoadedModel:
     kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/projections/dense.py)
     compile_seconds: float = 0.0  # of load_seconds, compiling and warming up the blocks (spec.compile)
     quantize: str | None = None  # the quantization in effect (spec.quantize, unless it could not run here)
-    # spec.prompt_weights "float": the same model on float32 weights, for prompts (None: `model` does all)
+    # spec.prompt_weights: the same model on float32 or bfloat16 weights, for prompts (None: `model` does all)
     prompt_model: nn.Module | None = None
-    prompt_speedup: float | None = None  # prompt_weights "auto": float32 / blocks, as measured at load
+    prompt_speedup: float | None = None  # prompt_weights "auto": the twin's speed / the blocks', as measured at load
     executor: Executor | None = None  # how it runs: its execution plan and the backends it chose
     draft: LoadedModel | None = None  # a generator's draft model for speculative decoding (its engine asks for one)
+    prompt_weights: str | None = None  # prompt_model's weights: "float32" or "bfloat16" (None: no twin)
+    serving_dtype: torch.dtype | None = None  # the dtype load_model was asked for (None: the parameters')
 
     @property
     def plan(self) -> ExecutionPlan:
@@ -74,7 +76,9 @@ class LoadedModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        """The dtype it serves in: the one asked for (bfloat16 on our CPU panels keeps float32 parameters
+        around them), else its parameters'."""
+        return self.serving_dtype or next(self.model.parameters()).dtype
 
     @property
     def compiled(self) -> bool:
@@ -190,6 +194,53 @@ def _pack_and_compile(spec: ModelSpec, model: nn.Module, dense_kernel: str) -> t
         return kernels, 0.0, str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
+@dataclass
+class _PromptTwin:
+    """The copy of a generator's model its prompts run on (ModelSpec.prompt_weights), if any."""
+
+    model: nn.Module | None = None
+    weights: str | None = None  # "float32" or "bfloat16"
+    speedups: dict[str, float] = field(default_factory=dict)  # "auto": each twin's speed over the blocks'
+    kernels: dict[str, str] = field(default_factory=dict)
+    compile_seconds: float = 0.0
+
+    @property
+    def speedup(self) -> float | None:
+        """The fastest twin's speedup, kept or not (None unless measured)."""
+        return max(self.speedups.values(), default=None)
+
+
+def _prompt_twin(spec: ModelSpec, blocks: nn.Module, base: nn.Module | None, twins: tuple[str, ...],
+                 cast: torch.dtype | None, mode: str | None) -> _PromptTwin:
+    """Each twin of `twins` built from `base` (the float32 model before quantizing) on its panels and
+    compiled as the spec says; under "auto" each is timed against the `blocks` and the fastest kept if
+    faster, else the one named. Our panels' rows do not depend on the other rows, so a prompt's keys
+    are the same in any batch. KernelUnavailable: bfloat16 named on a CPU without it."""
+    built: dict[str, tuple[nn.Module, dict[str, str], float]] = {}
+    for kind in twins:
+        twin = copy.deepcopy(base) if kind != twins[-1] else base  # the last takes base itself
+        if spec.fuse and keeps_fusion(None, twin):
+            twin = fuse_projections(twin)
+        if cast is not None:
+            twin = twin.to(cast)
+        kernels, seconds, _ = _pack_and_compile(spec, twin, KERNELS[kind])
+        built[kind] = twin, kernels, seconds
+    if not built:
+        return _PromptTwin()
+    if spec.prompt_weights != "auto":  # a named twin is kept unmeasured
+        twin, kernels, seconds = built[twins[0]]
+        return _PromptTwin(twin, twins[0], {}, kernels, seconds)
+    speedups = {kind: prompt_speedup(blocks, twin) for kind, (twin, _, _) in built.items()}
+    chosen = fastest(speedups)
+    log.info("%s: a %d-token prompt ran %s as fast as on the %s blocks: prompts on %s", spec.name, PROBE_TOKENS,
+             ", ".join(f"{x:.2f}x on {kind} weights" for kind, x in speedups.items()), mode,
+             f"{chosen} weights" if chosen else "the blocks")
+    if chosen is None:
+        return _PromptTwin(speedups=speedups)
+    twin, kernels, seconds = built[chosen]
+    return _PromptTwin(twin, chosen, speedups, kernels, seconds)
+
+
 def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: torch.dtype | None = None,
                runtime: Runtime = Runtime()) -> LoadedModel:
     """Load, move to device once, cast, eval, then choose its execution plan (spec.execution, for the
@@ -206,9 +257,14 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
     if spec.tokenizer is not None:
         tokenizer = TextTokenizer.from_file(resolve_dir(spec.tokenizer, cache_dir))
     mode = spec.quantize
-    # block formats are made from the float32 weights (a GGUF's own values): off the CPU (q4_1 on CUDA's
-    # int4 tile kernel) the model is quantized first and cast to the serving dtype after
-    cast_after = mode in BLOCK_FORMATS and torch.device(device).type != "cpu"
+    dense_kernel, serving = spec.dense_kernel, dtype
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and native.has_bf16():
+        # bfloat16 on a CPU with its dot products: the projections on our bfloat16 panels, the model
+        # around them (norms, residuals, attention, the KV cache) in float32 (block formats keep their blocks)
+        dtype, dense_kernel = None, "bf16"
+    # block formats are made from the float32 weights (a GGUF's own values): the model is quantized
+    # first and cast to the serving dtype after (the blocks compute in float32 on a CPU)
+    cast_after = mode in BLOCK_FORMATS
     model = model.to(device=device, dtype=dtype).eval() if dtype and not cast_after else model.to(device).eval()
     if mode in BLOCK_FORMATS and torch.device(device).type == "cpu" and not native.available():
         # a machine without AVX2 or g++: the float32 weights (for a GGUF of these blocks, the same values)
@@ -216,7 +272,8 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
                     "log above); serving its float32 weights instead", spec.name, mode)
         mode = None
     # prompt_weights: the float32 weights the blocks are made from (for a GGUF, the file's own values)
-    twin = copy.deepcopy(model) if spec.prompt_weights != "same" and mode in BLOCK_FORMATS else None
+    twins = twins_for(spec.prompt_weights, native.has_bf16()) if mode in BLOCK_FORMATS else ()
+    base = copy.deepcopy(model) if twins else None
     if spec.fuse and keeps_fusion(mode, model):
         model = fuse_projections(model)
     if mode is not None:  # after the cast (the scales stay float32), calibrated on sample text
@@ -224,29 +281,21 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
         set_activation_bits(model, spec.block_activation_bits)
     if cast_after and dtype:
         model = model.to(dtype)
-    kernels, compile_seconds, compile_error = _pack_and_compile(spec, model, spec.dense_kernel)
-    prompt_model, speedup = None, None
-    if twin is not None:
-        if spec.fuse and keeps_fusion(None, twin):
-            twin = fuse_projections(twin)
-        if cast_after and dtype:
-            twin = twin.to(dtype)
-        # on our panel kernels: each row's products do not depend on the other rows, so a prompt's
-        # keys are the same in any batch
-        twin_kernels, twin_seconds, _ = _pack_and_compile(spec, twin, "panels")
-        if spec.prompt_weights == "auto":  # "float" keeps the copy unmeasured
-            speedup = prompt_speedup(model, twin)
-            log.info("%s: a %d-token prompt ran %.2fx as fast on float32 weights as on the %s blocks: prompts on %s",
-                     spec.name, PROBE_TOKENS, speedup, mode, "float32 weights" if speedup > 1.0 else "the blocks")
-        if speedup is None or speedup > 1.0:
-            prompt_model, compile_seconds, kernels = twin, compile_seconds + twin_seconds, {**twin_kernels, **kernels}
+    kernels, compile_seconds, compile_error = _pack_and_compile(spec, model, dense_kernel)
+    prompts = _prompt_twin(spec, model, base, twins, dtype if cast_after else None, mode)
+    if prompts.model is not None:
+        compile_seconds, kernels = compile_seconds + prompts.compile_seconds, {**prompts.kernels, **kernels}
     longest = getattr(model.cfg, "max_tokens", model.cfg.max_positions)  # encoders: positions past an offset
     limit = min(spec.max_input_tokens or longest, longest)
     detail = ""
-    if prompt_model is not None:
-        detail = f"prompt_weights: {spec.prompt_weights}" + (f", {speedup:.2f}x the {mode} blocks" if speedup else "")
+    if prompts.speedups or prompts.model is not None:
+        detail = f"prompt_weights: {spec.prompt_weights}"
+        if prompts.speedups:
+            detail += f" -> {prompts.weights or mode + ' blocks'}"
+            detail += "".join(f", {kind} {x:.2f}x the blocks" for kind, x in prompts.speedups.items())
     executor = plan_model(model, spec.requested_backends(), replace(runtime, compile_error=compile_error),
-                          prompt_model, detail)
+                          prompts.model, detail)
     log_plan(spec.name, executor.plan)
     return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started, kernels,
-                       compile_seconds, mode, prompt_model, speedup, executor)
+                       compile_seconds, mode, prompts.model, prompts.speedup, executor, prompt_weights=prompts.weights,
+                       serving_dtype=serving)

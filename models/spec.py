@@ -14,8 +14,8 @@ from typing import Any, Literal, get_args
 Task = Literal["classify", "embed", "rerank", "translate", "generate"]
 Kind = Literal["encoder", "translator", "generator"]
 Quantization = Literal["int8", "q8_0", "q4_1"]
-DenseKernel = Literal["auto", "panels", "onednn", "aten"]  # float projections on CPU: models/projections/dense.py
-PromptWeights = Literal["same", "float", "auto"]  # the weights a generator computes prompts with (ModelSpec)
+DenseKernel = Literal["auto", "panels", "onednn", "aten", "bf16"]  # float projections on CPU: models/projections/dense.py
+PromptWeights = Literal["same", "float", "bfloat16", "auto"]  # the weights a generator computes prompts with (ModelSpec)
 # execution plans (models/execution/): the phases a model runs and the backends that may compute them
 Phase = Literal["encode", "prefill", "decode"]
 Backend = Literal["torch", "compiled", "native", "cuda_graphs"]
@@ -53,13 +53,17 @@ class ModelSpec:
     # up to 2x faster at 8-32 rows, the same at one row; flips the float model's close calls)
     block_activation_bits: Literal[16, 8] = 16
     # q8_0 / q4_1 generators: "float" computes prompts (prefill) with a float32 copy of the weights
-    # (for a GGUF, the file's own values) and decodes with the blocks; "auto" does so where one prompt
-    # measures faster that way at load (CPUs without 8-bit dot products: models/projections/prompt_weights.py).
-    # Every prompt takes the same path, so tokens stay the same alone or batched.
+    # (for a GGUF, the file's own values) and decodes with the blocks; "bfloat16" with those weights
+    # rounded to bfloat16 on our bfloat16 panels (CPUs with AVX512-BF16; bfloat16's loss on the prompt);
+    # "auto" measures one prompt through the blocks and each copy this CPU runs at load and keeps the
+    # fastest (models/projections/prompt_weights.py). Every prompt takes the same path, and the kernels'
+    # rows do not depend on each other, so tokens stay the same alone or batched.
     prompt_weights: PromptWeights = "same"
     fuse: bool = True  # q/k/v and gate/up as one projection each (models/projections/fuse.py): the same results, faster
     # float projections on CPU: "auto" measures MKL, oneDNN and our panel kernels per weight shape at
-    # load and keeps the fastest; "panels" / "onednn" packs all with that kernel, "aten" none (models/projections/dense.py)
+    # load and keeps the fastest; "panels" / "onednn" packs all with that kernel, "aten" none; "bf16"
+    # all on our bfloat16 panels (weights and activations rounded to bfloat16, products summed in
+    # float32; CPUs with AVX512-BF16, else the load fails) (models/projections/dense.py)
     dense_kernel: DenseKernel = "auto"
     # every transformer block through torch.compile (inductor), compiled and warmed up at load
     # (models/execution/compiled.py): the same results to fp32 rounding, a few times faster per token at
@@ -147,14 +151,18 @@ class ModelSpec:
 
 
 def variant(spec: ModelSpec, mode: str) -> ModelSpec:
-    """`spec` in a benchmark's mode: "fp32" or a quantization, then "+"-separated flags: "compiled"
-    (compile: true), "a8" (block_activation_bits: 8). E.g. "q4_1+a8+compiled"."""
+    """`spec` in a benchmark's mode: "fp32", "bf16" (float32 weights rounded onto our bfloat16 panels:
+    dense_kernel bf16) or a quantization, then "+"-separated flags: "compiled" (compile: true), "a8"
+    (block_activation_bits: 8), "bf16p" (a generator's prompts on bfloat16 weights: prompt_weights
+    bfloat16; other models keep theirs). E.g. "q4_1+a8+compiled"."""
     precision, *flags = mode.split("+")
-    unknown = set(flags) - {"compiled", "a8"}
+    unknown = set(flags) - {"compiled", "a8", "bf16p"}
     if unknown:
-        raise ValueError(f"unknown flags {sorted(unknown)} in mode {mode!r}; known: compiled, a8")
-    return replace(spec, quantize=None if precision == "fp32" else precision, compile="compiled" in flags,
-                   block_activation_bits=8 if "a8" in flags else 16)
+        raise ValueError(f"unknown flags {sorted(unknown)} in mode {mode!r}; known: compiled, a8, bf16p")
+    return replace(spec, quantize=None if precision in ("fp32", "bf16") else precision, compile="compiled" in flags,
+                   block_activation_bits=8 if "a8" in flags else 16,
+                   dense_kernel="bf16" if precision == "bf16" else spec.dense_kernel,
+                   prompt_weights="bfloat16" if "bf16p" in flags and "generate" in spec.tasks else spec.prompt_weights)
 
 
 # The defaults `make serve` uses: one encoder for classification and embeddings, our translator,

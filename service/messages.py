@@ -70,7 +70,7 @@ class ModelInfo:
     kernels: dict[str, str] = field(default_factory=dict)  # float projections per weight shape (models/projections/dense.py)
     compiled: bool = False  # its blocks run compiled (models/execution/compiled.py)
     block_activation_bits: int | None = None  # q8_0 / q4_1: 16 or 8 (models/projections/panels.py)
-    prompt_weights: str | None = None  # "float": prompts computed on a float32 copy (ModelSpec.prompt_weights)
+    prompt_weights: str | None = None  # "float32" / "bfloat16": prompts on a copy in that type (ModelSpec.prompt_weights)
     # the execution plan (models/execution/): phase -> {backend, detail, not_taken: {backend: reason}}
     plan: dict[str, dict[str, Any]] = field(default_factory=dict)
     # generators: speculative decoding's drafter (service/engine/speculation/), None where it does not speculate

@@ -120,7 +120,7 @@ class IngressSettings(_Frozen):
 
 class Settings(_Frozen):
     device: str = "auto"  # auto: cuda when the replica sees a GPU, else cpu
-    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu; auto-bf16: also bfloat16 on cpus with AMX-BF16
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu; auto-bf16: also bfloat16 on cpus that multiply it
     cache_dir: str | None = None  # pinned weights; None: models.zoo.default_cache_dir()
     request_timeout_s: float = Field(30.0, gt=0)  # deadline per request (504); X-Request-Timeout lowers it
     max_body_bytes: int = Field(1 << 20, ge=64)  # 413 past this

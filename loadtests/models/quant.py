@@ -94,11 +94,13 @@ def bench_generator(cache_dir: Path, sentences: list[str], quick: bool, rng: ran
 
 @torch.inference_mode()
 def perplexity(lm: LoadedModel, ids: list[int], window: int) -> float:
-    """exp(mean next-token NLL) over `ids`, in non-overlapping windows of `window` tokens."""
+    """exp(mean next-token NLL) over `ids`, in non-overlapping windows of `window` tokens, computed as
+    prompts are (a generator's prompt weights where it has them)."""
     nll, n = 0.0, 0
+    model = lm.prompt_model if lm.prompt_model is not None else lm.model
     for start in range(0, len(ids) - 1, window):
         chunk = torch.tensor([ids[start: start + window + 1]])
-        logits = lm.model(chunk[:, :-1]).float()  # (1, T, V)
+        logits = model(chunk[:, :-1]).float()  # (1, T, V)
         nll += torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
         n += chunk.size(1) - 1
     return math.exp(nll / n)

@@ -27,9 +27,9 @@ from ..kernels import native
 from ..layers import Block, Embeddings, gelu_tanh
 from ..norms import RMSNorm
 from ..positions import LearnedPositions, RotaryPositions, SinusoidalPositions
-from ..projections.panels import BlockLinear, PanelLinear
+from ..projections.panels import Bf16PanelLinear, BlockLinear, PanelLinear
 
-KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # ops.h's Kind
+KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2, "bf16": 3}  # ops.h's Kind
 ACTS = {F.silu: 0, F.relu: 1, F.gelu: 2, gelu_tanh: 3}  # block_step.cpp's Act
 
 
@@ -83,7 +83,9 @@ def _projection(m: nn.Module | None, name: str, copies: bool = False) -> tuple:
         return m.records, m.bias, KINDS[m.fmt], m.out_features, m.activation_bits // 8
     if isinstance(m, PanelLinear) and (copies or not m.copy):
         return m.panels, m.bias, KINDS["f32"], m.out_features, 1
-    raise Unsupported(f"float32 panels or q4_1/q8_0 blocks; its {name} projection is {type(m).__name__}")
+    if isinstance(m, Bf16PanelLinear) and (copies or not m.copy):
+        return m.panels, m.bias, KINDS["bf16"], m.out_features, 1
+    raise Unsupported(f"float32 or bfloat16 panels or q4_1/q8_0 blocks; its {name} projection is {type(m).__name__}")
 
 
 def _norms(norms: list[nn.Module]) -> tuple[list[Tensor], list[Tensor | None], float, bool]:
@@ -229,8 +231,9 @@ def head_args(projection: nn.Module | None, bias_after: Tensor | None = None) ->
         raise Unsupported("an output projection of its own or a packed copy of the tied embedding")
     weight, bias, kind, n, parts = _projection(projection, "output", copies=True)
     if bias_after is not None:  # the float32 panels add a bias as each output is stored: the same addition
-        if kind != KINDS["f32"] or bias is not None or bias_after.dtype != torch.float32 or bias_after.shape != (n,):
-            raise Unsupported("float32 panels for a head with a bias after it (Marian's final_logits_bias)")
+        if kind not in (KINDS["f32"], KINDS["bf16"]) or bias is not None or bias_after.dtype != torch.float32 \
+                or bias_after.shape != (n,):
+            raise Unsupported("float32 or bfloat16 panels for a head with a bias after it (Marian's final_logits_bias)")
         bias = bias_after
     return Head(weight, bias, kind, n, parts)
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..cache.paged import kernel_runs
 from ..kernels import native
-from ..projections.panels import BlockLinear
+from ..projections.panels import Bf16PanelLinear, BlockLinear
 from .compiled import is_compiled
 from .executors import DecoderExecutor, EncoderExecutor, Executor, Seq2SeqExecutor
 from .native import Head, NativeDecoder, NativeEncoder, Unsupported, head_args
@@ -55,10 +55,13 @@ def _kind(model: nn.Module) -> tuple[str, bool]:
 
 
 def _weights(model: nn.Module) -> str:
-    """What a model's projections are, for a plan's detail: "q4_1 blocks", "float32", ..."""
+    """What a model's projections are, for a plan's detail: "q4_1 blocks", "bfloat16 panels", "float32", ..."""
     formats = sorted({m.fmt for m in model.modules() if isinstance(m, BlockLinear)})
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return f"{'/'.join(formats)} blocks" if formats else dtype
+    if formats:
+        return f"{'/'.join(formats)} blocks"
+    if any(isinstance(m, Bf16PanelLinear) for m in model.modules()):
+        return "bfloat16 panels"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 class _Phase:

@@ -32,15 +32,21 @@ DISABLE_ENV = "TS_NATIVE_KERNELS"
 ISA_ENV = "TS_NATIVE_ISA"
 FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 # widest first: each build's name suffix and the defines that select its width in simd.h
-ISAS = {"avx512_vnni": ["-DTS_VNNI"], "avx512": [], "avx2": ["-DTS_AVX2"]}
+ISAS = {"avx512_bf16": ["-DTS_VNNI", "-DTS_BF16"], "avx512_vnni": ["-DTS_VNNI"], "avx512": [], "avx2": ["-DTS_AVX2"]}
 
 
 def cpu_isas() -> list[str]:
     """The builds this CPU can run (widest first), as torch detects its features at run time."""
     caps = torch.cpu.get_capabilities()
     avx512 = all(caps.get(f"avx512_{x}") for x in ("f", "bw", "vl", "dq"))
-    return ([] if not (avx512 and caps.get("avx512_vnni")) else ["avx512_vnni"]) + (["avx512"] if avx512 else []) + (
-        ["avx2"] if caps.get("avx2") and caps.get("fma3") and caps.get("f16c") else [])
+    vnni = avx512 and caps.get("avx512_vnni")
+    return (["avx512_bf16"] if vnni and caps.get("avx512_bf16") else []) + (["avx512_vnni"] if vnni else []) + (
+        ["avx512"] if avx512 else []) + (["avx2"] if caps.get("avx2") and caps.get("fma3") and caps.get("f16c") else [])
+
+
+def has_bf16() -> bool:
+    """Whether the loaded build has the bfloat16 panels (linear_bf16: CPUs with AVX512-BF16)."""
+    return available() and isa() == "avx512_bf16"
 
 
 def isa() -> str | None:
@@ -117,6 +123,11 @@ def _register_fakes() -> None:
 
     for op in ("linear_f32", "linear_q4_1", "linear_q8_0"):
         torch.library.register_fake(f"{NAME}::{op}", fake)
+
+    def fake_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        return x.new_empty(x.size(0), n, dtype=torch.float32)
+
+    torch.library.register_fake(f"{NAME}::linear_bf16", fake_bf16)
 
     def fake_attention(q: torch.Tensor, *args: object) -> torch.Tensor:
         return torch.empty_like(q)

@@ -12,8 +12,9 @@
 
 namespace ts {
 
-// How a projection's weights are stored (models/projections/panels.py): float32 panels, or GGUF-style blocks
-enum class Kind : int64_t { F32 = 0, Q4_1 = 1, Q8_0 = 2 };
+// How a projection's weights are stored (models/projections/panels.py): float32 panels, GGUF-style blocks,
+// or bfloat16 panels (builds with AVX512-BF16; x is rounded to bfloat16 first)
+enum class Kind : int64_t { F32 = 0, Q4_1 = 1, Q8_0 = 2, BF16 = 3 };
 
 // y (M, n) = x (M, K) W^T + bias, W in `kind`'s layout; parts: the activations' 8-bit parts (blocks)
 at::Tensor project(Kind kind, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,

@@ -11,6 +11,9 @@
 //
 // Weight formats (models/projections/panels.py packs them):
 //   f32   w (P, K, 32) float32: element (k, j) of panel p is W[32 p + j, k]; activations float32.
+//   bf16  w (P, K / 2, 32) pairs of bfloat16 (W[32 p + j, 2 k2] and W[32 p + j, 2 k2 + 1] in one 32-bit
+//         element); activations bfloat16, the products summed in float32 by vdpbf16ps (AVX512-BF16
+//         builds only).
 //   q8_0  (P, K / 32, 1088) uint8 records, GGUF's Q8_0 (w = q * d per group of 32 inputs):
 //   q4_1  (P, K / 32, 640) uint8 records, GGUF's Q4_1 (w = q * d + mn per group of 32):
 //         one record per panel and group of 32 inputs, read as one stream: 8 steps of 4 inputs, in
@@ -111,6 +114,40 @@ struct F32 {
     store_rows<R>(acc, y, ldy, bias, nvalid);
   }
 };
+
+#if defined(TS_BF16)
+// bfloat16 panels (AVX512-BF16): w (P, K / 2, 32) pairs of bfloat16, element (k2, j) of panel p holds
+// W[32 p + j, 2 k2] in its low half and W[32 p + j, 2 k2 + 1] in its high one; x (M, K / 2) pairs of
+// bfloat16 activations. Each output sums its pairs in order of k with vdpbf16ps, alone or in a batch.
+struct BF16 {
+  static constexpr int ROWS = 12;  // 2 accumulators a row: 24 of the 32 registers
+  const uint32_t* w;  // (P, K / 2, 32)
+  const uint32_t* x;  // (M, K / 2)
+  int64_t K2;
+  const char* panel(int64_t p) const { return reinterpret_cast<const char*>(w + p * K2 * NR); }
+  int64_t panel_bytes() const { return K2 * NR * static_cast<int64_t>(sizeof(uint32_t)); }
+  int64_t steps() const { return K2; }
+  template <int R>
+  TS_TARGET void tile(int64_t p, int64_t m, float* y, int64_t ldy, const float* bias, int64_t nvalid,
+                      Ahead& ahead) const {
+    vf acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = zero();
+    const uint32_t* wp = w + p * K2 * NR;
+    const uint32_t* xm = x + m * K2;
+    for (int64_t k = 0; k < K2; ++k) {
+      ahead.step();
+      vi wk[NV];
+      for (int v = 0; v < NV; ++v) wk[v] = load_i(wp + k * NR + v * LANES);
+      for (int r = 0; r < R; ++r) {
+        const vi xb = set1_i32(static_cast<int32_t>(xm[r * K2 + k]));
+        for (int v = 0; v < NV; ++v) acc[r][v] = dot_bf16(acc[r][v], xb, wk[v]);
+      }
+    }
+    store_rows<R>(acc, y, ldy, bias, nvalid);
+  }
+};
+#endif
 
 // Activations in two 8-bit parts per group of 32 inputs: x = dx q + dr r + (a remainder of at most
 // dr / 2): q = round(x / dx) to nearest even with dx = max |x| / 127 (llama.cpp's Q8_1 /
@@ -310,7 +347,8 @@ void rest(const Kernel& kernel, int64_t left, int64_t p, int64_t m, float* y, in
 
 // y (M, N) against P panels; parallel over panels, rows in passes of up to Kernel::ROWS
 template <typename Kernel>
-at::Tensor run(const Kernel& kernel, const at::Tensor& x, int64_t P, int64_t N, const c10::optional<at::Tensor>& bias) {
+at::Tensor run(const Kernel& kernel, const at::Tensor& x, int64_t P, int64_t N, const c10::optional<at::Tensor>& bias,
+               at::ScalarType out = at::kFloat) {
   constexpr int R = Kernel::ROWS;
   const int64_t M = x.size(0);
   TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "N does not match the number of panels");
@@ -319,7 +357,7 @@ at::Tensor run(const Kernel& kernel, const at::Tensor& x, int64_t P, int64_t N, 
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bad bias");
     b = bias->data_ptr<float>();
   }
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(out));
   float* yp = y.data_ptr<float>();
   const int64_t passes = (M + R - 1) / R;
   const int64_t lines = (kernel.panel_bytes() + 63) / 64;
@@ -359,6 +397,20 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
   return run(F32{w.data_ptr<float>(), x.data_ptr<float>(), x.size(1)}, x, w.size(0), n, bias);
 }
 
+// x (M, K) bfloat16, w (P, K / 2, 32) int32 (bfloat16 pairs) -> (M, n) float32
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n) {
+#if defined(TS_BF16)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "x must be a contiguous bfloat16 matrix of an even width");
+  check_panels(w, x.size(1) / 2, at::kInt, NR, "w");
+  const BF16 kernel{reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>()),
+                    reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()), x.size(1) / 2};
+  return run(kernel, x, w.size(0), n, bias, at::kFloat);
+#else
+  TORCH_CHECK(false, "this build of the kernels has no bfloat16 panels (they need AVX512-BF16)");
+#endif
+}
+
 template <typename Format>
 at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const c10::optional<at::Tensor>& bias, int64_t n,
                          int64_t parts) {
@@ -383,6 +435,8 @@ at::Tensor ts::project(Kind kind, const at::Tensor& x, const at::Tensor& w, cons
       return linear_blocks<Q41Format>(x, w, bias, n, parts);
     case Kind::Q8_0:
       return linear_blocks<Q80Format>(x, w, bias, n, parts);
+    case Kind::BF16:
+      return linear_bf16(x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16), w, bias, n);
   }
   TORCH_CHECK(false, "unknown projection kind ", static_cast<int64_t>(kind));
 }
@@ -391,10 +445,12 @@ TORCH_LIBRARY(ts_panels, m) {
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("linear_q4_1(Tensor x, Tensor q, Tensor? bias, int n, int parts) -> Tensor");
   m.def("linear_q8_0(Tensor x, Tensor q, Tensor? bias, int n, int parts) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ts_panels, CPU, m) {
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_q4_1", &linear_blocks<Q41Format>);
   m.impl("linear_q8_0", &linear_blocks<Q80Format>);
+  m.impl("linear_bf16", &linear_bf16);
 }

@@ -1,6 +1,7 @@
 // The vector operations the kernels use, at the width of the build (models/kernels/native.py builds
 // one per instruction set and loads the one this CPU runs):
-//   default      16 float lanes of AVX-512 (F, BW, VL, DQ); TS_VNNI adds AVX512-VNNI's vpdpbusd
+//   default      16 float lanes of AVX-512 (F, BW, VL, DQ); TS_VNNI adds AVX512-VNNI's vpdpbusd, TS_BF16
+//                (with TS_VNNI) AVX512-BF16's vdpbf16ps (dot_bf16: the bfloat16 panels only)
 //   TS_AVX2      8 float lanes of AVX2 with FMA and F16C, for CPUs without AVX-512 (AMD Zen 2/3, ...)
 // Every operation is lane-wise or an exact reduction (max, integer sums) except reduce_add, so a
 // kernel written on these computes the same bits per output at either width wherever it sums its
@@ -100,7 +101,9 @@ TS_TARGET inline void narrow_i8(const vi (&v)[32 / LANES], int8_t* out) {
                       _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 #else
-#ifdef TS_VNNI
+#if defined(TS_BF16)
+#define TS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512vnni,avx512bf16")))
+#elif defined(TS_VNNI)
 #define TS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512vnni")))
 #else
 #define TS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
@@ -172,6 +175,12 @@ TS_TARGET inline void narrow_i8(const vi (&v)[32 / LANES], int8_t* out) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(v[0]));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(v[1]));
 }
+#endif
+
+#if defined(TS_BF16)
+// acc (float32 lanes j) += x[2 j] w[2 j] + x[2 j + 1] w[2 j + 1]: x and w hold bfloat16 pairs (vdpbf16ps;
+// the products exact, its own rounding of the sums, the same for every lane and call)
+TS_TARGET inline vf dot_bf16(vf acc, vi x, vi w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
 #endif
 
 // acc += sum over i < 4 of u[4 j + i] * s[4 j + i] in each int32 lane j (unsigned x signed bytes)

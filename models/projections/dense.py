@@ -4,7 +4,8 @@
 "auto" times every candidate on every projection at load, in sweeps over the layers in model order
 (so caches hold what a forward pass leaves), and keeps the fastest per shape, except that block and
 encoder-decoder head projections take the panels where they run (the native backend needs them);
-"panels" / "onednn" pack every float layer, "aten" none. Which kernel wins depends on the CPU and
+"panels" / "onednn" pack every float layer, "bf16" every one on our bfloat16 panels (rounding the
+weights: only where a spec names it), "aten" none. Which kernel wins depends on the CPU and
 shape (docs/benchmarks-history.md, "Float projections through oneDNN"). Only float32 CPU weights are
 packed; results differ from F.linear's in the last bits (summation order). A tied head gets a packed
 copy (one more head-sized matrix); while timing, candidates hold up to 3x the projections' memory.
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 from ..kernels import native
 from ..spec import DenseKernel
 from .base import RepackedLinear, swap_linears, tied_embedding
-from .panels import PanelLinear
+from .panels import Bf16PanelLinear, PanelLinear
 
 log = logging.getLogger("models.projections.dense")
 
@@ -99,14 +100,27 @@ class AtenLinear(nn.Module):
 
 
 # kernel name -> a module built from (weight, bias, copy); "aten" leaves the slot as it is
-BUILDERS: dict[str, Callable[..., nn.Module]] = {"aten": AtenLinear, "onednn": PackedLinear, "panels": PanelLinear}
+BUILDERS: dict[str, Callable[..., nn.Module]] = {"aten": AtenLinear, "onednn": PackedLinear, "panels": PanelLinear,
+                                                 "bf16": Bf16PanelLinear}
 Candidates = dict[str, list[nn.Module]]  # kernel -> one module per slot
 Timer = Callable[[list[Slot], Candidates], dict[Shape, dict[str, float]]]
 
 
 def kernels_here() -> list[str]:
-    """The float kernels this process can run: aten always, oneDNN and our panels where available."""
+    """The float32 kernels this process can run: aten always, oneDNN and our panels where available
+    ("auto" chooses among these; "bf16" rounds the weights, so only a spec that names it gets it)."""
     return ["aten"] + (["onednn"] if onednn_available() else []) + (["panels"] if native.available() else [])
+
+
+class KernelUnavailable(ValueError):
+    """A dense kernel named by the spec that this CPU cannot run (raised at load)."""
+
+
+def check_bf16() -> None:
+    """Raise KernelUnavailable unless our bfloat16 panels run here (AVX512-BF16 and the native kernels)."""
+    if not native.has_bf16():
+        why = native.unavailable_reason() or f"the kernels here are the {native.isa()} build"
+        raise KernelUnavailable(f"bfloat16 panels need a CPU with AVX512-BF16 and our native kernels ({why})")
 
 
 def measure(slots: list[Slot], candidates: Candidates) -> dict[Shape, dict[str, float]]:
@@ -147,15 +161,18 @@ def pack_dense(model: nn.Module, kernel: DenseKernel = "auto", timer: Timer = me
     """Swap float32 CPU nn.Linear layers of `model` (in place) for packed ones where `kernel` says:
     "panels" or "onednn" all (with that kernel), "auto" the projections of transformer blocks with
     the panels where they exist (models/execution/native.py runs a whole stack of such blocks in one
-    call) and every other weight shape with the kernel `timer` measures fastest, "aten" none. A tied
+    call) and every other weight shape with the kernel `timer` measures fastest, "aten" none; "bf16"
+    all with our bfloat16 panels (the weights rounded; KernelUnavailable without AVX512-BF16). A tied
     head is packed as a copy. For inference only (a packed copy does not follow training updates). A
-    kernel this process cannot run falls back to "auto".
+    float32 kernel this process cannot run falls back to "auto".
     Returns the choice per weight shape: "NxK" -> "panels 1.9x" (the winner and how much faster it
     ran than the next best kernel) or just the kernel's name when it was not measured."""
     slots = _slots(model)
     if kernel == "aten" or not slots:  # nothing to pack (a model on a GPU): no kernel is built or timed
         return {}
-    here = kernels_here()
+    if kernel == "bf16":
+        check_bf16()
+    here = kernels_here() + (["bf16"] if kernel == "bf16" else [])
     if here == ["aten"]:
         return {}
     if kernel != "auto" and kernel not in here:

@@ -2,6 +2,8 @@
 outputs: x (..., K) -> (..., N) in x's dtype, float32 inside.
 
 - `PanelLinear`: float32 weights and activations (`dense_kernel` picks it per shape: dense.py).
+- `Bf16PanelLinear`: weights and activations rounded to bfloat16, products summed in float32 (CPUs
+  with AVX512-BF16).
 - `BlockLinear`: GGUF's Q8_0 (8-bit codes, a float16 scale d per group of 32 inputs: w = q d) or Q4_1
   (4-bit codes, d and a minimum m: w = q d + m); activations quantized per row and group of 32 in two
   8-bit parts (`quantize_activations`; one part, `activation_bits=8`, flips close calls), products
@@ -172,6 +174,36 @@ class PanelLinear(RepackedLinear):
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].clone()
 
 
+class Bf16PanelLinear(RepackedLinear):
+    """nn.Linear with its weights rounded to bfloat16 (nearest even), in panels of input pairs, on the
+    CPU's bfloat16 dot products (AVX512-BF16: `native.has_bf16()`); see RepackedLinear. x is rounded to
+    bfloat16 the same way and each output sums its pairs' products in float32, in order of k, so a
+    row's result is the same alone and in any batch. Half the bytes of PanelLinear, twice its products
+    per instruction; the loss is bfloat16's (8 significant bits per weight and activation)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, copy: bool = False) -> None:
+        super().__init__(weight, bias, copy)
+        if self.in_features % 2:
+            raise ValueError(f"bfloat16 panels need an even input size, got {self.in_features}")
+        pairs = weight.detach().to(torch.bfloat16).contiguous().view(torch.int32)  # (N, K / 2)
+        self.register_buffer("panels", _panels(pairs), persistent=False)  # (P, K / 2, 32) int32
+
+    def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x: (..., K) -> (..., N) in x's dtype; `bias` as PanelLinear's."""
+        if bias is not None and self.bias is not None:
+            raise ValueError("this layer has its own bias")
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # (M, K)
+        y = torch.ops.ts_panels.linear_bf16(rows, self.panels, self.bias if bias is None else bias,
+                                            self.out_features)  # (M, N) float32
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    @property
+    def weight(self) -> Tensor:
+        """The dense (N, K) weight as the kernel multiplies it (bfloat16 values, a float32 copy)."""
+        pairs = self.panels.transpose(1, 2).reshape(-1, self.in_features // 2)[: self.out_features]  # (N, K / 2)
+        return pairs.contiguous().view(torch.bfloat16).float()
+
+
 class BlockLinear(nn.Module):
     """A Linear with GGUF-style block-quantized weights (`fmt` in BLOCK_FORMATS); see the module
     docstring. `weight` (N, K), K a multiple of 32, is quantized here."""
@@ -188,6 +220,13 @@ class BlockLinear(nn.Module):
         self.register_buffer("records", _records(fmt, *blocks))  # (P, K / 32, 640 or 1088) uint8
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())  # (N,)
         self._op = getattr(torch.ops.ts_panels, f"linear_{fmt}")
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's
+        """A cast of the model (`.to(bfloat16)`) leaves the bias float32: the kernel adds it in float32."""
+        out = super()._apply(fn, recurse)
+        if self.bias is not None and self.bias.dtype != torch.float32:
+            self.bias = self.bias.float()
+        return out
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., K) -> (..., N) in x's dtype."""

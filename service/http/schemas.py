@@ -157,8 +157,9 @@ class ModelCard(BaseModel):
                                                    "float dtype (also where a block format's CPU kernels cannot run).")
     block_activation_bits: int | None = Field(None, description="q8_0 / q4_1: the activations' width inside the "
                                                                 "kernels, 16 (two 8-bit parts) or 8.")
-    prompt_weights: str | None = Field(None, description="`float`: a quantized generator computes prompts on a "
-                                                         "float32 copy of its weights and decodes on the blocks.")
+    prompt_weights: str | None = Field(None, description="`float32` / `bfloat16`: a quantized generator computes "
+                                                         "prompts on a copy of its weights in that type and "
+                                                         "decodes on the blocks; null: all on the blocks.")
     compiled: bool | None = Field(None, description="Whether its transformer blocks run compiled (torch.compile); "
                                                     "null until loaded.")
     kernels: dict[str, str] | None = Field(None, description="Float projections: the kernel chosen per weight shape "

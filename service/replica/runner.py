@@ -116,7 +116,7 @@ class ModelRunner:
             loaded_at=self.loaded_at, load_seconds=loaded.load_seconds, stats=self.stats(), limits=self.limits(),
             quantize=loaded.quantize, kernels=dict(loaded.kernels), compiled=loaded.compiled,
             block_activation_bits=loaded.block_activation_bits,
-            prompt_weights="float" if loaded.prompt_model is not None else None, plan=loaded.plan.to_dict(),
+            prompt_weights=loaded.prompt_weights, plan=loaded.plan.to_dict(),
             speculative=self.speculative())
 
     def close(self, timeout_s: float = 5.0) -> None:

@@ -163,10 +163,11 @@ def test_embedded_serve_config_matches_the_serve_config_files(service: dict[str,
         matches = [v for v, d in variants.items()
                    if {k: x for k, x in d.items() if k not in placement} == mine]
         assert matches, f"deployment {name!r} matches neither serve_config.yaml nor serve_config.gpu.yaml"
-    s = settings_of(embedded)
-    for name, dep in s.deployments.items():  # a GPU for the GPU deployments, none for the rest
+    s, on_cpu = settings_of(embedded), settings_of(cpu)
+    for name, dep in s.deployments.items():  # a GPU for the GPU deployments, none for the rest (its CPU dtype)
         device, dtype = s.device_for(dep)
-        assert (device, dtype) == (("cuda", "bfloat16") if dep.num_gpus else ("cpu", "auto")), name
+        cpu_dtype = on_cpu.device_for(on_cpu.deployments[name])[1]
+        assert (device, dtype) == (("cuda", "bfloat16") if dep.num_gpus else ("cpu", cpu_dtype)), name
 
 
 def test_every_node_of_the_minimum_cluster_has_an_ingress_for_its_metrics(service: dict[str, Any]) -> None:

@@ -972,8 +972,12 @@ def test_smollm2_answers_the_capital_of_france(smollm2: Cluster) -> None:
     assert plan["decode"]["backend"] == ("native" if blocks else "compiled")
     if blocks:
         assert plan["decode"]["detail"].startswith(f"{native.isa()}, q4_1/q8_0 blocks, blocks + embedding + final norm")
-    # prompt_weights: auto keeps the float32 twin only where it measured faster at load
-    assert card["prompt_weights"] in (("float", None) if blocks else (None,))
+    # prompt_weights: auto keeps a twin (float32, or bfloat16 where our bfloat16 panels run) only where it
+    # measured faster at load, and the plan says what it measured
+    assert card["prompt_weights"] in ((None, "float32", "bfloat16") if blocks else (None,))
+    if blocks:
+        assert "prompt_weights: auto -> " in plan["prefill"]["detail"]
+        assert ("bfloat16" in plan["prefill"]["detail"]) is native.has_bf16()
     client = smollm2.openai("/smollm2")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     whole = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages,  # type: ignore[arg-type]

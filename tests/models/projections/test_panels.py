@@ -18,6 +18,7 @@ from torch import nn
 
 from models.kernels import native
 from models.projections.panels import (
+    Bf16PanelLinear,
     BlockLinear,
     PanelLinear,
     dequantize,
@@ -133,7 +134,11 @@ def test_every_build_this_cpu_runs_gives_the_same_bits() -> None:
     ({"avx2": 1, "fma3": 1, "f16c": 1}, "avx512", None),  # never a build wider than the CPU
     ({"avx512_f": 1, "avx2": 1, "fma3": 1, "f16c": 1}, "", "avx2"),  # AVX-512F without BW/VL/DQ
     ({"avx2": 1, "f16c": 1}, "", None),
-], ids=["vnni", "avx512", "asked-avx2", "zen3", "asked-wider", "knl-like", "no-fma"])
+    ({"avx512_f": 1, "avx512_bw": 1, "avx512_vl": 1, "avx512_dq": 1, "avx512_vnni": 1, "avx512_bf16": 1, "avx2": 1,
+      "fma3": 1, "f16c": 1}, "", "avx512_bf16"),
+    ({"avx512_f": 1, "avx512_bw": 1, "avx512_vl": 1, "avx512_dq": 1, "avx512_vnni": 1, "avx512_bf16": 1, "avx2": 1,
+      "fma3": 1, "f16c": 1}, "avx512_vnni", "avx512_vnni"),
+], ids=["vnni", "avx512", "asked-avx2", "zen3", "asked-wider", "knl-like", "no-fma", "bf16", "asked-vnni"])
 def test_the_build_is_the_widest_the_cpu_runs(monkeypatch, caps, env, want) -> None:  # noqa: ANN001
     monkeypatch.setattr(native.torch.cpu, "get_capabilities", lambda: caps)
     monkeypatch.setenv(native.ISA_ENV, env)
@@ -153,6 +158,58 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch(make) -> None:  # noqa
         alone = torch.cat([lin(x[i:i + 1]) for i in range(33)])
         for m in (2, 8, 9, 33):
             assert torch.equal(lin(x[:m]), alone[:m])
+
+
+needs_bf16 = pytest.mark.skipif(not native.has_bf16(), reason="no AVX512-BF16 here: "
+                                "test_bfloat16_panels_are_refused_by_builds_without_them covers this CPU")
+
+
+@needs_bf16
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_bfloat16_panels_sum_the_rounded_products_in_float32(n: int, k: int, bias: bool) -> None:
+    """Weights and activations rounded to bfloat16 (nearest even), products summed in float32: within
+    float32's rounding of the exact sum of the rounded values; the weight comes back rounded."""
+    torch.manual_seed(0)
+    w, b = torch.randn(n, k), torch.randn(n) if bias else None
+    lin = Bf16PanelLinear(w, b)
+    assert torch.equal(lin.weight, w.bfloat16().float()) and lin.weight.shape == (n, k)
+    for m in ROWS + (12, 13, 25):
+        x = torch.randn(m, k) * 3
+        exact = x.bfloat16().double() @ w.bfloat16().double().T + (b.double() if bias else 0)  # (M, N)
+        y = lin(x)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        torch.testing.assert_close(y.double(), exact, atol=1e-5 * k ** 0.5, rtol=1e-5)
+        assert lin(x.bfloat16()).dtype == torch.bfloat16  # out in x's dtype
+
+
+@needs_bf16
+def test_bfloat16_panels_give_a_row_the_same_bits_alone_and_in_any_batch() -> None:
+    torch.manual_seed(0)
+    lin = Bf16PanelLinear(torch.randn(200, 256), torch.randn(200))
+    x = torch.randn(40, 256)
+    with torch.inference_mode():
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(40)])
+        for m in (2, 11, 12, 13, 25, 40):  # passes of 12 rows and their remainders
+            assert torch.equal(lin(x[:m]), alone[:m])
+        bias = torch.randn(200)
+        torch.testing.assert_close(Bf16PanelLinear(lin.weight, None)(x, bias=bias), lin(x) - lin.bias + bias)
+
+
+def test_bfloat16_panels_are_refused_by_builds_without_them() -> None:
+    """A build without AVX512-BF16 (this CPU's narrower ones) says so instead of computing anything;
+    an odd input size is refused when packing."""
+    with pytest.raises(ValueError, match="even input size"):
+        Bf16PanelLinear(torch.randn(4, 3), None)
+    script = ("import torch\nfrom models.kernels import native\nassert native.available()\n"
+              "from models.projections.panels import Bf16PanelLinear\n"
+              "try:\n    Bf16PanelLinear(torch.randn(40, 32), None)(torch.randn(2, 32))\n"
+              "except RuntimeError as e:\n    print('refused:', str(e).splitlines()[0])\n")
+    narrower = [isa for isa in native.cpu_isas() if isa != "avx512_bf16"]
+    assert narrower, "every CPU with the kernels runs a build without bfloat16 panels"
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, native.ISA_ENV: narrower[0]},
+                          capture_output=True, text=True, timeout=300, check=True)
+    assert "refused: this build of the kernels has no bfloat16 panels (they need AVX512-BF16)" in done.stdout
 
 
 def test_quantizers_follow_llama_cpp_reference_rounding() -> None:

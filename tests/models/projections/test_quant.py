@@ -290,5 +290,58 @@ def test_prompt_weights_auto_keeps_the_twin_only_where_it_measured_faster(
     spec = ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", quantize="q4_1", prompt_weights="auto")
     loaded = load_model(spec, Path("/nonexistent"))
     assert (loaded.prompt_model is not None) is twin and loaded.prompt_speedup == measured
+    assert loaded.prompt_weights == ("float32" if twin else None)  # equal speeds: the first twin measured
     forced = load_model(dataclasses.replace(spec, prompt_weights="float"), Path("/nonexistent"))
     assert forced.prompt_model is not None  # "float" keeps it whatever it measured
+    assert forced.prompt_weights == "float32" and forced.prompt_speedup is None
+
+
+@needs_kernels
+def test_prompt_weights_auto_measures_every_twin_this_cpu_runs_and_keeps_the_fastest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" measures the float32 twin and, where our bfloat16 panels run, the bfloat16 one; the
+    plan's prefill detail names what it measured and what it kept."""
+    import models.catalog
+    from models.kernels import native
+
+    measured = {"float32": 1.2, "bfloat16": 1.7}
+    monkeypatch.setattr(models.catalog, "prompt_speedup",
+                        lambda blocks, twin: measured[_twin_kind(twin)])
+    spec = ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", quantize="q4_1", prompt_weights="auto")
+    loaded = load_model(spec, Path("/nonexistent"))
+    detail = loaded.plan["prefill"].detail
+    if native.has_bf16():
+        assert loaded.prompt_weights == "bfloat16" and loaded.prompt_speedup == 1.7
+        assert _twin_kind(loaded.prompt_model) == "bfloat16"
+        assert detail == "bfloat16 panels, prompt_weights: auto -> bfloat16, float32 1.20x the blocks, " \
+                         "bfloat16 1.70x the blocks"
+    else:  # the bfloat16 twin is not a candidate on this CPU
+        assert loaded.prompt_weights == "float32" and detail.endswith("-> float32, float32 1.20x the blocks")
+
+
+def _twin_kind(model: torch.nn.Module) -> str:
+    from models.projections.panels import Bf16PanelLinear
+
+    return "bfloat16" if any(isinstance(m, Bf16PanelLinear) for m in model.modules()) else "float32"
+
+
+@needs_kernels
+def test_prompt_weights_bfloat16_computes_prompts_on_bfloat16_panels_or_refuses_to_load() -> None:
+    """prompt_weights "bfloat16": a twin on our bfloat16 panels, its logits within bfloat16's rounding
+    of the blocks'; on a CPU without AVX512-BF16 the load fails, naming what it needs."""
+    from models.kernels import native
+    from models.projections.dense import KernelUnavailable
+    from models.projections.panels import Bf16PanelLinear
+
+    spec = ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", quantize="q4_1", prompt_weights="bfloat16")
+    if not native.has_bf16():
+        with pytest.raises(KernelUnavailable, match="AVX512-BF16"):
+            load_model(spec, Path("/nonexistent"))
+        return
+    loaded = load_model(spec, Path("/nonexistent"))
+    twin = loaded.prompt_model
+    assert loaded.prompt_weights == "bfloat16" and any(isinstance(m, Bf16PanelLinear) for m in twin.modules())
+    assert loaded.plan["prefill"].detail == "bfloat16 panels, prompt_weights: bfloat16"
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(ids), loaded.model(ids), atol=0.1, rtol=0.1)

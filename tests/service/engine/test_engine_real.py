@@ -56,11 +56,13 @@ def test_smollm2_tokens_are_the_same_alone_and_among_others(dtype: torch.dtype) 
     assert len({tuple(m) for m in mixed}) >= 6  # the others really are other requests
 
 
-def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_preempted() -> None:
+@pytest.mark.parametrize("twin", ["float", "bfloat16"])
+def test_shipped_smollm2_with_twin_prompts_is_the_same_alone_among_others_and_preempted(twin: str) -> None:
     """The shipped Q4_1 generator with prompts on its float32 twin (prompt_weights "float", as "auto"
-    picks on CPUs without VNNI; eager here to keep the test short): a request's greedy tokens alone,
-    among others, and when preempted on a small pool are the same, and it still knows Paris. Its plan
-    runs the decode steps on the native backend (models/execution/native.py)."""
+    picks on CPUs without VNNI) or its bfloat16 one (as "auto" picks on CPUs with AVX512-BF16; a CPU
+    without them refuses it: test_quant.py); eager here to keep the test short: a request's greedy
+    tokens alone, among others, and when preempted on a small pool are the same, and it still knows
+    Paris. Its plan runs the decode steps on the native backend (models/execution/native.py)."""
     import dataclasses
 
     from loadtests.experiments.engine_models import shipped_generator
@@ -70,10 +72,13 @@ def test_shipped_smollm2_with_float_prompts_is_the_same_alone_among_others_and_p
         if os.environ.get("REQUIRE_NATIVE_KERNELS"):  # CI: the kernels must build there
             pytest.fail("REQUIRE_NATIVE_KERNELS is set but the native kernels are not available")
         pytest.skip("no AVX2 or AVX-512 CPU, or no compiler: the shipped generator serves float32 weights there")
+    if twin == "bfloat16" and not native.has_bf16():
+        twin = "float"  # this CPU has no bfloat16 panels: the float32 twin's case again
     spec, _, cache_dir = shipped_generator()
-    lm = load_model(dataclasses.replace(spec, prompt_weights="float", compile=False), cache_dir)
+    lm = load_model(dataclasses.replace(spec, prompt_weights=twin, compile=False), cache_dir)
     assert lm.prompt_model is not None and lm.plan.backend("decode") == "native"
-    assert lm.plan["prefill"].detail.startswith("float32, prompt_weights: float")
+    weights = {"float": "float32", "bfloat16": "bfloat16 panels"}[twin]
+    assert lm.plan["prefill"].detail.startswith(f"{weights}, prompt_weights: {twin}")
     steps = []
     real = lm.executor.step
     lm.executor.step = lambda ids, cache, *rest: steps.append(ids.size(0)) or real(ids, cache, *rest)

@@ -147,16 +147,22 @@ def test_resolve_device() -> None:
     assert resolve_device("auto", "float32") == (expected, torch.float32)
 
 
-def test_auto_bf16_is_bfloat16_on_cuda_and_on_cpus_with_amx(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_auto_bf16_is_bfloat16_on_cuda_and_on_cpus_that_multiply_it(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    """auto-bf16: bfloat16 where our bfloat16 panels run (AVX512-BF16) or the CPU has AMX-BF16."""
+    from models.kernels import native
+
     amx = tmp_path / "amx"
     amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n\nprocessor\t: 1\n")
     avx = tmp_path / "avx"
-    avx.write_text("flags\t\t: fpu avx2 avx512_bf16\n")  # avx512_bf16 without amx_bf16: not enough
+    avx.write_text("flags\t\t: fpu avx2 avx512_bf16\n")  # no AMX: the panels decide
     assert device.cpu_has_amx_bf16(str(amx)) and not device.cpu_has_amx_bf16(str(avx))
     assert not device.cpu_has_amx_bf16(str(tmp_path / "missing"))
     assert resolve_device("cuda", "auto-bf16") == ("cuda", torch.bfloat16)
-    for has_amx, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+    for has_amx, panels, dtype in ((True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                                   (False, False, torch.float32)):
         monkeypatch.setattr(device, "cpu_has_amx_bf16", lambda has=has_amx: has)
+        monkeypatch.setattr(native, "has_bf16", lambda has=panels: has)
         assert resolve_device("cpu", "auto-bf16") == ("cpu", dtype)
         assert resolve_device("cpu", "auto") == ("cpu", torch.float32)  # plain auto never picks bfloat16 on cpu
 
