@@ -51,7 +51,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--tasks", type=_csv(str), default=("classify", "translate", "generate"))
-    p.add_argument("--systems", type=_csv(str), default=("ours", "plain", "serve_batch"))
+    p.add_argument("--systems", type=_csv(str), default=("ours", "plain", "serve_batch", "vllm_cpu_bf16"),
+                   help="vllm_cpu_bf16 (vLLM in its best CPU mode) serves generation only, once `make peers-servers` "
+                        "has installed it; else its rows say so")
     p.add_argument(
         "--concurrency", type=_csv(int), default=(1, 8, 32, 64), help="closed-loop clients per level"
     )

@@ -59,12 +59,14 @@ SETTLE_S = 0.3
 SAMPLE_S = 0.5
 MAX_REPEATS = 7
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
-# our variants per model (worker.py modes, models.spec.variant): float ones face the peer's fp32, the
-# rest its int8; "+a8": the block formats with 8-bit activations, llama.cpp's arithmetic (the
-# translator's compiled blocks measured slower than eager: its per-step cost is outside them)
-OURS = {"encoder": ("fp32", "fp32+compiled", "int8", "q8_0+compiled", "q8_0+a8+compiled"),
-        "translator": ("fp32", "int8", "q8_0", "q8_0+a8"),
-        "generator": ("fp32", "fp32+compiled", "q4_1+compiled", "q4_1+a8+compiled")}
+# our variants per model (worker.py modes, models.spec.variant): float ones (fp32, and bf16: our
+# bfloat16 panels, where the CPU has AVX512-BF16) face the peer's fp32, the rest its int8; "+a8": the
+# block formats with 8-bit activations, llama.cpp's arithmetic; "+bf16p": a generator's prompts on
+# bfloat16 panels (the translator's compiled blocks measured slower than eager: its per-step cost is
+# outside them)
+OURS = {"encoder": ("fp32", "fp32+compiled", "bf16", "int8", "q8_0+compiled", "q8_0+a8+compiled"),
+        "translator": ("fp32", "bf16", "int8", "q8_0", "q8_0+a8"),
+        "generator": ("fp32", "fp32+compiled", "q4_1+compiled", "q4_1+bf16p+compiled", "q4_1+a8+compiled")}
 # --smoke: one float, one int8 and one block variant each, none compiled (each compile is its own
 # process's tens of seconds on 2 cores; tests/models/test_compiled.py covers compiled blocks)
 SMOKE = {"encoder": ("fp32", "int8", "q8_0+a8"), "translator": ("fp32", "int8", "q8_0+a8")}
@@ -78,7 +80,11 @@ Failures = dict[str, dict[str, str]]
 
 
 def _ours_argvs(kind: str, smoke: bool = False) -> dict[str, list[str]]:
-    return {f"ours {m}": ours(kind, m) for m in (SMOKE if smoke else OURS)[kind]}
+    """Our variants of `kind` as worker command lines; the bfloat16 ones only where our panels run."""
+    from models.kernels import native
+
+    bf16 = native.has_bf16()
+    return {f"ours {m}": ours(kind, m) for m in (SMOKE if smoke else OURS)[kind] if bf16 or "bf16" not in m}
 
 
 @dataclass
@@ -471,7 +477,7 @@ def _cell(per: dict[str, float], k: str) -> str:
 
 
 def _float(engine: str) -> bool:
-    return engine.split()[-1].split("+")[0] == "fp32"
+    return engine.split()[-1].split("+")[0] in ("fp32", "bf16")
 
 
 def failure_lines(failed: Failures) -> list[str]:
