@@ -86,13 +86,17 @@ TS_TARGET inline void store_rows(vf (&acc)[R][NV], float* y, int64_t ldy, const 
 // Every kernel holds its weights and its activations and computes R rows from row m against panel p:
 // tile<R>(p, m, y, ldy, bias, nvalid, ahead); ROWS is its widest pass; a panel's weights are
 // panel_bytes() bytes from panel(p), and a pass's loop has steps() steps (for Ahead).
-struct F32 {
-  static constexpr int ROWS = MR;
-  const float* w;  // (P, K, 32)
-  const float* x;  // (M, K)
-  int64_t K;
+// Panels of float lanes: each step of k loads a panel row's NV vectors and multiply-adds them with
+// every row's element k, broadcast (an outer product). Op says what an element is: a float32 (fmadd)
+// or a pair of bfloat16 (vdpbf16ps, whose lanes sum a pair's two products into float32).
+template <typename Op>
+struct Panels {
+  static constexpr int ROWS = Op::ROWS;
+  const typename Op::Elem* w;  // (P, K, 32)
+  const typename Op::Elem* x;  // (M, K)
+  int64_t K;  // elements a row: inputs, or input pairs
   const char* panel(int64_t p) const { return reinterpret_cast<const char*>(w + p * K * NR); }
-  int64_t panel_bytes() const { return K * NR * static_cast<int64_t>(sizeof(float)); }
+  int64_t panel_bytes() const { return K * NR * static_cast<int64_t>(sizeof(typename Op::Elem)); }
   int64_t steps() const { return K; }
   template <int R>
   TS_TARGET void tile(int64_t p, int64_t m, float* y, int64_t ldy, const float* bias, int64_t nvalid,
@@ -100,53 +104,45 @@ struct F32 {
     vf acc[R][NV];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) acc[r][v] = zero();
-    const float* wp = w + p * K * NR;
-    const float* xm = x + m * K;
+    const typename Op::Elem* wp = w + p * K * NR;
+    const typename Op::Elem* xm = x + m * K;
     for (int64_t k = 0; k < K; ++k) {
       ahead.step();
-      vf wk[NV];
-      for (int v = 0; v < NV; ++v) wk[v] = load(wp + k * NR + v * LANES);
+      typename Op::Vec wk[NV];
+      for (int v = 0; v < NV; ++v) wk[v] = Op::load(wp + k * NR + v * LANES);
       for (int r = 0; r < R; ++r) {
-        const vf xb = set1(xm[r * K + k]);
-        for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(wk[v], xb, acc[r][v]);
+        const typename Op::Vec xb = Op::broadcast(xm[r * K + k]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = Op::madd(acc[r][v], xb, wk[v]);
       }
     }
     store_rows<R>(acc, y, ldy, bias, nvalid);
   }
 };
 
+// float32 panels: w (P, K, 32), x (M, K) float32
+struct F32Op {
+  static constexpr int ROWS = MR;
+  using Elem = float;
+  using Vec = vf;
+  TS_TARGET static vf load(const float* p) { return ts::load(p); }
+  TS_TARGET static vf broadcast(float x) { return set1(x); }
+  TS_TARGET static vf madd(vf acc, vf x, vf w) { return fmadd(w, x, acc); }
+};
+using F32 = Panels<F32Op>;
+
 #if defined(TS_BF16)
 // bfloat16 panels (AVX512-BF16): w (P, K / 2, 32) pairs of bfloat16, element (k2, j) of panel p holds
 // W[32 p + j, 2 k2] in its low half and W[32 p + j, 2 k2 + 1] in its high one; x (M, K / 2) pairs of
-// bfloat16 activations. Each output sums its pairs in order of k with vdpbf16ps, alone or in a batch.
-struct BF16 {
+// bfloat16 activations. Each output sums its pairs in order of k, alone or in a batch.
+struct BF16Op {
   static constexpr int ROWS = 12;  // 2 accumulators a row: 24 of the 32 registers
-  const uint32_t* w;  // (P, K / 2, 32)
-  const uint32_t* x;  // (M, K / 2)
-  int64_t K2;
-  const char* panel(int64_t p) const { return reinterpret_cast<const char*>(w + p * K2 * NR); }
-  int64_t panel_bytes() const { return K2 * NR * static_cast<int64_t>(sizeof(uint32_t)); }
-  int64_t steps() const { return K2; }
-  template <int R>
-  TS_TARGET void tile(int64_t p, int64_t m, float* y, int64_t ldy, const float* bias, int64_t nvalid,
-                      Ahead& ahead) const {
-    vf acc[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) acc[r][v] = zero();
-    const uint32_t* wp = w + p * K2 * NR;
-    const uint32_t* xm = x + m * K2;
-    for (int64_t k = 0; k < K2; ++k) {
-      ahead.step();
-      vi wk[NV];
-      for (int v = 0; v < NV; ++v) wk[v] = load_i(wp + k * NR + v * LANES);
-      for (int r = 0; r < R; ++r) {
-        const vi xb = set1_i32(static_cast<int32_t>(xm[r * K2 + k]));
-        for (int v = 0; v < NV; ++v) acc[r][v] = dot_bf16(acc[r][v], xb, wk[v]);
-      }
-    }
-    store_rows<R>(acc, y, ldy, bias, nvalid);
-  }
+  using Elem = uint32_t;
+  using Vec = vi;
+  TS_TARGET static vi load(const uint32_t* p) { return load_i(p); }
+  TS_TARGET static vi broadcast(uint32_t x) { return set1_i32(static_cast<int32_t>(x)); }
+  TS_TARGET static vf madd(vf acc, vi x, vi w) { return dot_bf16(acc, x, w); }
 };
+using BF16 = Panels<BF16Op>;
 #endif
 
 // Activations in two 8-bit parts per group of 32 inputs: x = dx q + dr r + (a remainder of at most
