@@ -78,14 +78,20 @@ def test_smollm2_logits_match_transformers_gguf_loader(weights_cache: Path) -> N
     assert rel_err(got, expected) <= 1e-4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: the shipped generator on AMX CPUs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_smollm2_greedy_answer_names_paris(weights_cache: Path, dtype: torch.dtype) -> None:
+    """In bfloat16: on our bfloat16 panels where they run (the parameters around them float32), else cast."""
     from models.catalog import DEFAULT_SPECS, load_model
     from models.decoding import SamplingParams
     from models.generate import generate
+    from models.kernels import native
+    from models.projections.panels import Bf16PanelLinear
 
     lm = load_model(DEFAULT_SPECS["generator"], weights_cache, dtype=dtype)
-    assert {p.dtype for p in lm.model.parameters()} == {dtype}
+    assert lm.dtype == dtype
+    panels = dtype == torch.bfloat16 and native.has_bf16()
+    assert {p.dtype for p in lm.model.parameters()} == {torch.float32 if panels else dtype}
+    assert any(isinstance(m, Bf16PanelLinear) for m in lm.model.modules()) is panels
     prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     ids = lm.tokenizer.encode(prompt, add_special_tokens=False)
     (out,) = generate(lm.model, [ids], SamplingParams(max_new_tokens=24))
