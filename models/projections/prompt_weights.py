@@ -6,8 +6,8 @@ activations as two multiply-add passes and lose to float32 products of the same 
 a one-row decode step streams weights from memory, where the 4-bit blocks read a fifth of the bytes.
 So a generator may compute its prompts on a twin: the same model on the float32 weights (our float32
 panels) or on those weights rounded to bfloat16 (our bfloat16 panels, where the CPU has AVX512-BF16:
-half the bytes and twice the products per instruction of float32, and at a prompt's many rows up to
-~1.8x the 16-bit-activation blocks; docs/benchmarks.md, "Matrix units"). The kernels' rows do not
+half the bytes and twice the products per instruction of float32, and faster than the
+16-bit-activation blocks at a prompt's many rows; docs/benchmarks.md, "Matrix units"). The kernels' rows do not
 depend on each other, so a prompt's keys are the same in any batch. "auto" measures one prompt through
 the blocks and through each twin this CPU runs, at load, and keeps the fastest.
 """
