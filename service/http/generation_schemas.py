@@ -36,6 +36,9 @@ MAX_LOGIT_BIAS = 300  # entries; OpenAI's bound
 MAX_TOP_LOGPROBS = 20  # OpenAI's (models.decoding.MAX_TOP_LOGPROBS)
 MAX_CHOICES = 16  # n and best_of; prompts x best_of is also bounded by the settings' max_inputs
 MAX_GRAMMAR_CHARS = 32_768  # a JSON schema (as JSON), a regex or a grammar
+# chat messages a request may carry: a template spends a few tokens on each, so more than this never
+# fits a model's context, and rendering them would cost the replica time before the length check
+MAX_MESSAGES = 2048
 
 
 class TextFormat(_Request):
@@ -326,7 +329,8 @@ class NamedToolChoice(_Request):
 
 
 class ChatCompletionRequest(OpenAISampling):
-    messages: list[ChatMessageIn] = Field(min_length=1, description="Rendered with the model's chat template.")
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES,
+                                          description="Rendered with the model's chat template.")
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, strict=True,
                                               description="OpenAI's newer name for max_tokens; wins over it.")
     logprobs: StrictBool | None = Field(None, description="Return each output token's log-probability.")

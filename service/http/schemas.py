@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from ..errors import InvalidRequest
 
@@ -23,8 +23,41 @@ def _as_list(value: Any) -> Any:
 Texts = Annotated[list[StrictStr], BeforeValidator(_as_list, json_schema_input_type=str | list[str])]
 
 
+def lone_surrogate(value: Any) -> tuple[str | None, str] | None:
+    """Where a parsed JSON body (dicts, lists, strings) holds a string that is not Unicode text: JSON's
+    escapes can spell a lone surrogate ("\\ud800"), which no tokenizer or encoder takes. The first
+    one's field, as errors name fields ("messages[1].content"; a bad key names its object; None: the
+    body itself), and its code point ("U+D800"); None where every string is text. Iterative: a deeply
+    nested body cannot exhaust the stack."""
+    stack: list[tuple[str | None, Any]] = [(None, value)]
+    while stack:
+        field, item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    return field, f"U+{ord(item[e.start]):04X}"
+        elif isinstance(item, dict):
+            stack.extend((field, key) for key in item)
+            stack.extend((f"{field}.{key}" if field else str(key), child) for key, child in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{field}[{i}]" if field else f"[{i}]", child) for i, child in enumerate(item))
+    return None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        """A string that is not Unicode text is a 422 here, before any tokenizer meets it."""
+        found = lone_surrogate(data)
+        if found is not None:  # not a ValueError: pydantic lets it through to the handler, naming the field
+            field, code = found
+            raise InvalidRequest(f"{field or 'request body'}: not Unicode text (a lone surrogate, {code})", field)
+        return data
 
 
 class ClassifyRequest(_Request):

@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from ..messages import GenerationRequest
-from .generation_schemas import MAX_TOOLS, ChatMessageIn, ToolDef, tools_of
+from .generation_schemas import MAX_MESSAGES, MAX_TOOLS, ChatMessageIn, ToolDef, tools_of
 from .routing import Backend, InputLimits, ModelRoutes
 from .schemas import _Request
 
@@ -20,7 +20,7 @@ MAX_DETOKENIZE = 131_072  # token ids per request
 class TokenizeRequest(_Request):
     model: StrictStr | None = Field(None, description="Model name (see /v1/models); default: the first generator.")
     prompt: StrictStr | None = Field(None, description="A text; or send `messages`.")
-    messages: list[ChatMessageIn] | None = Field(None, min_length=1,
+    messages: list[ChatMessageIn] | None = Field(None, min_length=1, max_length=MAX_MESSAGES,
                                                  description="A chat, rendered with the model's template.")
     tools: list[ToolDef] | None = Field(None, min_length=1, max_length=MAX_TOOLS,
                                         description="With messages: the functions, shown to the model as "

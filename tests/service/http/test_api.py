@@ -127,3 +127,32 @@ def test_readyz_and_models_use_the_backend_probe() -> None:
     assert request(FakeBackend(), "GET", "/readyz").json() == {"status": "ready", "deployments": {"encoder": "ready"}}
     models = request(FakeBackend(), "GET", "/v1/models").json()
     assert models["tasks"] == {"classify": ["enc"], "embed": ["enc"]} and models["data"][0]["ready"] is True
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/classify", '{"inputs": ["fine", "a\\ud800b"]}', "inputs[1]"),
+    ("/v1/embeddings", '{"input": "\\udfff"}', "input"),
+    ("/v1/classify", '{"inputs": "ok", "model": "e\\ud83dx"}', "model"),
+])
+def test_a_string_that_is_not_unicode_text_is_a_422_naming_where(path: str, body: str, param: str) -> None:
+    """JSON's escapes spell lone surrogates, which no tokenizer takes: a 422 at the edge naming the
+    field, never a 500, and no model is called."""
+    backend = FakeBackend()
+    r = request(backend, "POST", path, content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: not Unicode text (a lone surrogate")
+    assert backend.calls == []
+
+
+def test_lone_surrogates_are_found_anywhere_in_a_body_keys_included() -> None:
+    from service.http.schemas import lone_surrogate
+
+    assert lone_surrogate({"a": ["x", {"b": "é\ud800"}]}) == ("a[1].b", "U+D800")
+    assert lone_surrogate({"bias": {"\udc00": 1}}) == ("bias", "U+DC00")  # a key names its object
+    assert lone_surrogate("\ud800") == (None, "U+D800")
+    assert lone_surrogate({"a": ["é", "😀", {"b": "ok"}], "n": 3}) is None
+    deep: Any = "\ud800"
+    for _ in range(5000):  # deeper than Python's recursion limit
+        deep = [deep]
+    assert lone_surrogate(deep)[1] == "U+D800"

@@ -213,3 +213,43 @@ def test_the_routing_session_comes_from_the_header_else_the_openai_user() -> Non
     too_long = post(backend, "/v1/generate", {"prompt": "hi"}, {"x-session-id": "x" * 257})
     assert too_long.status_code == 422 and too_long.json()["error"]["param"] == "x-session-id"
     assert len(backend.requests) == 5
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", '{"prompt": "a\\ud800b", "add_special_tokens": false}', "prompt"),
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "\\udc00"}]}',
+     "messages[1].content"),
+])
+def test_a_prompt_that_is_not_unicode_text_is_a_422_not_a_500(path: str, body: str, param: str) -> None:
+    """The tenants issue's probe: /tokenize with a lone surrogate answered 500; every generation route
+    refuses it at the edge with the OpenAI error shape, and no replica is asked."""
+    backend = FakeBackend([])
+    app = create_api(Settings.build({"deployments": {"generator": {"model": GEN}}}, env={}), backend)
+
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+
+    r = asyncio.run(main())
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "lone surrogate" in error["message"]
+    assert error["param"] == param and backend.requests == []
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_more_chat_messages_than_any_context_holds_is_a_422_before_any_replica(path: str) -> None:
+    """The tenants issue's probe: 35,000 empty messages (1 MB) were rendered and tokenized on the
+    replica's loop; past MAX_MESSAGES the edge refuses them, naming the field."""
+    from service.http.generation_schemas import MAX_MESSAGES
+
+    backend = FakeBackend([])
+    messages = [{"role": "user", "content": ""}] * (MAX_MESSAGES + 1)
+    r = post(backend, path, {"messages": messages})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["param"] == "messages" and backend.requests == []
+    if path == "/v1/chat/completions":  # the bound itself passes the edge and reaches the replica
+        post(backend, path, {"messages": messages[:MAX_MESSAGES]})
+        assert len(backend.requests) == 1 and len(backend.requests[0].messages) == MAX_MESSAGES
