@@ -28,7 +28,7 @@ from ..common.tool_calls import Tool, ToolCall
 from ..errors import InvalidRequest
 from ..messages import AnswerFinish, ChatMessage, GrammarSpec
 from .logprobs import ChatLogprobs, CompletionLogprobs
-from .schemas import Texts, _Request
+from .schemas import Texts, _Body, _Request
 
 MAX_TOKENS = 1_000_000  # a static bound; the engine's max_new_tokens / max_total_tokens decide (422 naming them)
 MAX_STOPS = 8
@@ -97,7 +97,7 @@ Stops = Annotated[list[StopString], BeforeValidator(_as_list, json_schema_input_
                                                           "before the first one found.")]
 
 
-class Sampling(_Request):
+class Sampling(_Body):
     """Sampling fields shared by every generation route (None: the model's default)."""
 
     temperature: float | None = Field(None, ge=0, le=2, strict=True, allow_inf_nan=False,

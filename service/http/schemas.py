@@ -49,6 +49,10 @@ def lone_surrogate(value: Any) -> tuple[str | None, str] | None:
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+
+class _Body(_Request):
+    """A request's whole body (its parts are _Request models): checked once for text that is not Unicode."""
+
     @model_validator(mode="before")
     @classmethod
     def _unicode_text(cls, data: Any) -> Any:
@@ -60,7 +64,7 @@ class _Request(BaseModel):
         return data
 
 
-class ClassifyRequest(_Request):
+class ClassifyRequest(_Body):
     inputs: Texts = Field(description="A text or a list of texts; one result per text, in order.")
     model: StrictStr | None = Field(None, description="Model name (see /v1/models); default: the first.")
     truncate: StrictBool = Field(False, description="Cut texts longer than the model's limit instead of a 422.")
@@ -77,7 +81,7 @@ class ClassifyResponse(BaseModel):
     results: list[Classification]
 
 
-class EmbeddingsRequest(_Request):
+class EmbeddingsRequest(_Body):
     """OpenAI's embeddings request (texts only)."""
 
     input: Texts = Field(description="A text or a list of texts.")
@@ -112,7 +116,7 @@ class EmbeddingsResponse(BaseModel):
     usage: EmbeddingUsage
 
 
-class RerankRequest(_Request):
+class RerankRequest(_Body):
     """Text Embeddings Inference's rerank request: score each text's relevance to the query."""
 
     query: StrictStr = Field(description="The text every text is scored against.")
@@ -132,7 +136,7 @@ class Rank(BaseModel):
     text: str | None = Field(None, description="The text, when return_text is true (absent otherwise).")
 
 
-class TranslateRequest(_Request):
+class TranslateRequest(_Body):
     inputs: Texts = Field(description="A text or a list of texts; one translation per text, in order.")
     source_lang: StrictStr = Field(examples=["en"])
     target_lang: StrictStr = Field(examples=["es"])

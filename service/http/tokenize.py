@@ -12,12 +12,12 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr, model_v
 from ..messages import GenerationRequest
 from .generation_schemas import MAX_MESSAGES, MAX_TOOLS, ChatMessageIn, ToolDef, tools_of
 from .routing import Backend, InputLimits, ModelRoutes
-from .schemas import _Request
+from .schemas import _Body
 
 MAX_DETOKENIZE = 131_072  # token ids per request
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Body):
     model: StrictStr | None = Field(None, description="Model name (see /v1/models); default: the first generator.")
     prompt: StrictStr | None = Field(None, description="A text; or send `messages`.")
     messages: list[ChatMessageIn] | None = Field(None, min_length=1, max_length=MAX_MESSAGES,
@@ -45,7 +45,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: StrictStr | None = None
     tokens: list[StrictInt] = Field(max_length=MAX_DETOKENIZE, description="Token ids.")
 
