@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .adapters.lora import project
 from .config import BlockConfig
 from .norms import RMSNorm
 from .positions import apply_rotary
@@ -153,32 +154,34 @@ class MultiHeadAttention(nn.Module):
             x = norm(x)  # (B, T, heads, D): per head
         return x.transpose(1, 2)  # (B, heads, T, D)
 
-    def _project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _project_qkv(self, x: Tensor, adapters: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(B, T, C) -> q (B, H, T, D), k and v (B, K, T, D), by one fused product when fuse_qkv() ran."""
         if self.qkv is None:
-            return (self._split(self.q_proj(x), self.n_heads, self.q_norm), *self.project_kv(x))
+            q = project(self.q_proj, x, adapters)  # (B, T, H*D)
+            return (self._split(q, self.n_heads, self.q_norm), *self.project_kv(x, adapters))
         qd, kd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([qd, kd, kd], dim=-1)  # (B, T, H*D), (B, T, K*D) x2
+        q, k, v = project(self.qkv, x, adapters).split([qd, kd, kd], dim=-1)  # (B, T, H*D), (B, T, K*D) x2
         return (self._split(q, self.n_heads, self.q_norm), self._split(k, self.n_kv_heads, self.k_norm),
                 self._split(v, self.n_kv_heads))
 
-    def _project_qkv_rotated(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def _project_qkv_rotated(self, x: Tensor, rope: tuple[Tensor, Tensor],
+                             adapters: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """The fused product's q and k rotated together, as one (B, H + K, T, D) tensor: the rotation's
         elementwise kernels run once a layer instead of twice (what a GPU step is made of), the same
         values as rotating each."""
         b, t, _ = x.shape
         h, kh, d = self.n_heads, self.n_kv_heads, self.head_dim
         assert self.qkv is not None
-        qkv = self.qkv(x)  # (B, T, (H + 2K) * D)
+        qkv = project(self.qkv, x, adapters)  # (B, T, (H + 2K) * D)
         qk = qkv[..., :(h + kh) * d].reshape(b, t, h + kh, d).transpose(1, 2)  # (B, H + K, T, D) view
         q, k = apply_rotary(qk, *rope).split([h, kh], dim=1)  # (B, H, T, D), (B, K, T, D)
         v = qkv[..., (h + kh) * d:].reshape(b, t, kh, d).transpose(1, 2)  # (B, K, T, D)
         return q, k, v
 
-    def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def project_kv(self, x: Tensor, adapters: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(B, S, C) -> keys, values (B, K, S, D) each."""
-        k = self._split(self.k_proj(x), self.n_kv_heads, self.k_norm)  # (B, K, S, D)
-        v = self._split(self.v_proj(x), self.n_kv_heads)  # (B, K, S, D)
+        k = self._split(project(self.k_proj, x, adapters), self.n_kv_heads, self.k_norm)  # (B, K, S, D)
+        v = self._split(project(self.v_proj, x, adapters), self.n_kv_heads)  # (B, K, S, D)
         return k, v
 
     def forward(
@@ -189,25 +192,27 @@ class MultiHeadAttention(nn.Module):
         cache=None,
         kv: tuple[Tensor, Tensor] | None = None,
         bias: Tensor | None = None,
+        adapters: Tensor | None = None,
     ) -> Tensor:
         """x: (B, T, C); mask: (B|1, 1, T|1, S) bool; rope: cos, sin (B, 1, T, D).
 
         cache: a cache.dense.LayerCache to write this step's keys into (self-attention);
         kv: precomputed (B, K, S, D) keys/values (cross-attention), or (k, v, rows, width) with keys
         (N, K, S, D) one per source and mask (N, 1, 1, S) (cache.cross.CrossCache.grouped); bias: (B|1, H, T, S) added to the
-        scores (T5's relative positions). Returns (B, T, C).
+        scores (T5's relative positions); adapters: (B,) int64 each row's adapter slot (-1: none; models/adapters/),
+        None: no row has one. Returns (B, T, C).
         """
         b, t, _ = x.shape
         gqa = self.n_kv_heads != self.n_heads
         if kv is None and rope is not None and self.qkv is not None and self.q_norm is None and self.k_norm is None:
-            q, k, v = self._project_qkv_rotated(x, rope)  # (B, H, T, D), (B, K, T, D) x2
+            q, k, v = self._project_qkv_rotated(x, rope, adapters)  # (B, H, T, D), (B, K, T, D) x2
         elif kv is None:
-            q, k, v = self._project_qkv(x)  # (B, H, T, D), (B, K, T, D) x2
+            q, k, v = self._project_qkv(x, adapters)  # (B, H, T, D), (B, K, T, D) x2
             if rope is not None:
                 q = apply_rotary(q, *rope)  # (B, H, T, D)
                 k = apply_rotary(k, *rope)  # (B, K, T, D)
         else:
-            q = self._split(self.q_proj(x), self.n_heads, self.q_norm)  # (B, H, T, D)
+            q = self._split(project(self.q_proj, x, adapters), self.n_heads, self.q_norm)  # (B, H, T, D)
             k, v = kv[0], kv[1]  # (B, K, S, D) each, or (N, K, S, D) grouped
             if len(kv) == 4:
                 q = group_queries(q, kv[2], kv[3], k.size(0))  # (N, H, width*T, D)
@@ -223,4 +228,4 @@ class MultiHeadAttention(nn.Module):
         if kv is not None and len(kv) == 4:
             out = ungroup_queries(out, kv[2], kv[3], t)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*D)
-        return self.o_proj(out)  # (B, T, C)
+        return project(self.o_proj, out, adapters)  # (B, T, C)

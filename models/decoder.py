@@ -30,14 +30,16 @@ class DecoderLM(nn.Module):
         keep: Tensor | None = None,
         cache: CacheStep | None = None,
         last: Tensor | None = None,
+        adapters: Tensor | None = None,
     ) -> Tensor:
         """ids (B, T) -> logits (B, T, V), or (B, 1, V) at index `last` (B,) of each row.
 
         With `cache`, the step's keys/values are written into it; the caller advances the
         cache lengths by each row's real token count afterwards. The rows are right-padded there:
         without `keep`, `last` marks each row's last real token (a windowed cache stores only those).
+        adapters: (B,) int64 each row's adapter slot (-1: none; models/adapters/), None: no row has one.
         """
         if cache is not None and keep is None and last is not None:
             keep = torch.arange(ids.size(1), device=ids.device)[None, :] <= last[:, None]  # (B, T)
-        hidden = self.stack(ids, keep, cache)  # (B, T, C)
+        hidden = self.stack(ids, keep, cache, adapters=adapters)  # (B, T, C)
         return self.logits(gather_rows(hidden, last))

@@ -60,9 +60,10 @@ class EncoderModel(nn.Module):
         self.head_dense = nn.Linear(cfg.d_model, cfg.d_model) if has_dense else None
         self.head = nn.Linear(cfg.d_model, len(cfg.labels)) if cfg.labels else None
 
-    def forward(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None) -> Tensor:
-        """ids (B, T) -> hidden states (B, T, C)."""
-        return self.stack(ids, keep, token_types)
+    def forward(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None,
+                adapters: Tensor | None = None) -> Tensor:
+        """ids (B, T) -> hidden states (B, T, C); adapters (B,) int64 each row's adapter slot (-1: none)."""
+        return self.stack(ids, keep, token_types, adapters=adapters)
 
     def pool(self, hidden: Tensor, keep: Tensor) -> Tensor:
         """Sentence embeddings (B, C) from hidden (B, T, C), L2-normalised when the config says so."""

@@ -7,6 +7,7 @@ import math
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .adapters.lora import project
 from .attention import AttentionMask, MultiHeadAttention
 from .config import BlockConfig
 from .norms import make_norm
@@ -46,15 +47,17 @@ class FeedForward(nn.Module):
         del self.gate, self.up
         self.gate, self.gate_up = None, fused
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, adapters: Tensor | None = None) -> Tensor:
+        """x (B, T, C) -> (B, T, C); adapters (B,) int64: each row's adapter slot (-1: none)."""
         if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, F) each
+            gate, up = project(self.gate_up, x, adapters).chunk(2, dim=-1)  # (B, T, F) each
             h = self.act(gate) * up  # (B, T, F)
         elif self.gate is not None:
-            h = self.act(self.gate(x)).mul_(self.up(x))  # (B, T, F), in place: one buffer less
+            # in place: one buffer less
+            h = self.act(project(self.gate, x, adapters)).mul_(project(self.up, x, adapters))  # (B, T, F)
         else:
-            h = self.act(self.up(x))  # (B, T, F)
-        return self.down(self.dropout(h))  # (B, T, C)
+            h = self.act(project(self.up, x, adapters))  # (B, T, F)
+        return project(self.down, self.dropout(h), adapters)  # (B, T, C)
 
 
 class Embeddings(nn.Module):
@@ -117,13 +120,16 @@ class Block(nn.Module):
         cross_kv: tuple | None = None,
         cross_mask: Tensor | AttentionMask | None = None,
         bias: Tensor | None = None,
+        adapters: Tensor | None = None,
     ) -> Tensor:
         """x: (B, T, C) -> (B, T, C). cross_kv: (B, K, S_src, D) keys/values of the encoder output (or
         grouped, CrossCache.layer_kv);
-        bias: (B|1, H, T, S) added to the self-attention scores (T5's relative positions)."""
-        x = self._residual(x, self.self_norm, lambda h: self.self_attn(h, mask, rope, cache, bias=bias))
+        bias: (B|1, H, T, S) added to the self-attention scores (T5's relative positions); adapters: (B,)
+        int64 each row's adapter slot (-1: none; models/adapters/), None: no row has one."""
+        x = self._residual(x, self.self_norm,
+                           lambda h: self.self_attn(h, mask, rope, cache, bias=bias, adapters=adapters))
         if self.cross_attn is not None:
             if cross_kv is None:
                 raise ValueError("a cross-attention block needs the encoder's keys/values")
             x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(h, cross_mask, kv=cross_kv))
-        return self._residual(x, self.ff_norm, self.ff)
+        return self._residual(x, self.ff_norm, lambda h: self.ff(h, adapters))

@@ -32,11 +32,12 @@ class EncoderStack(nn.Module):
         self.norm = make_norm(cfg) if cfg.final_norm else None
 
     def forward(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None,
-                layers: Callable[[Tensor, Tensor | None], Tensor] | None = None) -> Tensor:
-        """ids: (B, T) long; keep: (B, T) bool, True = real token. Returns (B, T, C).
+                layers: Callable[..., Tensor] | None = None, adapters: Tensor | None = None) -> Tensor:
+        """ids: (B, T) long; keep: (B, T) bool, True = real token; adapters (B,) int64 each row's adapter
+        slot (-1: none; models/adapters/), None: no row has one. Returns (B, T, C).
 
-        `layers`: the blocks as an execution backend computes them (models/execution/: x (B, T, C) and
-        keep, None when no row is padded -> (B, T, C)); None runs them here."""
+        `layers`: the blocks as an execution backend computes them (models/execution/: x (B, T, C),
+        keep, None when no row is padded, and adapters -> (B, T, C)); None runs them here."""
         # no padding (always so for one text): positions without mask arithmetic
         full = keep is None or bool(keep.all())
         if keep is None:
@@ -45,12 +46,12 @@ class EncoderStack(nn.Module):
         positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids) if full else positions_from_mask(keep)
         x = self.embed(ids, positions, token_types)  # (B, T, C)
         if layers is not None:
-            x = layers(x, None if full else keep)  # (B, T, C)
+            x = layers(x, None if full else keep, adapters)  # (B, T, C)
         else:
             mask = AttentionMask.build(padding_mask(keep))  # (B, 1, 1, T)
             bias = self.relative_bias(positions, positions) if self.relative_bias is not None else None  # (B, H, T, T)
             for block in self.blocks:
-                x = block(x, mask, bias=bias)
+                x = block(x, mask, bias=bias, adapters=adapters)
         return self.norm(x) if self.norm is not None else x
 
 
@@ -79,8 +80,10 @@ class CausalStack(nn.Module):
         keep: Tensor | None = None,
         cache: CacheStep | None = None,
         cross: CrossCache | None = None,
+        adapters: Tensor | None = None,
     ) -> Tensor:
-        """ids: (B, T) long; keep: (B, T) bool; cache: rows to read/write; cross: encoder keys/values."""
+        """ids: (B, T) long; keep: (B, T) bool; cache: rows to read/write; cross: encoder keys/values;
+        adapters: (B,) int64 each row's adapter slot (-1: none; models/adapters/), None: no row has one."""
         b, t = ids.shape
         unpadded = keep is None
         if cache is not None:
@@ -113,7 +116,8 @@ class CausalStack(nn.Module):
             cross_mask = cross.mask if cross.mask is not None else AttentionMask.build(padding_mask(cross.src_keep))
         for i, block in enumerate(self.blocks):
             kv = cross.layer_kv(i) if cross is not None else None
-            x = block(x, mask, rope, cache.layer(i) if cache is not None else None, kv, cross_mask, bias=bias)
+            x = block(x, mask, rope, cache.layer(i) if cache is not None else None, kv, cross_mask, bias=bias,
+                      adapters=adapters)
         return self.norm(x) if self.norm is not None else x
 
 

@@ -19,6 +19,12 @@ from .native import CrossRows, NativeDecoder, NativeEncoder
 from .plan import ExecutionPlan, PhasePlan
 
 
+def _rows(adapters: Tensor | None) -> dict[str, Tensor]:
+    """The adapter argument of a forward or a backend call, only when some row has an adapter: a model
+    served without adapters (or a stand-in with the same forward) is called as it always was."""
+    return {} if adapters is None else {"adapters": adapters}
+
+
 @dataclass
 class EncoderExecutor:
     """An encoder's pass (phase encode): the blocks on the native backend or the model's own."""
@@ -27,19 +33,22 @@ class EncoderExecutor:
     plan: ExecutionPlan
     blocks: NativeEncoder | None = None  # the native backend's blocks, when the plan chose it
 
-    def hidden(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None) -> Tensor:
-        """ids (B, T), keep (B, T) -> hidden states (B, T, C)."""
-        return self.model.stack(ids, keep, token_types, layers=self.blocks)
+    def hidden(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None,
+               adapters: Tensor | None = None) -> Tensor:
+        """ids (B, T), keep (B, T), adapters (B,) each row's adapter slot (-1: none) -> hidden states (B, T, C)."""
+        return self.model.stack(ids, keep, token_types, layers=self.blocks, **_rows(adapters))
 
-    def embed(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None) -> Tensor:
+    def embed(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None,
+              adapters: Tensor | None = None) -> Tensor:
         """Pooled sentence embeddings (B, C), as EncoderModel.embed."""
         keep = keep if keep is not None else ids.new_ones(ids.shape, dtype=bool)  # (B, T)
-        return self.model.pool(self.hidden(ids, keep, token_types), keep)
+        return self.model.pool(self.hidden(ids, keep, token_types, adapters), keep)
 
-    def classify(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None) -> Tensor:
+    def classify(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None,
+                 adapters: Tensor | None = None) -> Tensor:
         """Label logits (B, L), as EncoderModel.classify."""
         keep = keep if keep is not None else ids.new_ones(ids.shape, dtype=bool)  # (B, T)
-        return self.model.logits(self.hidden(ids, keep, token_types), keep)
+        return self.model.logits(self.hidden(ids, keep, token_types, adapters), keep)
 
 
 @dataclass
@@ -61,20 +70,21 @@ class DecoderExecutor:
         """Whether prompts and decode steps run on different weights."""
         return self.prompt_model is not self.model
 
-    def prefill(self, ids: Tensor, cache, last: Tensor) -> Tensor:
+    def prefill(self, ids: Tensor, cache, last: Tensor, adapters: Tensor | None = None) -> Tensor:
         """Prompts (B, T), right-padded, `last` (B,) each one's last real index -> logits (B, 1, V)
-        on the prompt weights; their keys go to `cache` (a view) at each row's length."""
-        return self.prompt_model(ids, cache=cache, last=last)
+        on the prompt weights; their keys go to `cache` (a view) at each row's length. adapters (B,):
+        each row's adapter slot (-1: none; None: no row has one), as in every method here."""
+        return self.prompt_model(ids, cache=cache, last=last, **_rows(adapters))
 
-    def extend(self, ids: Tensor, cache, last: Tensor) -> Tensor:
+    def extend(self, ids: Tensor, cache, last: Tensor, adapters: Tensor | None = None) -> Tensor:
         """prefill on the decode weights (a preempted request's output, recomputed as it was decoded)."""
-        return self.model(ids, cache=cache, last=last)
+        return self.model(ids, cache=cache, last=last, **_rows(adapters))
 
-    def decode(self, ids: Tensor, cache) -> Tensor:
+    def decode(self, ids: Tensor, cache, adapters: Tensor | None = None) -> Tensor:
         """One token a row, ids (B, 1), over `cache` (a view) -> logits (B, 1, V)."""
         if self.step is not None:
-            return self.model.logits(self.step(ids, cache))  # (B, 1, V)
-        return self.model(ids, cache=cache)
+            return self.model.logits(self.step(ids, cache, **_rows(adapters)))  # (B, 1, V)
+        return self.model(ids, cache=cache, **_rows(adapters))
 
     def graphs(self, cache) -> object | None:
         """The decode steps as captured graphs over `cache` (the engine's) when the plan chose them."""

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..adapters.lora import LoraLinear
 from ..cache.cross import CrossCache
 from ..kernels import native
 from ..layers import Block, Embeddings, gelu_tanh
@@ -65,6 +66,7 @@ class LayerArgs(NamedTuple):
     heads: int
     kv_heads: int
     scale: float
+    adapters: list[LoraLinear | None]  # each projection's adapter slots (models/adapters/), None: none
 
     @property
     def cross(self) -> bool:
@@ -78,7 +80,9 @@ class LayerArgs(NamedTuple):
 
 def _projection(m: nn.Module | None, name: str, copies: bool = False) -> tuple:
     """(weights, bias, kind, outputs, activation parts) of a projection block_step runs (a tied head's
-    packed copy of the embedding matrix only with `copies`)."""
+    packed copy of the embedding matrix only with `copies`); of its base when it carries adapters."""
+    if isinstance(m, LoraLinear):
+        m = m.base
     if isinstance(m, BlockLinear):
         return m.records, m.bias, KINDS[m.fmt], m.out_features, m.activation_bits // 8
     if isinstance(m, PanelLinear) and (copies or not m.copy):
@@ -123,8 +127,9 @@ def layer_args(block: Block) -> LayerArgs:
     projections = [_projection(m, name) for m, name in zip(modules, names, strict=True)]
     weights, biases, kinds, outs, parts = (list(column) for column in zip(*projections, strict=True))
     scale = attn.head_dim ** -0.5 if attn.scale is None else attn.scale
+    adapters = [m if isinstance(m, LoraLinear) else None for m in modules]
     return LayerArgs(*norms, block.prenorm, weights, biases, kinds, outs, parts, act, gated, attn.n_heads,
-                     attn.n_kv_heads, scale)
+                     attn.n_kv_heads, scale, adapters)
 
 
 _SHARED = ("eps", "rms", "prenorm", "act", "gated", "heads", "kv_heads", "scale", "cross")
@@ -170,6 +175,9 @@ def stack_args(blocks: nn.ModuleList) -> Stack:
     eps, rms, prenorm, act, gated, heads, kv_heads, scale, cross = shared[0]
     held = native.module().Blocks(n, nb, eps, rms, prenorm, w, b, k, o, p, act, gated, heads, kv_heads, scale,
                                   len(layers), cross)
+    for index, lin in enumerate(m for a in layers for m in a.adapters):
+        if lin is not None:  # the same tensors the torch forward reads: a loaded adapter is seen by both
+            held.set_lora(index, lin.a, lin.bt, lin.ranks, list(lin.bounds), lin.rank)
     return Stack(layers, held)
 
 
@@ -266,9 +274,10 @@ class NativeEncoder:
         here(weight.dtype, weight.device)
         return cls(stack_args(stack.blocks))
 
-    def __call__(self, x: Tensor, keep: Tensor | None) -> Tensor:
-        """x (B, T, C) float32, keep (B, T) True = real token (left or right padding; None: all real) ->
-        (B, T, C), zeros at padding (pooling and cross-attention never read them)."""
+    def __call__(self, x: Tensor, keep: Tensor | None, adapters: Tensor | None = None) -> Tensor:
+        """x (B, T, C) float32, keep (B, T) True = real token (left or right padding; None: all real),
+        adapters (B,) int64 each row's adapter slot (-1: none) -> (B, T, C), zeros at padding (pooling and
+        cross-attention never read them)."""
         stack = self.stack
         b, t, c = x.shape
         n = len(stack.layers)
@@ -276,6 +285,8 @@ class NativeEncoder:
             pool = x.new_empty(b * stack.kv_heads * t + 1, stack.head_dim)  # (B * K * T + 1, D)
             slots, tables, keys = _unpadded_rows(b, t, stack.kv_heads, x.device)
             a = _args([pool] * n, [torch.empty_like(pool)] * n, t)
+            if adapters is not None:
+                a.adapters = adapters.repeat_interleave(t)  # (B * T,) each token's row's slot
             h = _run(stack, a, x.reshape(b * t, c), tables, slots=slots, keys=keys)  # (B * T, C)
             return h.view(b, t, c)  # (B, T, C)
         real = keep.reshape(-1).nonzero().squeeze(1)  # (M,) flat index of each real token
@@ -292,7 +303,10 @@ class NativeEncoder:
         tables, keys = seq[:, None].contiguous(), lengths.index_select(0, seq)  # (M, 1), (M,)
         h = x.reshape(b * t, c).index_select(0, real)  # (M, C)
         if h.size(0):
-            h = _run(stack, _args([k_pool] * n, [v_pool] * n, longest), h, tables, slots=slots, keys=keys)  # (M, C)
+            a = _args([k_pool] * n, [v_pool] * n, longest)
+            if adapters is not None:
+                a.adapters = adapters.index_select(0, seq)  # (M,) each token's row's slot
+            h = _run(stack, a, h, tables, slots=slots, keys=keys)  # (M, C)
         return x.new_zeros(b * t, c).index_copy_(0, real, h).view(b, t, c)  # (B, T, C)
 
 
@@ -363,9 +377,10 @@ class NativeDecoder:
         kv = [tuple(t.contiguous() for t in pair) for pair in cross.kv]  # (N, K, S, D) each
         return CrossRows(cross, [k for k, _ in kv], [v for _, v in kv], *sources)
 
-    def __call__(self, ids: Tensor, cache, cross: CrossRows | None = None) -> Tensor:
-        """ids (B, 1) over `cache`, a PagedCacheView whose decode kernel runs (the step begins it) ->
-        (B, 1, C), or the logits (B, 1, V) with a head."""
+    def __call__(self, ids: Tensor, cache, cross: CrossRows | None = None, adapters: Tensor | None = None) -> Tensor:
+        """ids (B, 1) over `cache`, a PagedCacheView whose decode kernel runs (the step begins it), adapters
+        (B,) int64 each row's adapter slot (-1: none; None: no row has one) -> (B, 1, C), or the logits
+        (B, 1, V) with a head."""
         b = ids.size(0)
         if cross is not None and cross.sources.size(0) != b:
             raise ValueError(f"cross rows for {cross.sources.size(0)} rows; this step has {b}")
@@ -382,6 +397,7 @@ class NativeDecoder:
         held = self._held
         if not held or held[0] is not cache.cache or held[1] is not cross:  # another cache, or another layout
             held[:] = [cache.cache, cross, _args(k_pools, v_pools, block, self.final, self.head, self.embedding, cross)]
+        held[2].adapters = None if adapters is None else adapters.reshape(-1).contiguous()  # (B,)
         out = _run(self.stack, held[2], rows, tables, past, rope=rope).view(b, 1, -1)  # (B, 1, C|V)
         if self.head is None and self.final is None and self.norm is not None:
             return self.norm(out)

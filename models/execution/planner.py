@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..adapters.lora import LoraLinear
 from ..cache.paged import kernel_runs
 from ..kernels import native
 from ..projections.panels import Bf16PanelLinear, BlockLinear
@@ -55,13 +56,24 @@ def _kind(model: nn.Module) -> tuple[str, bool]:
 
 
 def _weights(model: nn.Module) -> str:
-    """What a model's projections are, for a plan's detail: "q4_1 blocks", "bfloat16 panels", "float32", ..."""
+    """What a model's projections are, for a plan's detail: "q4_1 blocks", "bfloat16 panels", "float32", ...,
+    and the adapter slots beside them."""
+    return _formats(model) + _adapters(model)
+
+
+def _formats(model: nn.Module) -> str:
     formats = sorted({m.fmt for m in model.modules() if isinstance(m, BlockLinear)})
     if formats:
         return f"{'/'.join(formats)} blocks"
     if any(isinstance(m, Bf16PanelLinear) for m in model.modules()):
         return "bfloat16 panels"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def _adapters(model: nn.Module) -> str:
+    """The adapter slots beside a model's projections, for a plan's detail ("" without)."""
+    lora = next((m for m in model.modules() if isinstance(m, LoraLinear)), None)
+    return "" if lora is None else f", LoRA adapters: {lora.capacity} slots of rank <= {lora.rank}"
 
 
 class _Phase:
@@ -159,6 +171,8 @@ def _decode(model: nn.Module, runtime: Runtime, head: Callable[[], object] | Non
     device = next(model.parameters()).device
     if head is not None:
         phase.cannot("cuda_graphs", "needs a generator's engine (beam steps are not captured)")
+    elif _adapters(model):
+        phase.cannot("cuda_graphs", "no adapters (the captured steps have no per-row adapter slots)")
     elif runtime.graphs is False:
         phase.cannot("cuda_graphs", "engine.decode_graphs: false")
     elif not runtime.paged or model.cfg.sliding_window is not None or model.cfg.position == "relative":

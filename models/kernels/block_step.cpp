@@ -140,6 +140,7 @@ void check_vector(const c10::optional<at::Tensor>& t, int64_t n, const char* nam
 // down), pointers into the op's lists (a stack's lists hold every layer's, one layer after another)
 struct Layer {
   const at::Tensor* weights;
+  const Lora* lora;
   const c10::optional<at::Tensor>* biases;
   const int64_t* kinds;
   const int64_t* outs;
@@ -149,8 +150,12 @@ struct Layer {
   float eps;
   bool rms, prenorm;
 
-  at::Tensor project(size_t which, const at::Tensor& x) const {
-    return ts::project(static_cast<Kind>(kinds[which]), x, weights[which], biases[which], outs[which], parts[which]);
+  // projection `which` of x (B, I) -> (B, O), with each row's adapter (`adapters`: B slots, or null)
+  at::Tensor project(size_t which, const at::Tensor& x, const int64_t* adapters) const {
+    at::Tensor y = ts::project(static_cast<Kind>(kinds[which]), x, weights[which], biases[which], outs[which],
+                               parts[which]);
+    if (adapters != nullptr && lora[which].a.defined()) lora_add(x, y, lora[which], adapters);
+    return y;
   }
 
   // row of C floats -> its norm n, in place
@@ -206,6 +211,7 @@ struct Step {
   const c10::optional<at::Tensor>& source_keys;
   int64_t heads, kv_heads, block;
   double scale;
+  const int64_t* adapters;  // each row's adapter slot, or null: none
 };
 
 // the checks of one layer's lists (P projections, P / 2 norms) against the step's shape
@@ -260,7 +266,7 @@ at::Tensor run_layer(const Layer& layer, const at::Tensor& x, size_t P, const St
 
   // self-attention: q/k/v, rotary, the new key and value into the pool, then every row's keys
   at::Tensor h = layer.sublayer(0, x, [&](const at::Tensor& in) {
-    const at::Tensor qkv = layer.project(0, in);  // (B, (H + 2K) D)
+    const at::Tensor qkv = layer.project(0, in, st.adapters);  // (B, (H + 2K) D)
     at::Tensor q = at::empty({B, H, D}, x.options());  // (B, H, D)
     const float* qkvp = qkv.data_ptr<float>();
     float* qp = q.data_ptr<float>();
@@ -282,22 +288,22 @@ at::Tensor run_layer(const Layer& layer, const at::Tensor& x, size_t P, const St
       }
     });
     const at::Tensor attn = paged_decode(q, k_pool, v_pool, st.tables, st.keys, K, st.block, st.scale).view({B, H * D});  // (B, H D)
-    return layer.project(1, attn);  // (B, C)
+    return layer.project(1, attn, st.adapters);  // (B, C)
   });
 
   // cross-attention: each row's query against its source's encoder keys
   if (cross) {
     h = layer.sublayer(1, h, [&](const at::Tensor& in) {
-      const at::Tensor q = layer.project(2, in).view({B, H, D});  // (B, H, D)
+      const at::Tensor q = layer.project(2, in, st.adapters).view({B, H, D});  // (B, H, D)
       const at::Tensor attn =
           sources_attend(q, *cross_k, *cross_v, *st.sources, *st.source_keys, st.scale).view({B, H * D});  // (B, H D)
-      return layer.project(3, attn);  // (B, C)
+      return layer.project(3, attn, st.adapters);  // (B, C)
     });
   }
 
   // feed-forward: up (or gate/up), the activation, down
   return layer.sublayer(ff / 2, h, [&](const at::Tensor& in) {
-    at::Tensor up = layer.project(ff, in);  // (B, F) or (B, 2F)
+    at::Tensor up = layer.project(ff, in, st.adapters);  // (B, F) or (B, 2F)
     const Act fn = static_cast<Act>(st.act);
     const int64_t F = st.gated ? layer.outs[ff] / 2 : layer.outs[ff];
     at::Tensor a = st.gated ? at::empty({B, F}, x.options()) : up;  // (B, F)
@@ -312,14 +318,14 @@ at::Tensor run_layer(const Layer& layer, const at::Tensor& x, size_t P, const St
         }
       }
     });
-    return layer.project(ff + 1, a);  // (B, C)
+    return layer.project(ff + 1, a, st.adapters);  // (B, C)
   });
 }
 
 // block i of a stack's parameters
 Layer layer_of(const Blocks& bs, size_t i) {
   const size_t P = bs.P;
-  return Layer{bs.weights.data() + i * P, bs.biases.data() + i * P, bs.kinds.data() + i * P, bs.outs.data() + i * P,
+  return Layer{bs.weights.data() + i * P, bs.lora.data() + i * P, bs.biases.data() + i * P, bs.kinds.data() + i * P, bs.outs.data() + i * P,
                bs.parts.data() + i * P, bs.norms.data() + i * P / 2, bs.norm_biases.data() + i * P / 2,
                static_cast<float>(bs.eps), bs.rms, bs.prenorm};
 }
@@ -334,7 +340,7 @@ ts::Blocks::Blocks(std::vector<at::Tensor> norms_, std::vector<c10::optional<at:
     : norms(std::move(norms_)), norm_biases(std::move(norm_biases_)), weights(std::move(weights_)),
       biases(std::move(biases_)), kinds(std::move(kinds_)), outs(std::move(outs_)), parts(std::move(parts_)),
       eps(eps_), rms(rms_), prenorm(prenorm_), act(act_), gated(gated_), heads(heads_), kv_heads(kv_heads_),
-      scale(scale_), layers(static_cast<size_t>(layers_)), P(cross ? 6 : 4) {
+      scale(scale_), layers(static_cast<size_t>(layers_)), P(cross ? 6 : 4), lora(layers * P) {
   TORCH_CHECK(layers_ >= 1, "a stack has at least one layer");
   TORCH_CHECK(weights.size() == layers * P && biases.size() == layers * P && kinds.size() == layers * P &&
                   outs.size() == layers * P && parts.size() == layers * P,
@@ -342,6 +348,21 @@ ts::Blocks::Blocks(std::vector<at::Tensor> norms_, std::vector<c10::optional<at:
   TORCH_CHECK(norms.size() == layers * P / 2 && norm_biases.size() == layers * P / 2, P / 2, " norms per layer");
   TORCH_CHECK(act >= 0 && act <= 3, "unknown activation ", act);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "H must be a multiple of K");
+}
+
+void ts::Blocks::set_lora(int64_t index, at::Tensor a, at::Tensor bt, at::Tensor ranks, std::vector<int64_t> bounds,
+                          int64_t rank) {
+  TORCH_CHECK(index >= 0 && static_cast<size_t>(index) < lora.size(), "projection ", index, " outside the stack");
+  const int64_t P = static_cast<int64_t>(bounds.size()) - 1;
+  TORCH_CHECK(P >= 1 && rank >= 1 && bounds.front() == 0 && bounds.back() == outs[index], "bounds must cover the outputs");
+  TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat &&
+                  a.is_contiguous() && bt.is_contiguous() && a.size(0) == bt.size(0) && a.size(1) == P * rank &&
+                  bt.size(1) == P * rank && bt.size(2) == outs[index],
+              "adapter factors must be contiguous float32 (N, P r, I) and (N, P r, O)");
+  TORCH_CHECK(ranks.dim() == 2 && ranks.scalar_type() == at::kLong && ranks.is_contiguous() && ranks.size(0) == a.size(0) &&
+                  ranks.size(1) == P,
+              "adapter ranks must be a contiguous (N, P) int64 tensor");
+  lora[index] = Lora{std::move(a), std::move(bt), std::move(ranks), std::move(bounds), rank};
 }
 
 // A causal stack's whole decode step in one call: each row's token embedding (scaled, plus its
@@ -352,7 +373,7 @@ ts::Blocks::Blocks(std::vector<at::Tensor> norms_, std::vector<c10::optional<at:
 at::Tensor ts::stack_step(const Blocks& bs, const StepArgs& a) {
   const auto& [x, ids, embed, pos_table, positions, cos, sin, embed_scale, k_pools, v_pools, slots, keys, tables, past,
                block, cross_k, cross_v, sources, source_keys, final_norm, final_norm_bias, final_eps, final_rms, head,
-               head_bias, head_kind, head_n, head_parts] = a;
+               head_bias, head_kind, head_n, head_parts, adapters] = a;
 
   const size_t L = bs.layers, P = bs.P;
   const bool cross = P == 6;
@@ -433,8 +454,15 @@ at::Tensor ts::stack_step(const Blocks& bs, const StepArgs& a) {
     }
   }
   const int64_t B = h.size(0), C = h.size(1);
+  const int64_t* row_adapters = nullptr;
+  if (adapters.has_value()) {
+    const at::Tensor& ad = *adapters;
+    TORCH_CHECK(ad.dim() == 1 && ad.scalar_type() == at::kLong && ad.is_contiguous() && ad.size(0) == B,
+                "adapters must be a contiguous (B,) int64 tensor");
+    row_adapters = ad.data_ptr<int64_t>();
+  }
   const Step st{bs.act, bs.gated, cos, sin, slot_t, tables, key_t, sources, source_keys, bs.heads, bs.kv_heads, block,
-                bs.scale};
+                bs.scale, row_adapters};
   for (size_t i = 0; i < L; ++i) {
     check_pools(k_pools[i], v_pools[i], D);
     TORCH_CHECK(k_pools[i].size(0) == k_pools[0].size(0), "every layer's pool has the same rows");
@@ -450,7 +478,7 @@ at::Tensor ts::stack_step(const Blocks& bs, const StepArgs& a) {
     check_vector(final_norm_bias, C, "the final norm's bias");
     const at::Tensor fn[1] = {*final_norm};
     const c10::optional<at::Tensor> fb[1] = {final_norm_bias};
-    const Layer norm{nullptr, nullptr, nullptr, nullptr, nullptr, fn, fb, static_cast<float>(final_eps), final_rms, true};
+    const Layer norm{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, fn, fb, static_cast<float>(final_eps), final_rms, true};
     at::Tensor out = at::empty_like(h);  // (B, C)
     const float* hp = h.data_ptr<float>();
     float* op = out.data_ptr<float>();

@@ -14,7 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<c10::optional<at::Tensor>>, double, bool, bool,
                           std::vector<at::Tensor>, std::vector<c10::optional<at::Tensor>>, std::vector<int64_t>,
                           std::vector<int64_t>, std::vector<int64_t>, int64_t, bool, int64_t, int64_t, double,
-                          int64_t, bool>());
+                          int64_t, bool>())
+      .def("set_lora", &ts::Blocks::set_lora);
   pybind11::class_<ts::StepArgs>(m, "StepArgs")
       .def(pybind11::init<>())
       .def_readwrite("x", &ts::StepArgs::x)
@@ -44,7 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("head_bias", &ts::StepArgs::head_bias)
       .def_readwrite("head_kind", &ts::StepArgs::head_kind)
       .def_readwrite("head_n", &ts::StepArgs::head_n)
-      .def_readwrite("head_parts", &ts::StepArgs::head_parts);
+      .def_readwrite("head_parts", &ts::StepArgs::head_parts)
+      .def_readwrite("adapters", &ts::StepArgs::adapters);
   m.def("stack_step", &ts::stack_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "One step of a stack of blocks (block_step.cpp)");
   m.def("beam_top", &ts::beam_top, pybind11::call_guard<pybind11::gil_scoped_release>(),

@@ -25,7 +25,8 @@ import torch
 log = logging.getLogger("models.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("panels.cpp", "attention.cpp", "block_step.cpp", "select.cpp", "pool.cpp", "module.cpp")]
+           for name in ("panels.cpp", "attention.cpp", "block_step.cpp", "lora.cpp", "select.cpp", "pool.cpp",
+                        "module.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
 NAME = "ts_panels"  # the ops' namespace: torch.ops.ts_panels
 DISABLE_ENV = "TS_NATIVE_KERNELS"

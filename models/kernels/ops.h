@@ -49,6 +49,18 @@ std::vector<Candidates> search_select(const at::Tensor& logits, const std::vecto
 void copy_blocks(const at::Tensor& pool, const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
                  int64_t block_rows);
 
+// One projection's adapter slots (models/adapters/lora.py's LoraLinear): a (N, P r, I) and bt (N, P r, O)
+// float32, ranks (N, P) int64 the ranks each part of a slot uses, bounds (P + 1,) the parts' outputs,
+// r (`rank`) ranks a part. Undefined `a`: the projection carries no adapters.
+struct Lora {
+  at::Tensor a, bt, ranks;
+  std::vector<int64_t> bounds;
+  int64_t rank = 0;
+};
+
+// y (R, O) += each row's adapter update from x (R, I), slots[b] the row's slot (-1: none) (lora.cpp)
+void lora_add(const at::Tensor& x, at::Tensor& y, const Lora& lora, const int64_t* slots);
+
 // A stack's parameters, held once (models/execution/native.py builds one per stack, through module.cpp):
 // each block's norms and projections in turn (qkv, o, [cross q, cross o,] up or gate/up, down; the
 // sublayers' norms self, [cross,] ff), and what every block shares. A step passes this one object.
@@ -65,11 +77,16 @@ struct Blocks {
   int64_t heads, kv_heads;
   double scale;
   size_t layers, P;  // projections a layer: 4, or 6 with cross-attention
+  std::vector<Lora> lora;  // each projection's adapter slots, in the order of `weights` (set_lora)
 
   Blocks(std::vector<at::Tensor> norms, std::vector<c10::optional<at::Tensor>> norm_biases, double eps, bool rms,
          bool prenorm, std::vector<at::Tensor> weights, std::vector<c10::optional<at::Tensor>> biases,
          std::vector<int64_t> kinds, std::vector<int64_t> outs, std::vector<int64_t> parts, int64_t act, bool gated,
          int64_t heads, int64_t kv_heads, double scale, int64_t layers, bool cross);
+
+  // projection `index` (of `weights`) carries adapter slots: a, bt, ranks and bounds as Lora's
+  void set_lora(int64_t index, at::Tensor a, at::Tensor bt, at::Tensor ranks, std::vector<int64_t> bounds,
+                int64_t rank);
 };
 
 // What one stack_step computes besides the stack itself, by name (module.cpp binds each field; Python sets
@@ -79,7 +96,8 @@ struct Blocks {
 // count `keys` (B,), or each row's `past` length (a decode step: the op derives both, and the position,
 // through the row's `tables` (B, M) of `block`-token blocks). With cross-attention, each layer's encoder
 // keys and values (N, K, S, D) and each row's source (B, 1) with its key count. Then the final norm and
-// the output projection `head` (its `head_kind` layout, `head_n` outputs) when given.
+// the output projection `head` (its `head_kind` layout, `head_n` outputs) when given. `adapters` (B,)
+// int64: each row's adapter slot (-1: none) in the projections that carry them (Blocks::set_lora).
 struct StepArgs {
   c10::optional<at::Tensor> x, ids, embed, pos_table, positions, cos, sin;
   double embed_scale = 1.0;
@@ -95,6 +113,7 @@ struct StepArgs {
   bool final_rms = true;
   c10::optional<at::Tensor> head, head_bias;
   int64_t head_kind = 0, head_n = 0, head_parts = 1;
+  c10::optional<at::Tensor> adapters;
 };
 
 // One step of a stack (block_step.cpp): the rows through every block, then the final norm and the head

@@ -60,9 +60,9 @@ class Counted:
     def __init__(self, backend: object) -> None:
         self.backend, self.calls = backend, []
 
-    def __call__(self, *args: object) -> torch.Tensor:
+    def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
         self.calls.append(args)
-        return self.backend(*args)
+        return self.backend(*args, **kwargs)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.backend, name)
@@ -390,8 +390,10 @@ def fast_encoder(weights: str = "f32") -> EncoderModel:
     return model
 
 
-def encoded(model: EncoderModel, rows: list[list[int]], left: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden states (B, T, C) and keep (B, T) of `rows` padded on one side, on `backend`."""
+def encoded(model: EncoderModel, rows: list[list[int]], left: bool, backend: str,
+            adapters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states (B, T, C) and keep (B, T) of `rows` padded on one side, on `backend` (each row with
+    its adapter slot in `adapters`)."""
     executor = plan_model(model, backend)
     if backend == "native":
         executor.blocks = Counted(executor.blocks)
@@ -402,7 +404,7 @@ def encoded(model: EncoderModel, rows: list[list[int]], left: bool, backend: str
         span = slice(t - len(r), t) if left else slice(0, len(r))
         ids[i, span], keep[i, span] = torch.tensor(r), True
     with torch.inference_mode():
-        hidden = executor.hidden(ids, keep)
+        hidden = executor.hidden(ids, keep, adapters=adapters)
     assert backend != "native" or len(executor.blocks.calls) == 1
     return hidden, keep
 

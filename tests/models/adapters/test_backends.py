@@ -1,0 +1,122 @@
+"""Adapters on every execution backend: the native step (float32 panels, q4_1 / q8_0 blocks, bfloat16
+panels) and the compiled blocks give each row what the torch forward gives it, and a row's bits do not
+depend on the adapters of the rows beside it.
+
+    B rows, T tokens, V vocabulary
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.adapters import ResidentAdapters, read_adapter
+from models.adapters.peft import random_llama_factors, save_adapter
+from models.cache.paged import PagedKVCache
+from models.execution.planner import plan_model
+from models.kernels import native
+from tests.models.cache.test_paged import PROMPTS
+from tests.models.execution.test_native import POST_NORM, encoded, fast_encoder, fast_model, run
+from tests.models.projections.test_quant import needs_kernels
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), needs_kernels]
+RANKS = (4, 8, 2)
+
+
+def with_adapters(model, tmp_path, ranks=RANKS, capacity: int = 4):  # noqa: ANN001, ANN201
+    """`model` with adapters of `ranks` loaded in slots 0.. (each on a subset of the projections)."""
+    resident = ResidentAdapters([model], capacity=capacity, rank=max(ranks))
+    subsets = [("q_proj", "v_proj", "o_proj"), ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj"), ("up_proj", "down_proj")]
+    for i, r in enumerate(ranks):
+        factors = random_llama_factors(model, r, seed=i, modules=subsets[i % 3])
+        resident.load(read_adapter(save_adapter(tmp_path / f"a{i}", factors, r, 2 * r)))
+    return resident
+
+
+class Sloted:
+    """An executor whose prefill and decode pass each row's adapter slot."""
+
+    def __init__(self, executor, slots: torch.Tensor) -> None:  # noqa: ANN001
+        self.executor, self.slots = executor, slots
+        self.model = executor.model
+
+    def prefill(self, ids, cache, last):  # noqa: ANN001, ANN201
+        return self.executor.prefill(ids, cache, last, adapters=self.slots)
+
+    def decode(self, ids, cache):  # noqa: ANN001, ANN201
+        return self.executor.decode(ids, cache, adapters=self.slots)
+
+
+def steps(model, backend: str, slots: torch.Tensor, prompts=PROMPTS) -> list[torch.Tensor]:  # noqa: ANN001
+    executor = plan_model(model, {"decode": backend})
+    assert executor.plan.backend("decode") == backend
+    cache = PagedKVCache.for_model(model.cfg, rows=len(prompts), blocks=20, max_len=64)
+    return run(Sloted(executor, slots), cache, prompts, 12)
+
+
+@pytest.mark.parametrize(("weights", "changes"), [("q4_1", {}), ("f32", {}), ("q8_0", POST_NORM)])
+def test_the_native_step_gives_each_row_its_adapter_as_the_blocks_do(weights, changes, tmp_path) -> None:
+    model = fast_model(weights, **changes)
+    with_adapters(model, tmp_path)
+    slots = torch.tensor([0, 1, -1, 2, 0][:len(PROMPTS)])  # (B,)
+    blocks = steps(model, "torch", slots)
+    fast = steps(model, "native", slots)
+    plain = steps(model, "native", torch.full_like(slots, -1))
+    atol = 1e-4 if weights != "f32" else 1e-5
+    for step, (b, n) in enumerate(zip(blocks, fast, strict=True)):
+        torch.testing.assert_close(n, b, rtol=1e-5, atol=atol, msg=f"step {step}")
+    base_row = int((slots == -1).nonzero()[0])
+    torch.testing.assert_close(fast[-1][base_row], plain[-1][base_row], rtol=0, atol=0)
+    assert not torch.allclose(fast[-1][0], plain[-1][0], atol=1e-3)  # the adapters change their rows
+
+
+def test_a_row_through_the_native_step_has_the_same_bits_whatever_adapters_are_beside_it(tmp_path) -> None:
+    model = fast_model("q4_1")
+    with_adapters(model, tmp_path)
+    prompts = PROMPTS[:3]
+    together = steps(model, "native", torch.tensor([1, 0, 2]), prompts)
+    for row, slot in enumerate((1, 0, 2)):
+        others = [(slot + 1) % 3 if r != row else slot for r in range(3)]
+        apart = steps(model, "native", torch.tensor(others), prompts)
+        for t, a in zip(together, apart, strict=True):
+            assert torch.equal(t[row], a[row])
+
+
+@pytest.mark.skipif(not native.has_bf16(), reason="bfloat16 panels need AVX512-BF16")
+def test_adapters_beside_bfloat16_panels(tmp_path) -> None:
+    from models.projections.dense import pack_dense
+    from models.projections.fuse import fuse_projections
+    from tests.models.cache.test_paged import gqa_model
+
+    model = fuse_projections(gqa_model())
+    pack_dense(model, "bf16")
+    with_adapters(model, tmp_path)
+    slots = torch.tensor([0, 1, -1, 2, 0][:len(PROMPTS)])
+    # without adapters the two are the same bits; the updates' float32 sums differ in order (bmm against the
+    # op's loops), and the next projection rounds its input to bfloat16, so a last-bit difference can move
+    # an input by one bfloat16 step (2^-8 relative)
+    for b, n in zip(steps(model, "torch", slots), steps(model, "native", slots), strict=True):
+        torch.testing.assert_close(n, b, rtol=1e-2, atol=1e-2)
+        assert torch.equal(n.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_the_native_encoder_gives_each_sequence_its_adapter(left, tmp_path) -> None:
+    model = fast_encoder()
+    resident = ResidentAdapters([model], capacity=2, rank=4)
+    factors = {}
+    for name, (a, b) in random_llama_factors(model, 4, seed=3, modules=("q_proj", "up_proj", "down_proj")).items():
+        layer = name.split(".")[2]
+        hf = {"q_proj": "attention.self.query", "up_proj": "intermediate.dense", "down_proj": "output.dense"}[
+            name.rsplit(".", 1)[-1]]
+        factors[f"bert.encoder.layer.{layer}.{hf}"] = (a, b)
+    resident.load(read_adapter(save_adapter(tmp_path / "enc", factors, 4, 8, "FEATURE_EXTRACTION")))
+    rows = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    slots = torch.tensor([0, -1, 0])
+    blocks, keep = encoded(model, rows, left, "torch", slots)
+    fast, _ = encoded(model, rows, left, "native", slots)
+    plain, _ = encoded(model, rows, left, "native")
+    torch.testing.assert_close(fast[keep], blocks[keep], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast[1][keep[1]], plain[1][keep[1]], rtol=0, atol=0)
+    assert not torch.allclose(fast[0][keep[0]], plain[0][keep[0]], atol=1e-3)
