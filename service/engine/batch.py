@@ -95,6 +95,13 @@ class RunningBatch(Prefill, Blocks, LookAhead, Verify):
             return torch.tensor(rows, dtype=torch.long, device=self.device)
         return torch.tensor(rows, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
 
+    def _slots(self, seqs: list[SeqState]) -> Tensor | None:
+        """Each request's adapter slot (B,) on the engine's device (-1: the base model); None when none
+        has an adapter (the forward adds nothing then)."""
+        if all(s.adapter < 0 for s in seqs):
+            return None
+        return torch.tensor([s.adapter for s in seqs], dtype=torch.long, device=self.device)
+
     def _start_masks(self, seqs: list[SeqState | None]) -> Future[Tensor | None] | None:
         """Begin the allowed-token masks of the constrained rows among `seqs` (None: a row with no
         constraint) on a worker thread, so they are computed while the forward pass runs; None when no
@@ -149,7 +156,7 @@ class RunningBatch(Prefill, Blocks, LookAhead, Verify):
             logits = self.graphs.step([s.pending for s in seqs], start, stop)  # (B, V)
         else:
             ids = self._to_device([[s.pending] for s in seqs])  # (B, 1)
-            logits = self.steps.decode(ids, self.cache.view(start, stop))[:, 0]  # (B, V)
+            logits = self.steps.decode(ids, self.cache.view(start, stop), self._slots(seqs))[:, 0]  # (B, V)
         if whole:
             params, samplers = self._batch_params()
         else:

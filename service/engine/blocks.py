@@ -26,7 +26,7 @@ class Blocks:
 
     def pin_prefix(self, seq: SeqState, hit: int) -> Pin | None:
         """Keep the prefix cache's first `hit` tokens of seq's context until unpin_prefix (None: no hit)."""
-        return self.prefix.pin(seq.context, hit) if hit and self.prefix is not None else None
+        return self.prefix.pin(seq.context, hit, seq.salt) if hit and self.prefix is not None else None
 
     def unpin_prefix(self, pin: Pin) -> None:
         if self.prefix is not None:
@@ -72,16 +72,16 @@ class Blocks:
             hits = [0] * len(group)
         for row, (c, hit) in enumerate(zip(contexts, hits, strict=True), start):
             if hit:
-                self.prefix.load(c, hit, row)
+                self.prefix.load(c, hit, row, group[row - start].salt)
                 self.cache.set_lengths(hit, row, row + 1)
         if self.split:  # each part with the weights that first computed it, row by row (each fits alone)
             for row, (seq, hit) in enumerate(zip(group, hits, strict=True), start):
-                self._recompute(row, seq.context, hit, len(seq.prompt))
+                self._recompute(row, seq, hit)
         else:
             padded = PaddedBatch.from_token_lists([c[h:] for c, h in zip(contexts, hits, strict=True)],
                                                   device=self.device, multiple=self._width_multiple(len(group)),
                                                   limit=self.cache.max_len - max(hits))  # (B, T)
-            self.steps.prefill(padded.ids, self.cache.view(start, stop), padded.last_index())
+            self.steps.prefill(padded.ids, self.cache.view(start, stop), padded.last_index(), self._slots(group))
             self.cache.advance(padded.lengths, start, stop)
         seen = self.seen[start:stop].zero_()  # (B, V) view
         counts = self.counts[start:stop].zero_()  # (B, V) view
@@ -90,19 +90,20 @@ class Blocks:
             counts[i] = torch.bincount(torch.tensor(seq.tokens, device=self.device), minlength=counts.size(1))
             seq.resume = False
             if self.prefix is not None:  # with a prompt model, only blocks it computed: prompts' blocks
-                self.prefix.store(seq.prompt if self.split else contexts[i], start + i)
+                self.prefix.store(seq.prompt if self.split else contexts[i], start + i, seq.salt)
         self.rows.extend(group)
         self._params = None
 
-    def _recompute(self, row: int, context: list[int], done: int, prompt: int) -> None:
-        """Row `row` holds context[:done]: compute the rest of its first `prompt` tokens with the prompt
-        model and the rest after them with the decode model, each padded as a prefill pads it."""
+    def _recompute(self, row: int, seq: SeqState, done: int) -> None:
+        """Row `row` holds seq.context[:done]: compute the rest of its prompt with the prompt model and
+        the rest after it with the decode model, each padded as a prefill pads it."""
+        context, prompt = seq.context, len(seq.prompt)
         for forward, end in ((self.steps.prefill, prompt), (self.steps.extend, len(context))):
             if done < end:
                 padded = PaddedBatch.from_token_lists([context[done:end]], device=self.device,
                                                       multiple=self._width_multiple(1),
                                                       limit=self.cache.max_len - done)  # (1, T)
-                forward(padded.ids, self.cache.view(row, row + 1), padded.last_index())
+                forward(padded.ids, self.cache.view(row, row + 1), padded.last_index(), self._slots([seq]))
                 self.cache.advance(padded.lengths, row, row + 1)
                 done = end
 
@@ -112,7 +113,7 @@ class Blocks:
         decoded)."""
         if self.prefix is None:
             return 0
-        hit = self.prefix.lookup(seq.context)
+        hit = self.prefix.lookup(seq.context, seq.salt)
         if seq.resume and self.split:
             hit = min(hit, len(seq.prompt) // BLOCK * BLOCK)
         return hit
@@ -123,7 +124,7 @@ class Blocks:
         kept as seq.cached_tokens)."""
         hit = self.cached(seq) if hit is None else hit
         if hit:
-            self.prefix.load(seq.prompt, hit, row)
+            self.prefix.load(seq.prompt, hit, row, seq.salt)
             self.cache.set_lengths(hit, row, row + 1)
         seq.cached_tokens = hit
         return hit

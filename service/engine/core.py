@@ -13,6 +13,7 @@ is retried row by row and fails only the rows that fail again; anything else fai
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -20,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from models.adapters import Held, ResidentAdapters
 from models.cache.base import KeyValueCache
 from models.cache.dense import KVCache
 from models.cache.paged import PagedKVCache
@@ -32,6 +34,7 @@ from models.execution.planner import Runtime, plan_model
 from models.inputs import select_batch
 from models.text import TextTokenizer
 
+from ..errors import InvalidRequest
 from ..telemetry.hooks import EngineObserver
 from .admission import Ask, ewma
 from .batch import RunningBatch
@@ -60,6 +63,9 @@ class Submission:
     # waits for the whole answer), be answered by then
     deadline: float | None = None
     whole: bool = False
+    # its adapter's slot, held by the caller (models/adapters/ResidentAdapters.acquire): the engine releases
+    # it when the request finishes once submit_many returned; if submit_many raises, the caller still holds it
+    adapter: Held | None = None
 
 
 def engine_runtime(config: EngineConfig) -> Runtime:
@@ -80,12 +86,14 @@ class GenerationEngine(StepLoop):
     def __init__(self, model: DecoderLM | DecoderExecutor, tokenizer: TextTokenizer, config: EngineConfig | None = None,
                  observer: EngineObserver | None = None, name: str = "generation-engine",
                  after_step: Callable[[], object] | None = None, max_input_tokens: int | None = None,
-                 prompt_model: DecoderLM | None = None, draft: DecoderExecutor | None = None) -> None:
+                 prompt_model: DecoderLM | None = None, draft: DecoderExecutor | None = None,
+                 adapters: ResidentAdapters | None = None) -> None:
         """`model`: its executor (models.catalog.LoadedModel.executor), planned for this engine's
         config (engine_runtime); a bare model is planned here with execution "auto", with
         `prompt_model` (the same model on other weights) for prompts. `max_input_tokens`: the model's
         input limit (the prompt limit when the config sets none). `draft`: the draft model's executor
-        (config.speculative.method "draft" only)."""
+        (config.speculative.method "draft" only). `adapters`: the model's adapter slots, when it serves
+        adapters (a Submission's `adapter` is one of them)."""
         self.config = config or EngineConfig()
         if isinstance(model, DecoderExecutor):
             steps = model
@@ -93,7 +101,7 @@ class GenerationEngine(StepLoop):
             steps = plan_model(model, "auto", engine_runtime(self.config), prompt_model)
         model = steps.model
         weight = next(model.parameters())
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
         self.device = weight.device
         self.limits = EngineLimits.resolve(self.config, model.cfg, weight.dtype, max_input_tokens)
         self.cache: KeyValueCache
@@ -205,8 +213,12 @@ class GenerationEngine(StepLoop):
             request_id = sub.request_id or uuid.uuid4().hex
             handle = RequestHandle(request_id, self.cancel, loop)
             matcher = self.grammars.matcher(sub.grammar) if sub.grammar is not None else None
+            held = sub.adapter
+            if held is not None and self.adapters is None:
+                raise InvalidRequest("this model serves no adapters", "model")
             seqs.append(SeqState(request_id, prompt, params, handle, self.tokenizer, self._eos, time.perf_counter(),
-                                 matcher))
+                                 matcher, -1 if held is None else held.slot, "" if held is None else held.key,
+                                 None if held is None else functools.partial(self.adapters.release, held.slot)))
             handles.append(handle)
         self._enqueue(seqs, [Ask(seq.params.max_new_tokens, bool(seq.params.ignore_eos), sub.deadline, sub.whole)
                              for seq, sub in zip(seqs, submissions, strict=True)])
@@ -414,7 +426,7 @@ class GenerationEngine(StepLoop):
         with self._cond:
             now = time.perf_counter()
             while (self._waiting and len(siblings) < self._batch.free
-                   and self._waiting[0].prompt == seq.prompt):
+                   and self._waiting[0].prompt == seq.prompt and self._waiting[0].salt == seq.salt):
                 sibling = self._pop_waiting()
                 sibling.admitted = now
                 siblings.append(sibling)

@@ -56,7 +56,8 @@ class Prefill:
         masks = self._start_masks(group) if last else None
         padded = PaddedBatch.from_token_lists([piece], device=self.device, multiple=self._width_multiple(1),
                                               limit=self.cache.max_len - done)  # (1, T): padded as prefill pads
-        logits = self.steps.prefill(padded.ids, self.cache.view(row, row + 1), padded.last_index())[:, 0]  # (1, V)
+        logits = self.steps.prefill(padded.ids, self.cache.view(row, row + 1), padded.last_index(),
+                                    self._slots([seq]))[:, 0]  # (1, V)
         if not last:
             self.cache.advance(len(piece), row, row + 1)
             self.partial_done += len(piece)
@@ -71,7 +72,7 @@ class Prefill:
                         self.seen[start:stop], counts, self._allowed(masks))  # (B,)
         self.cache.advance(len(piece), row, row + 1)
         if self.prefix is not None:
-            self.prefix.store(seq.prompt, row)
+            self.prefix.store(seq.prompt, row, seq.salt)
         for sibling in siblings:
             sibling.cached_tokens = len(sibling.prompt)  # nothing computed for it
         for dst in range(start + 1, stop):
@@ -89,8 +90,8 @@ class Prefill:
         """One forward over the right-padded prompts on rows [n, n + B), sampling each first token at
         its last prompt index; the group joins the batch only if all of this succeeds.
 
-        Requests with the same prompt (n > 1 siblings, or the same prompt sent twice) are computed
-        once: the group is reordered so each distinct prompt's first request comes first, the forward
+        Requests with the same prompt and adapter (n > 1 siblings, or the same prompt sent twice) are
+        computed once: the group is reordered so each distinct prompt's first request comes first, the forward
         runs on those rows only, and the others get a copy of that row's cache and its logits (each
         still samples with its own generator)."""
         with self._released_on_failure():
@@ -100,11 +101,11 @@ class Prefill:
         start, stop = len(self.rows), len(self.rows) + len(group)
         if len(group) > self.free:
             raise ValueError(f"{len(group)} requests do not fit the {self.free} free cache rows")
-        firsts: dict[tuple[int, ...], int] = {}
+        firsts: dict[tuple[str, tuple[int, ...]], int] = {}
         for i, seq in enumerate(group):
-            firsts.setdefault(tuple(seq.prompt), i)
+            firsts.setdefault((seq.salt, tuple(seq.prompt)), i)
         group = [group[i] for i in firsts.values()] + [s for i, s in enumerate(group) if i not in firsts.values()]
-        source = [list(firsts).index(tuple(seq.prompt)) for seq in group]  # (B,): the computed row of each
+        source = [list(firsts).index((seq.salt, tuple(seq.prompt))) for seq in group]  # (B,): the computed row of each
         n_unique = len(firsts)
         masks = self._start_masks(group)
         self.cache.reset(start, stop)
@@ -117,7 +118,8 @@ class Prefill:
                                               device=self.device, multiple=self._width_multiple(n_unique),
                                               limit=self.cache.max_len - max(hits))  # (U, T): what is left
         last = padded.last_index()  # (U,)
-        logits = self.steps.prefill(padded.ids, self.cache.view(start, start + n_unique), last)[:, 0]  # (U, V)
+        logits = self.steps.prefill(padded.ids, self.cache.view(start, start + n_unique), last,
+                                    self._slots(uniques))[:, 0]  # (U, V)
         seen = self._mark_prompts(start, uniques)  # (U, V) view
         index = torch.tensor(source, device=self.device)  # (B,)
         if n_unique < len(group):
@@ -131,7 +133,7 @@ class Prefill:
         self.cache.advance(padded.lengths, start, start + n_unique)  # the real tokens, known on the host
         for i, seq in enumerate(uniques):
             if self.prefix is not None:
-                self.prefix.store(seq.prompt, start + i)
+                self.prefix.store(seq.prompt, start + i, seq.salt)
         for row in range(n_unique, len(group)):
             self.cache.move_row(start + source[row], start + row)  # the shared prompt's keys and length
             group[row].cached_tokens = len(group[row].prompt)  # nothing computed for it

@@ -2,7 +2,8 @@
 request with the same beginning (a system prompt, a chat history, n > 1 siblings) prefills only the rest.
 
 A full block of BLOCK tokens is keyed by a chain hash (its tokens and its parent's hash), so it is
-reused only after the same whole prefix; entries keep their tokens and parent, compared on lookup,
+reused only after the same whole prefix, and within one `salt` (the first block's parent: a request's
+adapter, whose keys differ from the base model's for the same tokens); entries keep their tokens and parent, compared on lookup,
 so a collision never serves another prompt's keys. A hit is at most len(prompt) - 1 tokens (the last
 is always computed for its logits). `PrefixCache` copies into and out of a dense cache's rows;
 `PagedPrefixCache` holds references on a paged cache's blocks and hands them to the new row, and
@@ -62,9 +63,9 @@ class PrefixCache:
         return len(self._entries) * self.block_bytes
 
     @staticmethod
-    def _chain(prompt: Sequence[int], blocks: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
-        """(chain hash, parent's chain hash, tokens) of the prompt's first `blocks` full blocks."""
-        chain, parent = [], None
+    def _chain(prompt: Sequence[int], blocks: int, salt: str = "") -> list[tuple[int, int | None, tuple[int, ...]]]:
+        """(chain hash, parent's chain hash, tokens) of the prompt's first `blocks` full blocks under `salt`."""
+        chain, parent = [], (hash(("salt", salt)) if salt else None)
         for i in range(blocks):
             tokens = tuple(prompt[i * BLOCK:(i + 1) * BLOCK])
             key = hash((parent, tokens))
@@ -72,24 +73,24 @@ class PrefixCache:
             parent = key
         return chain
 
-    def lookup(self, prompt: Sequence[int]) -> int:
+    def lookup(self, prompt: Sequence[int], salt: str = "") -> int:
         """Tokens of `prompt` whose keys/values are cached (a multiple of BLOCK, < len(prompt))."""
         if self.capacity == 0:
             return 0
         hit = 0
-        for key, parent, tokens in self._chain(prompt, (len(prompt) - 1) // BLOCK):
+        for key, parent, tokens in self._chain(prompt, (len(prompt) - 1) // BLOCK, salt):
             entry = self._entries.get(key)
             if entry is None or entry.parent != parent or entry.tokens != tokens:
                 break
             hit += BLOCK
         return hit
 
-    def load(self, prompt: Sequence[int], tokens: int, row: int) -> None:
+    def load(self, prompt: Sequence[int], tokens: int, row: int, salt: str = "") -> None:
         """Copy the cached keys/values of the prompt's first `tokens` (a lookup() result) into slots
         [0, tokens) of cache row `row`; the caller sets the row's length."""
         if tokens == 0:
             return
-        chain = self._chain(prompt, tokens // BLOCK)
+        chain = self._chain(prompt, tokens // BLOCK, salt)
         self._touch(chain)
         kv = torch.stack([self._entries[key].kv for key, _, _ in chain], dim=2)  # (2 * layers, K, n, BLOCK, D)
         kv = kv.flatten(2, 3)  # (2 * layers, K, tokens, D)
@@ -98,13 +99,13 @@ class PrefixCache:
             self.cache.k[i][row, :, :tokens] = kv[i]  # (K, tokens, D)
             self.cache.v[i][row, :, :tokens] = kv[n_layers + i]  # (K, tokens, D)
 
-    def store(self, prompt: Sequence[int], row: int) -> int:
+    def store(self, prompt: Sequence[int], row: int, salt: str = "") -> int:
         """Keep the full blocks of `prompt`, whose keys/values are in slots [0, len) of cache row
         `row`, that are not cached yet; evict least recently used blocks past the budget. Returns
         the blocks added."""
         if self.capacity == 0:
             return 0
-        chain = self._chain(prompt, min(len(prompt) // BLOCK, self.capacity))
+        chain = self._chain(prompt, min(len(prompt) // BLOCK, self.capacity), salt)
         new = [(i, key, parent, tokens) for i, (key, parent, tokens) in enumerate(chain)
                if key not in self._entries]
         if not new:
@@ -130,9 +131,9 @@ class PrefixCache:
     def _drop(self, key: int) -> None:
         del self._entries[key]
 
-    def pin(self, prompt: Sequence[int], tokens: int) -> Pin:
+    def pin(self, prompt: Sequence[int], tokens: int, salt: str = "") -> Pin:
         """Keep the entries of the prompt's first `tokens` (a lookup() result) until unpin()."""
-        keys = tuple(key for key, _, _ in self._chain(prompt, tokens // BLOCK))
+        keys = tuple(key for key, _, _ in self._chain(prompt, tokens // BLOCK, salt))
         taken = sum(1 for key in keys if self._reclaimable(key))
         self._pins.update(keys)
         return Pin(keys, taken)
@@ -187,20 +188,20 @@ class PagedPrefixCache(PrefixCache):
     def _block_bytes(self) -> int:
         return self.cache.block_bytes
 
-    def load(self, prompt: Sequence[int], tokens: int, row: int) -> None:
+    def load(self, prompt: Sequence[int], tokens: int, row: int, salt: str = "") -> None:
         """Row `row` (just reset) takes the cached blocks of the prompt's first `tokens`; the caller
         sets its length."""
         if tokens == 0:
             return
-        chain = self._chain(prompt, tokens // BLOCK)
+        chain = self._chain(prompt, tokens // BLOCK, salt)
         self._touch(chain)
         self.cache.share(row, [self._entries[key].block for key, _, _ in chain])
 
-    def store(self, prompt: Sequence[int], row: int) -> int:
+    def store(self, prompt: Sequence[int], row: int, salt: str = "") -> int:
         """Keep references to row `row`'s full blocks of `prompt` not cached yet (LRU past the budget)."""
         if self.capacity == 0:
             return 0
-        chain = self._chain(prompt, min(len(prompt) // BLOCK, self.capacity))
+        chain = self._chain(prompt, min(len(prompt) // BLOCK, self.capacity), salt)
         table = self.cache.host_tables[row]
         added = 0
         for i, (key, parent, tokens) in enumerate(chain):

@@ -8,7 +8,7 @@ characters (IncrementalDetokenizer), never a tail that may begin a stop string (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from models.decoding import Choice, RowSampler, SamplingParams, find_stop, stop_holdback
@@ -40,8 +40,12 @@ class SeqState:
 
     def __init__(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                  handle: RequestHandle, tokenizer: TextTokenizer, eos_ids: frozenset[int],
-                 submitted: float, matcher: Any = None) -> None:
+                 submitted: float, matcher: Any = None, adapter: int = -1, salt: str = "",
+                 release: Callable[[], object] | None = None) -> None:
+        """`adapter`: its adapter's slot (-1: the base model), held until finish() calls `release`;
+        `salt`: what its prefix-cache blocks are keyed under besides their tokens (its adapter's)."""
         self.request_id = request_id
+        self.adapter, self.salt, self._release = adapter, salt, release
         self.prompt = list(prompt)
         self.params = params
         self.handle = handle
@@ -143,6 +147,9 @@ class SeqState:
         if not self._cut and error is None:
             self.text += self.detok.flush()  # an incomplete last character, as decode() shows it
         self.closed, self.reason = True, final  # after flush: if it raises, finish("error") still can
+        if self._release is not None:
+            self._release, release = None, self._release
+            release()
         if len(self.text) > self.sent or (self.logprobs and self._lp_sent < len(self.logprobs)):
             self._emit(Delta(self.text[self.sent:], self.n_sampled, self._new_logprobs()))
             self.sent = len(self.text)

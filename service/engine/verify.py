@@ -58,7 +58,8 @@ class Verify:
         try:
             masks = self._start_masks([self.rows[r] if past[e] == c.host_lengths[r] else None
                                        for e, r in enumerate(rows)])
-            logits = self.steps.decode(self._to_device([[t] for t in ids]), c.view_tokens(rows, past))[:, 0]  # (E, V)
+            logits = self.steps.decode(self._to_device([[t] for t in ids]), c.view_tokens(rows, past),
+                                       self._slots([self.rows[r] for r in rows]))[:, 0]  # (E, V)
             params = BatchParams.build([self.rows[r].params for r in rows], self.device)
             seen, counts = self._entry_history(rows, ids, params)
             choice = choose(logits.float(), params, [self.rows[r].sampler for r in rows], seen, counts,
