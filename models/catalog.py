@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from . import zoo
+from .adapters import ResidentAdapters, read_adapter
 from .architectures import BUILTIN_DIR
 from .checkpoints.format import load_checkpoint, load_state_strict
 from .execution.compiled import compile_blocks, uncompile_blocks, warm_up
@@ -65,6 +66,7 @@ class LoadedModel:
     draft: LoadedModel | None = None  # a generator's draft model for speculative decoding (its engine asks for one)
     prompt_weights: str | None = None  # prompt_model's weights: "float32" or "bfloat16" (None: no twin)
     serving_dtype: torch.dtype | None = None  # the dtype load_model was asked for (None: the parameters')
+    adapters: ResidentAdapters | None = None  # its LoRA adapter slots (spec.adapters, adapter_dir), if any
 
     @property
     def plan(self) -> ExecutionPlan:
@@ -293,9 +295,22 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
         if prompts.speedups:
             detail += f" -> {prompts.weights or mode + ' blocks'}"
             detail += "".join(f", {kind} {x:.2f}x the blocks" for kind, x in prompts.speedups.items())
+    adapters = _adapters(spec, model, prompts.model)
     executor = plan_model(model, spec.requested_backends(), replace(runtime, compile_error=compile_error),
                           prompts.model, detail)
     log_plan(spec.name, executor.plan)
     return LoadedModel(spec, model, tokenizer, labels, limit, time.perf_counter() - started, kernels,
                        compile_seconds, mode, prompts.model, prompts.speedup, executor, prompt_weights=prompts.weights,
-                       serving_dtype=serving)
+                       serving_dtype=serving, adapters=adapters)
+
+
+def _adapters(spec: ModelSpec, model: nn.Module, twin: nn.Module | None) -> ResidentAdapters | None:
+    """The model's adapter slots (and its prompt twin's, sharing them), with the configured adapters
+    loaded while slots last (the rest load on first use); None where the spec serves no adapters."""
+    slots = spec.adapter_slots()
+    if not slots:
+        return None
+    resident = ResidentAdapters([model] + ([twin] if twin is not None else []), slots, spec.max_lora_rank)
+    for name, path in list(spec.adapters.items())[:slots]:
+        resident.load(read_adapter(path, name))
+    return resident

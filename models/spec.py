@@ -74,6 +74,14 @@ class ModelSpec:
     # "cuda_graphs") for every phase, or {phase: backend} for some, is required: a load fails where
     # the machine or the model cannot run it. The plan is in /v1/models and the start-up log.
     execution: str | Mapping[str, str] = "auto"
+    # LoRA adapters of this model (PEFT directories; models/adapters/): name -> directory, each a model of
+    # its own in /v1/models, chosen by a request's `model`; `adapter_dir`: a directory whose subdirectories
+    # are adapters, found by name on first use. A replica holds `max_adapters` at once (least recently
+    # used unloaded; default 8 where adapters or adapter_dir are set, else none), of rank up to max_lora_rank.
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    adapter_dir: str | None = None
+    max_adapters: int | None = None
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         problems = []
@@ -119,10 +127,25 @@ class ModelSpec:
                 self.requested_backends()
             except ValueError as e:
                 problems.append(str(e))
+        if self.adapter_slots() or self.adapters or self.adapter_dir:
+            if self.tasks and TASK_KIND.get(self.tasks[0]) == "translator":
+                problems.append("adapters are served on generators and encoders, not translators")
+            if self.adapter_slots() < 1:
+                problems.append("adapters or adapter_dir need max_adapters >= 1")
+            if self.max_lora_rank < 1:
+                problems.append(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+            if self.name in self.adapters:
+                problems.append(f"an adapter cannot be named as its model ({self.name!r})")
         if self.max_input_tokens is not None and self.max_input_tokens < 1:
             problems.append(f"max_input_tokens must be >= 1, got {self.max_input_tokens}")
         if problems:
             raise ValueError(f"model {self.name!r}: " + "; ".join(problems))
+
+    def adapter_slots(self) -> int:
+        """Adapters a replica holds at once: max_adapters, or 8 where adapters or adapter_dir are set."""
+        if self.max_adapters is not None:
+            return self.max_adapters
+        return 8 if self.adapters or self.adapter_dir else 0
 
     @property
     def kind(self) -> Kind:

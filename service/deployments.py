@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
 
 import ray
@@ -24,6 +24,7 @@ from models.catalog import LoadedModel
 from .errors import ServiceError
 from .fleet.load import LoadReport
 from .messages import (
+    AdapterRef,
     Classification,
     Embeddings,
     GenerationDone,
@@ -69,6 +70,11 @@ async def answered_stream(events: AsyncIterator[T]) -> AsyncIterator[T | Service
         yield e
     finally:  # Serve throws CancelledError in here when the caller goes away: close the inner stream now
         await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _now(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) as an awaitable, for answered()."""
+    return fn(*args)
 
 
 class ModelDeployment:
@@ -186,6 +192,14 @@ class GeneratorDeployment(ModelDeployment):
 
     async def detokenize(self, tokens: list[int]) -> str:
         return self.runner.detokenize(tokens)
+
+    async def load_adapter(self, adapter: AdapterRef) -> None | ServiceError:
+        """Load a LoRA adapter now (checked against the model: a 400 naming what is wrong)."""
+        return await answered(self.runner.adapters.load(adapter))
+
+    async def unload_adapter(self, name: str) -> bool | ServiceError:
+        """Free an adapter's slot on this replica (False: it does not hold it)."""
+        return await answered(_now(self.runner.adapters.unload, name))
 
     async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent | ServiceError]:
         async for event in answered_stream(self.runner.stream(request)):

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 # error type -> HTTP status
 STATUS: dict[str, int] = {
     "invalid_request_error": 422,
+    "invalid_adapter_error": 400,
     "not_found_error": 404,
     "method_not_allowed_error": 405,
     "request_too_large": 413,
@@ -45,10 +46,14 @@ class ServiceError(Exception):
     def status(self) -> int:
         return STATUS[self.type]
 
+    code: ClassVar[str | None] = None  # OpenAI's machine-readable `code`, where one applies
+
     def body(self) -> dict[str, Any]:
         error: dict[str, Any] = {"type": self.type, "message": self.message}
         if self.param is not None:
             error["param"] = self.param
+        if self.code is not None:
+            error["code"] = self.code
         return {"error": error}
 
 
@@ -82,6 +87,18 @@ class RequestTooLarge(InvalidRequest):
 
 class NotFound(ServiceError):
     type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    """A request's `model` names no model or adapter of its task (OpenAI's 404 model_not_found)."""
+
+    code = "model_not_found"
+
+
+class InvalidAdapter(ServiceError):
+    """A LoRA adapter that cannot be served (its files, its type, its shapes); the message names why."""
+
+    type = "invalid_adapter_error"
 
 
 class MethodNotAllowed(ServiceError):

@@ -50,6 +50,15 @@ class Embeddings:
 
 
 @dataclass(frozen=True)
+class AdapterRef:
+    """A LoRA adapter a request asks for: its name (the request's `model`) and its PEFT directory, from
+    which a replica that does not hold it loads it (models/adapters/)."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What /v1/models and /readyz report about a loaded model (one replica's view)."""
 
@@ -75,6 +84,7 @@ class ModelInfo:
     plan: dict[str, dict[str, Any]] = field(default_factory=dict)
     # generators: speculative decoding's drafter (service/engine/speculation/), None where it does not speculate
     speculative: dict[str, Any] | None = None
+    adapters: dict[str, Any] | None = None  # its LoRA adapter slots: {slots, max_rank, resident: [names]}; None: none
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,7 @@ class GenerationRequest:
     # field of this request -> the name the client used (OpenAI's max_tokens for max_new_tokens)
     names: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float | None = None  # seconds left of its deadline when the ingress sent it (admission)
+    adapter: AdapterRef | None = None  # the LoRA adapter that answers (None: the base model)
 
     @property
     def prompt_chars(self) -> int:

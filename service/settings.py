@@ -135,6 +135,9 @@ class Settings(_Frozen):
     protect_metrics: bool = False  # with keys: /metrics needs one too
     protect_docs: bool = False  # with keys: /docs, /redoc and /openapi.json need one too
     cors_origins: tuple[str, ...] = ()  # origins browsers may call from ("*": any); empty: CORS off
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): adapters from any directory this
+    # machine reads, named at run time; off unless set (configured adapters and adapter_dir need neither)
+    runtime_adapters: bool = False
     # logs and metrics (docs/observability.md)
     log_json: bool = True  # JSON log lines with the request id; false: plain text
     access_log: bool = False  # one log line per request (ingress and Serve's proxy and replicas)

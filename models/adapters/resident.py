@@ -31,6 +31,7 @@ class Held:
 
     slot: int
     key: str  # this load of the adapter (its name and a load count): what its cached keys are stored under
+    name: str
 
 
 def _projections(model: nn.Module) -> dict[tuple[int, str], tuple[str, nn.Module, tuple[int, ...], int]]:
@@ -173,13 +174,13 @@ class ResidentAdapters:
             slot = self._slots[name]
             self._slots.move_to_end(name)
             self._users[slot] += 1
-            return Held(slot, self._keys[name])
+            return Held(slot, self._keys[name], name)
 
     def load_held(self, adapter: LoraAdapter) -> Held:
         """load(adapter, hold=True), as a Held."""
         slot = self.load(adapter, hold=True)
         with self._lock:
-            return Held(slot, self._keys[adapter.name])
+            return Held(slot, self._keys[adapter.name], adapter.name)
 
     def release(self, slot: int) -> None:
         with self._lock:

@@ -218,7 +218,8 @@ class GenerationEngine(StepLoop):
                 raise InvalidRequest("this model serves no adapters", "model")
             seqs.append(SeqState(request_id, prompt, params, handle, self.tokenizer, self._eos, time.perf_counter(),
                                  matcher, -1 if held is None else held.slot, "" if held is None else held.key,
-                                 None if held is None else functools.partial(self.adapters.release, held.slot)))
+                                 None if held is None else functools.partial(self.adapters.release, held.slot),
+                                 None if held is None else held.name))
             handles.append(handle)
         self._enqueue(seqs, [Ask(seq.params.max_new_tokens, bool(seq.params.ignore_eos), sub.deadline, sub.whole)
                              for seq, sub in zip(seqs, submissions, strict=True)])

@@ -53,6 +53,7 @@ class Finished:
     timing: Timing
     error: str | None = None  # finish_reason "error": what went wrong (no traceback)
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per output token; None: not asked for
+    adapter: str | None = None  # the LoRA adapter that answered (None: the base model)
 
 
 Event = Delta | Finished

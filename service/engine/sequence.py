@@ -41,11 +41,11 @@ class SeqState:
     def __init__(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                  handle: RequestHandle, tokenizer: TextTokenizer, eos_ids: frozenset[int],
                  submitted: float, matcher: Any = None, adapter: int = -1, salt: str = "",
-                 release: Callable[[], object] | None = None) -> None:
+                 release: Callable[[], object] | None = None, adapter_name: str | None = None) -> None:
         """`adapter`: its adapter's slot (-1: the base model), held until finish() calls `release`;
         `salt`: what its prefix-cache blocks are keyed under besides their tokens (its adapter's)."""
         self.request_id = request_id
-        self.adapter, self.salt, self._release = adapter, salt, release
+        self.adapter, self.salt, self._release, self.adapter_name = adapter, salt, release, adapter_name
         self.prompt = list(prompt)
         self.params = params
         self.handle = handle
@@ -159,7 +159,7 @@ class SeqState:
                         token_times_s=times)
         event = Finished(self.request_id, self.text[:self.sent], tuple(self.tokens), final,
                          Usage(len(self.prompt), self.n_sampled), timing, error,
-                         None if self.logprobs is None else tuple(self.logprobs))
+                         None if self.logprobs is None else tuple(self.logprobs), self.adapter_name)
         self._emit(event)
         return event
 

@@ -13,7 +13,8 @@ first argument):
   history in that replica's prefix cache;
 - **new**: a prompt this router has not seen goes to the replica its conversation hashes to
   (rendezvous hashing of the conversation's start: the chat up to its first user message, or the
-  prompt's first `key_chars` characters; a session by its id), so that every ingress replica sends a
+  prompt's first `key_chars` characters; a session by its id; a LoRA adapter's requests by the
+  adapter's name, so that its replicas hold it, as Serve's model multiplexing would place them), so that every ingress replica sends a
   conversation to the same replica without sharing any state, and a replica added or removed moves
   only the conversations that hash to it;
 - a new conversation also only while its replica would hold at most 1.25x the mean load (consistent
@@ -60,11 +61,14 @@ def routed_request(args: Sequence[Any]) -> GenerationRequest | None:
 
 
 def conversation_key(request: GenerationRequest, key_chars: int) -> str:
-    """What identifies a request's conversation for hashing: its session; else the chat up to and
-    including its first user message (every later turn starts with it); else the prompt's first
-    `key_chars` characters."""
+    """What identifies a request's conversation for hashing: its session; else its LoRA adapter (every
+    conversation of an adapter hashes to the same replicas, which then hold it: no load per replica);
+    else the chat up to and including its first user message (every later turn starts with it); else
+    the prompt's first `key_chars` characters."""
     if request.session:
         return "session\x1f" + request.session
+    if request.adapter is not None:
+        return "adapter\x1f" + request.adapter.name
     if request.messages is None:
         return (request.prompt or "")[:key_chars]
     first_user = next((i for i, m in enumerate(request.messages) if m.role == "user"), len(request.messages) - 1)
@@ -83,10 +87,12 @@ def hash_order(key: str, replicas: list[RunningReplica]) -> list[RunningReplica]
 
 
 def routing_text(request: GenerationRequest) -> str:
-    """The text whose prefix decides the replica: the prompt, or the chat (chat_text)."""
+    """The text whose prefix decides the replica: the prompt, or the chat (chat_text), after its
+    adapter's name (a prefix cached for one adapter is no use to another)."""
+    adapter = "" if request.adapter is None else f"\x1c{request.adapter.name}\x1c"
     if request.messages is None:
-        return request.prompt or ""
-    return chat_text(request.messages, request.tools)
+        return adapter + (request.prompt or "")
+    return adapter + chat_text(request.messages, request.tools)
 
 
 def chat_text(messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> str:

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from ..settings import Settings
 from ..telemetry.metrics import ServiceMetrics, process_metrics
+from .adapter_routes import adapter_router
 from .auth import install_access_control
 from .body_limit import BodyLimit
 from .deadline import TIMEOUT_HEADER
@@ -29,7 +30,8 @@ from .tokenize import tokenize_router
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in {
-        404: "No model serves this task", 413: "Body too large", 422: "Invalid request",
+        400: "An adapter that cannot be served", 404: "No such model, or no model serves this task",
+        413: "Body too large", 422: "Invalid request",
         503: "Overloaded or model not ready (see Retry-After)", 504: "Deadline exceeded"}.items()
 }
 
@@ -61,6 +63,7 @@ def create_api(settings: Settings, backend: Backend, metrics: ServiceMetrics | N
     app.include_router(ops_router(settings, routes, backend, metrics, endpoints=endpoints))
     app.include_router(generation_router(settings, routes, backend, limits, ERRORS))
     app.include_router(tokenize_router(routes, backend, limits, ERRORS))
+    app.include_router(adapter_router(settings, routes, backend, ERRORS))
     return app
 
 

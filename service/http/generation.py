@@ -81,9 +81,9 @@ class GenerationCalls:
     async def prepared(self, route: Route, requests: list[GenerationRequest], timeout: float
                        ) -> list[GenerationRequest]:
         """The requests as the replica gets them: prompts within the character cap (else a 422), each
-        carrying the deadline's seconds for the engine's admission."""
+        carrying the deadline's seconds for the engine's admission and the route's adapter."""
         await self.limits.check_prompts(route.deployment, requests)
-        return [dataclasses.replace(r, timeout_s=timeout) for r in requests]
+        return [dataclasses.replace(r, timeout_s=timeout, adapter=route.adapter) for r in requests]
 
     async def complete(self, route: Route, requests: list[GenerationRequest], timeout: float) -> list[GenerationDone]:
         """Every request's answer, from one replica call (several are submitted to the engine together,

@@ -47,10 +47,16 @@ def ops_router(settings: Settings, routes: ModelRoutes, backend: Backend, metric
                     quantize=result.quantize, kernels=result.kernels or None, compiled=result.compiled,
                     block_activation_bits=result.block_activation_bits, prompt_weights=result.prompt_weights,
                     plan={phase: PhaseCard(**card) for phase, card in result.plan.items()} or None,
-                    speculative=result.speculative))
+                    speculative=result.speculative, adapters=result.adapters))
             else:
                 cards.append(ModelCard(id=dep.model.name, created=0, deployment=name, tasks=list(dep.model.tasks),
                                        ready=False, defaults=dict(dep.model.defaults), quantize=dep.model.quantize))
+        bases = {card.deployment: card for card in cards}
+        for entry in routes.adapters.listed():  # each adapter a model of its own, as vLLM lists them
+            base = bases[entry.deployment]
+            cards.append(ModelCard(id=entry.name, created=base.created, deployment=entry.deployment,
+                                   tasks=base.tasks, ready=base.ready, parent=entry.base, root=entry.path,
+                                   max_input_tokens=base.max_input_tokens, defaults=base.defaults))
         tasks = {task: [r.model for r in rs] for task, rs in routes.by_task.items()}
         return ModelList(data=cards, tasks=tasks)
 

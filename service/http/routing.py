@@ -12,16 +12,18 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..common.text_limits import check_prompt_chars, fit_chars, max_input_chars
-from ..errors import InvalidItem, InvalidRequest, NotFound
-from ..messages import GenerationRequest, ModelInfo
+from ..errors import InvalidItem, InvalidRequest, ModelNotFound, NotFound
+from ..messages import AdapterRef, GenerationRequest, ModelInfo
 from ..settings import Settings
+from .adapters import AdapterRegistry
 
 
 @dataclass(frozen=True)
 class Route:
     deployment: str
-    model: str
+    model: str  # what answers, as the client named it: a model, or one of its adapters
     languages: tuple[str, str] | None = None
+    adapter: AdapterRef | None = None  # the LoRA adapter `model` names (None: the base model)
 
 
 class Backend(Protocol):
@@ -60,9 +62,11 @@ async def probed_readiness(backend: Backend, deployments: Sequence[str], timeout
 
 
 class ModelRoutes:
-    """task -> routes, in config order (the first is a task's default model)."""
+    """task -> routes, in config order (the first is a task's default model), and the adapters of
+    those models (service/http/adapters.py), each routed to its base model's deployment."""
 
     def __init__(self, settings: Settings) -> None:
+        self.adapters = AdapterRegistry(settings)
         self.by_task: dict[str, list[Route]] = {}
         for name, dep in settings.deployments.items():
             assert dep.model is not None
@@ -83,8 +87,12 @@ class ModelRoutes:
         for route in routes:
             if route.model == model:
                 return route
-        raise InvalidRequest(f"unknown model {model!r} for {task}; available: "
-                             f"{', '.join(r.model for r in routes)}", "model")
+        entry = self.adapters.find(model)
+        for route in routes if entry is not None else ():
+            if route.deployment == entry.deployment:
+                return Route(route.deployment, model, route.languages, AdapterRef(model, entry.path))
+        raise ModelNotFound(f"the model {model!r} does not exist for {task}; available: "
+                            f"{', '.join(r.model for r in routes)} (and their adapters: GET /v1/models)", "model")
 
     def resolve_translation(self, source: str, target: str, model: str | None) -> Route:
         routes = self._routes("translate")

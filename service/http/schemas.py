@@ -209,6 +209,23 @@ class ModelCard(BaseModel):
                                                                 "(`method` ngram: prompt lookup, or draft: a draft "
                                                                 "model, its spec changes and plan) and its limits; "
                                                                 "null where it does not speculate.")
+    parent: str | None = Field(None, description="A LoRA adapter: the model it adapts (null: a model of its own).")
+    root: str | None = Field(None, description="A LoRA adapter: its directory.")
+    adapters: dict[str, Any] | None = Field(None, description="A model serving LoRA adapters: its replica's slots, "
+                                                             "their largest rank and the adapters in them now.")
+
+
+class LoadAdapterRequest(_Body):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+
+    lora_name: StrictStr = Field(description="The adapter's name: requests choose it by `model`.")
+    lora_path: StrictStr = Field(description="Its PEFT directory (adapter_config.json, adapter_model.safetensors).")
+    base_model: StrictStr | None = Field(None, description="The model it adapts; default: the first generator "
+                                                           "serving adapters.")
+
+
+class UnloadAdapterRequest(_Body):
+    lora_name: StrictStr
 
 
 class ModelList(BaseModel):
@@ -230,6 +247,7 @@ class ErrorDetail(BaseModel):
     type: str
     message: str
     param: str | None = None
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):

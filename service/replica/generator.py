@@ -39,6 +39,7 @@ from ..messages import (
 from ..telemetry.hooks import EngineObserver
 from ..telemetry.metrics import ServiceMetrics
 from ..telemetry.observers import PrometheusEngineObserver
+from .adapters import ReplicaAdapters
 from .heap import HeapTrimmer
 from .runner import EngineRunner, off_loop
 
@@ -65,7 +66,8 @@ class GeneratorRunner(EngineRunner):
         draft = loaded.draft.executor if loaded.draft is not None else None
         self.engine = GenerationEngine(loaded.executor, loaded.tokenizer, config, observer, name=f"{deployment}-engine",
                                        after_step=self.heap.maybe_trim, max_input_tokens=loaded.max_input_tokens,
-                                       draft=draft)
+                                       draft=draft, adapters=loaded.adapters)
+        self.adapters = ReplicaAdapters(loaded.adapters)
         self.defaults = {k: v for k, v in loaded.spec.defaults.items() if k in SAMPLING_FIELDS}
         SamplingParams(**self.defaults)  # bad model defaults fail the replica at start, not each request
 
@@ -169,9 +171,10 @@ class GeneratorRunner(EngineRunner):
         Raises InvalidRequest / RequestTooLarge naming the field (as the client called it) and the
         limit, EngineOverloaded when the queue has no room for all of them."""
         request, arrived = requests[0], time.perf_counter()
+        submissions: list[Submission] = []
+        held = []  # adapter slots taken for these requests: the engine releases them once it has them
         try:
             prompts: dict[tuple[int, int, int], list[int]] = {}  # siblings share their prompt's objects
-            submissions = []
             for request in requests:
                 key = (id(request.prompt), id(request.messages), id(request.tools))
                 first = key not in prompts
@@ -194,11 +197,19 @@ class GeneratorRunner(EngineRunner):
                     grammar = await asyncio.to_thread(self.engine.grammars.compile, request.grammar)
                 deadline = None if request.timeout_s is None else arrived + request.timeout_s
                 submissions.append(Submission(ids, params, request.request_id, grammar, deadline, whole))
+            for i, sub in enumerate(submissions):  # last: a hold is released if anything above refused
+                if requests[i].adapter is not None:
+                    held.append(await self.adapters.hold(requests[i].adapter))
+                    submissions[i] = dataclasses.replace(sub, adapter=held[-1])
             handles = self.engine.submit_many(submissions)
+            held = []
         except RequestTooLarge as e:
             raise RequestTooLarge(e.message, request.param(e.param), e.limit) from None
         except InvalidRequest as e:
             raise InvalidRequest(e.message, request.param(e.param)) from None
+        finally:
+            for h in held:
+                self.adapters.release(h)
         return [(handle, len(sub.prompt_ids)) for handle, sub in zip(handles, submissions, strict=True)]
 
     async def generate(self, request: GenerationRequest) -> GenerationDone:
@@ -290,6 +301,9 @@ class GeneratorRunner(EngineRunner):
 
     def limits(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.limits)
+
+    def adapter_info(self) -> dict[str, Any] | None:
+        return self.adapters.info()
 
     def speculative(self) -> dict[str, Any] | None:
         spec = self.engine.speculator

@@ -106,6 +106,10 @@ class ModelRunner:
         """Generators: what drafts for speculative decoding (None: it does not speculate)."""
         return None
 
+    def adapter_info(self) -> dict[str, Any] | None:
+        """Its LoRA adapter slots and the adapters in them (None: it serves none)."""
+        return None
+
     def info(self) -> ModelInfo:
         """What /v1/models and /readyz report about this replica's model."""
         spec, loaded = self.loaded.spec, self.loaded
@@ -117,7 +121,7 @@ class ModelRunner:
             quantize=loaded.quantize, kernels=dict(loaded.kernels), compiled=loaded.compiled,
             block_activation_bits=loaded.block_activation_bits,
             prompt_weights=loaded.prompt_weights, plan=loaded.plan.to_dict(),
-            speculative=self.speculative())
+            speculative=self.speculative(), adapters=self.adapter_info())
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop serving: requests still open fail or are cancelled."""

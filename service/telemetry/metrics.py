@@ -145,6 +145,16 @@ SPECS: dict[str, Spec] = {
                                                 "from measured steps); minus step_seconds: the time saved"),
     "generation_requests_finished_total": Spec("counter", ("model", "finish_reason"),
                                                "Generation requests ended (stop, length, cancelled, error)"),
+    # LoRA adapters (models/adapters/): the requests each adapter answered, by its name
+    "generation_adapter_requests_total": Spec("counter", ("model", "adapter", "finish_reason"),
+                                              "Generation requests an adapter of the model answered"),
+    "generation_adapter_prompt_tokens_total": Spec("counter", ("model", "adapter"), "Prompt tokens of an "
+                                                                                    "adapter's requests"),
+    "generation_adapter_generated_tokens_total": Spec("counter", ("model", "adapter"), "Tokens an adapter "
+                                                                                       "generated"),
+    "generation_adapter_time_to_first_token_seconds": Spec(
+        "histogram", ("model", "adapter"), "Time from an adapter's request's submission to its first token",
+        LATENCY_BUCKETS),
 }
 # Collected by /metrics from files that processes outside Serve write (not built in each process); name ->
 # spec, documented with SPECS

@@ -144,3 +144,10 @@ class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
 
     def on_finished(self, event: Finished) -> None:
         self.metrics["generation_requests_finished_total"].labels(self.model, event.finish_reason).inc()
+        if event.adapter is not None:
+            m, labels = self.metrics, (self.model, event.adapter)
+            m["generation_adapter_requests_total"].labels(*labels, event.finish_reason).inc()
+            m["generation_adapter_prompt_tokens_total"].labels(*labels).inc(event.usage.prompt_tokens)
+            m["generation_adapter_generated_tokens_total"].labels(*labels).inc(event.usage.completion_tokens)
+            if event.timing.first_token_s is not None:
+                m["generation_adapter_time_to_first_token_seconds"].labels(*labels).observe(event.timing.first_token_s)

@@ -379,7 +379,6 @@ BAD_INPUT = [
     ("/v1/classify", {"inputs": ["ok", ""]}, "inputs[1]"),
     ("/v1/classify", {"inputs": ["x"] * (MAX_INPUTS + 1)}, "inputs"),
     ("/v1/classify", {"inputs": ["ok", "y" * (LIMIT + 1)]}, "inputs[1]"),
-    ("/v1/classify", {"inputs": "ok", "model": "no-such-model"}, "model"),
     ("/v1/classify", {"inputs": "ok", "truncate": "yes"}, "truncate"),
     ("/v1/classify", {"inputs": "ok", "beam": 2}, "beam"),
     ("/v1/classify", ["ok"], None),

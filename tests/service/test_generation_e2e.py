@@ -717,7 +717,6 @@ BAD = [
     ("/v1/generate", {"prompt": "hi", "stop": 5}, "stop", None),
     ("/v1/generate", {"prompt": "hi", "stream": "yes"}, "stream", None),
     ("/v1/generate", {"prompt": "hi", "beam": 2}, "beam", None),
-    ("/v1/generate", {"prompt": "hi", "model": "no-such-model"}, "model", None),
     ("/v1/generate", {"prompt": "hi", "stream": True, "max_new_tokens": 600}, "max_new_tokens", "max_new_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 17}, "n", None),
     ("/v1/completions", {"prompt": ["a"] * 5, "n": 16}, "n", "at most"),

@@ -215,3 +215,21 @@ def test_a_burst_decided_before_serve_sends_any_is_balanced_and_forgotten_when_r
     for pending, name in zip(pendings, firsts, strict=True):
         r.router.on_request_routed(pending, r.replicas[name].replica_id, None)  # type: ignore[arg-type]
     assert r.router.load(r.replicas["A"]) == r.router.load(r.replicas["B"]) == 0
+
+
+def test_an_adapters_requests_go_to_the_replicas_its_name_hashes_to_and_prefixes_stay_per_adapter() -> None:
+    """New conversations of one adapter land where its name hashes (the replica that then holds it),
+    whatever their text; the same text under two adapters is two prefixes."""
+    from service.messages import AdapterRef
+
+    def asking(adapter: str, i: int) -> GenerationRequest:
+        return GenerationRequest("x", prompt=f"conversation {i}: a first question", adapter=AdapterRef(adapter, "/a"))
+
+    r = Routed()
+    for name in ("support", "summaries"):
+        home = {r.route(asking(name, i)) for i in range(6)}
+        assert len(home) == 1
+    plain = GenerationRequest("x", prompt="shared text")
+    adapted = GenerationRequest("x", prompt="shared text", adapter=AdapterRef("support", "/a"))
+    assert routing_text(plain) != routing_text(adapted) and routing_text(adapted).endswith("shared text")
+    assert conversation_key(adapted, 1024) != conversation_key(plain, 1024)

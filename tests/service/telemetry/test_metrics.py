@@ -62,7 +62,8 @@ ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs" / "observability.md"
 BOUNDED_LABELS = {"endpoint", "status", "model", "reason", "finish_reason", "deployment", "kind", "device", "dtype",
                   "phase", "backend", "method", "decision", "state",
-                  "replica"}  # replica: a Serve replica id (new ones as replicas come and go, as in Ray's own metrics)
+                  "replica",  # replica: a Serve replica id (new ones as replicas come and go, as in Ray's own metrics)
+                  "adapter"}  # adapter: a LoRA adapter the operator serves (configured, in adapter_dir or loaded)
 ENCODER = {"name": "enc", "tasks": ["classify", "embed"], "source": "tiny:encoder"}
 
 

@@ -1,0 +1,80 @@
+"""A replica's LoRA adapters (models/adapters/ResidentAdapters): a request's adapter held for it, loaded
+from its directory first when this replica does not hold it (off the event loop: reading the file and
+writing the slot never delay the engine's steps or other requests), the least recently used one no
+request holds making room. Errors are the API's: a file that cannot be served is a 400 naming why,
+every slot held by running requests a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from models.adapters import AdapterError, AdaptersFull, Held, ResidentAdapters, read_adapter
+
+from ..errors import InvalidAdapter, InvalidRequest, Overloaded
+from ..messages import AdapterRef
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaAdapters:
+    """The replica's side of its model's adapter slots; one per runner, used on its event loop."""
+
+    def __init__(self, resident: ResidentAdapters | None) -> None:
+        self.resident = resident
+        self._loading: dict[str, asyncio.Lock] = {}  # one load per adapter at a time
+
+    async def hold(self, ref: AdapterRef) -> Held:
+        """`ref`'s slot, held for one request (release it unless the engine took it)."""
+        if self.resident is None:
+            raise InvalidRequest(f"model {ref.name!r} is an adapter, and this deployment serves none "
+                                 "(max_adapters: 0)", "model")
+        try:
+            return self.resident.acquire(ref.name)
+        except KeyError:
+            pass
+        lock = self._loading.setdefault(ref.name, asyncio.Lock())
+        async with lock:
+            try:
+                return self.resident.acquire(ref.name)
+            except KeyError:
+                return await self.load(ref, hold=True)
+
+    async def load(self, ref: AdapterRef, hold: bool = False) -> Held | None:
+        """Read `ref`'s directory and put it in a slot (held for a request with `hold`)."""
+        assert self.resident is not None
+        started = time.perf_counter()
+        try:
+            adapter = await asyncio.to_thread(read_adapter, ref.path, ref.name)
+            held = await asyncio.to_thread(self.resident.load_held if hold else self.resident.load, adapter)
+        except AdaptersFull as e:
+            raise Overloaded(f"{ref.name}: {e}; retry later") from None
+        except AdapterError as e:
+            raise InvalidAdapter(str(e), "model") from None
+        log.info("adapter %s loaded from %s in %.2f s (rank %d, %.1f MiB)", ref.name, ref.path,
+                 time.perf_counter() - started, adapter.rank, adapter.nbytes / 2**20)
+        return held if hold else None
+
+    def unload(self, name: str) -> bool:
+        """Free `name`'s slot; False when this replica does not hold it. InvalidAdapter while in use."""
+        if self.resident is None or name not in self.resident:
+            return False
+        try:
+            self.resident.unload(name)
+        except KeyError:
+            return False
+        except AdapterError as e:
+            raise InvalidAdapter(str(e), "lora_name") from None
+        return True
+
+    def release(self, held: Held) -> None:
+        assert self.resident is not None
+        self.resident.release(held.slot)
+
+    def info(self) -> dict | None:
+        """For ModelInfo: the slots, their rank and the adapters held now."""
+        if self.resident is None:
+            return None
+        return {"slots": self.resident.capacity, "max_rank": self.resident.rank, "resident": self.resident.names}
