@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: venv weights front serve test test-fast lint bench bench-quant bench-peers bench-spec bench-fleet bench-fleet-scaling peers-servers bench-serve fuzz soak clean gpu-check
+.PHONY: venv weights front serve test test-fast lint bench bench-quant bench-peers bench-spec bench-adapters bench-fleet bench-fleet-scaling peers-servers bench-serve fuzz soak clean gpu-check
 
 venv: $(STAMP)
 
@@ -58,6 +58,11 @@ bench-peers: weights
 # Speculative decoding at batch 1, ours vs llama-server, on loadtests/prompts/ (loadtests/models/speculative.py).
 bench-spec: weights
 	$(PY) -m loadtests.models.speculative $(BENCH_ARGS)
+
+# LoRA adapters on the shipped generator: 32 streams over 8 adapters vs the bare model, batch 1, loads;
+# llama-server --lora beside it (loadtests/models/adapters.py)
+bench-adapters: weights
+	$(PY) -m loadtests.models.adapters $(BENCH_ARGS)
 
 # Two generator replicas, 16 multi-turn chats: prefix-aware routing vs power of two (loadtests/fleet/affinity.py).
 bench-fleet: weights

@@ -35,7 +35,7 @@ from .kernels import native
 from .projections.calibration import calibration_run
 from .projections.dense import pack_dense
 from .projections.fuse import fuse_projections
-from .projections.panels import BLOCK_FORMATS, set_activation_bits
+from .projections.panels import BLOCK_FORMATS, Bf16PanelLinear, BlockLinear, set_activation_bits
 from .projections.prompt_weights import KERNELS, PROBE_TOKENS, fastest, prompt_speedup, twins_for
 from .projections.quant import keeps_fusion, quantize
 from .spec import DEFAULT_SPECS, ModelSpec
@@ -310,7 +310,15 @@ def _adapters(spec: ModelSpec, model: nn.Module, twin: nn.Module | None) -> Resi
     slots = spec.adapter_slots()
     if not slots:
         return None
-    resident = ResidentAdapters([model] + ([twin] if twin is not None else []), slots, spec.max_lora_rank)
+    # the factors in the precision of the weights beside them: float32 beside float32 weights (PEFT's
+    # results to float32 rounding), bfloat16 beside blocks and bfloat16 (half the bytes a step reads;
+    # bench-adapters in docs/benchmarks.md)
+    exact = all(p.dtype == torch.float32 for p in model.parameters()) and not any(
+        isinstance(m, BlockLinear | Bf16PanelLinear) for m in model.modules())
+    device = next(model.parameters()).device
+    resident = ResidentAdapters([model] + ([twin] if twin is not None else []), slots, spec.max_lora_rank,
+                                torch.float32 if exact else torch.bfloat16,
+                                kernel=device.type == "cpu" and native.available())
     for name, path in list(spec.adapters.items())[:slots]:
         resident.load(read_adapter(path, name))
     return resident

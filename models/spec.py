@@ -132,8 +132,8 @@ class ModelSpec:
                 problems.append("adapters are served on generators and encoders, not translators")
             if self.adapter_slots() < 1:
                 problems.append("adapters or adapter_dir need max_adapters >= 1")
-            if self.max_lora_rank < 1:
-                problems.append(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+            if not 1 <= self.max_lora_rank <= 256:
+                problems.append(f"max_lora_rank must be 1 to 256, got {self.max_lora_rank}")
             if self.name in self.adapters:
                 problems.append(f"an adapter cannot be named as its model ({self.name!r})")
         if self.max_input_tokens is not None and self.max_input_tokens < 1:

@@ -9,9 +9,10 @@ row without one (slot -1). The factors are never merged into the base weights, s
 adapters and of the bare base share a batch. A fused projection (q/k/v, gate/up) has P parts, one per
 output range, each with its own r ranks of the slot: part p's ranks write only its outputs.
 
-Storage, float32, updated in place by models/adapters/resident.py (the native step reads the same
-tensors): `a` (N, P*r, I), `bt` (N, P*r, O) with the adapter's scale folded in, a slot's unused ranks
-zeros; `ranks` (N, P) int64 the ranks each part uses. `forward(x, slots)` is pure: slots (B,) int64 names each row's adapter.
+Storage, updated in place by models/adapters/resident.py (the native step reads the same tensors): `a`
+(N, P*r, I), `bt` (N, P*r, O) with the adapter's scale folded in, a slot's unused ranks zeros, in
+float32 or bfloat16 (`dtype`: half the bytes a step reads; widened exactly, the products in float32);
+`ranks` (N, P) int64 the ranks each part uses. `forward(x, slots)` is pure: slots (B,) int64 names each row's adapter.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class LoraLinear(nn.Module):
     ranges (0 ... O); `capacity` slots of `rank` ranks a part."""
 
     def __init__(self, base: nn.Module, bounds: tuple[int, ...], capacity: int, rank: int,
-                 shared: LoraLinear | None = None) -> None:
+                 shared: LoraLinear | None = None, dtype: torch.dtype = torch.float32, kernel: bool = False) -> None:
         super().__init__()
         self.base = base
         self.bounds = tuple(bounds)
@@ -33,14 +34,15 @@ class LoraLinear(nn.Module):
         if self.bounds[0] != 0 or self.bounds[-1] != self.out_features or list(self.bounds) != sorted(self.bounds):
             raise ValueError(f"part bounds {self.bounds} do not cover the {self.out_features} outputs")
         self.capacity, self.rank = capacity, rank
+        self.kernel = kernel  # the updates through our CPU kernel (models/kernels/lora.cpp), else torch's bmm
         parts = len(self.bounds) - 1
         if shared is not None:  # a twin of the same model (other weights, same adapters): one storage
-            if (shared.bounds, shared.capacity, shared.rank) != (self.bounds, capacity, rank):
-                raise ValueError("a shared LoraLinear must have the same parts, slots and rank")
+            if (shared.bounds, shared.capacity, shared.rank, shared.a.dtype) != (self.bounds, capacity, rank, dtype):
+                raise ValueError("a shared LoraLinear must have the same parts, slots, rank and dtype")
             a, bt, ranks = shared.a, shared.bt, shared.ranks
         else:
-            a = torch.zeros(capacity, parts * rank, self.in_features)  # (N, P r, I)
-            bt = torch.zeros(capacity, parts * rank, self.out_features)  # (N, P r, O)
+            a = torch.zeros(capacity, parts * rank, self.in_features, dtype=dtype)  # (N, P r, I)
+            bt = torch.zeros(capacity, parts * rank, self.out_features, dtype=dtype)  # (N, P r, O)
             ranks = torch.zeros(capacity, parts, dtype=torch.long)  # (N, P): each part's ranks in use
         self.register_buffer("a", a, persistent=False)
         self.register_buffer("bt", bt, persistent=False)
@@ -66,7 +68,7 @@ class LoraLinear(nn.Module):
             raise ValueError(f"factors {tuple(a.shape)} and {tuple(b.shape)} do not fit a rank-{self.rank} part of "
                              f"{self.in_features} inputs and {o1 - o0} outputs")
         lo = part * self.rank
-        self.a[slot, lo:lo + r] = a.float()
+        self.a[slot, lo:lo + r] = a.float()  # rounded to the storage's dtype
         self.bt[slot, lo:lo + r, o0:o1] = (b.float() * scale).t()
         self.ranks[slot, part] = r
 
@@ -76,17 +78,24 @@ class LoraLinear(nn.Module):
         xs = x.unsqueeze(1) if flat else x  # (B, T, I)
         use = slots >= 0  # (B,)
         index = slots.clamp(min=0)  # (B,)
-        t = torch.bmm(xs.float(), self.a[index].transpose(1, 2))  # (B, T, P r)
+        t = torch.bmm(xs.float(), self.a[index].float().transpose(1, 2))  # (B, T, P r)
         t = t * use.view(-1, 1, 1)  # rows of the base: nothing
-        d = torch.bmm(t, self.bt[index]).to(x.dtype)  # (B, T, O)
+        d = torch.bmm(t, self.bt[index].float()).to(x.dtype)  # (B, T, O)
         return d.squeeze(1) if flat else d
 
     def forward(self, x: Tensor, slots: Tensor | None = None) -> Tensor:
-        """x (..., I) -> (..., O); slots (B,) int64 each row's adapter (-1: none), None: every row none."""
+        """x (B, T, I) or (B, I) -> (..., O); slots (B,) int64 each row's adapter (-1: none), None: every
+        row none."""
         y = self.base(x)
         if slots is None:
             return y
-        return y + self.delta(x, slots)
+        if not self.kernel:
+            return y + self.delta(x, slots)
+        per_token = slots.repeat_interleave(x.size(1)) if x.dim() == 3 else slots  # (B T,) or (B,)
+        out = torch.ops.ts_panels.lora_update(x.reshape(-1, self.in_features).float().contiguous(),
+                                              y.reshape(-1, self.out_features).float(), self.a, self.bt, self.ranks,
+                                              list(self.bounds), self.rank, per_token)  # (M, O)
+        return out.view(y.shape).to(y.dtype)
 
 
 def project(m: nn.Module, x: Tensor, slots: Tensor | None) -> Tensor:

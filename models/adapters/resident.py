@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .lora import LoraLinear
@@ -65,8 +66,8 @@ def _projections(model: nn.Module) -> dict[tuple[int, str], tuple[str, nn.Module
     return out
 
 
-def _attach(model: nn.Module, capacity: int, rank: int,
-            shared: dict[str, LoraLinear] | None) -> tuple[dict[str, LoraLinear], dict[tuple[int, str], tuple[LoraLinear, int]]]:
+def _attach(model: nn.Module, capacity: int, rank: int, shared: dict[str, LoraLinear] | None,
+            dtype: torch.dtype, kernel: bool) -> tuple[dict[str, LoraLinear], dict[tuple[int, str], tuple[LoraLinear, int]]]:
     """Wrap `model`'s block projections in place; returns (path -> LoraLinear, (layer, name) -> (it, part))."""
     wrapped: dict[str, LoraLinear] = {}
     where: dict[tuple[int, str], tuple[LoraLinear, int]] = {}
@@ -74,7 +75,8 @@ def _attach(model: nn.Module, capacity: int, rank: int,
         if path not in wrapped:
             if isinstance(module, LoraLinear):
                 raise ValueError(f"{path} already carries adapters")
-            lin = LoraLinear(module, bounds, capacity, rank, shared=None if shared is None else shared[path])
+            lin = LoraLinear(module, bounds, capacity, rank, shared=None if shared is None else shared[path],
+                             dtype=dtype, kernel=kernel)
             parent, _, child = path.rpartition(".")
             setattr(model.get_submodule(parent), child, lin)
             wrapped[path] = lin
@@ -84,15 +86,21 @@ def _attach(model: nn.Module, capacity: int, rank: int,
 
 class ResidentAdapters:
     """`capacity` slots of adapters up to rank `rank` on `models` (a model and its twins: the same
-    architecture, other weights), wrapped in place at construction."""
+    architecture, other weights), wrapped in place at construction; factors held in `dtype` (float32, or
+    bfloat16: half the bytes each step reads, rounded once when an adapter loads); `kernel`: the torch
+    forward's updates through our CPU kernel (models/kernels/lora.cpp: a CPU model whose kernels load),
+    else torch's batched products."""
 
-    def __init__(self, models: Sequence[nn.Module], capacity: int, rank: int) -> None:
+    def __init__(self, models: Sequence[nn.Module], capacity: int, rank: int, dtype: torch.dtype = torch.float32,
+                 kernel: bool = False) -> None:
         if capacity < 1 or rank < 1:
             raise ValueError(f"adapters need at least one slot and rank 1, got {capacity} slots of rank {rank}")
-        self.capacity, self.rank = capacity, rank
-        first, self._where = _attach(models[0], capacity, rank, None)
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"adapter factors are float32 or bfloat16, not {dtype}")
+        self.capacity, self.rank, self.dtype, self.kernel = capacity, rank, dtype, kernel
+        first, self._where = _attach(models[0], capacity, rank, None, dtype, kernel)
         for twin in models[1:]:
-            _attach(twin, capacity, rank, first)
+            _attach(twin, capacity, rank, first, dtype, kernel)
         self._modules = list(first.values())
         self._slots: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self._keys: dict[str, str] = {}  # name -> this load's key
@@ -121,6 +129,10 @@ class ResidentAdapters:
         raise AdaptersFull(f"all {self.capacity} adapter slots hold adapters that running requests use")
 
     def _check(self, adapter: LoraAdapter) -> None:
+        if adapter.saved:
+            names = sorted({k.rsplit(".", 1)[0] for k in adapter.saved})
+            raise AdapterError(f"adapter {adapter.name!r} saves modules of its own (modules_to_save: {names}); "
+                               "those are not served yet")
         if adapter.rank > self.rank:
             raise AdapterError(f"adapter {adapter.name!r} has rank {adapter.rank}; this model serves ranks up to "
                                f"{self.rank} (max_lora_rank)")

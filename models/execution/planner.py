@@ -73,7 +73,10 @@ def _formats(model: nn.Module) -> str:
 def _adapters(model: nn.Module) -> str:
     """The adapter slots beside a model's projections, for a plan's detail ("" without)."""
     lora = next((m for m in model.modules() if isinstance(m, LoraLinear)), None)
-    return "" if lora is None else f", LoRA adapters: {lora.capacity} slots of rank <= {lora.rank}"
+    if lora is None:
+        return ""
+    how = str(lora.a.dtype).removeprefix("torch.") + (", our kernel" if lora.kernel else "")
+    return f", LoRA adapters: {lora.capacity} slots of rank <= {lora.rank} ({how})"
 
 
 class _Phase:

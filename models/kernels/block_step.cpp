@@ -354,11 +354,13 @@ void ts::Blocks::set_lora(int64_t index, at::Tensor a, at::Tensor bt, at::Tensor
                           int64_t rank) {
   TORCH_CHECK(index >= 0 && static_cast<size_t>(index) < lora.size(), "projection ", index, " outside the stack");
   const int64_t P = static_cast<int64_t>(bounds.size()) - 1;
-  TORCH_CHECK(P >= 1 && rank >= 1 && bounds.front() == 0 && bounds.back() == outs[index], "bounds must cover the outputs");
-  TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat &&
-                  a.is_contiguous() && bt.is_contiguous() && a.size(0) == bt.size(0) && a.size(1) == P * rank &&
-                  bt.size(1) == P * rank && bt.size(2) == outs[index],
-              "adapter factors must be contiguous float32 (N, P r, I) and (N, P r, O)");
+  TORCH_CHECK(P >= 1 && rank >= 1 && rank <= 256 && bounds.front() == 0 && bounds.back() == outs[index],
+              "bounds must cover the outputs, and a part has 1 to 256 ranks");
+  TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.scalar_type() == bt.scalar_type() &&
+                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) && a.is_contiguous() &&
+                  bt.is_contiguous() && a.size(0) == bt.size(0) && a.size(1) == P * rank && bt.size(1) == P * rank &&
+                  bt.size(2) == outs[index],
+              "adapter factors must be contiguous float32 or bfloat16 (N, P r, I) and (N, P r, O)");
   TORCH_CHECK(ranks.dim() == 2 && ranks.scalar_type() == at::kLong && ranks.is_contiguous() && ranks.size(0) == a.size(0) &&
                   ranks.size(1) == P,
               "adapter ranks must be a contiguous (N, P) int64 tensor");

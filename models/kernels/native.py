@@ -135,6 +135,11 @@ def _register_fakes() -> None:
 
     torch.library.register_fake(f"{NAME}::paged_decode_f32", fake_attention)
 
+    def fake_lora(x: torch.Tensor, y: torch.Tensor, *args: object) -> torch.Tensor:
+        return torch.empty_like(y)
+
+    torch.library.register_fake(f"{NAME}::lora_update", fake_lora)
+
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ void copy_blocks(const at::Tensor& pool, const std::vector<int64_t>& src, const 
                  int64_t block_rows);
 
 // One projection's adapter slots (models/adapters/lora.py's LoraLinear): a (N, P r, I) and bt (N, P r, O)
-// float32, ranks (N, P) int64 the ranks each part of a slot uses, bounds (P + 1,) the parts' outputs,
+// float32 or bfloat16, ranks (N, P) int64 the ranks each part of a slot uses, bounds (P + 1,) the parts' outputs,
 // r (`rank`) ranks a part. Undefined `a`: the projection carries no adapters.
 struct Lora {
   at::Tensor a, bt, ranks;

@@ -63,6 +63,10 @@ TS_TARGET inline uint32_t nan_lanes(vf a) { return static_cast<uint32_t>(_mm256_
 TS_TARGET inline vi round_i32(vf a) { return _mm256_cvtps_epi32(a); }
 // LANES float16 -> float32
 TS_TARGET inline vf halves(const uint8_t* h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))); }
+// LANES bfloat16 values (their bits) as float32, exactly
+TS_TARGET inline vf bf16s(const uint16_t* h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))), 16));
+}
 TS_TARGET inline float reduce_max(vf a) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -150,6 +154,10 @@ TS_TARGET inline uint32_t greater(vf a, vf b) { return static_cast<uint32_t>(_mm
 TS_TARGET inline uint32_t nan_lanes(vf a) { return static_cast<uint32_t>(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q)); }
 TS_TARGET inline vi round_i32(vf a) { return _mm512_cvt_roundps_epi32(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 TS_TARGET inline vf halves(const uint8_t* h) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))); }
+// LANES bfloat16 values (their bits) as float32, exactly
+TS_TARGET inline vf bf16s(const uint16_t* h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))), 16));
+}
 TS_TARGET inline float reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
 TS_TARGET inline float reduce_add(vf a) { return _mm512_reduce_add_ps(a); }
 TS_TARGET inline int32_t reduce_add_i32(vi a) { return _mm512_reduce_add_epi32(a); }

@@ -1,7 +1,8 @@
 """A replica's LoRA adapters (models/adapters/ResidentAdapters): a request's adapter held for it, loaded
 from its directory first when this replica does not hold it (off the event loop: reading the file and
-writing the slot never delay the engine's steps or other requests), the least recently used one no
-request holds making room. Errors are the API's: a file that cannot be served is a 400 naming why,
+writing the slot never delay the engine's steps or other requests; on a thread that ends, as the model
+loaded, so that its torch ops leave no second OpenMP pool: service/replica/threads.py), the least
+recently used one no request holds making room. Errors are the API's: a file that cannot be served is a 400 naming why,
 every slot held by running requests a 503.
 """
 
@@ -11,10 +12,11 @@ import asyncio
 import logging
 import time
 
-from models.adapters import AdapterError, AdaptersFull, Held, ResidentAdapters, read_adapter
+from models.adapters import AdapterError, AdaptersFull, Held, LoraAdapter, ResidentAdapters, read_adapter
 
 from ..errors import InvalidAdapter, InvalidRequest, Overloaded
 from ..messages import AdapterRef
+from .threads import on_own_thread
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +48,21 @@ class ReplicaAdapters:
         """Read `ref`'s directory and put it in a slot (held for a request with `hold`)."""
         assert self.resident is not None
         started = time.perf_counter()
+        resident = self.resident
+
+        def read_and_load() -> tuple[LoraAdapter, Held | int]:
+            adapter = read_adapter(ref.path, ref.name)
+            return adapter, (resident.load_held if hold else resident.load)(adapter)
+
         try:
-            adapter = await asyncio.to_thread(read_adapter, ref.path, ref.name)
-            held = await asyncio.to_thread(self.resident.load_held if hold else self.resident.load, adapter)
+            adapter, held = await asyncio.to_thread(on_own_thread, read_and_load, f"adapter-{ref.name}")
         except AdaptersFull as e:
             raise Overloaded(f"{ref.name}: {e}; retry later") from None
         except AdapterError as e:
             raise InvalidAdapter(str(e), "model") from None
         log.info("adapter %s loaded from %s in %.2f s (rank %d, %.1f MiB)", ref.name, ref.path,
                  time.perf_counter() - started, adapter.rank, adapter.nbytes / 2**20)
-        return held if hold else None
+        return held if hold else None  # type: ignore[return-value]
 
     def unload(self, name: str) -> bool:
         """Free `name`'s slot; False when this replica does not hold it. InvalidAdapter while in use."""

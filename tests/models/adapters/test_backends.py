@@ -23,9 +23,10 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"), needs_kernels]
 RANKS = (4, 8, 2)
 
 
-def with_adapters(model, tmp_path, ranks=RANKS, capacity: int = 4):  # noqa: ANN001, ANN201
+def with_adapters(model, tmp_path, ranks=RANKS, capacity: int = 4, dtype=torch.float32,  # noqa: ANN001, ANN201
+                  kernel: bool = False):
     """`model` with adapters of `ranks` loaded in slots 0.. (each on a subset of the projections)."""
-    resident = ResidentAdapters([model], capacity=capacity, rank=max(ranks))
+    resident = ResidentAdapters([model], capacity=capacity, rank=max(ranks), dtype=dtype, kernel=kernel)
     subsets = [("q_proj", "v_proj", "o_proj"), ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                 "down_proj"), ("up_proj", "down_proj")]
     for i, r in enumerate(ranks):
@@ -55,10 +56,12 @@ def steps(model, backend: str, slots: torch.Tensor, prompts=PROMPTS) -> list[tor
     return run(Sloted(executor, slots), cache, prompts, 12)
 
 
-@pytest.mark.parametrize(("weights", "changes"), [("q4_1", {}), ("f32", {}), ("q8_0", POST_NORM)])
-def test_the_native_step_gives_each_row_its_adapter_as_the_blocks_do(weights, changes, tmp_path) -> None:
+@pytest.mark.parametrize(("weights", "changes", "factors"), [
+    ("q4_1", {}, torch.float32), ("q4_1", {}, torch.bfloat16), ("f32", {}, torch.float32),
+    ("q8_0", POST_NORM, torch.bfloat16)])
+def test_the_native_step_gives_each_row_its_adapter_as_the_blocks_do(weights, changes, factors, tmp_path) -> None:
     model = fast_model(weights, **changes)
-    with_adapters(model, tmp_path)
+    with_adapters(model, tmp_path, dtype=factors)
     slots = torch.tensor([0, 1, -1, 2, 0][:len(PROMPTS)])  # (B,)
     blocks = steps(model, "torch", slots)
     fast = steps(model, "native", slots)
@@ -120,3 +123,32 @@ def test_the_native_encoder_gives_each_sequence_its_adapter(left, tmp_path) -> N
     torch.testing.assert_close(fast[keep], blocks[keep], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast[1][keep[1]], plain[1][keep[1]], rtol=0, atol=0)
     assert not torch.allclose(fast[0][keep[0]], plain[0][keep[0]], atol=1e-3)
+
+
+def test_bfloat16_factors_change_the_update_by_their_rounding_only(tmp_path) -> None:
+    """The same adapter with float32 and bfloat16 factors: the logits differ by bfloat16's rounding of the
+    factors (well under the update itself), and the greedy tokens stay."""
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = fast_model("f32")
+        with_adapters(model, tmp_path / str(dtype), dtype=dtype)
+        runs[dtype] = steps(model, "native", torch.tensor([1, 1, 1, 1, 1][:len(PROMPTS)]))
+    plain = steps(fast_model("f32"), "native", torch.full((len(PROMPTS),), -1))
+    for f32, bf16, base in zip(runs[torch.float32], runs[torch.bfloat16], plain, strict=True):
+        update = (f32 - base).abs().max()
+        assert (bf16 - f32).abs().max() < 0.05 * update
+        assert torch.equal(bf16.argmax(-1), f32.argmax(-1))
+
+
+@pytest.mark.parametrize(("weights", "factors"), [("f32", torch.float32), ("q4_1", torch.bfloat16)])
+def test_our_update_kernel_in_the_torch_forward_equals_torchs_products(weights, factors, tmp_path) -> None:
+    """Prompts and steps through the model's own forward: the updates by our kernel (kernel=True, as a
+    CPU model serves) and by torch's batched products give each row the same logits."""
+    slots = torch.tensor([0, 1, -1, 2, 0][:len(PROMPTS)])
+    runs = []
+    for kernel in (False, True):
+        model = fast_model(weights)
+        with_adapters(model, tmp_path / str(kernel), dtype=factors, kernel=kernel)
+        runs.append(steps(model, "torch", slots))
+    for b, k in zip(*runs, strict=True):
+        torch.testing.assert_close(k, b, rtol=1e-5, atol=1e-4 if weights != "f32" else 1e-5)

@@ -197,3 +197,15 @@ def test_a_larger_rank_than_the_slots_take_is_refused(tmp_path):
     resident = ResidentAdapters([ours], capacity=1, rank=4)
     with pytest.raises(AdapterError, match="rank 8"):
         resident.load(read_adapter(tmp_path / adapters[1][0]))
+
+
+def test_an_adapter_with_modules_to_save_is_refused_by_name(tmp_path):
+    base = hf_model("llama")
+    torch.manual_seed(4)
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                                       modules_to_save=["lm_head"]))
+    model.save_pretrained(tmp_path / "saved")
+    adapter = read_adapter(tmp_path / "saved")
+    assert adapter.saved
+    with pytest.raises(AdapterError, match=r"modules_to_save: \['lm_head'\]"):
+        ResidentAdapters([ours_from("llama", base)], capacity=1, rank=4).load(adapter)
