@@ -22,6 +22,10 @@ from .adapters import NAME, AdapterEntry
 from .routing import Backend, ModelRoutes
 from .schemas import LoadAdapterRequest, UnloadAdapterRequest
 
+# vLLM's answers are plain text; every error is our JSON (ErrorResponse)
+DONE: dict[int | str, dict[str, Any]] = {200: {"description": "Done (vLLM's text)",
+                                              "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
 
 def adapter_router(settings: Settings, routes: ModelRoutes, backend: Backend, errors: dict[int | str, Any]
                    ) -> APIRouter:
@@ -43,8 +47,8 @@ def adapter_router(settings: Settings, routes: ModelRoutes, backend: Backend, er
             raise InvalidRequest("no generator on this server serves adapters (max_adapters)", "base_model")
         raise ModelNotFound(f"no model {base!r} serving adapters on this server", "base_model")
 
-    @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=errors)
-    async def load_lora_adapter(body: LoadAdapterRequest) -> str:
+    @router.post("/v1/load_lora_adapter", responses={**errors, **DONE})
+    async def load_lora_adapter(body: LoadAdapterRequest) -> PlainTextResponse:
         """Serve a LoRA adapter from a directory under a new name."""
         allowed()
         name = body.lora_name
@@ -58,10 +62,10 @@ def adapter_router(settings: Settings, routes: ModelRoutes, backend: Backend, er
         deployment, base = base_deployment(body.base_model)
         await backend.call(deployment, "load_adapter", AdapterRef(name, body.lora_path))
         registry.add(AdapterEntry(name, deployment, base, body.lora_path, "runtime"))
-        return f"Success: LoRA adapter '{name}' added successfully."
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=errors)
-    async def unload_lora_adapter(body: UnloadAdapterRequest) -> str:
+    @router.post("/v1/unload_lora_adapter", responses={**errors, **DONE})
+    async def unload_lora_adapter(body: UnloadAdapterRequest) -> PlainTextResponse:
         """Stop serving an adapter loaded at run time."""
         allowed()
         entry = registry.find(body.lora_name)
@@ -72,6 +76,6 @@ def adapter_router(settings: Settings, routes: ModelRoutes, backend: Backend, er
                                  "there", "lora_name")
         registry.remove(entry.name)
         await backend.call(entry.deployment, "unload_adapter", entry.name)
-        return f"Success: LoRA adapter '{entry.name}' removed successfully."
+        return PlainTextResponse(f"Success: LoRA adapter '{entry.name}' removed successfully.")
 
     return router

@@ -91,6 +91,9 @@ class ModelRoutes:
         for route in routes if entry is not None else ():
             if route.deployment == entry.deployment:
                 return Route(route.deployment, model, route.languages, AdapterRef(model, entry.path))
+        if entry is not None or any(r.model == model for rs in self.by_task.values() for r in rs):
+            raise InvalidRequest(f"model {model!r} does not serve {task}; available: "
+                                 f"{', '.join(r.model for r in routes)}", "model")
         raise ModelNotFound(f"the model {model!r} does not exist for {task}; available: "
                             f"{', '.join(r.model for r in routes)} (and their adapters: GET /v1/models)", "model")
 

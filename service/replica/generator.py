@@ -75,7 +75,8 @@ class GeneratorRunner(EngineRunner):
     def for_deployment(cls, loaded: LoadedModel, deployment: str, settings: DeploymentSettings,
                        metrics: ServiceMetrics) -> GeneratorRunner:
         speculative = settings.engine.speculative.method if settings.engine.speculative is not None else None
-        return cls(loaded, deployment, settings.engine, PrometheusEngineObserver(metrics, loaded.spec.name, speculative),
+        observer = PrometheusEngineObserver(metrics, loaded.spec.name, speculative, tuple(loaded.spec.adapters))
+        return cls(loaded, deployment, settings.engine, observer,
                    HeapTrimmer(settings.heap_trim_interval_s))
 
     # -- requests --------------------------------------------------------------------------------

@@ -78,12 +78,19 @@ class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
     """A GenerationEngine's hooks -> the generation metrics of one model (and its queue and steps
     in the shared queue/batch metrics)."""
 
-    def __init__(self, metrics: ServiceMetrics, model: str, speculative: str | None = None) -> None:
+    def __init__(self, metrics: ServiceMetrics, model: str, speculative: str | None = None,
+                 adapters: Sequence[str] = ()) -> None:
         """`speculative`: the engine's speculative method (its counters are exported from the start,
-        as are the finished requests of each of FINISH_REASONS)."""
+        as are the finished requests of each of FINISH_REASONS, and the counters of each configured
+        adapter in `adapters`)."""
         super().__init__(metrics, model)
         for reason in FINISH_REASONS:
             metrics["generation_requests_finished_total"].labels(model, reason)
+            for adapter in adapters:
+                metrics["generation_adapter_requests_total"].labels(model, adapter, reason)
+        for adapter in adapters:
+            metrics["generation_adapter_prompt_tokens_total"].labels(model, adapter)
+            metrics["generation_adapter_generated_tokens_total"].labels(model, adapter)
         self.spec = {f: metrics[f"generation_spec_{name}"].labels(model, speculative)
                      for f, name in SPEC_COUNTERS.items()} if speculative else {}
         self._spec_seen = dict.fromkeys(self.spec, 0)  # the engine's counts at the last step

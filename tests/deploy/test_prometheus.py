@@ -269,6 +269,9 @@ def dashboard_counters(fronted: bool) -> set[str]:
     defined = SPECS | COLLECTED
     names = {n.removeprefix(PREFIX) for n in re.findall(rf"\b{PREFIX}\w+", DASHBOARD.read_text())}
     counters = {PREFIX + n for n in names if n in defined and defined[n].kind == "counter"}
+    # per-adapter series exist for the adapters a model serves (the configured ones from the start: test_metrics);
+    # the stack's config serves none
+    counters = {n for n in counters if not n.startswith(PREFIX + "generation_adapter_")}
     return counters if fronted else counters - {PREFIX + "front_answers_total"}
 
 

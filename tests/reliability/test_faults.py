@@ -54,8 +54,8 @@ async def keep_busy(client: httpx.AsyncClient, path: str, body: dict[str, Any], 
         started = time.monotonic()
         try:
             r = await client.post(path, json=body)
-        except httpx.HTTPError:
-            out.append(Outcome(0, time.monotonic() - started))
+        except httpx.HTTPError as e:
+            out.append(Outcome(0, time.monotonic() - started, type(e).__name__))
             continue
         error = None
         if r.status_code != 200:
@@ -109,8 +109,19 @@ async def kill_under_load(live: Live, deployment: str, path: str, body: dict[str
     return outage
 
 
+# A kept-alive connection the kill closed under the client: it fails at once, before the request reaches
+# any server (seen once in CI: RemoteProtocolError after 0.8 ms, the next request on a fresh connection
+# answered). Not a hang, not an answer: a client retries it, as httpx's pool and the openai client do.
+CLOSED_UNDER = ("RemoteProtocolError", "ConnectError", "ReadError", "WriteError")
+
+
+def answered(outage: Outage) -> list[Outcome]:
+    """The outcomes but the connections the kill closed under the client (CLOSED_UNDER, in < 50 ms)."""
+    return [o for o in outage.outcomes if not (o.status == 0 and o.error in CLOSED_UNDER and o.seconds < 0.05)]
+
+
 def statuses_ok(outage: Outage) -> bool:
-    return {o.status for o in outage.outcomes} <= {200, 503}
+    return {o.status for o in answered(outage)} <= {200, 503}
 
 
 def check(outage: Outage, probe_may_hang: bool = False) -> None:
@@ -126,8 +137,9 @@ def check(outage: Outage, probe_may_hang: bool = False) -> None:
         f"/readyz never reported the outage: (status, seconds) {[(s, round(t, 2)) for s, t in outage.probes][:20]}"
     assert outage.whole_after_s is not None and outage.whole_after_s < WHOLE_WITHIN_S
     assert outage.new_pids and outage.killed_pid not in outage.new_pids
-    statuses = {o.status for o in outage.outcomes}
+    statuses = {o.status for o in answered(outage)}
     assert statuses <= {200, 503}, [o for o in outage.outcomes if o.status not in (200, 503)]
+    assert len(outage.outcomes) - len(answered(outage)) <= 2, outage.outcomes  # a connection or two, at the kill
     assert 200 in statuses  # 503s depend on timing: Serve may retry a request on the new replica instead
     for o in outage.outcomes:
         assert o.seconds < DEADLINE_S + 2, o  # none hangs

@@ -14,7 +14,8 @@ from service.testing.fake_backend import EchoBackend, fake_app
 
 OPERATIONS = {"POST /v1/classify", "POST /v1/embeddings", "POST /v1/rerank", "POST /v1/translate", "GET /v1/models",
               "POST /v1/generate", "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
-              "POST /detokenize", "GET /healthz", "GET /readyz"}
+              "POST /detokenize", "GET /healthz", "GET /readyz", "POST /v1/load_lora_adapter",
+              "POST /v1/unload_lora_adapter"}
 
 
 @pytest.mark.parametrize("keys", [False, True], ids=["open", "api-keys"])

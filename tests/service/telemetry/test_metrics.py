@@ -339,7 +339,7 @@ def test_the_first_scrape_shows_every_counter_a_dashboard_queries_at_0_for_its_k
     for every known label value (the producers' constants), so no panel starts as "No data"; the
     counters exported elsewhere are ELSEWHERE."""
     PrometheusBatchObserver(metrics, "enc")
-    PrometheusEngineObserver(metrics, "gen", speculative="ngram")
+    PrometheusEngineObserver(metrics, "gen", speculative="ngram", adapters=("support-bot",))
     text, routes = first_scrape(metrics)
     counters = counter_labels(text)
     assert set(COLLECTED) <= ELSEWHERE
@@ -561,3 +561,10 @@ def test_replicas_by_state_are_exported_for_every_state_of_every_deployment() ->
         assert metrics.registry.get_sample_value(PREFIX + "replicas", {"deployment": "encoder", "state": state}) == 0
     metrics.replicas_seen(["generator", "encoder"], {})  # the drain ended; the controller said nothing new
     assert value(metrics, "replicas", deployment="generator", state="STOPPING") == 0
+
+
+def test_a_configured_adapters_counters_are_exported_from_the_start(metrics: ServiceMetrics) -> None:
+    PrometheusEngineObserver(metrics, "gen", adapters=("support-bot",))
+    names = {s.name for f in metrics.registry.collect() for s in f.samples if s.labels.get("adapter") == "support-bot"}
+    assert {PREFIX + n for n in ("generation_adapter_requests_total", "generation_adapter_prompt_tokens_total",
+                                 "generation_adapter_generated_tokens_total")} <= names
