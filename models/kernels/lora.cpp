@@ -5,10 +5,12 @@
 // float32 exactly as it is read); the products and sums are float32. Rows of one slot are computed
 // together, up to ROWS per pass, so each slot's factors are read once per call however many rows use it;
 // a row's result does not depend on the others (each output sums its ranks in order, then adds to the
-// row), as the projections' kernels.
+// row), as the projections' kernels. Both threads share even one row's update: the first products are
+// split by ranks, the second (after a barrier) by output columns.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -33,26 +35,30 @@ inline float as_float(uint16_t v) {
   return f;
 }
 
-// Rows a pass of the two products takes together: each factor value is loaded once for all of them
-constexpr int64_t ROWS = 4;
+// Accumulators a pass keeps in registers (AVX-512 has 32 vector registers, AVX2 16): a pass of the first
+// product takes KB rank rows x up to ROWS rows, one of the second takes CB vectors of outputs x ROWS rows
+constexpr int ROWS = 4;
+constexpr int KB = LANES == 16 ? 4 : 2;
+constexpr int CB = LANES == 16 ? 4 : 2;
 
-// t[k][q * stride] = sum_i a_k[i] * x_q[i] for the m <= 2 rank rows a_k (a_1 = a_0 + len) and the n <= ROWS
-// rows x_q, lane by lane then across lanes: each (rank, row) sum is the same whatever is beside it
-template <typename W>
-TS_TARGET void dots(const W* a, int64_t m, const float* const* x, int64_t n, int64_t len, float* t, int64_t stride) {
-  vf acc[2][ROWS] = {{zero(), zero(), zero(), zero()}, {zero(), zero(), zero(), zero()}};
+// t[k + q * stride] = sum_i a_k[i] * x_q[i] for the M rank rows a_k (a_k = a + k * len) and the N rows x_q,
+// lane by lane then across lanes: each (rank, row) sum is the same whatever is beside it
+template <typename W, int M, int N>
+TS_TARGET void dots(const W* a, const float* const* x, int64_t len, float* t, int64_t stride) {
+  vf acc[M][N];
+  for (int k = 0; k < M; ++k)
+    for (int q = 0; q < N; ++q) acc[k][q] = zero();
   int64_t i = 0;
   for (; i + LANES <= len; i += LANES) {
-    const vf a0 = load_as_float(a + i);
-    const vf a1 = m > 1 ? load_as_float(a + len + i) : a0;
-    for (int64_t q = 0; q < n; ++q) {
+    vf av[M];
+    for (int k = 0; k < M; ++k) av[k] = load_as_float(a + k * len + i);
+    for (int q = 0; q < N; ++q) {
       const vf xv = load(x[q] + i);
-      acc[0][q] = fmadd(a0, xv, acc[0][q]);
-      acc[1][q] = fmadd(a1, xv, acc[1][q]);
+      for (int k = 0; k < M; ++k) acc[k][q] = fmadd(av[k], xv, acc[k][q]);
     }
   }
-  for (int64_t k = 0; k < m; ++k) {
-    for (int64_t q = 0; q < n; ++q) {
+  for (int k = 0; k < M; ++k) {
+    for (int q = 0; q < N; ++q) {
       float s = reduce_add(acc[k][q]);
       for (int64_t e = i; e < len; ++e) s += as_float(a[k * len + e]) * x[q][e];
       t[k + q * stride] = s;
@@ -60,37 +66,38 @@ TS_TARGET void dots(const W* a, int64_t m, const float* const* x, int64_t n, int
   }
 }
 
-// y_q[o] += sum_j t_q[j] * bt[j * O + o] over `used` ranks in order, for outputs [0, width) and the
-// n <= ROWS rows y_q: each bt value is loaded once for the n rows, two vectors of outputs a pass
-template <typename W>
-TS_TARGET void updates(const float* const* t, const W* bt, int64_t O, int64_t used, int64_t n, int64_t width,
+// y_q[o] += sum_j t_q[j] * bt[j * O + o] over `used` ranks in order, for outputs [o0, o1) and the N rows
+// y_q: each bt value is loaded once for the N rows
+template <typename W, int N>
+TS_TARGET void updates(const float* const* t, const W* bt, int64_t O, int64_t used, int64_t o0, int64_t o1,
                        float* const* y) {
-  int64_t o = 0;
-  for (; o + 2 * LANES <= width; o += 2 * LANES) {
-    vf acc[2][ROWS] = {{zero(), zero(), zero(), zero()}, {zero(), zero(), zero(), zero()}};
+  int64_t o = o0;
+  for (; o + CB * LANES <= o1; o += CB * LANES) {
+    vf acc[CB][N];
+    for (int c = 0; c < CB; ++c)
+      for (int q = 0; q < N; ++q) acc[c][q] = zero();
     for (int64_t j = 0; j < used; ++j) {
-      const vf b0 = load_as_float(bt + j * O + o), b1 = load_as_float(bt + j * O + o + LANES);
-      for (int64_t q = 0; q < n; ++q) {
+      vf b[CB];
+      for (int c = 0; c < CB; ++c) b[c] = load_as_float(bt + j * O + o + c * LANES);
+      for (int q = 0; q < N; ++q) {
         const vf tv = set1(t[q][j]);
-        acc[0][q] = fmadd(tv, b0, acc[0][q]);
-        acc[1][q] = fmadd(tv, b1, acc[1][q]);
+        for (int c = 0; c < CB; ++c) acc[c][q] = fmadd(tv, b[c], acc[c][q]);
       }
     }
-    for (int64_t q = 0; q < n; ++q) {
-      store(y[q] + o, add(load(y[q] + o), acc[0][q]));
-      store(y[q] + o + LANES, add(load(y[q] + o + LANES), acc[1][q]));
-    }
+    for (int q = 0; q < N; ++q)
+      for (int c = 0; c < CB; ++c) store(y[q] + o + c * LANES, add(load(y[q] + o + c * LANES), acc[c][q]));
   }
-  for (; o + LANES <= width; o += LANES) {
-    vf acc[ROWS] = {zero(), zero(), zero(), zero()};
+  for (; o + LANES <= o1; o += LANES) {
+    vf acc[N];
+    for (int q = 0; q < N; ++q) acc[q] = zero();
     for (int64_t j = 0; j < used; ++j) {
       const vf vb = load_as_float(bt + j * O + o);
-      for (int64_t q = 0; q < n; ++q) acc[q] = fmadd(set1(t[q][j]), vb, acc[q]);
+      for (int q = 0; q < N; ++q) acc[q] = fmadd(set1(t[q][j]), vb, acc[q]);
     }
-    for (int64_t q = 0; q < n; ++q) store(y[q] + o, add(load(y[q] + o), acc[q]));
+    for (int q = 0; q < N; ++q) store(y[q] + o, add(load(y[q] + o), acc[q]));
   }
-  for (; o < width; ++o) {
-    for (int64_t q = 0; q < n; ++q) {
+  for (; o < o1; ++o) {
+    for (int q = 0; q < N; ++q) {
       float s = 0.0f;
       for (int64_t j = 0; j < used; ++j) s += t[q][j] * as_float(bt[j * O + o]);
       y[q][o] += s;
@@ -98,11 +105,66 @@ TS_TARGET void updates(const float* const* t, const W* bt, int64_t O, int64_t us
   }
 }
 
-// Rows one task takes (in passes of ROWS): a group of more rows is split so that both threads share it
-constexpr int64_t TASK_ROWS = 8;
-// multiply-adds a parallel region must have per thread to be worth waking the others (a decode step's few
-// rows stay on one thread: waking them costs more than a small update)
-constexpr int64_t TASK_WORK = 1 << 17;
+// the kernels above for a run-time row count n <= ROWS (and rank rows m <= KB)
+template <typename W, int M>
+void dots_rows(const W* a, const float* const* x, int64_t n, int64_t len, float* t, int64_t stride) {
+  switch (n) {
+    case 1: return dots<W, M, 1>(a, x, len, t, stride);
+    case 2: return dots<W, M, 2>(a, x, len, t, stride);
+    case 3: return dots<W, M, 3>(a, x, len, t, stride);
+    default: return dots<W, M, ROWS>(a, x, len, t, stride);
+  }
+}
+template <typename W>
+void dots_any(const W* a, int64_t m, const float* const* x, int64_t n, int64_t len, float* t, int64_t stride) {
+  static_assert(KB == 2 || KB == 4, "rank rows a pass takes");
+  switch (m) {
+    case 1: return dots_rows<W, 1>(a, x, n, len, t, stride);
+    case 2: return dots_rows<W, 2>(a, x, n, len, t, stride);
+    case 3: return dots_rows<W, KB == 4 ? 3 : 2>(a, x, n, len, t, stride);
+    default: return dots_rows<W, KB>(a, x, n, len, t, stride);
+  }
+}
+template <typename W>
+void updates_any(const float* const* t, const W* bt, int64_t O, int64_t used, int64_t o0, int64_t o1, int64_t n,
+                 float* const* y) {
+  switch (n) {
+    case 1: return updates<W, 1>(t, bt, O, used, o0, o1, y);
+    case 2: return updates<W, 2>(t, bt, O, used, o0, o1, y);
+    case 3: return updates<W, 3>(t, bt, O, used, o0, o1, y);
+    default: return updates<W, ROWS>(t, bt, O, used, o0, o1, y);
+  }
+}
+
+// Outputs one item of the second product takes: a slot's rows and a part are split in column ranges so
+// that one row's update spreads over the threads too
+constexpr int64_t COLUMNS = 256;
+// multiply-adds below which the whole update stays on the calling thread (waking the others costs more)
+constexpr int64_t PARALLEL_WORK = 1 << 14;
+
+// An update's work in two phases of items, each item's result independent of which thread runs it:
+// first products (a chunk of <= ROWS rows of one slot, a part, KB of its ranks) into t, then, after every
+// thread has finished the first phase, second products (a chunk, a part, a range of its outputs) into y.
+struct Item {
+  int64_t chunk, part, begin, end;  // ranks [begin, end) of the part, or its outputs [begin, end)
+  int64_t work;
+};
+
+// items [i0, i1) of `items` whose cumulative work falls in thread `tid`'s share of `n` (contiguous, balanced)
+std::pair<int64_t, int64_t> share(const std::vector<int64_t>& cumulative, int tid, int n) {
+  const int64_t total = cumulative.back();
+  auto at = [&](int k) {
+    const int64_t goal = total * k / n;
+    return static_cast<int64_t>(std::lower_bound(cumulative.begin(), cumulative.end(), goal) - cumulative.begin());
+  };
+  return {at(tid), at(tid + 1)};
+}
+
+std::vector<int64_t> cumulative_work(const std::vector<Item>& items) {
+  std::vector<int64_t> c(items.size() + 1, 0);
+  for (size_t i = 0; i < items.size(); ++i) c[i + 1] = c[i] + items[i].work;
+  return c;
+}
 
 template <typename W>
 void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int64_t* slots) {
@@ -119,53 +181,71 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
   if (order.empty()) return;
   std::stable_sort(order.begin(), order.end(), [&](int64_t u, int64_t v) { return slots[u] < slots[v]; });
   const int64_t* ranks = l.ranks.data_ptr<int64_t>();
-  // tasks (first row in `order`, rows, part): a slot's rows in blocks of TASK_ROWS, for each part it uses;
-  // a task computes both products of its rows and part, so one parallel region does the whole update
-  std::vector<int64_t> tasks;
-  int64_t work = 0;
+  // chunks (first row in `order`, rows): a slot's rows, ROWS at a time
+  std::vector<std::pair<int64_t, int64_t>> chunks;
   const int64_t n_rows = static_cast<int64_t>(order.size());
   for (int64_t g0 = 0, g1 = 0; g0 < n_rows; g0 = g1) {
-    const int64_t s = slots[order[g0]];
-    for (g1 = g0; g1 < n_rows && slots[order[g1]] == s; ++g1) {
+    for (g1 = g0; g1 < n_rows && slots[order[g1]] == slots[order[g0]]; ++g1) {
     }
+    for (int64_t r0 = g0; r0 < g1; r0 += ROWS) chunks.emplace_back(r0, std::min<int64_t>(ROWS, g1 - r0));
+  }
+  std::vector<Item> firsts, seconds;
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
+    const int64_t s = slots[order[chunks[c].first]], n = chunks[c].second;
     for (int64_t p = 0; p < P; ++p) {
       const int64_t used = ranks[s * P + p];
-      if (used == 0) continue;
-      for (int64_t r0 = g0; r0 < g1; r0 += TASK_ROWS) {
-        const int64_t n = std::min(TASK_ROWS, g1 - r0);
-        tasks.insert(tasks.end(), {r0, n, p});
-        work += n * used * (I + l.bounds[p + 1] - l.bounds[p]);
+      for (int64_t j = 0; j < used; j += KB) firsts.push_back({c, p, j, std::min<int64_t>(used, j + KB), n * KB * I});
+      for (int64_t o = l.bounds[p]; used > 0 && o < l.bounds[p + 1]; o += COLUMNS) {
+        const int64_t end = std::min(l.bounds[p + 1], o + COLUMNS);
+        seconds.push_back({c, p, o, end, n * used * (end - o)});
       }
     }
   }
-  const int64_t T = static_cast<int64_t>(tasks.size()) / 3;
-  if (T == 0) return;
+  if (firsts.empty()) return;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const W* ap = reinterpret_cast<const W*>(l.a.data_ptr());
   const W* btp = reinterpret_cast<const W*>(l.bt.data_ptr());
-  at::parallel_for(0, T, std::max<int64_t>(1, TASK_WORK * T / std::max<int64_t>(work, 1)), [&](int64_t t0, int64_t t1) {
-    float t[TASK_ROWS * 256];  // the task's rows' first products (ranks a part <= 256: Blocks::set_lora)
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t r0 = tasks[3 * task], n = tasks[3 * task + 1], p = tasks[3 * task + 2];
-      const int64_t s = slots[order[r0]], used = ranks[s * P + p], o0 = l.bounds[p];
-      const W* a = ap + (s * PR + p * l.rank) * I;  // (used, I)
-      const W* bt = btp + (s * PR + p * l.rank) * O + o0;  // (used, O) from o0
-      for (int64_t q0 = 0; q0 < n; q0 += ROWS) {
-        const int64_t m = std::min(ROWS, n - q0);
-        const float* xs[ROWS];
-        const float* ts[ROWS];
-        float* ys[ROWS];
-        for (int64_t q = 0; q < m; ++q) {
-          xs[q] = xp + order[r0 + q0 + q] * I;
-          ts[q] = t + (q0 + q) * used;
-          ys[q] = yp + order[r0 + q0 + q] * O + o0;
-        }
-        for (int64_t j = 0; j < used; j += 2) dots(a + j * I, std::min<int64_t>(2, used - j), xs, m, I, t + q0 * used + j, used);
-        updates(ts, bt, O, used, m, l.bounds[p + 1] - o0, ys);
-      }
+  // t[u * PR + p * rank + j]: the first product of row order[u], part p, rank j
+  std::vector<float> t(static_cast<size_t>(n_rows * PR));
+  auto first = [&](const Item& it) {
+    const auto [r0, n] = chunks[it.chunk];
+    const int64_t s = slots[order[r0]];
+    const float* xs[ROWS];
+    for (int64_t q = 0; q < n; ++q) xs[q] = xp + order[r0 + q] * I;
+    const W* a = ap + (s * PR + it.part * l.rank + it.begin) * I;  // (end - begin, I)
+    dots_any(a, it.end - it.begin, xs, n, I, t.data() + r0 * PR + it.part * l.rank + it.begin, PR);
+  };
+  auto second = [&](const Item& it) {
+    const auto [r0, n] = chunks[it.chunk];
+    const int64_t s = slots[order[r0]], used = ranks[s * P + it.part];
+    const float* ts[ROWS];
+    float* ys[ROWS];
+    for (int64_t q = 0; q < n; ++q) {
+      ts[q] = t.data() + (r0 + q) * PR + it.part * l.rank;
+      ys[q] = yp + order[r0 + q] * O;
     }
-  });
+    const W* bt = btp + (s * PR + it.part * l.rank) * O;  // (used, O)
+    updates_any(ts, bt, O, used, it.begin, it.end, n, ys);
+  };
+  const std::vector<int64_t> c1 = cumulative_work(firsts), c2 = cumulative_work(seconds);
+  const int threads = (at::in_parallel_region() || c1.back() + c2.back() < PARALLEL_WORK)
+                          ? 1
+                          : static_cast<int>(std::min<int64_t>(at::get_num_threads(), seconds.size()));
+  if (threads <= 1) {
+    for (const Item& it : firsts) first(it);
+    for (const Item& it : seconds) second(it);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+    const auto [f0, f1] = share(c1, tid, n);
+    for (int64_t i = f0; i < f1; ++i) first(firsts[i]);
+#pragma omp barrier
+    const auto [s0, s1] = share(c2, tid, n);
+    for (int64_t i = s0; i < s1; ++i) second(seconds[i]);
+  }
 }
 
 }  // namespace

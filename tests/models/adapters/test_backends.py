@@ -183,3 +183,40 @@ class _Slotted(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, **kw: object) -> torch.Tensor:
         return self.model(ids, adapters=self.slots, **kw)
+
+
+@pytest.mark.parametrize("factors", [torch.float32, torch.bfloat16])
+def test_the_update_kernel_on_two_threads_gives_the_same_bits_as_on_one(factors) -> None:
+    """A served model's shapes (a fused q/k/v of 576 + 2 x 192 outputs, rank 16): large enough that the
+    kernel splits even one row's update over both threads (first products by ranks, then outputs by
+    columns). Every row equals its own update in float64 within float32 rounding, and the bits are the
+    same on one thread and on two, alone and beside rows of other slots."""
+    gen = torch.Generator().manual_seed(0)
+    slots_n, rank, width, parts = 3, 16, 576, (576, 192, 192)
+    bounds = [0, 576, 768, 960]
+    a = (torch.randn(slots_n, len(parts) * rank, width, generator=gen) * 0.05).to(factors)  # (N, P r, I)
+    bt = (torch.randn(slots_n, len(parts) * rank, bounds[-1], generator=gen) * 0.05).to(factors)  # (N, P r, O)
+    ranks = torch.tensor([[16, 16, 16], [8, 0, 16], [16, 4, 2]])  # (N, P): the ranks each slot uses
+    x = torch.randn(7, width, generator=gen)  # (B, I)
+    y = torch.randn(7, bounds[-1], generator=gen)  # (B, O)
+    slots = torch.tensor([0, 2, -1, 0, 1, 0, 2])  # (B,)
+    op = torch.ops.ts_panels.lora_update
+
+    def update(threads: int, rows: list[int]) -> torch.Tensor:
+        torch.set_num_threads(threads)
+        return op(x[rows].contiguous(), y[rows].contiguous(), a, bt, ranks, bounds, rank, slots[rows].contiguous())
+
+    together = update(2, list(range(7)))
+    assert torch.equal(together, update(1, list(range(7))))
+    for row in range(7):
+        assert torch.equal(update(2, [row])[0], together[row])
+    expect = y.double().clone()
+    for row, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        for p in range(len(parts)):
+            used = int(ranks[s, p])
+            lo, hi = p * rank, p * rank + used
+            t = a[s, lo:hi].double() @ x[row].double()  # (used,)
+            expect[row, bounds[p]:bounds[p + 1]] += t @ bt[s, lo:hi, bounds[p]:bounds[p + 1]].double()
+    torch.testing.assert_close(together.double(), expect, rtol=1e-5, atol=1e-5)
