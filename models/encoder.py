@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -34,6 +36,17 @@ def first_token(hidden: Tensor, keep: Tensor) -> Tensor:
         return hidden[:, 0]  # (B, C)
     first = keep.long().argmax(-1)  # (B,): the first True
     return hidden[torch.arange(hidden.size(0), device=hidden.device), first]  # (B, C)
+
+
+class HeadWeights(NamedTuple):
+    """A classification head's weights used in place of a model's own (a classification adapter's:
+    models/adapters/heads.py), in the model's dtype and device."""
+
+    dense_w: Tensor | None  # (C, C): the dense layer before the classifier, where the model's head has one
+    dense_b: Tensor | None  # (C,)
+    out_w: Tensor  # (L, C)
+    out_b: Tensor | None  # (L,)
+    scores: str  # HEAD_SCORES key
 
 
 class OffsetEmbeddings(Embeddings):
@@ -70,18 +83,24 @@ class EncoderModel(nn.Module):
         pooled = mean_pool(hidden, keep) if self.cfg.pooling == "mean" else first_token(hidden, keep)  # (B, C)
         return F.normalize(pooled, dim=-1) if self.cfg.normalize_embeddings else pooled
 
-    def logits(self, hidden: Tensor, keep: Tensor) -> Tensor:
-        """Label logits (B, L) from hidden (B, T, C): the head on the embedding or on the first token."""
+    def logits(self, hidden: Tensor, keep: Tensor, head: HeadWeights | None = None) -> Tensor:
+        """Label logits (B, L) from hidden (B, T, C): the head on the embedding or on the first token;
+        `head`: other weights in its place (same pooling and activation)."""
         if self.head is None:
             raise ValueError("this encoder has no classification head (its config lists no labels)")
         x = self.pool(hidden, keep) if self.cfg.head_pooling == "embedding" else first_token(hidden, keep)  # (B, C)
+        if head is not None:
+            if head.dense_w is not None:
+                x = HEAD_ACTIVATIONS[self.cfg.head_dense](F.linear(x, head.dense_w, head.dense_b))  # (B, C)
+            return F.linear(x, head.out_w, head.out_b)  # (B, L)
         if self.head_dense is not None:
             x = HEAD_ACTIVATIONS[self.cfg.head_dense](self.head_dense(x))  # (B, C)
         return self.head(x)  # (B, L)
 
-    def scores(self, logits: Tensor) -> Tensor:
-        """Logits (B, L) -> label scores (B, L): softmax, or sigmoid per label (multi-label, one label)."""
-        return HEAD_SCORES[self.cfg.head_scores](logits)
+    def scores(self, logits: Tensor, head: HeadWeights | None = None) -> Tensor:
+        """Logits (B, L) -> label scores (B, L): softmax, or sigmoid per label (multi-label, one label),
+        as the model's head (or `head`) scores."""
+        return HEAD_SCORES[self.cfg.head_scores if head is None else head.scores](logits)
 
     def embed(self, ids: Tensor, keep: Tensor | None = None, token_types: Tensor | None = None) -> Tensor:
         """Pooled sentence embeddings (B, C)."""

@@ -67,6 +67,13 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
+def _is_saved(key: str, saved_modules: list[str]) -> bool:
+    """Whether tensor `key` belongs to a module of modules_to_save (or one inside it), matched as PEFT
+    matches them: a module whose name ends with an entry (DistilBERT's `pre_classifier` for `classifier`)."""
+    parts = key.replace(".modules_to_save", "").split(".")[:-1]
+    return any(".".join(parts[:i]).endswith(s) for s in saved_modules for i in range(1, len(parts) + 1))
+
+
 def _config(directory: Path) -> dict[str, Any]:
     try:
         cfg = json.loads((directory / CONFIG).read_text())
@@ -118,7 +125,7 @@ def read_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
         m = re.fullmatch(r"(.+)\.(lora_A|lora_B)(?:\.\w+)?\.weight", key)
         if m is not None:
             pairs.setdefault(m.group(1), {})[m.group(2)] = tensor
-        elif any(key == s or key.startswith(f"{s}.") or f".{s}." in f".{key}" for s in saved_modules):
+        elif _is_saved(key, saved_modules):
             saved[key.replace(".modules_to_save", "")] = tensor
         elif re.search(r"lora_(embedding_[AB]|magnitude_vector)", key):
             raise AdapterError(f"{directory / WEIGHTS}: {key}: "
@@ -155,9 +162,10 @@ def read_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
 
 
 def save_adapter(path: str | Path, factors: dict[str, tuple[Tensor, Tensor]], rank: int, alpha: float,
-                 task_type: str = "CAUSAL_LM") -> Path:
+                 task_type: str = "CAUSAL_LM", saved: dict[str, Tensor] | None = None) -> Path:
     """Write a LoRA adapter in PEFT's format: `factors` maps a Hugging Face module name
-    (`model.layers.0.self_attn.q_proj`) to its (A (r, I), B (O, r)); read_adapter reads it back."""
+    (`model.layers.0.self_attn.q_proj`) to its (A (r, I), B (O, r)); `saved`: whole tensors of
+    modules_to_save by name (`classifier.weight`); read_adapter reads it back."""
     from safetensors.torch import save_file
 
     directory = Path(path)
@@ -165,12 +173,15 @@ def save_adapter(path: str | Path, factors: dict[str, tuple[Tensor, Tensor]], ra
     modules = sorted({name.rsplit(".", 1)[-1] for name in factors})
     cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": modules, "bias": "none",
            "use_dora": False, "use_rslora": False, "task_type": task_type, "lora_dropout": 0.0,
-           "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+           "modules_to_save": sorted({k.rsplit(".", 1)[0] for k in saved}) if saved else None,
+           "rank_pattern": {}, "alpha_pattern": {}}
     (directory / CONFIG).write_text(json.dumps(cfg, indent=2))
     tensors = {}
     for name, (a, b) in factors.items():
         tensors[f"{PREFIX}{name}.lora_A.weight"] = a.contiguous()
         tensors[f"{PREFIX}{name}.lora_B.weight"] = b.contiguous()
+    for name, t in (saved or {}).items():
+        tensors[f"{PREFIX}{name}"] = t.contiguous()
     save_file(tensors, str(directory / WEIGHTS))
     return directory
 

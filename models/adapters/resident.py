@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .heads import AdapterHead, adapter_head
 from .lora import LoraLinear
 from .peft import AdapterError, LoraAdapter
 
@@ -98,6 +99,7 @@ class ResidentAdapters:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"adapter factors are float32 or bfloat16, not {dtype}")
         self.capacity, self.rank, self.dtype, self.kernel = capacity, rank, dtype, kernel
+        self._model = models[0]
         first, self._where = _attach(models[0], capacity, rank, None, dtype, kernel)
         for twin in models[1:]:
             _attach(twin, capacity, rank, first, dtype, kernel)
@@ -106,6 +108,7 @@ class ResidentAdapters:
         self._keys: dict[str, str] = {}  # name -> this load's key
         self._loads = 0
         self._users = [0] * capacity  # running requests per slot
+        self._heads: list[AdapterHead | None] = [None] * capacity  # a classification adapter's own head
         self._lock = threading.Lock()
 
     @property
@@ -128,11 +131,9 @@ class ResidentAdapters:
                 return s
         raise AdaptersFull(f"all {self.capacity} adapter slots hold adapters that running requests use")
 
-    def _check(self, adapter: LoraAdapter) -> None:
-        if adapter.saved:
-            names = sorted({k.rsplit(".", 1)[0] for k in adapter.saved})
-            raise AdapterError(f"adapter {adapter.name!r} saves modules of its own (modules_to_save: {names}); "
-                               "those are not served yet")
+    def _check(self, adapter: LoraAdapter) -> AdapterHead | None:
+        """The adapter's own head (None: it has none); AdapterError when the model cannot serve it."""
+        head = adapter_head(adapter, self._model)
         if adapter.rank > self.rank:
             raise AdapterError(f"adapter {adapter.name!r} has rank {adapter.rank}; this model serves ranks up to "
                                f"{self.rank} (max_lora_rank)")
@@ -145,11 +146,12 @@ class ResidentAdapters:
             if f.a.size(1) != lin.in_features or f.b.size(0) != width:
                 raise AdapterError(f"adapter {adapter.name!r}: {f.target.path} takes {lin.in_features} inputs to "
                                    f"{width} outputs; its factors are {tuple(f.a.shape)} and {tuple(f.b.shape)}")
+        return head
 
     def load(self, adapter: LoraAdapter, hold: bool = False) -> int:
         """Put `adapter` in a slot (replacing one of the same name no request holds); returns the slot,
         held for a request (as acquire) with `hold`."""
-        self._check(adapter)
+        head = self._check(adapter)
         with self._lock:
             if adapter.name in self._slots:
                 slot = self._slots[adapter.name]
@@ -163,6 +165,7 @@ class ResidentAdapters:
             for f in adapter.factors:
                 lin, part = self._where[f.target.layer, f.target.name]
                 lin.put(slot, part, f.a, f.b, f.scale)
+            self._heads[slot] = head
             self._slots[adapter.name] = slot
             self._loads += 1
             self._keys[adapter.name] = f"{adapter.name}#{self._loads}"
@@ -179,6 +182,12 @@ class ResidentAdapters:
             del self._slots[name]
             for lin in self._modules:
                 lin.clear(slot)
+            self._heads[slot] = None
+
+    def head(self, slot: int) -> AdapterHead | None:
+        """The classification head of the adapter in `slot` (held by the caller's request), None when it
+        labels with the base model's."""
+        return self._heads[slot]
 
     def acquire(self, name: str) -> Held:
         """The slot of `name`, held for a request until `release`; KeyError when it is not loaded."""

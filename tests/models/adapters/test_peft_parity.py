@@ -16,7 +16,7 @@ import transformers as hf
 from torch import Tensor
 
 from models.adapters import AdapterError, LoraLinear, ResidentAdapters, read_adapter
-from models.checkpoints import bert, gpt2, llama
+from models.checkpoints import bert, distilbert, gpt2, llama, roberta
 from models.projections.fuse import fuse_projections
 
 VOCAB = 100
@@ -207,5 +207,72 @@ def test_an_adapter_with_modules_to_save_is_refused_by_name(tmp_path):
     model.save_pretrained(tmp_path / "saved")
     adapter = read_adapter(tmp_path / "saved")
     assert adapter.saved
-    with pytest.raises(AdapterError, match=r"modules_to_save: \['lm_head'\]"):
+    with pytest.raises(AdapterError, match=r"saves 'lm_head' \(modules_to_save\); only a sequence classifier's head"):
         ResidentAdapters([ours_from("llama", base)], capacity=1, rank=4).load(adapter)
+
+
+def hf_classifier(family: str, labels: int) -> torch.nn.Module:
+    """A tiny random sequence classifier of `family` with `labels` outputs (the encoder: seed 0's)."""
+    torch.manual_seed(0)
+    if family == "distilbert":
+        cfg = hf.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=48,
+                                  max_position_embeddings=64, num_labels=labels)
+        return hf.DistilBertForSequenceClassification(cfg).eval()
+    kind = {"bert": (hf.BertConfig, hf.BertForSequenceClassification),
+            "roberta": (hf.RobertaConfig, hf.RobertaForSequenceClassification)}[family]
+    cfg = kind[0](vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                  max_position_embeddings=72, num_labels=labels, attn_implementation="eager")
+    return kind[1](cfg).eval()
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
+def test_a_classification_adapter_with_its_own_head_labels_as_peft_does(family, tmp_path):
+    """A SEQ_CLS adapter trained on the base's encoder with a new 3-label head (PEFT saves the head whole:
+    modules_to_save) beside rows of the bare 2-label base in one batch: each row's logits as peft's model
+    and the base's give them, its labels from the adapter's config.json."""
+    base = hf_classifier(family, 2)
+    tuned = hf_classifier(family, 3)
+    tuned.load_state_dict({k: v for k, v in base.state_dict().items() if not k.startswith(("classifier", "score"))},
+                          strict=False)  # the same encoder (and pooler / pre_classifier), a new classifier
+    targets = ["q_lin", "v_lin"] if family == "distilbert" else ["query", "value"]
+    torch.manual_seed(5)
+    model = peft.get_peft_model(tuned, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
+                                                       target_modules=targets, init_lora_weights=False)).eval()
+    model.save_pretrained(tmp_path / "sentiment")
+    tuned.config.id2label = {0: "negative", 1: "neutral", 2: "positive"}
+    tuned.config.save_pretrained(tmp_path / "sentiment")
+    importer = {"bert": bert.from_hf, "roberta": roberta.from_hf, "distilbert": distilbert.from_hf}[family]
+    ours = importer(base.config.to_dict(), base.state_dict())
+    resident = ResidentAdapters([ours], capacity=2, rank=4)
+    slot = resident.load(read_adapter(tmp_path / "sentiment"))
+    head = resident.head(slot)
+    assert head is not None and head.labels == ("negative", "neutral", "positive")
+    ids = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(2))  # (B, T)
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        hidden = ours(ids, keep, adapters=torch.tensor([slot, -1, slot]))  # (B, T, C)
+        tuned_rows = ours.logits(hidden[[0, 2]], keep[[0, 2]], head.weights)  # (2, 3)
+        base_row = ours.logits(hidden[[1]], keep[[1]])  # (1, 2)
+        ref_tuned, ref_base = model(input_ids=ids[[0, 2]]).logits, base(input_ids=ids[[1]]).logits
+    torch.testing.assert_close(tuned_rows, ref_tuned, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(base_row, ref_base, atol=1e-4, rtol=1e-4)
+    assert tuned_rows.argmax(-1).tolist() == ref_tuned.argmax(-1).tolist()
+    resident.unload("sentiment")
+    assert resident.head(slot) is None
+
+
+def test_a_head_the_model_cannot_take_is_refused_by_name(tmp_path):
+    """A classification adapter on an encoder without a classification head, and one whose classifier
+    takes another width: refused, naming the problem."""
+    base = hf_classifier("bert", 2)
+    torch.manual_seed(6)
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(task_type="SEQ_CLS", r=2,
+                                                                       target_modules=["query"]))
+    model.save_pretrained(tmp_path / "cls")
+    adapter = read_adapter(tmp_path / "cls")
+    plain = hf_model("bert")  # the same family with no head
+    with pytest.raises(AdapterError, match="has none to replace"):
+        ResidentAdapters([ours_from("bert", plain)], capacity=1, rank=4).load(adapter)
+    adapter.saved["classifier.weight"] = torch.zeros(2, 16)
+    with pytest.raises(AdapterError, match=r"its head weight is \(2, 16\); this model's takes 32 inputs"):
+        ResidentAdapters([bert.from_hf(base.config.to_dict(), base.state_dict())], capacity=1, rank=4).load(adapter)
