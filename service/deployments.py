@@ -122,6 +122,14 @@ class ModelDeployment:
     async def info(self) -> ModelInfo:
         return self.runner.info()
 
+    async def load_adapter(self, adapter: AdapterRef) -> None | ServiceError:
+        """Load a LoRA adapter now (checked against the model: a 400 naming what is wrong)."""
+        return await answered(self.runner.adapters.load(adapter))
+
+    async def unload_adapter(self, name: str) -> bool | ServiceError:
+        """Free an adapter's slot on this replica (False: it does not hold it)."""
+        return await answered(_now(self.runner.adapters.unload, name))
+
     def check_health(self) -> None:
         self.runner.check_health()
 
@@ -138,16 +146,17 @@ class EncoderDeployment(ModelDeployment):
     runner_class = EncoderRunner
     runner: EncoderRunner
 
-    async def classify(self, texts: list[str], truncate: bool, timeout_s: float | None
+    async def classify(self, texts: list[str], truncate: bool, adapter: AdapterRef | None, timeout_s: float | None
                        ) -> list[Classification] | ServiceError:
-        return await answered(self.runner.classify(texts, truncate, timeout_s))
+        return await answered(self.runner.classify(texts, truncate, timeout_s, adapter))
 
-    async def embed(self, texts: list[str], truncate: bool, timeout_s: float | None) -> Embeddings | ServiceError:
-        return await answered(self.runner.embed(texts, truncate, timeout_s))
+    async def embed(self, texts: list[str], truncate: bool, adapter: AdapterRef | None, timeout_s: float | None
+                    ) -> Embeddings | ServiceError:
+        return await answered(self.runner.embed(texts, truncate, timeout_s, adapter))
 
-    async def rerank(self, query: str, texts: list[str], truncate: bool, raw_scores: bool,
+    async def rerank(self, query: str, texts: list[str], truncate: bool, raw_scores: bool, adapter: AdapterRef | None,
                      timeout_s: float | None) -> list[float] | ServiceError:
-        return await answered(self.runner.rerank(query, texts, truncate, raw_scores, timeout_s))
+        return await answered(self.runner.rerank(query, texts, truncate, raw_scores, timeout_s, adapter))
 
 
 @serve.deployment
@@ -192,14 +201,6 @@ class GeneratorDeployment(ModelDeployment):
 
     async def detokenize(self, tokens: list[int]) -> str:
         return self.runner.detokenize(tokens)
-
-    async def load_adapter(self, adapter: AdapterRef) -> None | ServiceError:
-        """Load a LoRA adapter now (checked against the model: a 400 naming what is wrong)."""
-        return await answered(self.runner.adapters.load(adapter))
-
-    async def unload_adapter(self, name: str) -> bool | ServiceError:
-        """Free an adapter's slot on this replica (False: it does not hold it)."""
-        return await answered(_now(self.runner.adapters.unload, name))
 
     async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent | ServiceError]:
         async for event in answered_stream(self.runner.stream(request)):

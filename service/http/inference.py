@@ -69,7 +69,8 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
         texts = check_texts(body.inputs, "inputs", settings.max_inputs)
         route = routes.resolve("classify", body.model)
         texts = await limits.fit(route.deployment, texts, body.truncate, "inputs")
-        results: list[ClassificationResult] = await call(route, "classify", "inputs", request, texts, body.truncate)
+        results: list[ClassificationResult] = await call(route, "classify", "inputs", request, texts, body.truncate,
+                                                             route.adapter)
         return ClassifyResponse(model=route.model, results=[
             Classification(label=r.label, score=r.score, scores=r.scores) for r in results])
 
@@ -88,7 +89,7 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
                                         "its embeddings were not trained to be truncated"), "dimensions")
         if body.user is not None:
             log.info("embeddings for user %r", body.user)
-        out: Embeddings = await call(route, "embed", "input", request, texts, body.truncate)
+        out: Embeddings = await call(route, "embed", "input", request, texts, body.truncate, route.adapter)
         vectors = out.vectors if body.dimensions is None else [truncated(v, body.dimensions) for v in out.vectors]
         encode: Callable[[list[float]], list[float] | str] = (
             _base64 if body.encoding_format == "base64" else (lambda v: v))
@@ -107,7 +108,7 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
         texts = await limits.fit(route.deployment, texts, body.truncate, "texts")
         query, = await limits.fit(route.deployment, [body.query], body.truncate, "query", each=False)
         scores: list[float] = await call(route, "rerank", "texts", request, query, texts, body.truncate,
-                                         body.raw_scores)
+                                         body.raw_scores, route.adapter)
         order = sorted(range(len(texts)), key=lambda i: -scores[i])  # stable: ties keep request order
         return [Rank(index=i, score=scores[i], text=texts[i] if body.return_text else None) for i in order]
 

@@ -9,8 +9,10 @@ every slot held by running requests a 503.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from models.adapters import AdapterError, AdaptersFull, Held, LoraAdapter, ResidentAdapters, read_adapter
 
@@ -79,6 +81,19 @@ class ReplicaAdapters:
     def release(self, held: Held) -> None:
         assert self.resident is not None
         self.resident.release(held.slot)
+
+    @contextlib.asynccontextmanager
+    async def holding(self, ref: AdapterRef | None) -> AsyncIterator[Held | None]:
+        """`ref`'s slot held while the block runs (None: the base model); for a batched request, whose
+        rows carry the slot until its results are back."""
+        if ref is None:
+            yield None
+            return
+        held = await self.hold(ref)
+        try:
+            yield held
+        finally:
+            self.release(held)
 
     def info(self) -> dict | None:
         """For ModelInfo: the slots, their rank and the adapters held now."""

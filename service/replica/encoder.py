@@ -4,6 +4,7 @@ the plain dataclasses of service/messages.py (a rerank score is a float)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -13,7 +14,8 @@ import torch
 from models.catalog import LoadedModel
 from models.inputs import PaddedBatch
 
-from ..messages import Classification, Embeddings
+from ..errors import InvalidRequest
+from ..messages import AdapterRef, Classification, Embeddings
 from ..telemetry.hooks import BatchObserver
 from .config import BatchLimits
 from .heap import HeapTrimmer
@@ -29,6 +31,7 @@ class EncodeItem:
     task: Task
     types: list[int] | None = None  # token type ids (a rerank pair's); None: all zeros
     raw: bool = False  # rerank: the pair's logit instead of its score
+    slot: int = -1  # the LoRA adapter slot its request holds (-1: the base model)
 
 
 class EncoderRunner(BatchedRunner):
@@ -52,44 +55,68 @@ class EncoderRunner(BatchedRunner):
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.use_types = cfg.type_vocab_size > 1  # one type (RoBERTa) or none (DistilBERT): ids are all zero
 
-    async def classify(self, texts: Sequence[str], truncate: bool, timeout_s: float | None) -> list[Classification]:
-        ids = await off_loop(chars(texts), tokenize, self.loaded.tokenizer, texts, self.loaded.max_input_tokens,
-                             truncate)
-        return await self.batcher.submit_many([EncodeItem(x, "classify") for x in ids], [len(x) for x in ids],
-                                              deadline(timeout_s))
+    async def _submit(self, items: list[EncodeItem], adapter: AdapterRef | None, timeout_s: float | None) -> list[Any]:
+        """Items into the batcher, on `adapter`'s slot (held until their results are back)."""
+        async with self.adapters.holding(adapter) as held:
+            if held is not None:
+                head = self.loaded.adapters.head(held.slot) if self.loaded.adapters is not None else None
+                if items and items[0].task == "rerank" and head is not None and len(head.labels) != 1:
+                    raise InvalidRequest(f"adapter {held.name!r} has a classification head of {len(head.labels)} "
+                                         "outputs; reranking needs one (a relevance score)", "model")
+                items = [dataclasses.replace(item, slot=held.slot) for item in items]
+            out = await self.batcher.submit_many(items, [len(item.ids) for item in items], deadline(timeout_s))
+            if held is not None and items:
+                self.observer.on_adapter(held.name, items[0].task, len(items), sum(len(item.ids) for item in items))
+            return out
 
-    async def embed(self, texts: Sequence[str], truncate: bool, timeout_s: float | None) -> Embeddings:
+    async def classify(self, texts: Sequence[str], truncate: bool, timeout_s: float | None,
+                       adapter: AdapterRef | None = None) -> list[Classification]:
         ids = await off_loop(chars(texts), tokenize, self.loaded.tokenizer, texts, self.loaded.max_input_tokens,
                              truncate)
-        vectors = await self.batcher.submit_many([EncodeItem(x, "embed") for x in ids], [len(x) for x in ids],
-                                                 deadline(timeout_s))
+        return await self._submit([EncodeItem(x, "classify") for x in ids], adapter, timeout_s)
+
+    async def embed(self, texts: Sequence[str], truncate: bool, timeout_s: float | None,
+                    adapter: AdapterRef | None = None) -> Embeddings:
+        ids = await off_loop(chars(texts), tokenize, self.loaded.tokenizer, texts, self.loaded.max_input_tokens,
+                             truncate)
+        vectors = await self._submit([EncodeItem(x, "embed") for x in ids], adapter, timeout_s)
         return Embeddings(vectors, sum(len(x) for x in ids))
 
     async def rerank(self, query: str, texts: Sequence[str], truncate: bool, raw_scores: bool,
-                     timeout_s: float | None) -> list[float]:
+                     timeout_s: float | None, adapter: AdapterRef | None = None) -> list[float]:
         """One relevance score per text, in input order: the head's score of the (query, text) pair's
         logit (a cross-encoder's: its sigmoid), or the logit itself with raw_scores."""
         pairs = await off_loop(chars(texts) + len(texts) * len(query), tokenize_pairs, self.loaded.tokenizer, query,
                                texts, self.loaded.max_input_tokens, truncate)
-        return await self.batcher.submit_many([EncodeItem(p.ids, "rerank", p.types, raw_scores) for p in pairs],
-                                              [len(p.ids) for p in pairs], deadline(timeout_s))
+        return await self._submit([EncodeItem(p.ids, "rerank", p.types, raw_scores) for p in pairs], adapter,
+                                  timeout_s)
 
     @torch.inference_mode()
     def run_batch(self, payloads: list[EncodeItem]) -> list[Classification | list[float] | float]:
         model = self.loaded.model
         batch = PaddedBatch.from_token_lists([p.ids for p in payloads], self.pad_id, self.loaded.device)  # (B, T)
         types = batch.pad([p.types for p in payloads]) if self.use_types and any(p.types for p in payloads) else None
-        hidden = self.loaded.executor.hidden(batch.ids, batch.keep, types)  # (B, T, C): on the plan's backend
+        slots = None  # (B,) each row's adapter slot, where any row has one
+        if any(p.slot >= 0 for p in payloads):
+            slots = torch.tensor([p.slot for p in payloads], dtype=torch.long, device=self.loaded.device)
+        hidden = self.loaded.executor.hidden(batch.ids, batch.keep, types, slots)  # (B, T, C): on the plan's backend
         out: list[Any] = [None] * len(payloads)
         rows = [i for i, p in enumerate(payloads) if p.task == "embed"]
         if rows:
             for row, vector in zip(rows, model.pool(hidden[rows], batch.keep[rows]).float().cpu().tolist(), strict=True):
                 out[row] = vector
-        rows = [i for i, p in enumerate(payloads) if p.task != "embed"]
-        if rows:
-            logits = model.logits(hidden[rows], batch.keep[rows]).float()  # (b, n_labels)
-            scores = model.scores(logits).cpu().tolist()
-            labels = self.loaded.labels
+        # rows labelled by one head together: the model's, or a classification adapter's own (per slot)
+        heads: dict[int, list[int]] = {}
+        for i, p in enumerate(payloads):
+            if p.task != "embed":
+                own = p.slot >= 0 and self.loaded.adapters is not None and self.loaded.adapters.head(p.slot) is not None
+                heads.setdefault(p.slot if own else -1, []).append(i)
+        for slot, rows in heads.items():
+            head = self.loaded.adapters.head(slot) if slot >= 0 and self.loaded.adapters is not None else None
+            weights = None if head is None else head.weights
+            logits = model.logits(hidden[rows], batch.keep[rows], weights).float()  # (b, n_labels)
+            scores = model.scores(logits, weights).cpu().tolist()
+            labels = self.loaded.labels if head is None else head.labels
             for row, p, z in zip(rows, scores, logits[:, 0].cpu().tolist(), strict=True):
                 if payloads[row].task == "rerank":
                     out[row] = z if payloads[row].raw else p[0]  # the relevance logit or its score

@@ -39,7 +39,6 @@ from ..messages import (
 from ..telemetry.hooks import EngineObserver
 from ..telemetry.metrics import ServiceMetrics
 from ..telemetry.observers import PrometheusEngineObserver
-from .adapters import ReplicaAdapters
 from .heap import HeapTrimmer
 from .runner import EngineRunner, off_loop
 
@@ -67,7 +66,6 @@ class GeneratorRunner(EngineRunner):
         self.engine = GenerationEngine(loaded.executor, loaded.tokenizer, config, observer, name=f"{deployment}-engine",
                                        after_step=self.heap.maybe_trim, max_input_tokens=loaded.max_input_tokens,
                                        draft=draft, adapters=loaded.adapters)
-        self.adapters = ReplicaAdapters(loaded.adapters)
         self.defaults = {k: v for k, v in loaded.spec.defaults.items() if k in SAMPLING_FIELDS}
         SamplingParams(**self.defaults)  # bad model defaults fail the replica at start, not each request
 
@@ -303,8 +301,6 @@ class GeneratorRunner(EngineRunner):
     def limits(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.limits)
 
-    def adapter_info(self) -> dict[str, Any] | None:
-        return self.adapters.info()
 
     def speculative(self) -> dict[str, Any] | None:
         spec = self.engine.speculator

@@ -24,6 +24,7 @@ from ..messages import ModelInfo
 from ..telemetry.hooks import BatchObserver
 from ..telemetry.metrics import ServiceMetrics
 from ..telemetry.observers import PrometheusBatchObserver
+from .adapters import ReplicaAdapters
 from .batcher import DynamicBatcher
 from .config import BatchLimits
 from .heap import HeapTrimmer
@@ -65,6 +66,7 @@ class ModelRunner:
         self.loaded, self.deployment = loaded, deployment
         self.heap = heap or HeapTrimmer(0)
         self.loaded_at = time.time()
+        self.adapters = ReplicaAdapters(loaded.adapters)  # its LoRA adapter slots (none: every request is refused)
 
     @classmethod
     def for_deployment(cls, loaded: LoadedModel, deployment: str, settings: DeploymentSettings,
@@ -108,7 +110,7 @@ class ModelRunner:
 
     def adapter_info(self) -> dict[str, Any] | None:
         """Its LoRA adapter slots and the adapters in them (None: it serves none)."""
-        return None
+        return self.adapters.info()
 
     def info(self) -> ModelInfo:
         """What /v1/models and /readyz report about this replica's model."""
@@ -172,6 +174,7 @@ class BatchedRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, deployment: str, limits: BatchLimits,
                  observer: BatchObserver | None = None, heap: HeapTrimmer | None = None) -> None:
         super().__init__(loaded, deployment, heap)
+        self.observer = observer or BatchObserver()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{deployment}-inference")
         self.batcher: DynamicBatcher[Any, Any] = DynamicBatcher(self._compute, limits, self.executor,
                                                                 name=deployment, observer=observer)
@@ -179,7 +182,9 @@ class BatchedRunner(ModelRunner):
     @classmethod
     def for_deployment(cls, loaded: LoadedModel, deployment: str, settings: DeploymentSettings,
                        metrics: ServiceMetrics) -> BatchedRunner:
-        return cls(loaded, deployment, settings.batching, PrometheusBatchObserver(metrics, loaded.spec.name),
+        spec = loaded.spec
+        observer = PrometheusBatchObserver(metrics, spec.name, tuple(spec.adapters), tuple(spec.tasks))
+        return cls(loaded, deployment, settings.batching, observer,
                    HeapTrimmer(settings.heap_trim_interval_s))
 
     def _compute(self, payloads: list[Any]) -> list[Any]:

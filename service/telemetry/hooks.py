@@ -38,6 +38,9 @@ class BatchObserver:
         """A request was queued (refused None) or refused (one of REFUSALS); wait_s: the estimated
         wait before its first batch starts (None: not estimated)."""
 
+    def on_adapter(self, adapter: str, task: str, inputs: int, tokens: int) -> None:
+        """A request on a LoRA adapter was answered: its task, inputs and their tokens."""
+
 
 @dataclass(frozen=True)
 class EngineStats:

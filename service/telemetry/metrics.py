@@ -146,6 +146,10 @@ SPECS: dict[str, Spec] = {
     "generation_requests_finished_total": Spec("counter", ("model", "finish_reason"),
                                                "Generation requests ended (stop, length, cancelled, error)"),
     # LoRA adapters (models/adapters/): the requests each adapter answered, by its name
+    "encoder_adapter_inputs_total": Spec("counter", ("model", "adapter", "task"), "Inputs (classify, embed, "
+                                         "rerank) an adapter of an encoder answered"),
+    "encoder_adapter_tokens_total": Spec("counter", ("model", "adapter"), "Tokens of the inputs an adapter of an "
+                                                                          "encoder answered"),
     "generation_adapter_requests_total": Spec("counter", ("model", "adapter", "finish_reason"),
                                               "Generation requests an adapter of the model answered"),
     "generation_adapter_prompt_tokens_total": Spec("counter", ("model", "adapter"), "Prompt tokens of an "

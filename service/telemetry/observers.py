@@ -35,10 +35,15 @@ class PrometheusBatchObserver(AdmissionMetrics, BatchObserver):
     """A DynamicBatcher's hooks -> the batch and queue metrics of one model (each drop reason of
     DROPS exported at 0 from the start)."""
 
-    def __init__(self, metrics: ServiceMetrics, model: str) -> None:
+    def __init__(self, metrics: ServiceMetrics, model: str, adapters: Sequence[str] = (),
+                 tasks: Sequence[str] = ()) -> None:
         super().__init__(metrics, model)
         for reason in DROPS:
             metrics["batch_dropped_items_total"].labels(model, reason)
+        for adapter in adapters:  # the configured adapters' counters from the first scrape
+            metrics["encoder_adapter_tokens_total"].labels(model, adapter)
+            for task in tasks:
+                metrics["encoder_adapter_inputs_total"].labels(model, adapter, task)
         self.depth = metrics["queue_depth"].labels(model)
         self.wait = metrics["queue_wait_seconds"].labels(model)
         self.size = metrics["batch_size"].labels(model)
@@ -51,6 +56,10 @@ class PrometheusBatchObserver(AdmissionMetrics, BatchObserver):
 
     def on_queue(self, queued: int) -> None:
         self.depth.set(queued)
+
+    def on_adapter(self, adapter: str, task: str, inputs: int, tokens: int) -> None:
+        self.metrics["encoder_adapter_inputs_total"].labels(self.model, adapter, task).inc(inputs)
+        self.metrics["encoder_adapter_tokens_total"].labels(self.model, adapter).inc(tokens)
 
     def on_batch(self, items: int, real_tokens: int, computed_tokens: int, inference_s: float,
                  queue_waits_s: Sequence[float]) -> None:

@@ -32,6 +32,7 @@ import yaml
 
 from service.telemetry.metrics import COLLECTED, PREFIX, SPECS
 from service.testing.cluster import deploy, free_port, local_cluster, wait_for
+from tests.service.adapter_files import encoder_adapter
 from tests.service.front_checks import client_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,9 +148,9 @@ def tiny_adapter(path: Path) -> Path:
     return save_adapter(path, random_llama_factors(tiny_model("decoder")[0], 4, seed=0), 4, 8)
 
 
-def app_args(metrics_dir: Path, adapter: Path) -> dict[str, Any]:
+def app_args(metrics_dir: Path, adapter: Path, encoder_adapter: Path) -> dict[str, Any]:
     tiny_encoder = {"name": "tiny-encoder", "tasks": ["classify", "embed"], "source": "tiny:encoder",
-                    "max_input_tokens": 64}
+                    "max_input_tokens": 64, "adapters": {"tiny-classifier": str(encoder_adapter)}}
     return {
         "device": "cpu", "max_inputs": MAX_INPUTS, "retry_after_s": 1, "metrics_dir": str(metrics_dir),
         "max_body_bytes": MAX_BODY,
@@ -199,7 +200,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     binary("prometheus")  # skip before starting anything
     tmp = tmp_path_factory.mktemp("prometheus")
     with local_cluster(num_cpus=4) as serve_url, ExitStack() as front:
-        deploy(app_args(tmp / "metrics", tiny_adapter(tmp / "adapter")), name="prom", prefix="/")
+        deploy(app_args(tmp / "metrics", tiny_adapter(tmp / "adapter"),
+                        encoder_adapter(tmp / "encoder-adapter", 0, ("ham", "spam"))), name="prom", prefix="/")
         url = client_url(front, serve_url, MAX_BODY, 1, metrics_dir=str(tmp / "metrics"))  # as python -m service
         wait_for(url, "/readyz", 200, timeout_s=120)
         proc, prom_url, log = start_prometheus(tmp, url.removeprefix("http://"))
@@ -223,6 +225,8 @@ def drive_traffic(url: str) -> dict[str, int]:
         for i in range(3):
             seen["classify"] = c.post("/v1/classify", json={"inputs": [f"good {i}", "bad"]}).status_code
             seen["embeddings"] = c.post("/v1/embeddings", json={"input": f"text {i}"}).status_code
+            seen["encoder adapter"] = c.post("/v1/classify", json={"inputs": f"good {i}",
+                                                                   "model": "tiny-classifier"}).status_code
             seen["translate"] = c.post("/v1/translate", json={"inputs": f"hello {i}", "source_lang": "en",
                                                               "target_lang": "es"}).status_code
             seen["generate"] = c.post("/v1/generate", json={"prompt": f"once {i}", "max_new_tokens": 6}).status_code

@@ -1,8 +1,8 @@
-"""LoRA adapters over real HTTP on a real Ray Serve (tiny:decoder): configured adapters, one found in
-an adapter_dir, one loaded at run time, each a model in /v1/models; rows of two adapters and the base
-in one concurrent load answer what each answers alone, and what the model with that adapter computes
-here; an unknown model is a 404 in OpenAI's shape, a malformed adapter a 400 that leaves the replica
-serving.
+"""LoRA adapters over real HTTP on a real Ray Serve (tiny:decoder, tiny:encoder): configured adapters,
+one found in an adapter_dir, one loaded at run time, each a model in /v1/models; rows of two adapters and
+the base in one concurrent load answer what each answers alone, and what the model with that adapter
+computes here (generation, classification by an adapter's own head, embeddings); an unknown model is a
+404 in OpenAI's shape, a malformed adapter a 400 that leaves the replica serving.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from models.adapters import ResidentAdapters, read_adapter
 from models.adapters.peft import random_llama_factors, save_adapter
 from models.tiny import tiny_model
 from service.testing.cluster import deploy, local_cluster, wait_for
+from tests.service.adapter_files import encoder_adapter
 from tests.service.http_checks import assert_error
 
 pytestmark = pytest.mark.e2e
 TINY = "tiny-decoder"
+ENCODER = "tiny-encoder"
 BODY = {"max_new_tokens": 12, "temperature": 0}
-
-
 def make_adapters(root: Path) -> dict[str, Path]:
     """Rank-4 and rank-8 adapters of tiny:decoder (random, large enough to change its answers)."""
     model, _ = tiny_model("decoder")
@@ -36,6 +36,8 @@ def make_adapters(root: Path) -> dict[str, Path]:
         rank = 4 if i % 2 == 0 else 8
         where = root / "dir" / name if name == "d0" else root / name
         out[name] = save_adapter(where, random_llama_factors(model, rank, seed=i, std=0.3), rank, 2 * rank)
+    out["spam"] = encoder_adapter(root / "spam", 20, ("ham", "spam"))
+    out["e0"] = encoder_adapter(root / "e0", 21, None)
     bad = root / "bad"
     save_adapter(bad, random_llama_factors(model, 2, seed=9), 2, 4)
     (bad / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
@@ -56,7 +58,10 @@ def url(adapters: dict[str, Path]) -> Any:
             "model": {"name": TINY, "tasks": ["generate"], "source": "tiny:decoder",
                       "adapters": {"a0": str(adapters["a0"]), "a1": str(adapters["a1"])},
                       "adapter_dir": str(adapters["d0"].parent), "max_adapters": 3, "max_lora_rank": 8},
-            "num_cpus": 0, "torch_threads": 1, "engine": {"max_running": 16, "max_queued": 64}}},
+            "num_cpus": 0, "torch_threads": 1, "engine": {"max_running": 16, "max_queued": 64}},
+            "encoder": {"model": {"name": ENCODER, "tasks": ["classify", "embed"], "source": "tiny:encoder",
+                                  "adapters": {"spam": str(adapters["spam"]), "e0": str(adapters["e0"])}},
+                        "num_cpus": 0, "torch_threads": 1}},
     }
     with local_cluster() as base:
         deploy(args, "adapters", "/")
@@ -169,3 +174,69 @@ def test_metrics_count_each_adapters_requests_and_tokens(url: str) -> None:
     assert any(line.startswith("transformer_serve_generation_adapter_requests_total") for line in lines), lines
     assert any(line.startswith("transformer_serve_generation_adapter_generated_tokens_total") and
                float(line.rsplit(" ", 1)[1]) > 0 for line in lines), lines
+    with httpx.Client(base_url=url, timeout=60) as c:
+        assert c.post("/v1/classify", json={"inputs": ["one", "two"], "model": "spam"}).status_code == 200
+        text = c.get("/metrics").text
+    inputs = [line for line in text.splitlines()
+              if line.startswith("transformer_serve_encoder_adapter_inputs_total") and 'adapter="spam"' in line]
+    assert any('task="classify"' in line and float(line.rsplit(" ", 1)[1]) >= 2 for line in inputs), inputs
+    assert any('task="embed"' in line for line in inputs), inputs  # exported from the start
+
+
+def encoded_here(adapter: Path | None, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """tiny:encoder's (label scores by its own or the adapter's head, embeddings) for `texts`, computed here."""
+    model, tok = tiny_model("encoder")
+    model = copy.deepcopy(model)
+    slots, head = None, None
+    if adapter is not None:
+        resident = ResidentAdapters([model], capacity=1, rank=4)
+        slot = resident.load(read_adapter(adapter))
+        slots, head = torch.tensor([slot] * len(texts)), resident.head(slot)
+    scores, vectors = [], []
+    with torch.no_grad():
+        for i, text in enumerate(texts):
+            ids = torch.tensor([tok.encode(text)])
+            keep = torch.ones_like(ids, dtype=torch.bool)
+            hidden = model(ids, keep, adapters=None if slots is None else slots[i:i + 1])
+            weights = None if head is None else head.weights
+            scores.append(model.scores(model.logits(hidden, keep, weights), weights)[0])
+            vectors.append(model.pool(hidden, keep)[0])
+    return torch.stack(scores), torch.stack(vectors)
+
+
+def test_classification_and_embedding_adapters_answer_as_computed_here_beside_the_base(
+        url: str, adapters: dict[str, Path]) -> None:
+    texts = ["win a free prize now", "lunch at noon?", "meeting moved"]
+    jobs = [(m, t) for t in texts for m in ("spam", "e0", None)]
+
+    async def together() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as ac:
+            async def one(m: str | None, t: str) -> dict[str, Any]:
+                model = {"model": m} if m else {}
+                c, e = await asyncio.gather(ac.post("/v1/classify", json={"inputs": t, **model}),
+                                            ac.post("/v1/embeddings", json={"input": t, **model}))
+                assert c.status_code == 200 and e.status_code == 200, (c.text, e.text)
+                assert c.json()["model"] == (m or ENCODER) == e.json()["model"]
+                return {"scores": c.json()["results"][0]["scores"], "label": c.json()["results"][0]["label"],
+                        "vector": e.json()["data"][0]["embedding"]}
+            return list(await asyncio.gather(*(one(m, t) for m, t in jobs * 2)))
+
+    answers = asyncio.run(together())
+    for name in ("spam", "e0", None):
+        scores, vectors = encoded_here(adapters[name] if name else None, texts)
+        labels = ("ham", "spam") if name == "spam" else ("negative", "neutral", "positive")
+        for i, text in enumerate(texts):
+            for answer in (answers[jobs.index((name, text))], answers[len(jobs) + jobs.index((name, text))]):
+                assert list(answer["scores"]) == list(labels)
+                got = torch.tensor([answer["scores"][label] for label in labels])
+                torch.testing.assert_close(got, scores[i], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(torch.tensor(answer["vector"]), vectors[i], atol=1e-5, rtol=1e-5)
+    base_vectors = torch.tensor([a["vector"] for a in answers[2:len(jobs):3]])
+    e0_vectors = torch.tensor([a["vector"] for a in answers[1:len(jobs):3]])
+    assert not torch.allclose(base_vectors, e0_vectors, atol=1e-3)  # the adapter changes the embeddings
+    with httpx.Client(base_url=url, timeout=60) as c:
+        cards = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        assert cards["spam"]["parent"] == ENCODER and cards["e0"]["parent"] == ENCODER
+        error = assert_error(c.post("/v1/classify", json={"inputs": "hi", "model": "a0"}), 422,
+                             "invalid_request_error", "model")
+        assert "does not serve classify" in error["message"]

@@ -237,7 +237,7 @@ def _reranker(head_scores: str = "sigmoid") -> LoadedModel:
 
 def test_rerank_scores_by_the_heads_own_score_function() -> None:
     loaded = _reranker()
-    loaded.model.scores = lambda logits: logits.tanh()  # a scoring only the model knows: rerank must use it
+    loaded.model.scores = lambda logits, head=None: logits.tanh()  # a scoring only the model knows: rerank must use it
     runner = EncoderRunner(loaded, "reranker", BatchLimits(max_wait_ms=10))
     texts = ["c d e", "f", "a b c d"]
 

@@ -61,7 +61,7 @@ from service.telemetry.observers import PrometheusBatchObserver, PrometheusEngin
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs" / "observability.md"
 BOUNDED_LABELS = {"endpoint", "status", "model", "reason", "finish_reason", "deployment", "kind", "device", "dtype",
-                  "phase", "backend", "method", "decision", "state",
+                  "phase", "backend", "method", "decision", "state", "task",
                   "replica",  # replica: a Serve replica id (new ones as replicas come and go, as in Ray's own metrics)
                   "adapter"}  # adapter: a LoRA adapter the operator serves (configured, in adapter_dir or loaded)
 ENCODER = {"name": "enc", "tasks": ["classify", "embed"], "source": "tiny:encoder"}
@@ -338,7 +338,7 @@ def test_the_first_scrape_shows_every_counter_a_dashboard_queries_at_0_for_its_k
     """A fresh replica's observers and the ingress's first request export each labelled counter at 0
     for every known label value (the producers' constants), so no panel starts as "No data"; the
     counters exported elsewhere are ELSEWHERE."""
-    PrometheusBatchObserver(metrics, "enc")
+    PrometheusBatchObserver(metrics, "enc", adapters=("spam-filter",), tasks=("classify", "embed"))
     PrometheusEngineObserver(metrics, "gen", speculative="ngram", adapters=("support-bot",))
     text, routes = first_scrape(metrics)
     counters = counter_labels(text)
@@ -350,6 +350,7 @@ def test_the_first_scrape_shows_every_counter_a_dashboard_queries_at_0_for_its_k
     assert set(counters["admission_refused_total"]) == {(m, r) for m in ("enc", "gen") for r in REFUSALS}
     assert set(counters["batch_dropped_items_total"]) == {("enc", r) for r in DROPS}
     assert set(counters["generation_requests_finished_total"]) == {("gen", r) for r in FINISH_REASONS}
+    assert set(counters["encoder_adapter_inputs_total"]) == {("enc", "spam-filter", t) for t in ("classify", "embed")}
     assert "/v1/classify" in routes and "/v1/chat/completions" in routes
     assert set(counters["requests_total"]) == {(route, "200") for route in routes}
     assert set(counters["rejected_requests_total"]) == {(route, r) for route in routes for r in UNAVAILABLE}
