@@ -77,6 +77,20 @@ async def _now(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
+def multiplexed(capacity: int) -> Callable[[str], Awaitable[str]]:
+    """Serve's model multiplexing over a replica's LoRA adapters: awaited with an adapter's name each
+    time a request uses it here, Serve keeps the `capacity` most recently used names and reports them
+    to the routers, which prefer this replica for requests carrying that name as their multiplexed
+    model id (service/ingress.py). The adapters themselves are loaded and evicted by the runner's
+    ReplicaAdapters (its slots, LRU among the ones no request holds); this only tells where they are."""
+
+    @serve.multiplexed(max_num_models_per_replica=capacity)
+    async def held_here(name: str) -> str:
+        return name
+
+    return held_here
+
+
 class ModelDeployment:
     """The replica life cycle of every deployment kind: load, build the runner, warm up, start,
     report; info and health; close when the replica goes."""
@@ -110,6 +124,8 @@ class ModelDeployment:
         if limits := self.runner.limits():
             log.info("%s: limits %s", name, limits)
         self._load = LoadReport(generator=loaded.spec.kind == "generator")
+        if loaded.adapters is not None:
+            self.runner.adapters.report = multiplexed(loaded.adapters.capacity)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Load signals for Serve's autoscaler (service/fleet/load.py, autoscaling.py)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import ray
@@ -22,10 +22,10 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from ray.serve.handle import DeploymentHandle
 
 from .errors import InternalError, NotReady, Overloaded, ServiceError
-from .fleet.router import decision_counters
+from .fleet.router import decision_counters, routed_request
 from .http.api import create_api
 from .http.routing import probed_readiness
-from .messages import ModelInfo
+from .messages import AdapterRef, ModelInfo
 from .settings import Settings
 from .telemetry.logs import configure_logging
 from .telemetry.metrics import bind_to_node
@@ -49,6 +49,15 @@ def _as_service_error(deployment: str, exc: BaseException) -> ServiceError:
     return InternalError(f"{deployment}: internal error; see the server log")
 
 
+def adapter_of(args: Sequence[Any]) -> str | None:
+    """The LoRA adapter a model call is for: an AdapterRef among its arguments, or its generation's."""
+    for arg in args:
+        if isinstance(arg, AdapterRef):
+            return arg.name
+    request = routed_request(args)
+    return request.adapter.name if request is not None and request.adapter is not None else None
+
+
 class ServeBackend:
     """Model calls through Serve handles (see service/http/routing.py Backend). The first call to a deployment checks
     that it has a loaded replica (503 model_not_ready otherwise) instead of queueing behind a load;
@@ -65,9 +74,16 @@ class ServeBackend:
         self._readiness_lock = asyncio.Lock()
         self._states_cache: tuple[float, dict[str, dict[str, int]]] | None = None  # (when, _replica_states())
 
+    def _handle(self, deployment: str, args: Sequence[Any], stream: bool = False) -> DeploymentHandle:
+        """The deployment's handle for a call with `args`: one for a LoRA adapter carries it as Serve's
+        multiplexed model id, so that Serve's routers prefer the replicas that hold it."""
+        handle = (self.streaming if stream else self.handles)[deployment]
+        adapter = adapter_of(args)
+        return handle if adapter is None else handle.options(multiplexed_model_id=adapter)
+
     async def call(self, deployment: str, method: str, *args: Any) -> Any:
         await self._ready(deployment)
-        response = getattr(self.handles[deployment], method).remote(*args)
+        response = getattr(self._handle(deployment, args), method).remote(*args)
         try:
             result = await response
         except asyncio.CancelledError:  # deadline or client gone: cancel the model call too
@@ -84,7 +100,7 @@ class ServeBackend:
     async def stream(self, deployment: str, method: str, *args: Any) -> AsyncIterator[Any]:
         """Items of a generator method, through Serve's streaming responses."""
         await self._ready(deployment)
-        response = getattr(self.streaming[deployment], method).remote(*args)
+        response = getattr(self._handle(deployment, args, stream=True), method).remote(*args)
         ended = False
         try:
             async for item in response:

@@ -15,14 +15,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ..checkpoints.format import CheckpointError
-from ..checkpoints.heads import head_fields
-from ..encoder import HeadWeights
 from .peft import AdapterError, LoraAdapter
+
+if TYPE_CHECKING:  # models/attention.py imports this package: the encoder and the importers come later
+    from ..encoder import HeadWeights
 
 # a sequence classifier's head modules, as transformers names them (without the family's prefix) -> ours
 _HEAD = {"classifier": "head", "classifier.out_proj": "head", "classifier.dense": "head_dense",
@@ -55,6 +56,9 @@ def _parts(adapter: LoraAdapter) -> dict[str, dict[str, torch.Tensor]]:
 
 def _labels(adapter: LoraAdapter, weight: torch.Tensor, base_labels: tuple[str, ...],
             base_scores: str) -> tuple[tuple[str, ...], str]:
+    from ..checkpoints.format import CheckpointError
+    from ..checkpoints.heads import head_fields
+
     config = Path(adapter.path) / "config.json"
     if config.is_file():
         try:
@@ -71,6 +75,8 @@ def _labels(adapter: LoraAdapter, weight: torch.Tensor, base_labels: tuple[str, 
 def adapter_head(adapter: LoraAdapter, model: nn.Module) -> AdapterHead | None:
     """The head `adapter`'s rows of `model` (an EncoderModel) are labelled by; None when it saves none.
     AdapterError when it saves a module that is not a classifier's head, or one that does not fit."""
+    from ..encoder import HeadWeights
+
     if not adapter.saved:
         return None
     parts = _parts(adapter)

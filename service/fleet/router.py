@@ -11,10 +11,13 @@ first argument):
 - **prefix**: else the replicas this router sent the longest prefix of its prompt text to
   (PrefixTable, at least `min_match_chars`) are tried first: a conversation's next turn finds its
   history in that replica's prefix cache;
+- **adapter**: else a LoRA adapter's request goes to the replicas that hold the adapter (Serve's model
+  multiplexing: each replica reports the adapters it holds, service/replica/adapters.py, and the
+  request carries its adapter as the multiplexed model id, service/ingress.py), least loaded first;
 - **new**: a prompt this router has not seen goes to the replica its conversation hashes to
   (rendezvous hashing of the conversation's start: the chat up to its first user message, or the
-  prompt's first `key_chars` characters; a session by its id; a LoRA adapter's requests by the
-  adapter's name, so that its replicas hold it, as Serve's model multiplexing would place them), so that every ingress replica sends a
+  prompt's first `key_chars` characters; a session by its id; a LoRA adapter's first requests by the
+  adapter's name, so that they land together), so that every ingress replica sends a
   conversation to the same replica without sharing any state, and a replica added or removed moves
   only the conversations that hash to it;
 - a new conversation also only while its replica would hold at most 1.25x the mean load (consistent
@@ -49,7 +52,7 @@ from .prefix_table import Chain, PrefixTable
 MAX_DECIDED = 100_000  # decisions kept for requests not yet routed
 HASH_LOAD_FACTOR = 1.25  # a new conversation's hashed replica may hold up to this x the mean load
 # what a routing decision was, the label of transformer_serve_routing_decisions_total
-DECISIONS = ("session", "prefix", "spread", "new", "other")
+DECISIONS = ("session", "prefix", "adapter", "spread", "new", "other")
 
 
 def routed_request(args: Sequence[Any]) -> GenerationRequest | None:
@@ -204,6 +207,11 @@ class PrefixAffinityRouter(RequestRouter):
         if match.chars >= self.min_match_chars and match.replicas:
             held = [by_id[r] for r in match.replicas if balanced(r)]
             return ("prefix", held) if held else ("spread", [])
+        if request.adapter is not None:
+            holding = [r for r in candidates if request.adapter.name in r.multiplexed_model_ids]
+            if holding:
+                fit = [r for r in holding if balanced(r.replica_id.unique_id)]
+                return ("adapter", fit) if fit else ("spread", [])
         if not self.session_affinity:
             request = dataclasses.replace(request, session=None)
         order = hash_order(conversation_key(request, self.key_chars), candidates)

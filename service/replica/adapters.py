@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from models.adapters import AdapterError, AdaptersFull, Held, LoraAdapter, ResidentAdapters, read_adapter
 
@@ -29,6 +29,17 @@ class ReplicaAdapters:
     def __init__(self, resident: ResidentAdapters | None) -> None:
         self.resident = resident
         self._loading: dict[str, asyncio.Lock] = {}  # one load per adapter at a time
+        # told each adapter this replica serves a request on (under Serve: Serve's model multiplexing,
+        # service/deployments.py, which reports the replica's adapters to the routers); None: nobody
+        self.report: Callable[[str], Awaitable[object]] | None = None
+
+    async def _reported(self, name: str) -> None:
+        if self.report is None:
+            return
+        try:
+            await self.report(name)
+        except Exception as e:  # routing is a preference: the request is served anyway
+            log.warning("adapter %s: not reported for routing: %r", name, e)
 
     async def hold(self, ref: AdapterRef) -> Held:
         """`ref`'s slot, held for one request (release it unless the engine took it)."""
@@ -36,15 +47,16 @@ class ReplicaAdapters:
             raise InvalidRequest(f"model {ref.name!r} is an adapter, and this deployment serves none "
                                  "(max_adapters: 0)", "model")
         try:
-            return self.resident.acquire(ref.name)
+            held = self.resident.acquire(ref.name)
         except KeyError:
-            pass
-        lock = self._loading.setdefault(ref.name, asyncio.Lock())
-        async with lock:
-            try:
-                return self.resident.acquire(ref.name)
-            except KeyError:
-                return await self.load(ref, hold=True)
+            lock = self._loading.setdefault(ref.name, asyncio.Lock())
+            async with lock:
+                try:
+                    held = self.resident.acquire(ref.name)
+                except KeyError:
+                    held = await self.load(ref, hold=True)
+        await self._reported(ref.name)
+        return held
 
     async def load(self, ref: AdapterRef, hold: bool = False) -> Held | None:
         """Read `ref`'s directory and put it in a slot (held for a request with `hold`)."""
@@ -64,6 +76,8 @@ class ReplicaAdapters:
             raise InvalidAdapter(str(e), "model") from None
         log.info("adapter %s loaded from %s in %.2f s (rank %d, %.1f MiB)", ref.name, ref.path,
                  time.perf_counter() - started, adapter.rank, adapter.nbytes / 2**20)
+        if not hold:
+            await self._reported(ref.name)
         return held if hold else None  # type: ignore[return-value]
 
     def unload(self, name: str) -> bool:

@@ -20,6 +20,7 @@ from ..errors import InvalidItem, InvalidRequest, RequestTooLarge
 from ..http.api import create_api
 from ..http.routing import probed_readiness
 from ..messages import (
+    AdapterRef,
     Classification,
     Embeddings,
     GenerationDone,
@@ -75,16 +76,17 @@ class EchoBackend:
         await asyncio.sleep(0)
         return getattr(self, "_" + method)(*args)
 
-    def _classify(self, texts: list[str], truncate: bool, timeout_s: float | None) -> list[Classification]:
+    def _classify(self, texts: list[str], truncate: bool, adapter: AdapterRef | None,
+                  timeout_s: float | None) -> list[Classification]:
         _tokens(texts, truncate)
         return [Classification(LABELS[len(t) % 2], 0.75, {LABELS[len(t) % 2]: 0.75, LABELS[1 - len(t) % 2]: 0.25})
                 for t in texts]
 
-    def _embed(self, texts: list[str], truncate: bool, timeout_s: float | None) -> Embeddings:
+    def _embed(self, texts: list[str], truncate: bool, adapter: AdapterRef | None, timeout_s: float | None) -> Embeddings:
         lengths = _tokens(texts, truncate)
         return Embeddings([[1.0 if j == len(t) % DIM else 0.0 for j in range(DIM)] for t in texts], sum(lengths))
 
-    def _rerank(self, query: str, texts: list[str], truncate: bool, raw_scores: bool,
+    def _rerank(self, query: str, texts: list[str], truncate: bool, raw_scores: bool, adapter: AdapterRef | None,
                 timeout_s: float | None) -> list[float]:
         _tokens([query + t for t in texts], truncate)  # a pair's tokens: query and text
         shared = [len(set(query) & set(t)) / max(len(set(t)), 1) for t in texts]  # in [0, 1]

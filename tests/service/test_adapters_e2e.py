@@ -38,6 +38,7 @@ def make_adapters(root: Path) -> dict[str, Path]:
         out[name] = save_adapter(where, random_llama_factors(model, rank, seed=i, std=0.3), rank, 2 * rank)
     out["spam"] = encoder_adapter(root / "spam", 20, ("ham", "spam"))
     out["e0"] = encoder_adapter(root / "e0", 21, None)
+    out["routed"] = encoder_adapter(root / "encoder-dir" / "routed", 22, ("ham", "spam"))
     bad = root / "bad"
     save_adapter(bad, random_llama_factors(model, 2, seed=9), 2, 4)
     (bad / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
@@ -60,8 +61,9 @@ def url(adapters: dict[str, Path]) -> Any:
                       "adapter_dir": str(adapters["d0"].parent), "max_adapters": 3, "max_lora_rank": 8},
             "num_cpus": 0, "torch_threads": 1, "engine": {"max_running": 16, "max_queued": 64}},
             "encoder": {"model": {"name": ENCODER, "tasks": ["classify", "embed"], "source": "tiny:encoder",
-                                  "adapters": {"spam": str(adapters["spam"]), "e0": str(adapters["e0"])}},
-                        "num_cpus": 0, "torch_threads": 1}},
+                                  "adapters": {"spam": str(adapters["spam"]), "e0": str(adapters["e0"])},
+                                  "adapter_dir": str(adapters["routed"].parent)},
+                        "num_cpus": 0, "torch_threads": 1, "num_replicas": 2}},
     }
     with local_cluster() as base:
         deploy(args, "adapters", "/")
@@ -240,3 +242,25 @@ def test_classification_and_embedding_adapters_answer_as_computed_here_beside_th
         error = assert_error(c.post("/v1/classify", json={"inputs": "hi", "model": "a0"}), 422,
                              "invalid_request_error", "model")
         assert "does not serve classify" in error["message"]
+
+
+def test_an_adapters_requests_go_to_the_replica_that_holds_it(url: str) -> None:
+    """Serve's model multiplexing on the encoder's two replicas (Serve's own router): an adapter found in
+    adapter_dir loads on the replica its first request reaches, which reports it; the requests after
+    go there, so no other replica loads it (by chance: 1 in 2^9 over 10 requests)."""
+    import glob
+    import os
+    import time
+
+    import ray
+
+    with httpx.Client(base_url=url, timeout=60) as c:
+        assert c.post("/v1/classify", json={"inputs": "first", "model": "routed"}).status_code == 200
+        time.sleep(2)  # the replica's report reaches Serve's routers (pushed every 0.1 s, then long-polled)
+        for i in range(10):
+            assert c.post("/v1/classify", json={"inputs": f"next {i}", "model": "routed"}).status_code == 200
+    logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    loads = [line for path in glob.glob(os.path.join(logs, "worker-*.err"))
+             for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+             if "adapter routed loaded from" in line]
+    assert len(loads) == 1, loads

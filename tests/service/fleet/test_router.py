@@ -13,6 +13,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest
 
 from service.fleet.router import (
+    DECISIONS,
     PrefixAffinityRouter,
     conversation_key,
     hash_order,
@@ -52,7 +53,7 @@ class Routed:
         asyncio.set_event_loop(self.loop)
         self.router = PrefixAffinityRouter(DEP, DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
         self.router.initialize_state(**{"chunk_chars": 32, "min_match_chars": 64, "max_imbalance": 4, **kwargs})
-        self.router._counters = {d: _Count() for d in ("session", "prefix", "spread", "new", "other")}
+        self.router._counters = {d: _Count() for d in DECISIONS}
         self.replicas = {"A": Replica("A"), "B": Replica("B")}
         self.loads = {"A": 0, "B": 0}
         self.router.load = lambda r: self.loads[r.replica_id.unique_id]  # type: ignore[method-assign]
@@ -233,3 +234,24 @@ def test_an_adapters_requests_go_to_the_replicas_its_name_hashes_to_and_prefixes
     adapted = GenerationRequest("x", prompt="shared text", adapter=AdapterRef("support", "/a"))
     assert routing_text(plain) != routing_text(adapted) and routing_text(adapted).endswith("shared text")
     assert conversation_key(adapted, 1024) != conversation_key(plain, 1024)
+
+
+def test_an_adapters_requests_go_to_the_replicas_that_hold_it_while_they_are_not_overloaded() -> None:
+    """Serve's model multiplexing: a replica reports the adapters it holds (multiplexed_model_ids); an
+    adapter's requests go there before its name's hash order, and spread when it is overloaded."""
+    from service.messages import AdapterRef
+
+    def asking(i: int) -> GenerationRequest:
+        return GenerationRequest("x", prompt=f"conversation {i}: a first question", adapter=AdapterRef("support", "/a"))
+
+    r = Routed()
+    hashed = r.route(asking(0))
+    other = "B" if hashed == "A" else "A"
+    r.replicas[other].multiplexed_model_ids = {"support"}  # it holds the adapter now; the hashed one does not
+    assert {r.route(asking(i)) for i in range(1, 6)} == {other}
+    assert r.decisions()["adapter"] == 5
+    r.loads[other] = 10  # past max_imbalance: the least loaded takes it
+    assert r.route(asking(7)) == hashed and r.decisions()["spread"] == 1
+    r.loads[other] = 0
+    r.route(GenerationRequest("x", prompt="conversation 9: a first question"))  # the bare model: hashed
+    assert r.decisions()["adapter"] == 5 and r.decisions()["new"] == 2

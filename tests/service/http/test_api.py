@@ -71,7 +71,7 @@ def test_classify_routes_to_the_deployment_and_converts() -> None:
     assert r.status_code == 200
     assert r.json() == {"model": "enc", "results": [{"label": "pos", "score": 0.75,
                                                      "scores": {"neg": 0.25, "pos": 0.75}}] * 2}
-    assert backend.calls == [("encoder", "classify", (["a", "b"], True, 3.0))]
+    assert backend.calls == [("encoder", "classify", (["a", "b"], True, None, 3.0))]
 
 
 def test_a_task_no_model_serves_is_a_404() -> None:
