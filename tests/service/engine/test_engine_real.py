@@ -153,3 +153,53 @@ def test_shipped_smollm2_speculative_gives_the_plain_tokens(method: str) -> None
     assert stats.spec_drafted > 0 and stats.spec_accepted > 0, stats
     if method == "draft":
         assert stats.spec_accepted > 0.5 * stats.spec_drafted, stats
+
+
+def test_shipped_smollm2_with_adapters_is_the_same_alone_and_among_others(tmp_path) -> None:  # noqa: ANN001
+    """The shipped Q4_1 generator with two rank-16 LoRA adapters (bfloat16 factors beside the blocks, our
+    update kernel in the native decode step and in the prompts): a request's greedy tokens on each
+    adapter and on the bare model are the same alone and in one batch with the others, and an adapter
+    changes the answer."""
+    import dataclasses
+
+    from loadtests.experiments.engine_models import shipped_generator
+    from models.adapters import read_adapter
+    from models.adapters.peft import random_llama_factors, save_adapter
+    from models.kernels import native
+    from service.engine.core import Submission
+
+    if not native.available():
+        pytest.skip("no AVX2 or AVX-512 CPU, or no compiler: the shipped generator serves float32 weights there")
+    spec, _, cache_dir = shipped_generator()
+    lm = load_model(dataclasses.replace(spec, compile=False, max_adapters=2, max_lora_rank=16), cache_dir)
+    assert lm.plan.backend("decode") == "native" and "LoRA adapters: 2 slots" in lm.plan["decode"].detail
+    names = []
+    for i in range(2):
+        path = save_adapter(tmp_path / f"a{i}", random_llama_factors(lm.model, 16, seed=i, std=0.05), 16, 32)
+        lm.adapters.load(read_adapter(path))
+        names.append(path.name)
+    tok = lm.tokenizer
+    engine = GenerationEngine(lm.executor, tok, EngineConfig(max_total_tokens=256, max_running=8, kv_cache_mib=256,
+                                                             prefix_cache_mib=0), adapters=lm.adapters)
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+    def chat(text: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+    def together(jobs: list[tuple[str, str | None]]) -> list[list[int]]:
+        subs = [Submission(chat(text), greedy, adapter=None if name is None else lm.adapters.acquire(name))
+                for text, name in jobs]
+        handles = engine.submit_many(subs)
+        for _ in range(1000):
+            engine.step()
+            if engine.stats().running == 0 and engine.stats().waiting == 0:
+                break
+        return [list(h.result_sync(timeout=5).token_ids) for h in handles]
+
+    jobs = [(text, name) for text in ("What is the capital of France?", OTHERS[0]) for name in (None, *names)]
+    with torch.inference_mode():
+        alone = [together([job])[0] for job in jobs]
+        mixed = together(jobs)
+    assert mixed == alone
+    assert "Paris" in tok.decode(alone[0])
+    assert alone[1] != alone[0] or alone[2] != alone[0]  # the adapters change the answer
