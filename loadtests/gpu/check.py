@@ -15,7 +15,11 @@ ours, so both run the same weights. Writes DIR/gpu-check.json and DIR/gpu-check.
 3. throughput: the engine at 1, 32 and 256 concurrent sequences (output tok/s, step time, % of the
    memory bandwidth at batch 1 for the model's bytes per token) next to transformers' static
    batching `generate`; the encoder (texts/s at batch 1/32/256) and the translator (sentences/s,
-   beam 4), each next to transformers.
+   beam 4), each next to transformers;
+4. adapters: LoRA adapters on the device (bf16 factors' products by torch): a batch mixing three
+   adapters and the bare model against copies with each merged into the weights (float32), a request
+   alone and among 31 others over 8 adapters (bfloat16), output tok/s at 32 sequences bare and over
+   8 adapters.
 
 Every section records its own error instead of stopping the run, and the run stops starting new
 measurements once --budget-s is spent. `--tiny` shrinks every shape and count so that `make test`
@@ -28,6 +32,7 @@ import argparse
 import json
 import platform
 import subprocess
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -556,6 +561,95 @@ def translator_throughput(run: Run) -> dict[str, Any]:
 
 # -- report ----------------------------------------------------------------------------------------
 
+def merged(model: Any, adapter: Any) -> Any:
+    """A copy of an unfused model of ours with `adapter`'s updates merged into its weights (W += s B A):
+    the reference an adapter served beside the weights must equal."""
+    import copy
+
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for f in adapter.factors:
+            weight = out.get_submodule(f.target.path).weight
+            weight += (f.scale * f.b.to(weight) @ f.a.to(weight))
+    return out
+
+
+def adapters(run: Run, shape: str = "smollm2") -> dict[str, Any]:
+    """LoRA adapters on the device (models/adapters/, the torch products off the CPU): a batch mixing
+    three adapters and the bare model gives each row what a copy with that adapter merged into its
+    weights gives (float32); in bfloat16, a request on an adapter gives the same tokens alone and among
+    31 others spread over 8 adapters; and the engine's output tok/s at 32 sequences bare and over 8
+    adapters (the plan refuses captured graphs with adapters: both eager here)."""
+    import transformers as hf
+
+    from models.adapters import ResidentAdapters, read_adapter
+    from models.adapters.peft import random_llama_factors, save_adapter
+    from models.checkpoints import llama
+    from models.decoding import SamplingParams
+    from models.projections.fuse import fuse_projections
+    from service.engine.config import EngineConfig
+    from service.engine.core import GenerationEngine, Submission
+
+    torch.manual_seed(0)
+    ref = hf.LlamaForCausalLM(hf.LlamaConfig(**run.shapes[shape], attn_implementation="sdpa")).eval()
+    plain = llama.from_hf(ref.config.to_dict(), ref.state_dict()).to(run.device).eval()  # unfused: merged into
+    served = fuse_projections(llama.from_hf(ref.config.to_dict(), ref.state_dict())).to(run.device).eval()
+    del ref
+    root = Path(tempfile.mkdtemp(prefix="gpu-check-adapters-"))
+    ranks = (4, 8, 16, 16, 8, 4, 16, 8)
+    std = 0.3 if run.tiny else 0.05  # large enough to move greedy tokens at either width
+    loaded = [read_adapter(save_adapter(root / f"a{i}", random_llama_factors(plain, r, seed=i, std=std), r, 2 * r))
+              for i, r in enumerate(ranks)]
+    resident = ResidentAdapters([served], capacity=8, rank=16)
+    slots = [resident.load(a) for a in loaded]
+    vocab = run.shapes[shape]["vocab_size"]
+    lengths = [9, 7, 5, 3]
+    ids, keep = padded_batch(run, vocab, lengths)
+    rows = torch.tensor([slots[0], slots[1], slots[2], -1], device=run.device)  # (B,): three adapters, the base
+    out: dict[str, Any] = {"dtype": "float32 check, bfloat16 serving", "shape": shape}
+    with torch.no_grad():
+        mixed = served(ids, keep, adapters=rows)  # (B, T, V)
+        errs = []
+        for row in range(4):
+            model = merged(plain, loaded[row]) if row < 3 else plain
+            n = lengths[row]
+            errs.append(rel_err(mixed[row, :n], model(ids[row:row + 1, :n])[0]))
+    out["mixed_rows_vs_merged_fp32_rel_err"] = max(errs)
+    del plain
+    free_device(run)
+    bf16 = served.to(torch.bfloat16)
+    tok = synthetic_tokenizer(vocab)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (32,), generator=g)]
+    params = SamplingParams(max_new_tokens=run.new_tokens, ignore_eos=True)
+
+    def answers(jobs: list[tuple[list[int], str | None]]) -> tuple[list[list[int]], float]:
+        engine = GenerationEngine(bf16, tok, EngineConfig(max_running=32, kv_cache_mib=kv_mib(bf16, 32, 256),
+                                                          max_total_tokens=256, max_new_tokens=128, max_queued=64,
+                                                          decode_graphs=False), adapters=resident)
+        handles = engine.submit_many([Submission(p, params, adapter=None if a is None else resident.acquire(a))
+                                      for p, a in jobs])
+        run.sync()
+        t0 = time.perf_counter()
+        while any(not h._done for h in handles) and (engine.stats().running or engine.stats().waiting):
+            engine.step()
+        run.sync()
+        seconds = time.perf_counter() - t0
+        return [list(h.result_sync(timeout=60).token_ids) for h in handles], seconds
+
+    names = [a.name for a in loaded]
+    alone, _ = answers([(prompts[0], names[0])])
+    among, spread_s = answers([(p, names[i % 8]) for i, p in enumerate(prompts)])
+    bare, bare_s = answers([(p, None) for p in prompts])
+    out["engine_alone_eq_among_31_on_8_adapters_bf16"] = alone[0] == among[0]
+    out["adapters_change_tokens"] = among[1:] != bare[1:]
+    tokens = sum(map(len, bare))
+    out["rows"] = [{"sequences": len(prompts), "bare_tok_s": round(tokens / bare_s, 1),
+                    "8_adapters_tok_s": round(sum(map(len, among)) / spread_s, 1),
+                    "ratio": round((sum(map(len, among)) / spread_s) / (tokens / bare_s), 2)}]
+    return out
+
+
 def markdown(results: dict[str, Any]) -> str:
     env = results.get("environment", {})
     lines = [f"# GPU check ({'tiny, ' if results['tiny'] else ''}{results['device']})", "",
@@ -567,7 +661,8 @@ def markdown(results: dict[str, Any]) -> str:
     for name, key, unit in (("step_profile", "sequences", "per decode step"),
                             ("step_profile_llama_1b", "sequences", "per decode step"), ("generation_smollm2", "sequences", "tok/s"), ("generation_llama_1b", "sequences", "tok/s"),
                             ("q4_1_tiles", "sequences", "tok/s"), ("q4_1_tiles_llama_1b", "sequences", "tok/s"),
-                            ("encoder", "batch", "texts/s"), ("translator", "batch", "sentences/s")):
+                            ("encoder", "batch", "texts/s"), ("translator", "batch", "sentences/s"),
+                            ("adapters", "sequences", "output tok/s")):
         if name not in results:
             continue
         section = results[name]
@@ -604,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     run.section("step_profile_llama_1b", lambda r: step_profile(r, "llama-1b", ((1, True), (256, True))))
     run.section("encoder", encoder_throughput)
     run.section("translator", translator_throughput)
+    run.section("adapters", adapters)
     run.save()
     print(markdown(run.results))
     return 0

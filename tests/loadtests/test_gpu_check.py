@@ -17,7 +17,7 @@ def test_tiny_mode_runs_every_section(tmp_path: Path) -> None:
     assert main(["--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "gpu-check.json").read_text())
     sections = ("environment", "correctness", "generation_smollm2", "generation_llama_1b", "q4_1_tiles",
-                "q4_1_tiles_llama_1b", "encoder", "translator")
+                "q4_1_tiles_llama_1b", "encoder", "translator", "adapters")
     errors = {name: results[name].get("error") for name in sections if "error" in results[name]}
     assert errors == {}
     corr = results["correctness"]
@@ -29,4 +29,7 @@ def test_tiny_mode_runs_every_section(tmp_path: Path) -> None:
     assert tiles["tiled_layers"] > 0 and tiles["logits_rel_err_vs_dense"] < 1e-4
     assert tiles["greedy_agreement_vs_dense"] == 1.0 and tiles["engine_alone_eq_among_31"]
     assert [r["sequences"] for r in tiles["rows"]] == [1, 4] and all(r["tiles_tok_s"] > 0 for r in tiles["rows"])
+    lora = results["adapters"]  # rows of three adapters and the base against merged copies
+    assert lora["mixed_rows_vs_merged_fp32_rel_err"] < 1e-4 and lora["engine_alone_eq_among_31_on_8_adapters_bf16"]
+    assert lora["adapters_change_tokens"] and lora["rows"][0]["8_adapters_tok_s"] > 0
     assert "## Correctness" in (tmp_path / "gpu-check.md").read_text()
