@@ -20,6 +20,7 @@ STATUS: dict[str, int] = {
     "not_found_error": 404,
     "method_not_allowed_error": 405,
     "request_too_large": 413,
+    "rate_limit_error": 429,
     "overloaded_error": 503,
     "model_not_ready": 503,
     "timeout_error": 504,
@@ -107,6 +108,13 @@ class MethodNotAllowed(ServiceError):
 
 class PayloadTooLarge(ServiceError):
     type = "request_too_large"
+
+
+class RateLimited(ServiceError):
+    """A tenant over its quota (service/http/quotas.py): 429 with Retry-After, OpenAI's code."""
+
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
 
 
 class Overloaded(ServiceError):

@@ -156,6 +156,7 @@ class GenerationRequest:
     names: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float | None = None  # seconds left of its deadline when the ingress sent it (admission)
     adapter: AdapterRef | None = None  # the LoRA adapter that answers (None: the base model)
+    cache_salt: str | None = None  # prefix-cache reuse only among requests of the same salt (tenant, request's)
 
     @property
     def prompt_chars(self) -> int:

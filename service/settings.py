@@ -118,6 +118,22 @@ class IngressSettings(_Frozen):
     max_replicas_per_node: int | None = Field(None, ge=1)
 
 
+class TenantSettings(_Frozen):
+    """A tenant: a group of API keys sharing quotas (service/http/quotas.py), each a token bucket of
+    this ingress's share (the rates divided by the ingress's num_replicas). None: no limit."""
+
+    keys: tuple[SecretStr, ...] = Field(min_length=1)
+    requests_per_s: float | None = Field(None, gt=0)
+    request_burst: int | None = Field(None, ge=1)  # requests at once after a quiet spell; default max(1, rate)
+    tokens_per_min: int | None = Field(None, ge=1)  # prompt + output tokens of generations and embeddings
+    share_prefix_cache: bool = False  # false: its requests reuse only its own cached prefixes
+
+    @field_validator("keys", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return tuple(k.strip() for k in value.split(",") if k.strip()) if isinstance(value, str) else value
+
+
 class Settings(_Frozen):
     device: str = "auto"  # auto: cuda when the replica sees a GPU, else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu; auto-bf16: also bfloat16 on cpus that multiply it
@@ -132,8 +148,12 @@ class Settings(_Frozen):
     # API keys (service/http/auth.py); none here nor in the file: no auth. TS_API_KEYS=key1,key2
     api_keys: tuple[SecretStr, ...] = ()
     api_keys_file: str | None = None  # one key per line, read by the ingress at start-up
-    protect_metrics: bool = False  # with keys: /metrics needs one too
+    # with keys: /metrics needs one too (its counters tell whether a prompt is cached, and each tenant's
+    # use: not for tenants to read); false opens it to scrapers without a key
+    protect_metrics: bool = True
     protect_docs: bool = False  # with keys: /docs, /redoc and /openapi.json need one too
+    # tenants: name -> their keys (valid API keys too) and quotas (service/http/quotas.py)
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
     cors_origins: tuple[str, ...] = ()  # origins browsers may call from ("*": any); empty: CORS off
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): adapters from any directory this
     # machine reads, named at run time; off unless set (configured adapters and adapter_dir need neither)

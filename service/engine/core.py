@@ -66,6 +66,15 @@ class Submission:
     # its adapter's slot, held by the caller (models/adapters/ResidentAdapters.acquire): the engine releases
     # it when the request finishes once submit_many returned; if submit_many raises, the caller still holds it
     adapter: Held | None = None
+    # its cached prefixes are reused only by requests of the same salt (and adapter): a tenant's, a request's
+    cache_salt: str = ""
+
+
+def salt(held: Held | None, cache_salt: str) -> str:
+    """What a request's prefix-cache blocks are keyed under besides their tokens: its adapter's load
+    and its cache salt ("": the base model, no salt)."""
+    parts = ([f"adapter:{held.key}"] if held is not None else []) + ([f"salt:{cache_salt}"] if cache_salt else [])
+    return "\x1f".join(parts)
 
 
 def engine_runtime(config: EngineConfig) -> Runtime:
@@ -217,7 +226,7 @@ class GenerationEngine(StepLoop):
             if held is not None and self.adapters is None:
                 raise InvalidRequest("this model serves no adapters", "model")
             seqs.append(SeqState(request_id, prompt, params, handle, self.tokenizer, self._eos, time.perf_counter(),
-                                 matcher, -1 if held is None else held.slot, "" if held is None else held.key,
+                                 matcher, -1 if held is None else held.slot, salt(held, sub.cache_salt),
                                  None if held is None else functools.partial(self.adapters.release, held.slot),
                                  None if held is None else held.name))
             handles.append(handle)

@@ -1,10 +1,11 @@
 """Automatic prefix caching: the keys/values of prompt blocks already computed, kept by content, so a
 request with the same beginning (a system prompt, a chat history, n > 1 siblings) prefills only the rest.
 
-A full block of BLOCK tokens is keyed by a chain hash (its tokens and its parent's hash), so it is
-reused only after the same whole prefix, and within one `salt` (the first block's parent: a request's
-adapter, whose keys differ from the base model's for the same tokens); entries keep their tokens and parent, compared on lookup,
-so a collision never serves another prompt's keys. A hit is at most len(prompt) - 1 tokens (the last
+A full block of BLOCK tokens is keyed by a chain hash (128-bit BLAKE2b of its parent's key and its
+tokens: no client can craft a collision), so it is reused only after the same whole prefix, and within
+one `salt` (the first block's parent: a request's adapter, whose keys differ from the base model's for
+the same tokens, and its tenant's or its own cache salt); entries keep their tokens and parent,
+compared on lookup, so even a collision would never serve another prompt's keys. A hit is at most len(prompt) - 1 tokens (the last
 is always computed for its logits). `PrefixCache` copies into and out of a dense cache's rows;
 `PagedPrefixCache` holds references on a paged cache's blocks and hands them to the new row, and
 `reclaim` gives back blocks no row uses, least recently used first. An admission `pin`s its hit until
@@ -13,6 +14,8 @@ its prefill: neither eviction nor `reclaim` takes a pinned entry. Engine thread 
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +27,15 @@ from models.cache.dense import KVCache
 from models.cache.paged import BLOCK_TOKENS, PagedKVCache
 
 BLOCK = BLOCK_TOKENS  # tokens per cached block: a paged cache's block
+
+
+def chain_key(parent: int | None, data: bytes) -> int:
+    """A block's key: BLAKE2b (128 bits) of its parent's key (none: a root) and its bytes (a salt's and
+    a block's tokens' prefixed apart, so that no salt is ever the key of a block)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"root" if parent is None else parent.to_bytes(16, "little"))
+    h.update(data)
+    return int.from_bytes(h.digest(), "little")
 
 
 @dataclass(frozen=True)
@@ -65,10 +77,10 @@ class PrefixCache:
     @staticmethod
     def _chain(prompt: Sequence[int], blocks: int, salt: str = "") -> list[tuple[int, int | None, tuple[int, ...]]]:
         """(chain hash, parent's chain hash, tokens) of the prompt's first `blocks` full blocks under `salt`."""
-        chain, parent = [], (hash(("salt", salt)) if salt else None)
+        chain, parent = [], (chain_key(None, b"salt:" + salt.encode()) if salt else None)
         for i in range(blocks):
             tokens = tuple(prompt[i * BLOCK:(i + 1) * BLOCK])
-            key = hash((parent, tokens))
+            key = chain_key(parent, b"tokens:" + array("q", tokens).tobytes())
             chain.append((key, parent, tokens))
             parent = key
         return chain

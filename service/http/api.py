@@ -24,6 +24,7 @@ from .generation import SESSION_HEADER, generation_router
 from .inference import inference_router
 from .observability import Observability
 from .ops import METRICS_PATH, ops_router
+from .quotas import Quotas
 from .routing import Backend, InputLimits, ModelRoutes
 from .schemas import ErrorResponse
 from .tokenize import tokenize_router
@@ -53,6 +54,8 @@ def create_api(settings: Settings, backend: Backend, metrics: ServiceMetrics | N
     )
     install_error_handlers(app, settings.retry_after_s)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s)
+    if settings.tenants:  # after the key check, which names the tenant; before the body is read
+        app.add_middleware(Quotas, settings=settings, metrics=metrics)
     install_access_control(app, settings, ErrorResponse, (TIMEOUT_HEADER, SESSION_HEADER))  # keys, CORS: before the body
     endpoints = functools.cache(lambda: frozenset(_paths(app)))  # read at the first request: every route exists
     app.add_middleware(Observability, metrics=metrics, endpoints=endpoints,  # outermost

@@ -1,10 +1,12 @@
 """Access control of the HTTP API: optional API keys (`Authorization: Bearer <key>`) and CORS (off
 unless `cors_origins` names origins).
 
-Keys come from `api_keys` (e.g. `TS_API_KEYS=key1,key2`) and the file `api_keys_file` (one a line,
-blank lines and `#` comments skipped), read once when the ingress builds its app; none configured: no
-check. A key file with no key fails start-up (fail closed). Always public: /healthz, /readyz; public
-unless `protect_metrics` / `protect_docs`: /metrics and /docs, /redoc, /openapi.json. Every other
+Keys come from `api_keys` (e.g. `TS_API_KEYS=key1,key2`), the file `api_keys_file` (one a line,
+blank lines and `#` comments skipped) and the `tenants` (each a group of keys with its quotas:
+service/http/quotas.py), read once when the ingress builds its app; none configured: no check. A
+request's tenant (None for the plain keys) goes in the ASGI scope's state (`tenant`) for the quotas.
+A key file with no key fails start-up (fail closed). Always public: /healthz, /readyz; /metrics only
+with `protect_metrics: false`; /docs, /redoc, /openapi.json unless `protect_docs`. Every other
 path, unknown ones included, needs a key. The check compares the token's hash with every key's by
 `hmac.compare_digest`, never stopping at a match (constant time); every refusal is the same 401
 `unauthorized` with `WWW-Authenticate: Bearer`, whatever was wrong.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +37,8 @@ SCHEME = "bearerAuth"  # the security scheme's name in /openapi.json
 
 
 def load_keys(settings: Settings) -> tuple[str, ...]:
-    """The configured keys: `api_keys` then the lines of `api_keys_file`. Raises ValueError when the
-    file is missing, unreadable or names no key."""
+    """The configured keys: `api_keys` then the lines of `api_keys_file`, then the tenants'. Raises
+    ValueError when the file is missing, unreadable or names no key, or a key is in two tenants."""
     keys = [k.get_secret_value() for k in settings.api_keys]
     if settings.api_keys_file is not None:
         path = Path(settings.api_keys_file).expanduser()
@@ -48,10 +50,23 @@ def load_keys(settings: Settings) -> tuple[str, ...]:
         if not from_file:
             raise ValueError(f"api_keys_file {str(path)!r} holds no key (one key per line)")
         keys += from_file
+    owned = key_tenants(settings)
+    keys += [k for k in owned if k not in keys]
     for key in keys:
         if not key or any(c.isspace() for c in key):
             raise ValueError("an API key is empty or contains whitespace")
     return tuple(keys)
+
+
+def key_tenants(settings: Settings) -> dict[str, str]:
+    """key -> the tenant it belongs to. ValueError when a key is in two tenants."""
+    owner: dict[str, str] = {}
+    for name, tenant in settings.tenants.items():
+        for secret in tenant.keys:
+            key = secret.get_secret_value()
+            if owner.setdefault(key, name) != name:
+                raise ValueError(f"an API key is in two tenants: {owner[key]!r} and {name!r}")
+    return owner
 
 
 def public_paths(settings: Settings) -> frozenset[str]:
@@ -61,19 +76,28 @@ def public_paths(settings: Settings) -> frozenset[str]:
 
 
 class KeyChecker:
-    """Constant-time membership of a presented token among the keys (SHA-256 digests compared)."""
+    """Constant-time membership of a presented token among the keys (SHA-256 digests compared), and
+    the tenant of the key it matched (`owners`: key -> tenant)."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
+    def __init__(self, keys: Iterable[str], owners: dict[str, str] | None = None) -> None:
+        keys = list(keys)
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+        self._owners = [(owners or {}).get(k) for k in keys]
         if not self._digests:
             raise ValueError("KeyChecker needs at least one key")
 
-    def __call__(self, token: bytes) -> bool:
+    def match(self, token: bytes) -> tuple[bool, str | None]:
+        """(whether the token is a key, that key's tenant or None)."""
         presented = hashlib.sha256(token).digest()
-        found = False
-        for digest in self._digests:  # no early exit: every key is compared
-            found |= hmac.compare_digest(presented, digest)
-        return found
+        found, tenant = False, None
+        for digest, owner in zip(self._digests, self._owners, strict=True):  # no early exit: every key is compared
+            same = hmac.compare_digest(presented, digest)
+            found |= same
+            tenant = owner if same else tenant
+        return found, tenant
+
+    def __call__(self, token: bytes) -> bool:
+        return self.match(token)[0]
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -100,7 +124,7 @@ class ApiKeyAuth:
     the body is read. CORS preflights (which carry no credentials) never get here: the CORS
     middleware, outside this one, answers them."""
 
-    def __init__(self, app: ASGIApp, check: Callable[[bytes], bool], public: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, check: KeyChecker, public: frozenset[str]) -> None:
         self.app, self.check, self.public = app, check, public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -108,9 +132,11 @@ class ApiKeyAuth:
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope["headers"])
-        if token is None or not self.check(token):
+        found, tenant = self.check.match(token) if token is not None else (False, None)
+        if not found:
             await JSONResponse(UNAUTHORIZED, status_code=401, headers=CHALLENGE)(scope, receive, send)
             return
+        scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 
@@ -122,7 +148,7 @@ def install_auth(app: FastAPI, settings: Settings, error_model: Any) -> bool:
     if not keys:
         return False
     public = public_paths(settings)
-    app.add_middleware(ApiKeyAuth, check=KeyChecker(keys), public=public)
+    app.add_middleware(ApiKeyAuth, check=KeyChecker(keys, key_tenants(settings)), public=public)
     build_schema = app.openapi
 
     def openapi() -> dict[str, Any]:

@@ -53,6 +53,7 @@ from .generation_schemas import (
     grammar_of,
 )
 from .logprobs import chat_logprobs, completion_logprobs
+from .quotas import cache_salt, charge_tokens
 from .routing import Backend, InputLimits, ModelRoutes, Route
 from .sse import (
     DONE,
@@ -81,9 +82,11 @@ class GenerationCalls:
     async def prepared(self, route: Route, requests: list[GenerationRequest], timeout: float
                        ) -> list[GenerationRequest]:
         """The requests as the replica gets them: prompts within the character cap (else a 422), each
-        carrying the deadline's seconds for the engine's admission and the route's adapter."""
+        carrying the deadline's seconds for the engine's admission, the route's adapter and its prefix-cache
+        salt (its tenant's and its own: quotas.cache_salt)."""
         await self.limits.check_prompts(route.deployment, requests)
-        return [dataclasses.replace(r, timeout_s=timeout, adapter=route.adapter) for r in requests]
+        return [dataclasses.replace(r, timeout_s=timeout, adapter=route.adapter, cache_salt=cache_salt(r.cache_salt))
+                for r in requests]
 
     async def complete(self, route: Route, requests: list[GenerationRequest], timeout: float) -> list[GenerationDone]:
         """Every request's answer, from one replica call (several are submitted to the engine together,
@@ -91,8 +94,11 @@ class GenerationCalls:
         cancels the requests in its engine."""
         requests = await self.prepared(route, requests, timeout)
         if len(requests) == 1:
-            return [await within(self.backend.call(route.deployment, "generate", requests[0]), timeout)]
-        return list(await within(self.backend.call(route.deployment, "generate_group", requests), timeout))
+            dones = [await within(self.backend.call(route.deployment, "generate", requests[0]), timeout)]
+        else:
+            dones = list(await within(self.backend.call(route.deployment, "generate_group", requests), timeout))
+        charge_tokens(sum(d.usage.prompt_tokens + d.usage.completion_tokens for d in dones))
+        return dones
 
     async def stream(self, route: Route, requests: list[GenerationRequest], timeout: float,
                      formats: Sequence[StreamFormat],
@@ -104,9 +110,9 @@ class GenerationCalls:
         client reads as long as it wants, and may hang up. One replica call, as in complete()."""
         requests = await self.prepared(route, requests, timeout)
         if len(requests) == 1:
-            events = indexed(self.backend.stream(route.deployment, "generate_stream", requests[0]))
+            events = charged(indexed(self.backend.stream(route.deployment, "generate_stream", requests[0])))
         else:
-            events = self.backend.stream(route.deployment, "generate_group_stream", requests)
+            events = charged(self.backend.stream(route.deployment, "generate_group_stream", requests))
 
         async def started() -> list[tuple[int, GenerationEvent]]:  # what came until every first token
             read, waiting = [], set(range(len(requests)))
@@ -124,6 +130,18 @@ class GenerationCalls:
             raise
         return StreamingResponse(sse_body(first, events, formats, usage), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
+
+
+async def charged(events: AsyncIterator[tuple[int, GenerationEvent]]) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """The events, each generation's tokens charged to the request's tenant as it ends (quotas.py).
+    Closing this closes them."""
+    try:
+        async for i, event in events:
+            if isinstance(event, GenerationDone):
+                charge_tokens(event.usage.prompt_tokens + event.usage.completion_tokens)
+            yield i, event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def indexed(events: AsyncIterator[GenerationEvent]) -> AsyncIterator[tuple[int, GenerationEvent]]:
@@ -151,7 +169,7 @@ def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = 
         frequency_penalty=body.frequency_penalty, logit_bias=body.bias(), logprobs=logprobs, seed=seed,
         grammar=grammar if grammar is not None else grammar_of(body.response_format), tools=tools,
         stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, speculative=body.speculative, names=dict(names or {}),
-        session=session)
+        session=session, cache_salt=body.cache_salt)
 
 
 SESSION_HEADER = "x-session-id"

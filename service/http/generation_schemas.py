@@ -124,6 +124,11 @@ class Sampling(_Body):
     speculative: StrictBool | None = Field(None, description="false: this request does not draft where the model "
                                                               "decodes speculatively (its text is the same either "
                                                               "way). Default: the model's.")
+    cache_salt: StrictStr | None = Field(
+        None, min_length=1, max_length=256,
+        description="vLLM's: the prompt's cached prefix is reused only by requests with the same salt (and, "
+                    "with tenants configured, of the same tenant), so another client cannot tell from the "
+                    "speed whether a guessed prompt was cached.")
     stream: StrictBool = Field(False, description="Answer with server-sent events as the text is generated.")
     response_format: ResponseFormat | None = Field(
         None, description="Structured output (OpenAI's): `json_object` (any JSON object) or `json_schema`; the "

@@ -22,6 +22,7 @@ from ..messages import Classification as ClassificationResult
 from ..messages import Embeddings, TranslateOptions, TranslationDone
 from ..settings import Settings
 from .deadline import request_timeout, within
+from .quotas import charge_tokens
 from .routing import Backend, InputLimits, ItemName, ModelRoutes, Route, item_error
 from .schemas import (
     Classification,
@@ -90,6 +91,7 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
         if body.user is not None:
             log.info("embeddings for user %r", body.user)
         out: Embeddings = await call(route, "embed", "input", request, texts, body.truncate, route.adapter)
+        charge_tokens(out.prompt_tokens)
         vectors = out.vectors if body.dimensions is None else [truncated(v, body.dimensions) for v in out.vectors]
         encode: Callable[[list[float]], list[float] | str] = (
             _base64 if body.encoding_format == "base64" else (lambda v: v))

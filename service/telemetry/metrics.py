@@ -78,6 +78,12 @@ SPECS: dict[str, Spec] = {
     "replicas": Spec("gauge", ("deployment", "state"), "Replicas of each deployment by Serve's state (STARTING, "
                      "RUNNING, STOPPING: draining its requests, ...), as the ingress saw at this scrape",
                      mode="livemax"),
+    "tenant_requests_total": Spec("counter", ("tenant",), "Requests of a tenant's keys the ingress admitted "
+                                                          "(service/http/quotas.py)"),
+    "tenant_tokens_total": Spec("counter", ("tenant",), "Tokens charged to a tenant: generations' prompt and "
+                                                        "output tokens, embeddings' input tokens"),
+    "quota_refused_total": Spec("counter", ("tenant", "limit"), "Requests of a tenant refused with 429 by its "
+                                                                 "quota (limit: requests or tokens)"),
     "routing_decisions_total": Spec(
         "counter", ("deployment", "decision"), "Generation requests the ingress routed, by why their replica "
         "(service/fleet/router.py: session, prefix, spread, new, other)"),

@@ -93,3 +93,26 @@ def test_an_adapter_on_a_model_without_slots_is_refused(served) -> None:
     with pytest.raises(InvalidRequest, match="serves no adapters"):
         plain.submit_many([Submission([5, 6, 7], PARAMS, adapter=held)])
     resident.release(held.slot)
+
+
+def test_the_prefix_cache_reuses_blocks_only_within_one_cache_salt(served) -> None:
+    """A tenant's or a request's cache_salt: the same prompt under another salt (or none) computes its
+    prompt again; under the same salt it hits; a salt that spells an adapter's key is still apart."""
+    _, tok, resident = served
+    engine = engine_for(served)
+    prompt = tok.encode("a long shared system prompt, " * 2, add_special_tokens=False)
+    hit = len(prompt) // 16 * 16 - (16 if len(prompt) % 16 == 0 else 0)
+
+    def cached(salt: str, adapter: str | None = None) -> int:
+        before = engine.stats().cached_prompt_tokens
+        held = resident.acquire(adapter) if adapter else None
+        handle = engine.submit_many([Submission(prompt, PARAMS, adapter=held, cache_salt=salt)])[0]
+        run_until_idle(engine)
+        read(handle)
+        return engine.stats().cached_prompt_tokens - before
+
+    assert [cached("tenant:a"), cached("tenant:b"), cached(""), cached("tenant:a"), cached("")] == [0, 0, 0, hit, hit]
+    held = resident.acquire("a0")
+    key = held.key
+    resident.release(held.slot)
+    assert cached("", "a0") == 0 and cached(key) == 0 and cached(f"adapter:{key}") == 0 and cached("", "a0") == hit

@@ -92,9 +92,9 @@ def test_two_authorization_headers_are_refused() -> None:
 
 
 @pytest.mark.parametrize(("extra", "open_paths", "closed_paths"), [
-    ({}, ["/healthz", "/readyz", "/docs", "/redoc", "/openapi.json", "/metrics"], []),
-    ({"protect_metrics": True}, ["/healthz", "/readyz", "/docs"], ["/metrics", "/metrics/"]),
-    ({"protect_docs": True}, ["/healthz", "/readyz", "/metrics"], ["/docs", "/redoc", "/openapi.json"]),
+    ({}, ["/healthz", "/readyz", "/docs", "/redoc", "/openapi.json"], ["/metrics", "/metrics/"]),
+    ({"protect_metrics": False}, ["/healthz", "/readyz", "/docs", "/metrics"], []),
+    ({"protect_docs": True}, ["/healthz", "/readyz"], ["/docs", "/redoc", "/openapi.json", "/metrics"]),
 ])
 def test_public_paths(extra: dict[str, Any], open_paths: list[str], closed_paths: list[str]) -> None:
     app = fake_app({"api_keys": list(KEYS), **extra})

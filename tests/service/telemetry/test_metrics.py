@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs" / "observability.md"
 BOUNDED_LABELS = {"endpoint", "status", "model", "reason", "finish_reason", "deployment", "kind", "device", "dtype",
                   "phase", "backend", "method", "decision", "state", "task",
+                  "tenant", "limit",  # tenant: a group of API keys the operator configures; limit: requests | tokens
                   "replica",  # replica: a Serve replica id (new ones as replicas come and go, as in Ray's own metrics)
                   "adapter"}  # adapter: a LoRA adapter the operator serves (configured, in adapter_dir or loaded)
 ENCODER = {"name": "enc", "tasks": ["classify", "embed"], "source": "tiny:encoder"}
@@ -323,7 +324,10 @@ def counter_labels(text: str) -> dict[str, dict[tuple[str, ...], float]]:
 
 def first_scrape(metrics: ServiceMetrics) -> tuple[str, set[str]]:
     """GET /metrics as the ingress's very first request: the body, and the API's routes (`/v1/...`)."""
-    app = create_api(Settings.build({"deployments": {"encoder": {"model": ENCODER}}}, env={}), Backend(), metrics)
+    app = create_api(Settings.build({"deployments": {"encoder": {"model": ENCODER}},
+                                     "tenants": {"team-a": {"keys": ["team-a-key-0123456789"], "requests_per_s": 5}},
+                                     "protect_metrics": False},
+                                    env={}), Backend(), metrics)
     routes = {path for path in app.openapi()["paths"] if is_api(path)}
 
     async def main() -> httpx.Response:
@@ -351,6 +355,7 @@ def test_the_first_scrape_shows_every_counter_a_dashboard_queries_at_0_for_its_k
     assert set(counters["batch_dropped_items_total"]) == {("enc", r) for r in DROPS}
     assert set(counters["generation_requests_finished_total"]) == {("gen", r) for r in FINISH_REASONS}
     assert set(counters["encoder_adapter_inputs_total"]) == {("enc", "spam-filter", t) for t in ("classify", "embed")}
+    assert set(counters["quota_refused_total"]) == {("team-a", "requests"), ("team-a", "tokens")}
     assert "/v1/classify" in routes and "/v1/chat/completions" in routes
     assert set(counters["requests_total"]) == {(route, "200") for route in routes}
     assert set(counters["rejected_requests_total"]) == {(route, r) for route in routes for r in UNAVAILABLE}
