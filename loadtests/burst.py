@@ -1,8 +1,9 @@
 """A burst at once against a running service: `python -m loadtests.burst --url http://127.0.0.1:8000`.
 
-Sends `--n` requests to one route at the same moment (each on its own connection), waits for every
-answer, and prints one row per status: how many, and their latency p50 / p95 / max; then whether
-/readyz answers 200 right after. What docs/reliability.md's overload figures on the shipped models
+Sends `--n` requests to one route at the same moment (each on its own connection), or one after
+another with `--sequential`, waits for every answer, and prints one row per status: how many, and their
+latency p50 / p95 / max; then whether /readyz answers 200 right after. `--key` sends an API key (a
+tenant's: its 429s over quota are timed as any other answer). What docs/reliability.md's overload figures on the shipped models
 come from (e.g. 300 x generate, 48 new tokens, sampled; 10x capacity for classify and translate).
 Only for a service on this machine (127.0.0.1): the loop is bounded by `--n` and the deadline.
 """
@@ -38,9 +39,10 @@ class Answer:
     retry_after: str | None = None
 
 
-def raw_request(host: str, path: str, body: dict[str, Any]) -> bytes:
+def raw_request(host: str, path: str, body: dict[str, Any], key: str | None = None) -> bytes:
     data = json.dumps(body).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
             f"Content-Length: {len(data)}\r\n\r\n").encode() + data
 
 
@@ -72,19 +74,25 @@ async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reques
     return Answer(status, seconds, error, headers.get("retry-after"))
 
 
-async def burst(url: str, task: str, n: int, timeout_s: float) -> tuple[list[Answer], int, float]:
-    """n requests at once, each on a connection opened beforehand; their answers, /readyz's status
-    right after, and the whole burst's seconds."""
+async def burst(url: str, task: str, n: int, timeout_s: float, key: str | None = None,
+                sequential: bool = False) -> tuple[list[Answer], int, float]:
+    """n requests at once (or one after another), each on a connection opened beforehand; their
+    answers, /readyz's status right after, and the whole burst's seconds."""
     path, body = BODIES[task]
     host, port = url.removeprefix("http://").rstrip("/").rsplit(":", 1)
-    request = raw_request(host, path, body)
+    request = raw_request(host, path, body, key)
     conns = [await asyncio.open_connection(host, int(port)) for _ in range(n)]
     start = asyncio.Event()
-    tasks = [asyncio.create_task(one(r, w, request, start, timeout_s)) for r, w in conns]
-    await asyncio.sleep(0.1)
     began = time.monotonic()
-    start.set()
-    answers = await asyncio.gather(*tasks)
+    if sequential:
+        start.set()
+        answers = [await one(r, w, request, start, timeout_s) for r, w in conns]
+    else:
+        tasks = [asyncio.create_task(one(r, w, request, start, timeout_s)) for r, w in conns]
+        await asyncio.sleep(0.1)
+        began = time.monotonic()
+        start.set()
+        answers = await asyncio.gather(*tasks)
     took = time.monotonic() - began
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
         ready = (await client.get("/readyz")).status_code
@@ -111,16 +119,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=300)
     p.add_argument("--timeout", type=float, default=60.0, help="client timeout per request (s)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--key", help="an API key to send (a tenant's)")
+    p.add_argument("--sequential", action="store_true", help="one request after another instead of at once")
     args = p.parse_args(argv)
     if not args.url.startswith(("http://127.", "http://localhost")):
         p.error("bursts go to a service on this machine only (127.0.0.1 / localhost)")
-    answers, ready, took = asyncio.run(burst(args.url, args.task, args.n, args.timeout))
+    answers, ready, took = asyncio.run(burst(args.url, args.task, args.n, args.timeout, args.key, args.sequential))
     rows = summary(answers)
     if args.json:
         print(json.dumps({"task": args.task, "n": args.n, "seconds": round(took, 2), "readyz_after": ready,
                           "statuses": rows}))
         return 0
-    print(f"{args.n} x {args.task} at once: done in {took:.1f} s; /readyz right after: {ready}")
+    how = "one after another" if args.sequential else "at once"
+    print(f"{args.n} x {args.task} {how}: done in {took:.1f} s; /readyz right after: {ready}")
     print(f"{'status':>6} {'n':>5} {'p50 s':>7} {'p95 s':>7} {'max s':>7}  errors / Retry-After")
     for r in rows:
         print(f"{r['status']:>6} {r['n']:>5} {r['p50_s']:>7} {r['p95_s']:>7} {r['max_s']:>7}  "
