@@ -157,6 +157,7 @@ class GenerationRequest:
     timeout_s: float | None = None  # seconds left of its deadline when the ingress sent it (admission)
     adapter: AdapterRef | None = None  # the LoRA adapter that answers (None: the base model)
     cache_salt: str | None = None  # prefix-cache reuse only among requests of the same salt (tenant, request's)
+    priority: int | None = None  # lower is sooner (vLLM's): admitted before, preempted after larger ones; None: 0
 
     @property
     def prompt_chars(self) -> int:

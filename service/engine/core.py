@@ -68,6 +68,7 @@ class Submission:
     adapter: Held | None = None
     # its cached prefixes are reused only by requests of the same salt (and adapter): a tenant's, a request's
     cache_salt: str = ""
+    priority: int = 0  # lower is sooner (vLLM's): admitted first, preempted last
 
 
 def salt(held: Held | None, cache_salt: str) -> str:
@@ -228,7 +229,7 @@ class GenerationEngine(StepLoop):
             seqs.append(SeqState(request_id, prompt, params, handle, self.tokenizer, self._eos, time.perf_counter(),
                                  matcher, -1 if held is None else held.slot, salt(held, sub.cache_salt),
                                  None if held is None else functools.partial(self.adapters.release, held.slot),
-                                 None if held is None else held.name))
+                                 None if held is None else held.name, sub.priority))
             handles.append(handle)
         self._enqueue(seqs, [Ask(seq.params.max_new_tokens, bool(seq.params.ignore_eos), sub.deadline, sub.whole)
                              for seq, sub in zip(seqs, submissions, strict=True)])
@@ -274,25 +275,26 @@ class GenerationEngine(StepLoop):
 
     def _make_room(self) -> None:
         """Paged: blocks for every running row's next token. Short of them, the prefix cache gives
-        back blocks nobody uses, then the most recently admitted requests (a prompt prefilled in
-        chunks counts as running) are preempted, newest first, back to the head of the queue; the
-        oldest one always stays."""
+        back blocks nobody uses, then running requests (a prompt prefilled in chunks counts as running)
+        are preempted, the least urgent priority first and the most recently admitted among equals,
+        back to the head of their priority in the queue; one always stays."""
         batch = self._batch
         if not batch.paged:
             return
         while not batch.make_room(batch.decode_blocks()):
-            candidates = [(seq.admitted or 0.0, row) for row, seq in enumerate(batch.rows)]
+            # the least urgent first (the largest priority value), the newest among equals
+            candidates = [(seq.priority, seq.admitted or 0.0, row) for row, seq in enumerate(batch.rows)]
             if batch.partial is not None:
-                candidates.append((batch.partial.admitted or 0.0, -1))
+                candidates.append((batch.partial.priority, batch.partial.admitted or 0.0, -1))
             if len(candidates) <= 1:
                 return  # one request cannot outgrow the pool (EngineLimits): its step fails if it does
-            _, row = max(candidates)
+            *_, row = max(candidates)
             seq = batch.drop_partial() if row < 0 else batch.preempt(row)
             if seq is None:
                 return
             self._counts["preempted"] += 1
             with self._cond:
-                self._waiting.appendleft(seq)
+                self._requeue(seq)
             log.info("preempted request %s (%d tokens so far): KV blocks ran out", seq.request_id, len(seq.tokens))
 
     def _admit(self) -> bool:

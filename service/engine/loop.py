@@ -121,9 +121,24 @@ class StepLoop:
                                        f"deadline; retry later")
             self._observe("on_admission", wait, None)
             for state in states:
-                self._waiting.append(state)
+                self._insert(state, behind=True)
                 self._live[state.request_id] = state
             self._cond.notify()
+
+    def _insert(self, state: Any, behind: bool) -> None:
+        """Queue `state` by its priority (lower is sooner; none: 0): behind every waiting request of
+        its priority (a new one), or ahead of them (a preempted one, back to the head of its class)."""
+        priority = getattr(state, "priority", 0)
+        for i, other in enumerate(self._waiting):
+            theirs = getattr(other, "priority", 0)
+            if theirs > priority or (not behind and theirs == priority):
+                self._waiting.insert(i, state)
+                return
+        self._waiting.append(state)
+
+    def _requeue(self, state: Any) -> None:
+        """A preempted request back at the head of its priority (under _cond)."""
+        self._insert(state, behind=False)
 
     def _pop_waiting(self) -> Any:
         """The head of the queue, taken for admission (engine thread, under _cond). Its rows count as

@@ -53,7 +53,7 @@ from .generation_schemas import (
     grammar_of,
 )
 from .logprobs import chat_logprobs, completion_logprobs
-from .quotas import cache_salt, charge_tokens
+from .quotas import allowed_priority, cache_salt, charge_tokens
 from .routing import Backend, InputLimits, ModelRoutes, Route
 from .sse import (
     DONE,
@@ -85,8 +85,8 @@ class GenerationCalls:
         carrying the deadline's seconds for the engine's admission, the route's adapter and its prefix-cache
         salt (its tenant's and its own: quotas.cache_salt)."""
         await self.limits.check_prompts(route.deployment, requests)
-        return [dataclasses.replace(r, timeout_s=timeout, adapter=route.adapter, cache_salt=cache_salt(r.cache_salt))
-                for r in requests]
+        return [dataclasses.replace(r, timeout_s=timeout, adapter=route.adapter, cache_salt=cache_salt(r.cache_salt),
+                                    priority=allowed_priority(r.priority)) for r in requests]
 
     async def complete(self, route: Route, requests: list[GenerationRequest], timeout: float) -> list[GenerationDone]:
         """Every request's answer, from one replica call (several are submitted to the engine together,
@@ -169,7 +169,7 @@ def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = 
         frequency_penalty=body.frequency_penalty, logit_bias=body.bias(), logprobs=logprobs, seed=seed,
         grammar=grammar if grammar is not None else grammar_of(body.response_format), tools=tools,
         stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, speculative=body.speculative, names=dict(names or {}),
-        session=session, cache_salt=body.cache_salt)
+        session=session, cache_salt=body.cache_salt, priority=body.priority)
 
 
 SESSION_HEADER = "x-session-id"

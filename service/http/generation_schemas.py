@@ -124,6 +124,11 @@ class Sampling(_Body):
     speculative: StrictBool | None = Field(None, description="false: this request does not draft where the model "
                                                               "decodes speculatively (its text is the same either "
                                                               "way). Default: the model's.")
+    priority: int | None = Field(
+        None, ge=-1000, le=1000, strict=True,
+        description="vLLM's: lower is sooner. The engine admits a request before any waiting one of a larger "
+                    "value and, short of KV-cache blocks, preempts the largest first. A tenant's requests "
+                    "are never sooner than its own `priority` allows. Default: the tenant's, else 0.")
     cache_salt: StrictStr | None = Field(
         None, min_length=1, max_length=256,
         description="vLLM's: the prompt's cached prefix is reused only by requests with the same salt (and, "

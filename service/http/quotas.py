@@ -10,6 +10,8 @@ quota gets a 429 without touching a model replica.
   request may take the bucket below zero and the next waits until it is refilled. Classification,
   reranking and translation count as requests only.
 
+A tenant's generations run at its `priority` (lower is sooner: the engine admits them before, and
+preempts them after, requests of a larger value), which is also the soonest a request may ask for.
 Tenants are also kept apart in the generators' prefix caches: a tenant's requests reuse only its own
 cached prefixes (cache_salt; `share_prefix_cache: true` lets a tenant share the cache with the
 requests of no tenant and of other sharing tenants).
@@ -41,6 +43,8 @@ _CHARGE: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.Cont
                                                                                     default=None)
 # the request's tenant's prefix-cache salt (None: no tenant, or one that shares the cache)
 _SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ts_tenant_salt", default=None)
+# the request's tenant's priority: its default and the soonest it may ask for (None: no tenant)
+_PRIORITY: contextvars.ContextVar[int | None] = contextvars.ContextVar("ts_tenant_priority", default=None)
 
 
 def cache_salt(requested: str | None) -> str | None:
@@ -48,6 +52,15 @@ def cache_salt(requested: str | None) -> str | None:
     request's own `cache_salt`; None: neither (the cache is shared with every such request)."""
     parts = [p for p in (_SALT.get(), requested) if p]
     return "\x1f".join(parts) or None
+
+
+def allowed_priority(requested: int | None) -> int | None:
+    """A generation's priority: what it asks for, never sooner than its tenant's (lower is sooner);
+    the tenant's when it asks for none. No tenant: as asked."""
+    floor = _PRIORITY.get()
+    if floor is None:
+        return requested
+    return floor if requested is None else max(requested, floor)
 
 
 def charge_tokens(tokens: int) -> None:
@@ -139,6 +152,7 @@ class Quotas:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.app, self.clock = app, clock
         self.salts = {name: None if t.share_prefix_cache else f"tenant:{name}" for name, t in settings.tenants.items()}
+        self.priorities = {name: t.priority for name, t in settings.tenants.items()}
         share = settings.ingress.num_replicas
         now = clock()
         self.ledgers = {name: Ledger(t, share, now) for name, t in settings.tenants.items()
@@ -153,11 +167,12 @@ class Quotas:
         if tenant is None:
             await self.app(scope, receive, send)
             return
-        salt = _SALT.set(self.salts[tenant])
+        salt, priority = _SALT.set(self.salts[tenant]), _PRIORITY.set(self.priorities[tenant])
         try:
             await self._tenant(tenant, scope, receive, send)
         finally:
             _SALT.reset(salt)
+            _PRIORITY.reset(priority)
 
     async def _tenant(self, tenant: str, scope: Scope, receive: Receive, send: Send) -> None:
         ledger = self.ledgers.get(tenant)

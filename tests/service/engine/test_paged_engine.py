@@ -255,3 +255,47 @@ def test_steps_launched_ahead_give_every_request_its_tokens(tiny: tuple[nn.Modul
     assert not collected
     assert run(True) == plain
     assert len(collected) > 40 and plain[1][1] == "cancelled"
+
+
+def test_a_more_urgent_request_is_never_preempted_for_a_less_urgent_one(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """PARAMS' four requests on a pool of 10 blocks, the newest at priority -1 (vLLM's: lower is sooner),
+    the others at 0: short of blocks, the engine preempts the priority-0 rows (the oldest included) and
+    never the urgent one, which gives the tokens of an uninterrupted run."""
+    from service.engine.core import Submission
+
+    model, tok = tiny
+    engine = make(model, tok, max_running=4, kv_cache_mib=mib_for_blocks(model, 10), prefix_cache_mib=0)
+    subs = [Submission(p, q, priority=-1 if i == 3 else 0) for i, (p, q) in enumerate(zip(PROMPTS(tok), PARAMS,
+                                                                                         strict=True))]
+    handles = engine.submit_many(subs)
+    held = []  # per step: whether the urgent request holds a row
+    while engine.stats().running or engine.stats().waiting or not held:
+        engine.step()
+        held.append(any(seq.request_id == handles[3].request_id for seq in engine._batch.rows))
+    first = held.index(True)
+    assert all(held[first:first + PARAMS[3].max_new_tokens - 2]) and engine.stats().preempted >= 1
+    roomy = make(model, tok, max_running=4, kv_cache_mib=mib_for_blocks(model, 100), prefix_cache_mib=0)
+    alone = roomy.submit(PROMPTS(tok)[3], PARAMS[3])
+    run_until_idle(roomy)
+    assert list(read(handles[3])[1].token_ids) == list(read(alone)[1].token_ids)
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """One row, six requests submitted together: they start one after another, the soonest priority
+    first, in arrival order within a priority."""
+    from service.engine.core import Submission
+
+    model, tok = tiny
+    engine = make(model, tok, max_running=1)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    priorities = [0, 5, 0, -2, 5, -2]
+    handles = engine.submit_many([Submission(tok.encode(f"p{i}", add_special_tokens=False), params, priority=p)
+                                  for i, p in enumerate(priorities)])
+    order = []
+    while engine.stats().running or engine.stats().waiting or not order:
+        engine.step()
+        for seq in engine._batch.rows:
+            if seq.request_id not in order:
+                order.append(seq.request_id)
+    ids = [h.request_id for h in handles]
+    assert [ids.index(r) for r in order] == [3, 5, 0, 2, 1, 4]

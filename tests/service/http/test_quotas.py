@@ -135,3 +135,15 @@ def test_each_tenants_generations_carry_its_cache_salt_unless_it_shares() -> Non
     got += calls(plain, [(KEY_C, "/v1/generate", gen)])
     assert [r.status_code for r in got] == [200] * 5
     assert [r.cache_salt for r in backend.requests] == ["tenant:a", "tenant:a\x1fmine", None, "mine", None]
+
+
+def test_a_tenants_generations_run_at_its_priority_and_never_sooner() -> None:
+    backend = Recording()
+    app = create_api(fake_settings({"api_keys": [KEY_C], "tenants": {"a": {"keys": [KEY_A], "priority": 5}}}), backend,
+                     ServiceMetrics(CollectorRegistry()))
+    gen = {"prompt": "hello", "max_new_tokens": 4}
+    got = calls(app, [(KEY_A, "/v1/generate", gen), (KEY_A, "/v1/generate", {**gen, "priority": 1}),
+                      (KEY_A, "/v1/generate", {**gen, "priority": 9}), (KEY_C, "/v1/generate", {**gen, "priority": -3}),
+                      (KEY_C, "/v1/generate", gen)])
+    assert [r.status_code for r in got] == [200] * 5
+    assert [r.priority for r in backend.requests] == [5, 5, 9, -3, None]
