@@ -157,14 +157,16 @@ def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = 
                messages: tuple[ChatMessage, ...] | None = None,
                names: Mapping[str, str] | None = None, logprobs: int | None = None,
                sibling: int = 0, grammar: GrammarSpec | None = None, tools: tuple[Tool, ...] = (),
-               session: str | None = None) -> GenerationRequest:
+               session: str | None = None, choices: int = 1) -> GenerationRequest:
     """`names`: the route's names of GenerationRequest fields, for the errors' `param`. `sibling`: the
-    choice's number among a prompt's n; a seeded request's siblings get seed + sibling. `session`:
-    the routing session (`session_of`)."""
+    choice's number among a prompt's `choices` (n, best_of); a seeded request's siblings get seed +
+    sibling, and several choices without a temperature sample at OpenAI's default, 1 (the model's
+    default may be greedy: n identical answers). `session`: the routing session (`session_of`)."""
     seed = None if body.seed is None else (body.seed + sibling) % 2**63
+    temperature = body.temperature if body.temperature is not None or choices == 1 else OPENAI_TEMPERATURE
     return GenerationRequest(
         request_id=uuid.uuid4().hex, prompt=prompt, messages=messages, max_new_tokens=max_new_tokens,
-        temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+        temperature=temperature, top_k=body.top_k, top_p=body.top_p,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logit_bias=body.bias(), logprobs=logprobs, seed=seed,
         grammar=grammar if grammar is not None else grammar_of(body.response_format), tools=tools,
@@ -172,6 +174,7 @@ def to_request(body: Sampling, max_new_tokens: int | None, prompt: str | None = 
         session=session, cache_salt=body.cache_salt, priority=body.priority)
 
 
+OPENAI_TEMPERATURE = 1.0  # OpenAI's default temperature: several choices without one sample at it
 SESSION_HEADER = "x-session-id"
 MAX_SESSION_CHARS = 256
 
@@ -289,7 +292,8 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         wanted = body.logprobs if best_of == n else (body.logprobs or 0)
         session = session_of(request, body)
         reqs = [to_request(body, body.max_tokens, prompt=p, names={"max_new_tokens": "max_tokens"},
-                           logprobs=wanted, sibling=i, session=session) for p in prompts for i in range(best_of)]
+                           logprobs=wanted, sibling=i, session=session, choices=best_of)
+                for p in prompts for i in range(best_of)]
         cid, created = f"cmpl-{reqs[0].request_id}", int(time.time())
         log_user(body, cid)
         if body.stream:
@@ -325,7 +329,8 @@ def generation_router(settings: Settings, routes: ModelRoutes, backend: Backend,
         k = body.logprobs_k()
         session = session_of(request, body)
         reqs = [to_request(body, body.max_completion_tokens or body.max_tokens, messages=messages, names=names,
-                           logprobs=k, sibling=i, grammar=forced, tools=tools, session=session) for i in range(n)]
+                           logprobs=k, sibling=i, grammar=forced, tools=tools, session=session, choices=n)
+                for i in range(n)]
         cid, created = f"chatcmpl-{reqs[0].request_id}", int(time.time())
         log_user(body, cid)
         include = bool(body.stream and body.stream_options and body.stream_options.include_usage)

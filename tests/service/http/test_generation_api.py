@@ -253,3 +253,24 @@ def test_more_chat_messages_than_any_context_holds_is_a_422_before_any_replica(p
     if path == "/v1/chat/completions":  # the bound itself passes the edge and reaches the replica
         post(backend, path, {"messages": messages[:MAX_MESSAGES]})
         assert len(backend.requests) == 1 and len(backend.requests[0].messages) == MAX_MESSAGES
+
+
+def test_several_choices_without_a_temperature_sample_at_openais_default() -> None:
+    """n > 1 (or best_of) and no temperature: OpenAI's default temperature 1, not the model's default
+    (greedy for the shipped generator: n identical answers); a temperature given, or one choice, as asked."""
+    from prometheus_client import CollectorRegistry
+
+    from service.http.api import create_api
+    from service.telemetry.metrics import ServiceMetrics
+    from service.testing.fake_backend import fake_settings
+    from tests.service.http.test_quotas import KEY_C, Recording, calls
+
+    backend = Recording()
+    app = create_api(fake_settings({"api_keys": [KEY_C]}), backend, ServiceMetrics(CollectorRegistry()))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    got = calls(app, [(KEY_C, "/v1/chat/completions", {**chat, "n": 2}),
+                      (KEY_C, "/v1/chat/completions", {**chat, "n": 2, "temperature": 0}),
+                      (KEY_C, "/v1/completions", {"prompt": "a", "max_tokens": 4, "best_of": 2}),
+                      (KEY_C, "/v1/chat/completions", chat)])
+    assert [r.status_code for r in got] == [200] * 4
+    assert [r.temperature for r in backend.requests] == [1.0, 1.0, 0, 0, 1.0, 1.0, None]

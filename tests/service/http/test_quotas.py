@@ -147,3 +147,4 @@ def test_a_tenants_generations_run_at_its_priority_and_never_sooner() -> None:
                       (KEY_C, "/v1/generate", gen)])
     assert [r.status_code for r in got] == [200] * 5
     assert [r.priority for r in backend.requests] == [5, 5, 9, -3, None]
+
