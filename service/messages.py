@@ -158,6 +158,7 @@ class GenerationRequest:
     adapter: AdapterRef | None = None  # the LoRA adapter that answers (None: the base model)
     cache_salt: str | None = None  # prefix-cache reuse only among requests of the same salt (tenant, request's)
     priority: int | None = None  # lower is sooner (vLLM's): admitted before, preempted after larger ones; None: 0
+    tenant: str | None = None  # its tenant (service/http/quotas.py): the engine bounds each tenant's share of its queue
 
     @property
     def prompt_chars(self) -> int:

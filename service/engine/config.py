@@ -66,6 +66,9 @@ class EngineConfig:
     max_prompt_tokens: int | None = None  # None: the model's max_input_tokens; always < max_total_tokens
     max_new_tokens: int | None = 512  # output tokens per request; None: max_total_tokens - 1
     max_queued: int = 64  # requests waiting for a row; one more is refused (503 + Retry-After)
+    # the fraction of max_queued one tenant's waiting requests may hold (service/http/quotas.py; each
+    # generation of a multi-choice request counts): past it that tenant is refused (503), the others not
+    max_queued_share: float = 1.0
     prefill_tokens: int = 2048  # padded prompt tokens per admission step (one request is always admitted)
     # a prompt longer than this is prefilled this many tokens per step while the running requests keep
     # decoding (one such prompt at a time), so a long prompt does not stall every stream; None: whole
@@ -97,6 +100,8 @@ class EngineConfig:
                     if getattr(self, name) is not None and getattr(self, name) < 1]
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             problems.append(f"max_total_tokens must leave room for a prompt and one token, got {self.max_total_tokens}")
+        if not 0 < self.max_queued_share <= 1:
+            problems.append(f"max_queued_share must be in (0, 1], got {self.max_queued_share!r}")
         if not self.kv_cache_mib > 0:
             problems.append(f"kv_cache_mib must be > 0, got {self.kv_cache_mib!r}")
         if self.prefill_step_ms is not None and not self.prefill_step_ms > 0:

@@ -69,6 +69,7 @@ class Submission:
     # its cached prefixes are reused only by requests of the same salt (and adapter): a tenant's, a request's
     cache_salt: str = ""
     priority: int = 0  # lower is sooner (vLLM's): admitted first, preempted last
+    tenant: str | None = None  # its tenant: no tenant's waiting requests exceed max_queued_share of the queue
 
 
 def salt(held: Held | None, cache_salt: str) -> str:
@@ -122,6 +123,7 @@ class GenerationEngine(StepLoop):
             self.cache = KVCache.for_model(model.cfg, self.limits.rows, self.limits.max_total_tokens, weight.dtype,
                                            self.device)
         super().__init__(name, self.limits.rows, self.limits.max_queued, self.cache.nbytes(), observer, after_step)
+        self.max_queued_share = config.max_queued_share
         self._eos = frozenset(model.cfg.eos_token_ids)
         self.grammars = Grammars(tokenizer, model.cfg.vocab_size, self._eos)  # structured outputs
         # engine thread only: the live rows, and a group taken from the queue while it is prefilled
@@ -229,7 +231,7 @@ class GenerationEngine(StepLoop):
             seqs.append(SeqState(request_id, prompt, params, handle, self.tokenizer, self._eos, time.perf_counter(),
                                  matcher, -1 if held is None else held.slot, salt(held, sub.cache_salt),
                                  None if held is None else functools.partial(self.adapters.release, held.slot),
-                                 None if held is None else held.name, sub.priority))
+                                 None if held is None else held.name, sub.priority, sub.tenant))
             handles.append(handle)
         self._enqueue(seqs, [Ask(seq.params.max_new_tokens, bool(seq.params.ignore_eos), sub.deadline, sub.whole)
                              for seq, sub in zip(seqs, submissions, strict=True)])

@@ -41,6 +41,7 @@ class StepLoop:
     def __init__(self, name: str, rows: int, max_queued: int, cache_bytes: int,
                  observer: EngineObserver | None = None, after_step: Callable[[], object] | None = None) -> None:
         self.name, self.rows, self.max_queued, self.cache_bytes = name, rows, max_queued, cache_bytes
+        self.max_queued_share = 1.0  # of max_queued, for one tenant's waiting requests (EngineConfig)
         self._observer = observer or EngineObserver()
         self._after_step = after_step  # the loop calls it after each step (the replica trims its heap there)
         # guarded by _cond
@@ -110,6 +111,14 @@ class StepLoop:
                 self._observe("on_admission", None, QUEUE_FULL)
                 raise EngineOverloaded(f"{len(self._waiting)} {self.kind} requests are waiting, more than the free "
                                        f"rows take at the next step and max_queued={self.max_queued}; retry later")
+            tenant = getattr(states[0], "tenant", None) if states else None
+            if tenant is not None:
+                mine = sum(getattr(w, "tenant", None) == tenant for w in self._waiting) + len(states)
+                share = max(1, int(self.max_queued_share * self.max_queued))
+                if mine > share:
+                    self._observe("on_admission", None, QUEUE_FULL)
+                    raise EngineOverloaded(f"tenant {tenant!r} has {mine - len(states)} {self.kind} requests waiting; "
+                                           f"its share of this replica's queue is {share}; retry later")
             self._wait.on_asked([ask.prior for ask in asks])
             ahead = sum(map(self._rows_of, self._waiting)) + sum(map(self._rows_of, states))
             wait = self._wait.wait_s(ahead, self.rows - self._snapshot[0], self.rows)

@@ -42,13 +42,13 @@ class SeqState:
                  handle: RequestHandle, tokenizer: TextTokenizer, eos_ids: frozenset[int],
                  submitted: float, matcher: Any = None, adapter: int = -1, salt: str = "",
                  release: Callable[[], object] | None = None, adapter_name: str | None = None,
-                 priority: int = 0) -> None:
+                 priority: int = 0, tenant: str | None = None) -> None:
         """`adapter`: its adapter's slot (-1: the base model), held until finish() calls `release`;
         `salt`: what its prefix-cache blocks are keyed under besides their tokens (its adapter's, its
         cache salt); `priority`: lower is sooner (vLLM's), admitted before and preempted after any
-        request of a larger value."""
+        request of a larger value; `tenant`: whose share of the queue it takes (None: nobody's)."""
         self.request_id = request_id
-        self.priority = priority
+        self.priority, self.tenant = priority, tenant
         self.adapter, self.salt, self._release, self.adapter_name = adapter, salt, release, adapter_name
         self.prompt = list(prompt)
         self.params = params

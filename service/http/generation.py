@@ -53,7 +53,7 @@ from .generation_schemas import (
     grammar_of,
 )
 from .logprobs import chat_logprobs, completion_logprobs
-from .quotas import allowed_priority, cache_salt, charge_tokens
+from .quotas import allowed_priority, cache_salt, charge_tokens, current_tenant
 from .routing import Backend, InputLimits, ModelRoutes, Route
 from .sse import (
     DONE,
@@ -86,7 +86,7 @@ class GenerationCalls:
         salt (its tenant's and its own: quotas.cache_salt)."""
         await self.limits.check_prompts(route.deployment, requests)
         return [dataclasses.replace(r, timeout_s=timeout, adapter=route.adapter, cache_salt=cache_salt(r.cache_salt),
-                                    priority=allowed_priority(r.priority)) for r in requests]
+                                    priority=allowed_priority(r.priority), tenant=current_tenant()) for r in requests]
 
     async def complete(self, route: Route, requests: list[GenerationRequest], timeout: float) -> list[GenerationDone]:
         """Every request's answer, from one replica call (several are submitted to the engine together,

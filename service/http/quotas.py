@@ -43,6 +43,8 @@ _CHARGE: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.Cont
                                                                                     default=None)
 # the request's tenant's prefix-cache salt (None: no tenant, or one that shares the cache)
 _SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ts_tenant_salt", default=None)
+# the request's tenant (None: none)
+_TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ts_tenant", default=None)
 # the request's tenant's priority: its default and the soonest it may ask for (None: no tenant)
 _PRIORITY: contextvars.ContextVar[int | None] = contextvars.ContextVar("ts_tenant_priority", default=None)
 
@@ -52,6 +54,11 @@ def cache_salt(requested: str | None) -> str | None:
     request's own `cache_salt`; None: neither (the cache is shared with every such request)."""
     parts = [p for p in (_SALT.get(), requested) if p]
     return "\x1f".join(parts) or None
+
+
+def current_tenant() -> str | None:
+    """The tenant of the request being answered (None: no tenant)."""
+    return _TENANT.get()
 
 
 def allowed_priority(requested: int | None) -> int | None:
@@ -167,12 +174,12 @@ class Quotas:
         if tenant is None:
             await self.app(scope, receive, send)
             return
-        salt, priority = _SALT.set(self.salts[tenant]), _PRIORITY.set(self.priorities[tenant])
+        tokens = _TENANT.set(tenant), _SALT.set(self.salts[tenant]), _PRIORITY.set(self.priorities[tenant])
         try:
             await self._tenant(tenant, scope, receive, send)
         finally:
-            _SALT.reset(salt)
-            _PRIORITY.reset(priority)
+            for var, token in zip((_TENANT, _SALT, _PRIORITY), tokens, strict=True):
+                var.reset(token)  # type: ignore[attr-defined]
 
     async def _tenant(self, tenant: str, scope: Scope, receive: Receive, send: Send) -> None:
         ledger = self.ledgers.get(tenant)

@@ -196,7 +196,8 @@ class GeneratorRunner(EngineRunner):
                     grammar = await asyncio.to_thread(self.engine.grammars.compile, request.grammar)
                 deadline = None if request.timeout_s is None else arrived + request.timeout_s
                 submissions.append(Submission(ids, params, request.request_id, grammar, deadline, whole,
-                                              cache_salt=request.cache_salt or "", priority=request.priority or 0))
+                                              cache_salt=request.cache_salt or "", priority=request.priority or 0,
+                                              tenant=request.tenant))
             for i, sub in enumerate(submissions):  # last: a hold is released if anything above refused
                 if requests[i].adapter is not None:
                     held.append(await self.adapters.hold(requests[i].adapter))

@@ -299,3 +299,30 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival(tiny: tuple[nn.M
                 order.append(seq.request_id)
     ids = [h.request_id for h in handles]
     assert [ids.index(r) for r in order] == [3, 5, 0, 2, 1, 4]
+
+
+def test_no_tenant_holds_more_than_its_share_of_the_queue(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """max_queued 6, max_queued_share 0.34: a tenant's waiting requests (each generation of a group
+    counts) stop at 2, and the others are still admitted; requests of no tenant share only max_queued."""
+    from service.engine.core import Submission
+    from service.errors import EngineOverloaded
+
+    model, tok = tiny
+    engine = make(model, tok, max_running=1, max_queued=6, max_queued_share=0.34)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+    def sub(tenant: str | None) -> Submission:
+        return Submission(tok.encode("hello", add_special_tokens=False), params, tenant=tenant)
+
+    engine.submit_many([sub(None)])
+    engine.step()  # it runs: the row is taken, the next ones wait
+    engine.submit_many([sub("a")])
+    engine.submit_many([sub("a")])
+    with pytest.raises(EngineOverloaded, match="tenant 'a' has 2 generation requests waiting"):
+        engine.submit_many([sub("a")])
+    engine.submit_many([sub("b")])
+    with pytest.raises(EngineOverloaded, match="tenant 'b'"):
+        engine.submit_many([sub("b"), sub("b")])  # a group of two: 1 + 2 past the share
+    engine.submit_many([sub(None)])
+    assert engine.stats().waiting == 4
+    run_until_idle(engine)

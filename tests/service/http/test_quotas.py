@@ -147,4 +147,5 @@ def test_a_tenants_generations_run_at_its_priority_and_never_sooner() -> None:
                       (KEY_C, "/v1/generate", gen)])
     assert [r.status_code for r in got] == [200] * 5
     assert [r.priority for r in backend.requests] == [5, 5, 9, -3, None]
+    assert [r.tenant for r in backend.requests] == ["a", "a", "a", None, None]  # whose share of a queue
 
