@@ -64,6 +64,12 @@ class InvalidRequest(ServiceError):
     type = "invalid_request_error"
 
 
+class GrammarFailed(InvalidRequest):
+    """A structured output's grammar refused a token while the text was generated (a grammar its
+    matcher cannot follow to the end): the request ends with a 422 (or, streamed, that error as its
+    last event), never a 500."""
+
+
 class InvalidItem(ServiceError):
     """One input of a request is unusable (it breaks the tokenizer, it is too long). Raised where the
     HTTP field name is unknown (a model replica); the edge turns it into InvalidRequest naming

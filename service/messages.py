@@ -234,6 +234,8 @@ class GenerationDone:
     usage: Usage
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # every output token's, when the request asked
+    error_type: str | None = None  # with `error`: the request's own fault (service/errors.py STATUS), else internal
+    error_param: str | None = None
 
 
 GenerationEvent = GenerationStarted | TextDelta | GenerationDone

@@ -54,6 +54,9 @@ class Finished:
     error: str | None = None  # finish_reason "error": what went wrong (no traceback)
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per output token; None: not asked for
     adapter: str | None = None  # the LoRA adapter that answered (None: the base model)
+    # the request's own fault (an error type of service/errors.py's STATUS, and the field): a 4xx, not a 500
+    error_type: str | None = None
+    error_param: str | None = None
 
 
 Event = Delta | Finished

@@ -23,7 +23,7 @@ import torch
 
 from models.execution.compiled import thread_settings
 
-from ..errors import EngineClosed, EngineOverloaded, InvalidRequest
+from ..errors import EngineClosed, EngineOverloaded, InvalidRequest, ServiceError
 from ..telemetry.hooks import DEADLINE, QUEUE_FULL, EngineObserver, EngineStats
 from .admission import Ask, WaitEstimator
 from .events import Finished
@@ -280,6 +280,14 @@ class StepLoop:
     # -- bookkeeping -----------------------------------------------------------------------------
 
     def _fail(self, state: Any, exc: BaseException, traceback: bool = True) -> None:
+        """End `state` with finish_reason "error": the request's own fault (a ServiceError: a grammar
+        that failed) with its message and type, anything else as an internal error (logged with its
+        traceback)."""
+        if isinstance(exc, ServiceError):
+            log.warning("%s: request %s failed: %s", self.name, state.request_id, exc)
+            state.fault = exc  # its Finished event says so (a 4xx)
+            self._record(state.finish("error", time.perf_counter(), error=exc.message))
+            return
         log.error("%s: request %s failed: %r", self.name, state.request_id, exc, exc_info=exc if traceback else None)
         self._record(state.finish("error", time.perf_counter(), error=f"{type(exc).__name__}: {exc}"))
 

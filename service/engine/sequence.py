@@ -14,6 +14,7 @@ from typing import Any
 from models.decoding import Choice, RowSampler, SamplingParams, find_stop, stop_holdback
 from models.text import IncrementalDetokenizer, TextTokenizer
 
+from ..errors import GrammarFailed, ServiceError
 from ..messages import FinishReason, TokenLogprob, Usage
 from .events import Delta, Event, Finished, RequestHandle, Timing
 
@@ -49,6 +50,7 @@ class SeqState:
         request of a larger value; `tenant`: whose share of the queue it takes (None: nobody's)."""
         self.request_id = request_id
         self.priority, self.tenant = priority, tenant
+        self.fault: ServiceError | None = None  # the request's own fault that ended it (engine/loop.py _fail)
         self.adapter, self.salt, self._release, self.adapter_name = adapter, salt, release, adapter_name
         self.prompt = list(prompt)
         self.params = params
@@ -95,7 +97,8 @@ class SeqState:
         self.token_times.append(now - self.submitted)
         self.pending = token
         if self.matcher is not None and not self.matcher.accept_token(token):  # masks allow only what it accepts
-            raise ValueError(f"the output grammar refused token {token}: {self.matcher.error()}")
+            raise GrammarFailed(f"the structured output's grammar failed after {len(self.tokens)} tokens "
+                                f"(token {token}): {self.matcher.error()}", "response_format")
         if token in self.stop_ids:
             self.reason = "stop"
             return
@@ -161,9 +164,11 @@ class SeqState:
         timing = Timing(queued_s=None if self.admitted is None else self.admitted - self.submitted,
                         first_token_s=times[0] if times else None, total_s=now - self.submitted,
                         token_times_s=times)
+        fault = self.fault
         event = Finished(self.request_id, self.text[:self.sent], tuple(self.tokens), final,
                          Usage(len(self.prompt), self.n_sampled), timing, error,
-                         None if self.logprobs is None else tuple(self.logprobs), self.adapter_name)
+                         None if self.logprobs is None else tuple(self.logprobs), self.adapter_name,
+                         None if fault is None else fault.type, None if fault is None else fault.param)
         self._emit(event)
         return event
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from ..errors import InternalError, ServiceError
+from ..errors import InternalError, InvalidRequest, ServiceError
 from ..messages import GenerationDone, GenerationEvent, GenerationStarted, TextDelta
 from .logprobs import chat_logprobs, completion_logprobs
 
@@ -134,7 +134,10 @@ def sse_body(first: Sequence[tuple[int, GenerationEvent]], rest: AsyncIterator[t
         async for i, event in items():
             if isinstance(event, GenerationDone):
                 if event.error is not None:
-                    yield sse(InternalError("the generation failed; see the server log").body())
+                    if event.error_type == InvalidRequest.type:  # the request's own fault: say what it was
+                        yield sse(InvalidRequest(event.error, event.error_param).body())
+                    else:
+                        yield sse(InternalError("the generation failed; see the server log").body())
                     return
                 done.append((i, event))
             for payload in formats[i].render(event):

@@ -229,6 +229,9 @@ class GeneratorRunner(EngineRunner):
                 handle.cancel()
             raise
         dones = [_done(event) for event in finished]
+        for done in dones:
+            if done.error is not None and done.error_type == InvalidRequest.type:  # the request's own fault
+                raise InvalidRequest(done.error, requests[0].param(done.error_param) if done.error_param else None)
         if any(done.error is not None for done in dones):
             raise InternalError(f"{self.deployment}: the generation failed; see the server log")
         return dones
@@ -322,4 +325,4 @@ def _done(event: Finished) -> GenerationDone:
     if error is not None:
         log.warning("generation %s ended with an error: %s", event.request_id, error)
     return GenerationDone(event.request_id, event.text, "error" if error else event.finish_reason,  # type: ignore[arg-type]
-                          event.usage, error, event.logprobs)
+                          event.usage, error, event.logprobs, event.error_type, event.error_param)

@@ -797,3 +797,31 @@ def test_a_step_time_target_cuts_the_prefill_budget_to_the_measured_rate(tiny: t
     assert make(spy, tok).prefill_budget() == 4096  # no target: prefill_tokens
     engine._prefill_token_s = 1.0  # a very slow prefill: still one request a step
     assert engine.prefill_budget() == 1
+
+
+def test_a_grammar_that_fails_mid_generation_ends_its_request_as_the_requests_fault(monkeypatch) -> None:  # noqa: ANN001
+    """A structured output's matcher that refuses a token (a grammar it cannot follow on): that request
+    ends with finish_reason "error" typed as the request's own fault (a 422 at the API, not a 500),
+    naming the field, and the request beside it decodes on."""
+    from service.engine import grammar as grammars
+    from service.messages import GrammarSpec
+
+    model, tok = tiny_model("decoder")
+    engine = make(model, tok)
+    compiled = engine.grammars.compile(GrammarSpec("regex", "(ab ){8}"))
+    accept = grammars.Matcher.accept_token
+    seen: list[int] = []
+
+    def refuses_the_third(self, token: int) -> bool:  # noqa: ANN001
+        seen.append(token)
+        return accept(self, token) and len(seen) < 3
+
+    monkeypatch.setattr(grammars.Matcher, "accept_token", refuses_the_third)
+    free = engine.submit(prompts_of(tok, 1)[0], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    ruled = engine.submit(prompts_of(tok, 1)[0], SamplingParams(max_new_tokens=20), grammar=compiled)
+    run_until_idle(engine)
+    _, failed = read(ruled)
+    assert failed.finish_reason == "error" and failed.error_type == "invalid_request_error"
+    assert failed.error_param == "response_format" and "grammar failed after 2 tokens" in failed.error
+    _, done = read(free)
+    assert done.finish_reason == "length" and len(done.token_ids) == 12

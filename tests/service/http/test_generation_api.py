@@ -149,6 +149,11 @@ def test_a_failure_after_the_stream_started_is_a_last_error_event(path: str) -> 
     failed = FakeBackend([*EVENTS[:2], GenerationDone("r1", "Hé", "error", Usage(5, 1), error="RuntimeError: boom")])
     *_, last = payloads(post(failed, path, {**body, "stream": True}))
     assert last["error"]["type"] == "internal_error" and "boom" not in json.dumps(last)
+    grammar = FakeBackend([*EVENTS[:2], GenerationDone("r1", "Hé", "error", Usage(5, 1), error="the grammar failed",
+                                                       error_type="invalid_request_error", error_param="response_format")])
+    *_, last = payloads(post(grammar, path, {**body, "stream": True}))  # the request's own fault: said as it is
+    assert last == {"error": {"type": "invalid_request_error", "message": "the grammar failed",
+                              "param": "response_format"}}
 
 
 @pytest.mark.parametrize("stream", [False, True])

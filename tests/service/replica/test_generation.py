@@ -189,3 +189,31 @@ def test_siblings_are_submitted_together_and_share_one_prefill_on_an_idle_engine
         assert r.engine.stats().waiting == 0  # none of the seventeen was queued
     finally:
         r.close()
+
+
+def test_a_grammar_that_fails_mid_generation_is_a_422_whole_and_a_typed_end_streamed(monkeypatch) -> None:  # noqa: ANN001
+    """The runner turns a request's own failure in the engine (its grammar refused a token) into an
+    InvalidRequest naming response_format for a whole answer, and a Done carrying the error's type for
+    a stream (service/http/sse.py sends it as an invalid_request_error event), never an internal error."""
+    from service.engine import grammar as grammars
+    from service.messages import GrammarSpec
+
+    accept = grammars.Matcher.accept_token
+    monkeypatch.setattr(grammars.Matcher, "accept_token", lambda self, t: accept(self, t) and False)
+    r = runner()
+    r.start()
+    try:
+        request = GenerationRequest("g", prompt="say ab", max_new_tokens=8, grammar=GrammarSpec("regex", "(ab ){4}"),
+                                    names={"grammar": "response_format"})
+
+        async def main() -> list[object]:
+            with pytest.raises(InvalidRequest, match="grammar failed after 0 tokens") as whole:
+                await r.generate(request)
+            events = [e async for e in r.stream(dataclasses.replace(request, request_id="s"))]
+            return [whole.value, events[-1]]
+
+        whole, last = asyncio.run(main())
+    finally:
+        r.close()
+    assert isinstance(last, GenerationDone) and last.error_type == "invalid_request_error"
+    assert whole.param is not None
