@@ -39,7 +39,7 @@ from .messages import (
 from .replica.encoder import EncoderRunner
 from .replica.generator import GeneratorRunner
 from .replica.loading import load_for_deployment
-from .replica.runner import ModelRunner
+from .replica.runner import ModelRunner, off_loop
 from .replica.threads import on_own_thread
 from .replica.translator import TranslatorEngineRunner, TranslatorRunner, for_translator
 from .settings import DeploymentSettings, Settings
@@ -213,7 +213,8 @@ class GeneratorDeployment(ModelDeployment):
         return await answered(self.runner.generate_group(requests))
 
     async def tokenize(self, request: GenerationRequest, add_special_tokens: bool) -> Tokenized:
-        return self.runner.tokenize(request, add_special_tokens)
+        # a long prompt or chat on the text thread, never on the replica's event loop
+        return await off_loop(request.render_chars, self.runner.tokenize, request, add_special_tokens)
 
     async def detokenize(self, tokens: list[int]) -> str:
         return self.runner.detokenize(tokens)

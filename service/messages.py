@@ -124,6 +124,9 @@ class GrammarSpec:
         return cls("grammar", call_grammar(tools, only), "tools")
 
 
+TEMPLATE_CHARS = 32  # what a chat message or a tool adds to a rendered prompt, about (render_chars)
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation, as the ingress sends it to a generator replica.
@@ -169,6 +172,14 @@ class GenerationRequest:
         return (sum(len(m.content) + sum(len(c.arguments) + len(c.name) for c in m.tool_calls)
                     for m in self.messages)
                 + sum(len(t.name) + len(t.description) + len(t.parameters) for t in self.tools))
+
+    @property
+    def render_chars(self) -> int:
+        """What rendering and tokenizing its prompt costs, in characters: prompt_chars plus each chat
+        message's and tool's share of the template (2048 empty messages are work too)."""
+        if self.messages is None:
+            return self.prompt_chars
+        return self.prompt_chars + TEMPLATE_CHARS * (len(self.messages) + len(self.tools))
 
     @property
     def prompt_field(self) -> str:

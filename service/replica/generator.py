@@ -178,7 +178,7 @@ class GeneratorRunner(EngineRunner):
                 key = (id(request.prompt), id(request.messages), id(request.tools))
                 first = key not in prompts
                 if first:
-                    prompts[key] = await off_loop(request.prompt_chars, self.prompt_ids, request)
+                    prompts[key] = await off_loop(request.render_chars, self.prompt_ids, request)
                 ids = prompts[key]
                 params = self.params(request, len(ids))
                 if first and request.tools and request.grammar is None:  # an unforced call: its schemas are

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,11 +41,18 @@ T = TypeVar("T")
 INLINE_TOKENIZE_CHARS = 4096
 
 
+_texts: list[ThreadPoolExecutor] = []  # the process's one text thread (off_loop), made on first use
+
+
 async def off_loop(chars: int, fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) (tokenization of `chars` characters) on the event loop when small, else in a thread."""
+    """fn(*args) (rendering and tokenizing `chars` characters) on the event loop when small, else on
+    the process's one text thread: long texts take turns there instead of each taking a thread, so
+    however many arrive at once, at most one holds the GIL beside the engine's and batcher's threads."""
     if chars <= INLINE_TOKENIZE_CHARS:
         return fn(*args)
-    return await asyncio.to_thread(fn, *args)
+    if not _texts:
+        _texts.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="texts"))
+    return await asyncio.get_running_loop().run_in_executor(_texts[0], functools.partial(fn, *args))
 
 
 def chars(texts: Sequence[str]) -> int:

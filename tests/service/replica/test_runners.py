@@ -84,8 +84,9 @@ def test_encoder_requests_through_the_batcher(encoder: EncoderRunner) -> None:
 
 
 def test_a_long_text_is_tokenized_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Texts over INLINE_TOKENIZE_CHARS in all are tokenized in a worker thread, so a long one never
-    stalls the replica's other requests; short ones on the loop (a thread hop costs more than them)."""
+    """Texts over INLINE_TOKENIZE_CHARS in all are tokenized on the process's one text thread, so a long
+    one never stalls the replica's other requests (and many take turns there); short ones on the loop
+    (a thread hop costs more than them)."""
     import threading
 
     from service.replica.runner import INLINE_TOKENIZE_CHARS
@@ -112,6 +113,18 @@ def test_a_long_text_is_tokenized_off_the_event_loop(monkeypatch: pytest.MonkeyP
     loop_thread = asyncio.run(main())
     assert len(threads) >= 4  # (a truncated text may be encoded more than once)
     assert threads[0] is loop_thread and all(t is not loop_thread for t in threads[1:])
+    assert all(t.name.startswith("texts") for t in threads[1:]) and len({t.ident for t in threads[1:]}) == 1
+
+
+def test_many_short_chat_messages_are_rendered_off_the_event_loop() -> None:
+    """2048 empty messages are few characters but real template work: counted by render_chars (each
+    message's share of the template), they go to the text thread, not the replica's event loop."""
+    from service.messages import ChatMessage, GenerationRequest
+    from service.replica.runner import INLINE_TOKENIZE_CHARS
+
+    many = GenerationRequest("m", messages=tuple(ChatMessage("user", "") for _ in range(2048)))
+    one = GenerationRequest("o", messages=(ChatMessage("user", "hi"),))
+    assert many.prompt_chars == 0 and many.render_chars > INLINE_TOKENIZE_CHARS >= one.render_chars
 
 
 def test_translator_params_defaults_and_limits(translator: TranslatorRunner) -> None:
