@@ -66,5 +66,21 @@ def split(text: str, language: str) -> Document:
     return Document(tuple(gaps), tuple(sentences))
 
 
-def split_all(texts: Sequence[str], language: str) -> list[Document]:
-    return [split(text, language) for text in texts]
+class TooManySentences(Exception):
+    """split_all stopped: the texts hold more sentences than its limit (`found`: as far as it split)."""
+
+    def __init__(self, found: int) -> None:
+        super().__init__(found)
+        self.found = found
+
+
+def split_all(texts: Sequence[str], language: str, limit: int | None = None) -> list[Document]:
+    """Each text cut into sentences; past `limit` sentences in all it stops at that text and raises
+    TooManySentences (a request over the cap costs the split of the texts up to the one that crosses it)."""
+    docs, found = [], 0
+    for text in texts:
+        docs.append(split(text, language))
+        found += len(docs[-1].sentences)
+        if limit is not None and found > limit:
+            raise TooManySentences(found)
+    return docs

@@ -134,16 +134,17 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
             raise InvalidRequest(f"inputs[{e.index}]: the text has {len(texts[e.index])} characters; a document "
                                  f"takes at most {settings.max_document_chars} (max_document_chars; send "
                                  f"\"truncate\": true to cut it)", f"inputs[{e.index}]") from None
-        split = functools.partial(documents.split_all, texts, body.source_lang)
-        docs = await asyncio.to_thread(split) if sum(map(len, texts)) > OFF_LOOP_CHARS else split()
+        dep = settings.deployments[route.deployment]
+        most = dep.translation.max_queued if dep.translation.scheduler == "steps" else dep.batching.max_queued
+        split = functools.partial(documents.split_all, texts, body.source_lang, most)  # stops past the cap
+        try:
+            docs = await asyncio.to_thread(split) if sum(map(len, texts)) > OFF_LOOP_CHARS else split()
+        except documents.TooManySentences as e:
+            raise InvalidRequest(f"inputs hold more than {most} sentences ({e.found} in the texts read so far); at "
+                                 f"most {most} per request (the translator's queue)", "inputs") from None
         sentences = [s for doc in docs for s in doc.sentences]
         names = [ItemName(f"inputs[{i}]", f"inputs[{i}], sentence {j + 1}")
                  for i, doc in enumerate(docs) for j in range(len(doc.sentences))]
-        dep = settings.deployments[route.deployment]
-        most = dep.translation.max_queued if dep.translation.scheduler == "steps" else dep.batching.max_queued
-        if len(sentences) > most:
-            raise InvalidRequest(f"inputs hold {len(sentences)} sentences; at most {most} per request "
-                                 f"(the translator's queue)", "inputs")
         if sentences:
             sentences = await limits.fit(route.deployment, sentences, body.truncate, "inputs", names=names)
         if body.stream:

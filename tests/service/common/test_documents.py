@@ -95,9 +95,22 @@ def test_document_limits_in_characters_and_sentences() -> None:
                        {"translation": {"scheduler": "batches", "max_queued": 500}, "batching": {"max_queued": 100}}):
         many = fake_app({"max_body_bytes": 1 << 20, "deployments": {"translator": translator}}, backend)
         r = send(many, "POST", "/v1/translate", json={"inputs": "A.\n" * 101, **TR})
-        assert r.status_code == 422 and "101 sentences; at most 100" in r.json()["error"]["message"]
+        assert r.status_code == 422 and "more than 100 sentences (101 in" in r.json()["error"]["message"]
         assert send(many, "POST", "/v1/translate", json={"inputs": "A.\n" * 100, **TR}).status_code == 200
     assert backend.calls == {"translate": 3}  # the truncated request and the two of 100 sentences
+
+
+def test_the_split_stops_at_the_text_that_crosses_the_sentence_cap(monkeypatch) -> None:  # noqa: ANN001
+    """A request of many texts over the cap: the texts after the one that crosses it are never split."""
+    from service.common import documents
+
+    split = documents.split
+    seen: list[str] = []
+    monkeypatch.setattr(documents, "split", lambda text, language: seen.append(text) or split(text, language))
+    with pytest.raises(documents.TooManySentences) as e:
+        documents.split_all(["The cat sat. The dog ran. Birds fly.", "It rained. We left.", "Fine.", "Yes."], "en",
+                            limit=4)
+    assert e.value.found == 5 and len(seen) == 2
 
 
 def test_a_long_document_is_cut_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,9 +119,9 @@ def test_a_long_document_is_cut_off_the_event_loop(monkeypatch: pytest.MonkeyPat
     threads = []
     split_all = documents.split_all
 
-    def spy(texts: list[str], language: str) -> list[Document]:
+    def spy(texts: list[str], language: str, limit: int | None = None) -> list[Document]:
         threads.append(threading.current_thread() is threading.main_thread())
-        return split_all(texts, language)
+        return split_all(texts, language, limit)
 
     monkeypatch.setattr(documents, "split_all", spy)
     app = fake_app({"max_body_bytes": 1 << 20})
