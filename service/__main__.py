@@ -154,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 nginx_front = front.enter_context(serve_front(
                     nginx, listen, Address(http["host"], http["port"]), settings.max_body_bytes,
                     max(1, math.ceil(settings.retry_after_s)), route_prefix=prefix,
-                    metrics_dir=settings.metrics_dir, grace_s=ingress_grace_s(settings)))
+                    metrics_dir=settings.metrics_dir, grace_s=ingress_grace_s(settings),
+                    body_timeout_s=max(1, math.ceil(settings.body_timeout_s))))
             serve.run(build_app_from_settings(settings), name=app_config.get("name", "default"), route_prefix=prefix)
             log.info("serving on http://%s (OpenAPI at /docs) through %s; Ctrl-C stops", listen,
                      "nginx" if nginx else "Serve's proxy")

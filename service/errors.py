@@ -20,6 +20,7 @@ STATUS: dict[str, int] = {
     "not_found_error": 404,
     "method_not_allowed_error": 405,
     "request_too_large": 413,
+    "request_timeout_error": 408,
     "rate_limit_error": 429,
     "overloaded_error": 503,
     "model_not_ready": 503,
@@ -110,6 +111,12 @@ class InvalidAdapter(ServiceError):
 
 class MethodNotAllowed(ServiceError):
     type = "method_not_allowed_error"
+
+
+class BodyTimeout(ServiceError):
+    """A request body not whole within body_timeout_s of the request (a slow or stalled sender)."""
+
+    type = "request_timeout_error"
 
 
 class PayloadTooLarge(ServiceError):

@@ -142,6 +142,7 @@ class Settings(_Frozen):
     cache_dir: str | None = None  # pinned weights; None: models.zoo.default_cache_dir()
     request_timeout_s: float = Field(30.0, gt=0)  # deadline per request (504); X-Request-Timeout lowers it
     max_body_bytes: int = Field(1 << 20, ge=64)  # 413 past this
+    body_timeout_s: float = Field(10.0, gt=0)  # a body not whole this long after its request began: 408
     max_inputs: int = Field(64, ge=1)  # texts per request
     # /v1/translate: characters per text when it is cut into sentences (service/common/documents.py)
     max_document_chars: int = Field(20_000, ge=1)

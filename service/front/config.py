@@ -70,6 +70,7 @@ class FrontConfig:
     retry_after_s: int
     workers: int = 1  # 2 were no faster (docs/benchmarks.md, "Front and request path")
     read_timeout_s: int = 3600  # silence allowed between an upstream's bytes (a stream's tokens)
+    body_timeout_s: int = 10  # silence allowed between a client's body bytes (Settings.body_timeout_s): 408
 
 
 def _quoted(text: str) -> str:
@@ -121,6 +122,7 @@ http {{
     server {{
         listen {cfg.listen} backlog=4096{dual};
         client_max_body_size {cfg.max_body_bytes};
+        client_body_timeout {cfg.body_timeout_s}s;
         large_client_header_buffers 4 {HEADER_BUFFER};
         proxy_request_buffering off;
         proxy_buffering off;

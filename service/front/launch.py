@@ -55,7 +55,7 @@ def choose_front(requested: str, env: Mapping[str, str]) -> str | None:
 @contextmanager
 def serve_front(binary: str, listen: Address, backup: Address, max_body_bytes: int, retry_after_s: int,
                 poll_s: float = 0.5, route_prefix: str = "/", metrics_dir: str | None = None,
-                grace_s: float = 5.0) -> Iterator[Front]:
+                grace_s: float = 5.0, body_timeout_s: int = 10) -> Iterator[Front]:
     """nginx on `listen`, following this process's Serve (already started, its proxy at `backup`) for
     the application at `route_prefix`; the counts of its own answers (each status it can answer at 0
     from its start) go to this node's directory of `metrics_dir` (the app's,
@@ -65,7 +65,7 @@ def serve_front(binary: str, listen: Address, backup: Address, max_body_bytes: i
 
     run_dir = Path(tempfile.mkdtemp(prefix="ts-front-"))
     host = backup.host if is_loopback(backup.host) else None  # one node, bound to loopback: connect there
-    cfg = FrontConfig(listen, backup, run_dir, max_body_bytes, retry_after_s)
+    cfg = FrontConfig(listen, backup, run_dir, max_body_bytes, retry_after_s, body_timeout_s=body_timeout_s)
     counts = None if metrics_dir is None else answers_file(
         node_dir(Path(metrics_dir), ray.get_runtime_context().get_node_id()), os.getpid())
     front = Front(cfg, serve_targets(serve_controller(), route_prefix, host=host), binary, poll_s=poll_s,

@@ -53,7 +53,8 @@ def create_api(settings: Settings, backend: Backend, metrics: ServiceMetrics | N
                     f"`{SESSION_HEADER}` go to the same replica while load allows.",
     )
     install_error_handlers(app, settings.retry_after_s)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s,
+                       timeout_s=settings.body_timeout_s)
     if settings.tenants:  # after the key check, which names the tenant; before the body is read
         app.add_middleware(Quotas, settings=settings, metrics=metrics)
     install_access_control(app, settings, ErrorResponse, (TIMEOUT_HEADER, SESSION_HEADER))  # keys, CORS: before the body

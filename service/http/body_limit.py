@@ -1,19 +1,25 @@
-"""ASGI middleware that refuses a body over the limit (413) before anything parses it."""
+"""ASGI middleware that refuses a body over the limit (413), or not whole within its deadline (408),
+before anything parses it."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import InvalidRequest, PayloadTooLarge, ServiceError
+from ..errors import BodyTimeout, InvalidRequest, PayloadTooLarge, ServiceError
 from .errors import error_response
 
 
 class BodyLimit:
-    """413 when Content-Length or the bytes actually sent exceed max_bytes, before anything parses the
-    body. The body is buffered (the routes parse all of it anyway)."""
+    """413 when Content-Length or the bytes actually sent exceed max_bytes, 408 when the body is not whole
+    `timeout_s` after the request began (a client trickling bytes holds no connection and no request
+    slot longer), before anything parses the body. The body is buffered (the routes parse all of it
+    anyway)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, retry_after_s: float) -> None:
-        self.app, self.max_bytes, self.retry_after_s = app, max_bytes, retry_after_s
+    def __init__(self, app: ASGIApp, max_bytes: int, retry_after_s: float, timeout_s: float = 10.0) -> None:
+        self.app, self.max_bytes, self.retry_after_s, self.timeout_s = app, max_bytes, retry_after_s, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -27,9 +33,14 @@ class BodyLimit:
             if int(declared) > self.max_bytes:
                 await self._reject(scope, receive, send, self._too_large(int(declared)))
                 return
-        chunks, size = [], 0
+        chunks, size, deadline = [], 0, time.monotonic() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                await self._reject(scope, receive, send, BodyTimeout(
+                    f"the request body was not whole within {self.timeout_s:g} s ({size} bytes came)"))
+                return
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")

@@ -6,6 +6,7 @@ A fake backend stands in for the Ray handles; the end-to-end tests cover the rea
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -156,3 +157,39 @@ def test_lone_surrogates_are_found_anywhere_in_a_body_keys_included() -> None:
     for _ in range(5000):  # deeper than Python's recursion limit
         deep = [deep]
     assert lone_surrogate(deep)[1] == "U+D800"
+
+
+def test_a_body_not_whole_within_its_deadline_is_a_408_before_any_model_call() -> None:
+    """A client that sends part of its body and stalls: 408 request_timeout_error after body_timeout_s,
+    naming how much came; the model is never called. The front's nginx has the same timeout."""
+    import time
+    from pathlib import Path
+
+    from service.front.config import Address, FrontConfig, render_nginx
+    from service.testing.fake_backend import fake_app
+
+    app = fake_app({"body_timeout_s": 0.3})
+    messages = [{"type": "http.request", "body": b'{"inputs": "ab', "more_body": True}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(30)  # the client stalls
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/classify", "raw_path": b"/v1/classify", "root_path": "",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
+             "scheme": "http", "server": ("test", 80), "client": ("127.0.0.1", 1)}
+    began = time.monotonic()
+    asyncio.run(app(scope, receive, send))
+    took = time.monotonic() - began
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+    assert start["status"] == 408 and body["error"]["type"] == "request_timeout_error"
+    assert "within 0.3 s (14 bytes came)" in body["error"]["message"] and took < 5
+    cfg = FrontConfig(Address("127.0.0.1", 8000), Address("127.0.0.1", 8001), Path("/tmp"), 1 << 20, 1, body_timeout_s=7)
+    assert "client_body_timeout 7s;" in render_nginx(cfg)
