@@ -299,11 +299,39 @@ class GenerationEngine(StepLoop):
                 self._requeue(seq)
             log.info("preempted request %s (%d tokens so far): KV blocks ran out", seq.request_id, len(seq.tokens))
 
+    def _yield_to_priority(self) -> None:
+        """Paged: a waiting request more urgent than running ones takes a place from them: while the head
+        of the queue has no row (or too few blocks for its context) and a running request has a
+        larger priority value, the least urgent of those (the newest among equals) is preempted back
+        to the queue, behind the head. Requests of equal priority never preempt each other."""
+        batch = self._batch
+        if not batch.paged:  # rows of a dense cache are not preempted (recomputed) at all
+            return
+        for _ in range(len(batch.rows)):
+            with self._cond:
+                head = self._waiting[0] if self._waiting else None
+            if head is None:
+                return
+            if batch.free >= 1 and (not batch.paged or batch.blocks_for(head) <= batch.blocks_available()):
+                return
+            candidates = [(seq.priority, seq.admitted or 0.0, row) for row, seq in enumerate(batch.rows)
+                          if seq.priority > head.priority]
+            if not candidates:
+                return
+            *_, row = max(candidates)
+            seq = batch.preempt(row)
+            self._counts["preempted"] += 1
+            with self._cond:
+                self._requeue(seq)
+            log.info("preempted request %s (priority %d) for %s (priority %d)", seq.request_id, seq.priority,
+                     head.request_id, head.priority)
+
     def _admit(self) -> bool:
         """One chunk of the long prompt being prefilled in chunks (if any), then prefill the waiting
         requests that fit on fresh rows and in the rest of the step's budget, in groups of similar
         prompt lengths (select_batch's cost model: padding against the fixed cost of a forward pass).
         True when it computed prompt tokens."""
+        self._yield_to_priority()
         chunked = self._chunk()
         budget = self.prefill_budget()
         pins: list[Pin] = []

@@ -326,3 +326,31 @@ def test_no_tenant_holds_more_than_its_share_of_the_queue(tiny: tuple[nn.Module,
     engine.submit_many([sub(None)])
     assert engine.stats().waiting == 4
     run_until_idle(engine)
+
+
+def test_an_urgent_request_takes_the_row_of_a_less_urgent_running_one(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """Two rows held by priority-0 requests: an urgent one (priority -1) is admitted at the next step,
+    preempting the newest of them, which later resumes and gives the tokens of an uninterrupted run; a
+    request of equal priority waits instead."""
+    from service.engine.core import Submission
+
+    model, tok = tiny
+    engine = make(model, tok, max_running=2, prefix_cache_mib=0)
+    long = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = PROMPTS(tok)
+    low = engine.submit_many([Submission(p, long) for p in prompts[:2]])
+    for _ in range(3):
+        engine.step()
+    same = engine.submit_many([Submission(prompts[2], long)])[0]
+    engine.step()
+    assert engine.stats().preempted == 0 and same.request_id not in {s.request_id for s in engine._batch.rows}
+    urgent = engine.submit_many([Submission(prompts[3], SamplingParams(max_new_tokens=5, ignore_eos=True),
+                                            priority=-1)])[0]
+    engine.step()
+    assert urgent.request_id in {s.request_id for s in engine._batch.rows} and engine.stats().preempted == 1
+    assert low[1].request_id not in {s.request_id for s in engine._batch.rows}  # the newest of the two yielded
+    run_until_idle(engine)
+    roomy = make(model, tok, max_running=4, prefix_cache_mib=0)
+    alone = [roomy.submit(p, long) for p in prompts[:2]]
+    run_until_idle(roomy)
+    assert [list(read(h)[1].token_ids) for h in low] == [list(read(h)[1].token_ids) for h in alone]
