@@ -40,7 +40,7 @@ from ..telemetry.hooks import EngineObserver
 from ..telemetry.metrics import ServiceMetrics
 from ..telemetry.observers import PrometheusEngineObserver
 from .heap import HeapTrimmer
-from .runner import EngineRunner, off_loop
+from .runner import EngineRunner, off_loop, on_text_thread
 
 if TYPE_CHECKING:
     from ..settings import DeploymentSettings
@@ -183,7 +183,7 @@ class GeneratorRunner(EngineRunner):
                 params = self.params(request, len(ids))
                 if first and request.tools and request.grammar is None:  # an unforced call: its schemas are
                     # checked as a forced one's would be, once for the siblings that share them
-                    await asyncio.to_thread(self.engine.grammars.compile, GrammarSpec.tool_call(request.tools))
+                    await on_text_thread(self.engine.grammars.compile, GrammarSpec.tool_call(request.tools))
                 grammar = None
                 if request.grammar is not None:
                     self.engine.limits.check(ids, params)  # before the compile; engine.submit checks the rest
@@ -193,7 +193,7 @@ class GeneratorRunner(EngineRunner):
                     if params.stop:
                         raise InvalidRequest("stop strings cannot be combined with a structured output (a cut "
                                              "text would not match it)", "stop")
-                    grammar = await asyncio.to_thread(self.engine.grammars.compile, request.grammar)
+                    grammar = await on_text_thread(self.engine.grammars.compile, request.grammar)
                 deadline = None if request.timeout_s is None else arrived + request.timeout_s
                 submissions.append(Submission(ids, params, request.request_id, grammar, deadline, whole,
                                               cache_salt=request.cache_salt or "", priority=request.priority or 0,

@@ -50,6 +50,11 @@ async def off_loop(chars: int, fn: Callable[..., T], *args: Any) -> T:
     however many arrive at once, at most one holds the GIL beside the engine's and batcher's threads."""
     if chars <= INLINE_TOKENIZE_CHARS:
         return fn(*args)
+    return await on_text_thread(fn, *args)
+
+
+async def on_text_thread(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on the process's one text thread (off_loop; a grammar's compilation too)."""
     if not _texts:
         _texts.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="texts"))
     return await asyncio.get_running_loop().run_in_executor(_texts[0], functools.partial(fn, *args))
