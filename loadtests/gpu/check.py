@@ -595,11 +595,11 @@ def adapters(run: Run, shape: str = "smollm2") -> dict[str, Any]:
     plain = llama.from_hf(ref.config.to_dict(), ref.state_dict()).to(run.device).eval()  # unfused: merged into
     served = fuse_projections(llama.from_hf(ref.config.to_dict(), ref.state_dict())).to(run.device).eval()
     del ref
-    root = Path(tempfile.mkdtemp(prefix="gpu-check-adapters-"))
     ranks = (4, 8, 16, 16, 8, 4, 16, 8)
     std = 0.3 if run.tiny else 0.05  # large enough to move greedy tokens at either width
-    loaded = [read_adapter(save_adapter(root / f"a{i}", random_llama_factors(plain, r, seed=i, std=std), r, 2 * r))
-              for i, r in enumerate(ranks)]
+    with tempfile.TemporaryDirectory(prefix="gpu-check-adapters-") as tmp:  # read whole: gone after
+        loaded = [read_adapter(save_adapter(Path(tmp) / f"a{i}", random_llama_factors(plain, r, seed=i, std=std), r,
+                                            2 * r)) for i, r in enumerate(ranks)]
     resident = ResidentAdapters([served], capacity=8, rank=16)
     slots = [resident.load(a) for a in loaded]
     vocab = run.shapes[shape]["vocab_size"]
