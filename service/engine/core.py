@@ -294,10 +294,7 @@ class GenerationEngine(StepLoop):
             seq = batch.drop_partial() if row < 0 else batch.preempt(row)
             if seq is None:
                 return
-            self._counts["preempted"] += 1
-            with self._cond:
-                self._requeue(seq)
-            log.info("preempted request %s (%d tokens so far): KV blocks ran out", seq.request_id, len(seq.tokens))
+            self._preempted(seq, "KV blocks ran out")
 
     def _yield_to_priority(self) -> None:
         """Paged: a waiting request more urgent than running ones takes a place from them: while the head
@@ -319,12 +316,15 @@ class GenerationEngine(StepLoop):
             if not candidates:
                 return
             *_, row = max(candidates)
-            seq = batch.preempt(row)
-            self._counts["preempted"] += 1
-            with self._cond:
-                self._requeue(seq)
-            log.info("preempted request %s (priority %d) for %s (priority %d)", seq.request_id, seq.priority,
-                     head.request_id, head.priority)
+            self._preempted(batch.preempt(row), f"request {head.request_id} of priority {head.priority} waits")
+
+    def _preempted(self, seq: SeqState, why: str) -> None:
+        """A request taken off its row back to the head of its priority in the queue (recomputed later)."""
+        self._counts["preempted"] += 1
+        with self._cond:
+            self._requeue(seq)
+        log.info("preempted request %s (priority %d, %d tokens so far): %s", seq.request_id, seq.priority,
+                 len(seq.tokens), why)
 
     def _admit(self) -> bool:
         """One chunk of the long prompt being prefilled in chunks (if any), then prefill the waiting

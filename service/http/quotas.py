@@ -39,42 +39,49 @@ from ..settings import Settings, TenantSettings
 from ..telemetry.metrics import ServiceMetrics
 
 LIMITS = ("requests", "tokens")  # what refused a request: the `limit` label of quota_refused_total
-_CHARGE: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar("ts_quota_charge",
-                                                                                    default=None)
-# the request's tenant's prefix-cache salt (None: no tenant, or one that shares the cache)
-_SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ts_tenant_salt", default=None)
-# the request's tenant (None: none)
-_TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ts_tenant", default=None)
-# the request's tenant's priority: its default and the soonest it may ask for (None: no tenant)
-_PRIORITY: contextvars.ContextVar[int | None] = contextvars.ContextVar("ts_tenant_priority", default=None)
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    """What the routes need of the request's tenant (set by Quotas for the request's context)."""
+
+    tenant: str
+    salt: str | None  # its prefix-cache salt (None: it shares the cache)
+    priority: int  # its generations' default and soonest priority
+    charge: Callable[[int], None]  # tokens used, for its bucket and counter
+
+
+_CURRENT: contextvars.ContextVar[Tenancy | None] = contextvars.ContextVar("ts_tenancy", default=None)
+
+
+def current_tenant() -> str | None:
+    """The tenant of the request being answered (None: no tenant)."""
+    t = _CURRENT.get()
+    return None if t is None else t.tenant
 
 
 def cache_salt(requested: str | None) -> str | None:
     """A generation's prefix-cache salt: its tenant's (unless the tenant shares the cache) and the
     request's own `cache_salt`; None: neither (the cache is shared with every such request)."""
-    parts = [p for p in (_SALT.get(), requested) if p]
+    t = _CURRENT.get()
+    parts = [p for p in (None if t is None else t.salt, requested) if p]
     return "\x1f".join(parts) or None
-
-
-def current_tenant() -> str | None:
-    """The tenant of the request being answered (None: no tenant)."""
-    return _TENANT.get()
 
 
 def allowed_priority(requested: int | None) -> int | None:
     """A generation's priority: what it asks for, never sooner than its tenant's (lower is sooner);
     the tenant's when it asks for none. No tenant: as asked."""
-    floor = _PRIORITY.get()
-    if floor is None:
+    t = _CURRENT.get()
+    if t is None:
         return requested
-    return floor if requested is None else max(requested, floor)
+    return t.priority if requested is None else max(requested, t.priority)
 
 
 def charge_tokens(tokens: int) -> None:
-    """Charge `tokens` to the tenant of the request being answered (nothing without a token quota)."""
-    charge = _CHARGE.get()
-    if charge is not None and tokens > 0:
-        charge(tokens)
+    """Charge `tokens` to the tenant of the request being answered (nothing without a tenant)."""
+    t = _CURRENT.get()
+    if t is not None and tokens > 0:
+        t.charge(tokens)
 
 
 @dataclass
@@ -110,7 +117,7 @@ def duration(seconds: float) -> str:
 
 
 class Ledger:
-    """One tenant's buckets on this ingress replica (the event loop's: no locking)."""
+    """One tenant's buckets on this ingress replica (none without quotas; the event loop's: no locking)."""
 
     def __init__(self, tenant: TenantSettings, share: int, now: float) -> None:
         self.requests = self.tokens = None
@@ -153,17 +160,14 @@ class Ledger:
 
 
 class Quotas:
-    """ASGI middleware: each limited tenant's request admitted by its buckets or answered 429."""
+    """ASGI middleware: each tenant's request admitted by its buckets (a tenant without quotas: always)
+    or answered 429, and its Tenancy set for the routes."""
 
     def __init__(self, app: ASGIApp, settings: Settings, metrics: ServiceMetrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.app, self.clock = app, clock
-        self.salts = {name: None if t.share_prefix_cache else f"tenant:{name}" for name, t in settings.tenants.items()}
-        self.priorities = {name: t.priority for name, t in settings.tenants.items()}
-        share = settings.ingress.num_replicas
-        now = clock()
-        self.ledgers = {name: Ledger(t, share, now) for name, t in settings.tenants.items()
-                        if t.requests_per_s is not None or t.tokens_per_min is not None}
+        self.app, self.clock, self.tenants = app, clock, settings.tenants
+        share, now = settings.ingress.num_replicas, clock()
+        self.ledgers = {name: Ledger(t, share, now) for name, t in settings.tenants.items()}
         self.refused = {(name, limit): metrics["quota_refused_total"].labels(name, limit)
                         for name in settings.tenants for limit in LIMITS}
         self.charged = {name: metrics["tenant_tokens_total"].labels(name) for name in settings.tenants}
@@ -174,24 +178,7 @@ class Quotas:
         if tenant is None:
             await self.app(scope, receive, send)
             return
-        tokens = _TENANT.set(tenant), _SALT.set(self.salts[tenant]), _PRIORITY.set(self.priorities[tenant])
-        try:
-            await self._tenant(tenant, scope, receive, send)
-        finally:
-            for var, token in zip((_TENANT, _SALT, _PRIORITY), tokens, strict=True):
-                var.reset(token)  # type: ignore[attr-defined]
-
-    async def _tenant(self, tenant: str, scope: Scope, receive: Receive, send: Send) -> None:
-        ledger = self.ledgers.get(tenant)
-        if ledger is None:  # a tenant without quotas: counted only
-            self.admitted[tenant].inc()
-            token = _CHARGE.set(self.charged[tenant].inc)
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                _CHARGE.reset(token)
-            return
-        now = self.clock()
+        ledger, now = self.ledgers[tenant], self.clock()
         refusal = ledger.admit(now)
         if refusal is not None:
             limit, wait = refusal
@@ -209,11 +196,13 @@ class Quotas:
                 message = {**message, "headers": [*message.get("headers", []), *ledger.headers(self.clock())]}
             await send(message)
 
-        token = _CHARGE.set(charge)
+        settings = self.tenants[tenant]
+        token = _CURRENT.set(Tenancy(tenant, None if settings.share_prefix_cache else f"tenant:{tenant}",
+                                     settings.priority, charge))
         try:
             await self.app(scope, receive, with_headers)
         finally:
-            _CHARGE.reset(token)
+            _CURRENT.reset(token)
 
     @staticmethod
     async def _refuse(send: Send, tenant: str, limit: str, wait: float, headers: list[tuple[bytes, bytes]]) -> None:

@@ -14,7 +14,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from models.adapters import AdapterError, AdaptersFull, Held, LoraAdapter, ResidentAdapters, read_adapter
+from models.adapters import (
+    AdapterError,
+    AdapterHead,
+    AdaptersFull,
+    Held,
+    LoraAdapter,
+    ResidentAdapters,
+    read_adapter,
+)
 
 from ..errors import InvalidAdapter, InvalidRequest, Overloaded
 from ..messages import AdapterRef
@@ -108,6 +116,10 @@ class ReplicaAdapters:
             yield held
         finally:
             self.release(held)
+
+    def head(self, slot: int) -> AdapterHead | None:
+        """The classification head of the adapter in `slot` (-1, or no adapters: None, the model's own)."""
+        return None if slot < 0 or self.resident is None else self.resident.head(slot)
 
     def info(self) -> dict | None:
         """For ModelInfo: the slots, their rank and the adapters held now."""

@@ -59,7 +59,7 @@ class EncoderRunner(BatchedRunner):
         """Items into the batcher, on `adapter`'s slot (held until their results are back)."""
         async with self.adapters.holding(adapter) as held:
             if held is not None:
-                head = self.loaded.adapters.head(held.slot) if self.loaded.adapters is not None else None
+                head = self.adapters.head(held.slot)
                 if items and items[0].task == "rerank" and head is not None and len(head.labels) != 1:
                     raise InvalidRequest(f"adapter {held.name!r} has a classification head of {len(head.labels)} "
                                          "outputs; reranking needs one (a relevance score)", "model")
@@ -109,10 +109,9 @@ class EncoderRunner(BatchedRunner):
         heads: dict[int, list[int]] = {}
         for i, p in enumerate(payloads):
             if p.task != "embed":
-                own = p.slot >= 0 and self.loaded.adapters is not None and self.loaded.adapters.head(p.slot) is not None
-                heads.setdefault(p.slot if own else -1, []).append(i)
+                heads.setdefault(p.slot if self.adapters.head(p.slot) is not None else -1, []).append(i)
         for slot, rows in heads.items():
-            head = self.loaded.adapters.head(slot) if slot >= 0 and self.loaded.adapters is not None else None
+            head = self.adapters.head(slot)
             weights = None if head is None else head.weights
             logits = model.logits(hidden[rows], batch.keep[rows], weights).float()  # (b, n_labels)
             scores = model.scores(logits, weights).cpu().tolist()
