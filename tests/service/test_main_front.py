@@ -117,8 +117,9 @@ def test_sigterm_lets_running_streams_finish_before_the_service_exits(tmp_path: 
     drain_grace_s + 5 s), then Serve's replicas stop and the process exits 0."""
     nginx_or_skip()
     port = free_port()
-    # wide enough that 3,000 tokens take several seconds on one thread: past nginx's default 5 s stop
-    slow = long_decoder(tmp_path / "slow", d_model=256, d_ff=1024, n_layers=6)
+    # wide enough that 2,000 tokens take ~10 s on one thread (~5 ms a step whatever the per-step overhead):
+    # well past nginx's default 5 s stop
+    slow = long_decoder(tmp_path / "slow", d_model=512, d_ff=2048, n_layers=6)
     model = {"name": "slow", "tasks": ["generate"], "source": f"dir:{slow}"}
     proc, log = start_service(tmp_path, port, {"device": "cpu", "request_timeout_s": 120, "deployments": {
         "generator": {"model": model, "num_cpus": 0, "torch_threads": 1, "drain_grace_s": 60,
@@ -128,7 +129,7 @@ def test_sigterm_lets_running_streams_finish_before_the_service_exits(tmp_path: 
         wait_for(url, "/readyz", 200, timeout_s=120)
         tokens, finish, started, stopped_at = 0, None, time.monotonic(), None
         with httpx.stream("POST", url + "/v1/generate", timeout=120, json={
-                "prompt": "keep going", "max_new_tokens": 3000, "stream": True}) as r:
+                "prompt": "keep going", "max_new_tokens": 2000, "stream": True}) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if stopped_at is None and line.startswith("data: "):  # streaming: stop the service now
@@ -137,7 +138,7 @@ def test_sigterm_lets_running_streams_finish_before_the_service_exits(tmp_path: 
                 if line.startswith("data: {") and '"finish_reason"' in line:
                     event = json.loads(line[6:])
                     finish, tokens = event["finish_reason"], event["usage"]["completion_tokens"]
-        assert stopped_at is not None and (finish, tokens) == ("length", 3000)
+        assert stopped_at is not None and (finish, tokens) == ("length", 2000)
         streamed_after_s = time.monotonic() - stopped_at
         assert streamed_after_s > 5, f"the stream ended {streamed_after_s:.1f} s after SIGTERM: too short to tell"
         assert proc.wait(timeout=60) == 0
