@@ -23,7 +23,7 @@ from ..layers import Block
 log = logging.getLogger("models.execution.compiled")
 # Guards kept on module state: what tells one kind of block from another (a submodule's type, a
 # None, a flag, a head count), not the parameters' tensors or the hook dictionaries
-RECOMPILE_LIMIT = 64
+RECOMPILE_LIMIT = 128
 MODULE_GUARDS = frozenset({"TYPE_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH"})
 
 
@@ -44,7 +44,8 @@ def thread_settings() -> None:
     torch.fx.experimental._config.use_duck_shape = False
     # graphs are kept per code object, and every Block shares one: a translator's encoder and decoder
     # blocks, a decoder's dense and paged caches, and their 1-row / n-row, first-step / later-step
-    # variants pass torch's default of 8 (past the limit a block runs eager)
+    # variants pass torch's default of 8 (past the limit a block runs eager); a generator with its
+    # prompt twins (the blocks, float32 and bfloat16 timed at load) warms up 56
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
@@ -74,7 +75,7 @@ def warm_up(model: nn.Module) -> float:
     """Run the shapes serving meets (1 and 2 rows; prefill and decode steps on a KV cache; an
     encoder's padded batch) so their graphs compile now. Returns the seconds it took."""
     from ..cache.dense import KVCache
-    from ..cache.paged import PagedKVCache
+    from ..cache.paged import BLOCK_TOKENS, PagedKVCache
     from ..decoder import DecoderLM
     from ..encoder import EncoderModel
     from ..seq2seq import Seq2Seq
@@ -96,18 +97,21 @@ def warm_up(model: nn.Module) -> float:
             model.embed(src, keep)
         elif isinstance(model, DecoderLM):
             # the dense cache (models.generate) and, but for a sliding window, the paged one (the engine)
-            caches = [KVCache.for_model(model.cfg, rows, 8, dtype=dtype, device=device)]  # 6 tokens fit
-            if model.cfg.sliding_window is None:  # rows within one block, then rows over two (sizes 1 specialise)
-                for past in (0, 15):
+            # (cache, the tokens of its forwards in turn): a prefill on an empty cache (S = T >= 2),
+            # decode steps (T = 1, S > 1), then a prefill after a past (T >= 2, S > T: a prefix cache
+            # hit, a chunk of a long prompt); 6 tokens fit the dense cache
+            caches = [(KVCache.for_model(model.cfg, rows, 8, dtype=dtype, device=device), (2, 1, 1, 2))]
+            if model.cfg.sliding_window is None:
+                # rows within one block, then rows over two (sizes 1 specialise: a table of one block too,
+                # so a prompt over two blocks on empty rows, as most served prompts are)
+                for past, steps in ((0, (2, 1, 1, 2)), (15, (2, 1, 1, 2)), (0, (BLOCK_TOKENS + 1,))):
                     paged = PagedKVCache.for_model(model.cfg, rows, 2 * rows + 1, 32, dtype=dtype, device=device)
                     for row in range(rows):
                         paged.ensure(row, past)
                     paged.set_lengths(past)
-                    caches.append(paged)
-            for cache in caches:
-                # a prefill on an empty cache (S = T >= 2), decode steps (T = 1, S > 1), then a prefill
-                # after a past (T >= 2, S > T: a prefix cache hit, a chunk of a long prompt)
-                for t in (2, 1, 1, 2):
+                    caches.append((paged, steps))
+            for cache, steps in caches:
+                for t in steps:
                     model(torch.full((rows, t), 3, dtype=torch.long, device=device), cache=cache.view())
                     cache.advance(t)
     seconds = time.perf_counter() - started

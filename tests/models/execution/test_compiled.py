@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 
 from models.beam_search import BeamParams, translate_ids
 from models.cache.dense import KVCache
+from models.cache.paged import PagedKVCache
 from models.catalog import ModelSpec, load_model
 from models.decoding import SamplingParams
 from models.execution.compiled import compile_blocks, warm_up
@@ -74,6 +75,27 @@ def test_a_compiled_decoder_matches_eager_and_does_not_recompile_once_warm() -> 
             for c in caches.values():
                 c.advance(t)
     assert graphs() == before  # batch sizes 1-5, prompts 2-7 tokens, chunks after a past: the warm-up's graphs
+
+
+def test_a_compiled_decoder_serves_the_engine_s_paged_steps_on_the_warm_up_s_graphs() -> None:
+    """What a replica's first requests run: prompts over several blocks on empty paged rows (one row and
+    three), decode steps, then a chunk after a past; equal to eager and no graph compiled after warm_up
+    (a table of one block specialises: a warm-up prompt within one block left a served prompt of two
+    blocks to compile on its first request)."""
+    eager, model = compiled("decoder")
+    before = graphs()
+    for rows, prompt in ((1, 40), (3, 23), (1, 17)):
+        caches = {m: PagedKVCache.for_model(m.cfg, rows, 8 * rows + 1, 128) for m in (model, eager)}
+        with torch.inference_mode():
+            for t in (prompt, 1, 1, 20):  # the prompt, two steps, a chunk after a past
+                got = {}
+                for m, c in caches.items():
+                    for row in range(rows):
+                        c.ensure(row, c.host_lengths[row] + t)
+                    got[m] = m(torch.arange(5, 5 + rows * t).view(rows, t), cache=c.view())
+                    c.advance(t)
+                torch.testing.assert_close(got[model], got[eager], **CLOSE)
+    assert graphs() == before
 
 
 def test_a_compiled_translator_gives_the_same_beams() -> None:
