@@ -162,17 +162,18 @@ class EncoderDeployment(ModelDeployment):
     runner_class = EncoderRunner
     runner: EncoderRunner
 
-    async def classify(self, texts: list[str], truncate: bool, adapter: AdapterRef | None, timeout_s: float | None
-                       ) -> list[Classification] | ServiceError:
-        return await answered(self.runner.classify(texts, truncate, timeout_s, adapter))
+    # priority: the caller's tenant's (lower is sooner, service/http/quotas.py): its inputs are batched first
+    async def classify(self, texts: list[str], truncate: bool, adapter: AdapterRef | None, timeout_s: float | None,
+                       priority: int = 0) -> list[Classification] | ServiceError:
+        return await answered(self.runner.classify(texts, truncate, timeout_s, adapter, priority))
 
-    async def embed(self, texts: list[str], truncate: bool, adapter: AdapterRef | None, timeout_s: float | None
-                    ) -> Embeddings | ServiceError:
-        return await answered(self.runner.embed(texts, truncate, timeout_s, adapter))
+    async def embed(self, texts: list[str], truncate: bool, adapter: AdapterRef | None, timeout_s: float | None,
+                    priority: int = 0) -> Embeddings | ServiceError:
+        return await answered(self.runner.embed(texts, truncate, timeout_s, adapter, priority))
 
     async def rerank(self, query: str, texts: list[str], truncate: bool, raw_scores: bool, adapter: AdapterRef | None,
-                     timeout_s: float | None) -> list[float] | ServiceError:
-        return await answered(self.runner.rerank(query, texts, truncate, raw_scores, timeout_s, adapter))
+                     timeout_s: float | None, priority: int = 0) -> list[float] | ServiceError:
+        return await answered(self.runner.rerank(query, texts, truncate, raw_scores, timeout_s, adapter, priority))
 
 
 @serve.deployment
@@ -186,13 +187,14 @@ class TranslatorDeployment(ModelDeployment):
                      metrics: ServiceMetrics) -> ModelRunner:
         return for_translator(loaded, name, dep, metrics)
 
-    async def translate(self, texts: list[str], options: TranslateOptions, timeout_s: float | None
-                        ) -> list[str] | ServiceError:
-        return await answered(self.runner.translate(texts, options, timeout_s))
+    async def translate(self, texts: list[str], options: TranslateOptions, timeout_s: float | None,
+                        priority: int = 0) -> list[str] | ServiceError:
+        return await answered(self.runner.translate(texts, options, timeout_s, priority))
 
-    async def translate_stream(self, texts: list[str], options: TranslateOptions, timeout_s: float | None
+    async def translate_stream(self, texts: list[str], options: TranslateOptions, timeout_s: float | None,
+                               priority: int = 0
                                ) -> AsyncIterator[tuple[int, TextDelta | TranslationDone] | ServiceError]:
-        async for item in answered_stream(self.runner.translate_stream(texts, options, timeout_s)):
+        async for item in answered_stream(self.runner.translate_stream(texts, options, timeout_s, priority)):
             yield item
 
 

@@ -127,7 +127,8 @@ class TenantSettings(_Frozen):
     request_burst: int | None = Field(None, ge=1)  # requests at once after a quiet spell; default max(1, rate)
     tokens_per_min: int | None = Field(None, ge=1)  # prompt + output tokens of generations and embeddings
     share_prefix_cache: bool = False  # false: its requests reuse only its own cached prefixes
-    # its generations' priority (lower is sooner, vLLM's): the default, and the soonest a request may ask for
+    # its requests' priority (lower is sooner, vLLM's): every task's queue; for generations the default and
+    # the soonest a request may ask for
     priority: int = Field(0, ge=-1000, le=1000)
 
     @field_validator("keys", mode="before")

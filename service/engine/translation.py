@@ -51,6 +51,7 @@ class TranslationSubmission:
     params: BeamParams
     request_id: str | None = None
     deadline: float | None = None  # time.perf_counter() seconds: refused at once if it cannot be translated by then
+    priority: int = 0  # lower is sooner: admitted ahead of waiting sources of a larger value
 
 
 class TranslationState:
@@ -58,8 +59,9 @@ class TranslationState:
     cancel() from any thread) and the finish of a request cancelled while waiting."""
 
     def __init__(self, request_id: str, source: list[int], params: BeamParams, handle: RequestHandle,
-                 tokenizer: TextTokenizer, submitted: float) -> None:
+                 tokenizer: TextTokenizer, submitted: float, priority: int = 0) -> None:
         self.request_id, self.source, self.params, self.handle = request_id, source, params, handle
+        self.priority = priority  # the queue's order (engine/loop.py)
         self.tokenizer = tokenizer
         self.detok = IncrementalDetokenizer(tokenizer) if params.beam_size == 1 else None  # greedy: streamed
         self.text, self.steps = "", 0
@@ -154,7 +156,7 @@ class TranslationEngine(StepLoop):
             request_id = sub.request_id or uuid.uuid4().hex
             handle = RequestHandle(request_id, self.cancel, loop)
             states.append(TranslationState(request_id, [int(t) for t in sub.source_ids], sub.params, handle,
-                                           self.tokenizer, now))
+                                           self.tokenizer, now, sub.priority))
             handles.append(handle)
         self._enqueue(states, [Ask(s.params.max_new_tokens, False, sub.deadline, whole=True,
                                    expected=EXPECTED_PER_SOURCE_TOKEN * len(s.source) + 2)

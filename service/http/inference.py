@@ -22,7 +22,7 @@ from ..messages import Classification as ClassificationResult
 from ..messages import Embeddings, TranslateOptions, TranslationDone
 from ..settings import Settings
 from .deadline import request_timeout, within
-from .quotas import charge_tokens
+from .quotas import charge_tokens, tenant_priority
 from .routing import Backend, InputLimits, ItemName, ModelRoutes, Route, item_error
 from .schemas import (
     Classification,
@@ -57,10 +57,11 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
 
     async def call(route: Route, method: str, field: str, request: Request, *args: Any,
                    names: Sequence[ItemName] | None = None) -> Any:
-        """The model call under the request's deadline; item errors name `<field>[i]` (or names[i])."""
+        """The model call under the request's deadline and at its tenant's priority (its inputs batched
+        ahead of less urgent tenants'); item errors name `<field>[i]` (or names[i])."""
         timeout = request_timeout(request, settings)
         try:
-            return await within(backend.call(route.deployment, method, *args, timeout), timeout)
+            return await within(backend.call(route.deployment, method, *args, timeout, tenant_priority()), timeout)
         except InvalidItem as e:
             raise item_error(e, field, names=names) from None
 
@@ -166,7 +167,7 @@ def inference_router(settings: Settings, routes: ModelRoutes, backend: Backend, 
         opened and its first event awaited under the deadline (a refusal or a bad sentence is an error
         status, not a stream); then the client reads as long as it wants."""
         timeout = request_timeout(request, settings)
-        events = backend.stream(route.deployment, "translate_stream", sentences, options, timeout)
+        events = backend.stream(route.deployment, "translate_stream", sentences, options, timeout, tenant_priority())
         first: list[Any] = []
         if sentences:
             try:

@@ -11,7 +11,9 @@ quota gets a 429 without touching a model replica.
   reranking and translation count as requests only.
 
 A tenant's generations run at its `priority` (lower is sooner: the engine admits them before, and
-preempts them after, requests of a larger value), which is also the soonest a request may ask for.
+preempts them after, requests of a larger value), which is also the soonest a request may ask for;
+its classifications, embeddings, rerankings and translations are queued at it too (batched, or
+admitted by the translation engine, ahead of a larger value).
 Tenants are also kept apart in the generators' prefix caches: a tenant's requests reuse only its own
 cached prefixes (cache_salt; `share_prefix_cache: true` lets a tenant share the cache with the
 requests of no tenant and of other sharing tenants).
@@ -47,7 +49,7 @@ class Tenancy:
 
     tenant: str
     salt: str | None  # its prefix-cache salt (None: it shares the cache)
-    priority: int  # its generations' default and soonest priority
+    priority: int  # its requests' priority: the default and the soonest a generation may ask for
     charge: Callable[[int], None]  # tokens used, for its bucket and counter
 
 
@@ -75,6 +77,13 @@ def allowed_priority(requested: int | None) -> int | None:
     if t is None:
         return requested
     return t.priority if requested is None else max(requested, t.priority)
+
+
+def tenant_priority() -> int:
+    """The priority of the request's tenant (lower is sooner; no tenant: 0): encoders and translators
+    batch and admit its inputs ahead of less urgent tenants'."""
+    t = _CURRENT.get()
+    return 0 if t is None else t.priority
 
 
 def charge_tokens(tokens: int) -> None:

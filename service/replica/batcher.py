@@ -1,9 +1,10 @@
 """Dynamic batching inside a model replica: `DynamicBatcher` queues a request's items (one per input text)
 and runs batches one at a time on the replica's single inference thread. No Ray here.
 
-A batch goes when the queue could fill one or its oldest item waited max_wait; it takes the oldest
-item and the run next to it in length order that wastes least on padding, within
-`n_rows * longest <= max_batch_tokens` (models.inputs.select_batch). Past `max_queued` items, or when
+The queue is ordered by priority (lower is sooner, a tenant's: service/http/quotas.py), first come
+first served within one. A batch goes when the queue could fill one or its head waited max_wait; it
+takes the head (the most urgent, oldest item) and the run next to it in length order that wastes
+least on padding, within `n_rows * longest <= max_batch_tokens` (models.inputs.select_batch). Past `max_queued` items, or when
 the estimated wait would outlast its deadline, a request is refused at once with `Overloaded`.
 Cancelled and expired items are dropped before compute; a failing batch is split and re-run in
 halves, so an item fails alone. `run_batch(payloads)` returns one result per payload, in order: a
@@ -73,6 +74,7 @@ class _Item(Generic[P]):
     deadline: float | None  # time.monotonic() seconds
     enqueued: float = field(default_factory=time.monotonic)
     work: int = 0  # its share of BatchLimits.max_batch_work (a translation: beam_size x max_new_tokens)
+    priority: int = 0  # lower is sooner
 
 
 def within_work(chosen: Sequence[int], work: Sequence[int], budget: int | None) -> list[int]:
@@ -114,26 +116,31 @@ class DynamicBatcher(Generic[P, R]):
         self._padding = 1.0  # moving average of padded / real tokens per batch
 
     # -- submitting ----------------------------------------------------------------------------
-    async def submit(self, payload: P, length: int, deadline: float | None = None) -> R:
-        return (await self.submit_many([payload], [length], deadline))[0]
+    async def submit(self, payload: P, length: int, deadline: float | None = None, priority: int = 0) -> R:
+        return (await self.submit_many([payload], [length], deadline, priority=priority))[0]
 
     async def submit_many(self, payloads: Sequence[P], lengths: Sequence[int],
-                          deadline: float | None = None, work: Sequence[int] | None = None) -> list[R]:
-        """Queue one item per payload; return their results in order, or raise the first failure
-        (by input index). On failure or cancellation the request's other items are cancelled.
-        `work`: each item's share of `max_batch_work` (none: 0)."""
+                          deadline: float | None = None, work: Sequence[int] | None = None,
+                          priority: int = 0) -> list[R]:
+        """Queue one item per payload, behind the queued items of `priority` or sooner and ahead of
+        later ones; return their results in order, or raise the first failure (by input index). On
+        failure or cancellation the request's other items are cancelled. `work`: each item's share of
+        `max_batch_work` (none: 0)."""
         if len(payloads) != len(lengths):
             raise ValueError(f"{len(payloads)} payloads but {len(lengths)} lengths")
         if not payloads:
             return []
         self._ensure_started()
         self._make_room(len(payloads))
-        self._admit(deadline)
+        self._admit(deadline, priority)
         loop = asyncio.get_running_loop()
         shares = work if work is not None else [0] * len(payloads)
-        items = [_Item(p, n, loop.create_future(), deadline, work=w)
+        items = [_Item(p, n, loop.create_future(), deadline, work=w, priority=priority)
                  for p, n, w in zip(payloads, lengths, shares, strict=True)]
-        self._queue.extend(items)
+        at = len(self._queue)  # behind every item of this priority or a sooner one
+        while at > 0 and self._queue[at - 1].priority > priority:
+            at -= 1
+        self._queue[at:at] = items
         self._observe("on_queue", len(self._queue))
         assert self._wakeup is not None
         self._wakeup.set()
@@ -159,22 +166,23 @@ class DynamicBatcher(Generic[P, R]):
             raise Overloaded(f"{self.name}: {len(self._queue)} inputs are queued (limit "
                              f"{self.limits.max_queued}); retry later")
 
-    def wait_estimate(self) -> float:
-        """Seconds before a request queued now would start computing: the batch running now, then the
-        queued inputs' padded tokens at the measured seconds per padded token (0 until measured)."""
+    def wait_estimate(self, priority: int = 0) -> float:
+        """Seconds before a request of `priority` queued now would start computing: the batch running
+        now, then the padded tokens of the queued inputs it would stand behind (those of its priority or
+        a sooner one) at the measured seconds per padded token (0 until measured)."""
         per_token = self._seconds_per_token
         if per_token is None:
             return 0.0
-        queued = sum(it.length for it in self._queue if not it.future.done())
+        queued = sum(it.length for it in self._queue if not it.future.done() and it.priority <= priority)
         running = 0.0
         if self._running:
             work = len(self._running) * max(it.length for it in self._running) * per_token
             running = max(0.0, work - (time.monotonic() - self._running_since))
         return running + queued * self._padding * per_token
 
-    def _admit(self, deadline: float | None) -> None:
+    def _admit(self, deadline: float | None, priority: int = 0) -> None:
         """Refuse (Overloaded) a request whose estimated wait outlasts its deadline."""
-        wait = self.wait_estimate()
+        wait = self.wait_estimate(priority)
         if deadline is not None and wait > 0 and wait > deadline - time.monotonic():
             self._observe("on_admission", wait, DEADLINE)
             raise Overloaded(f"{self.name}: about {wait:.1f} s of queued work before this request would start, "

@@ -55,8 +55,10 @@ class EncoderRunner(BatchedRunner):
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.use_types = cfg.type_vocab_size > 1  # one type (RoBERTa) or none (DistilBERT): ids are all zero
 
-    async def _submit(self, items: list[EncodeItem], adapter: AdapterRef | None, timeout_s: float | None) -> list[Any]:
-        """Items into the batcher, on `adapter`'s slot (held until their results are back)."""
+    async def _submit(self, items: list[EncodeItem], adapter: AdapterRef | None, timeout_s: float | None,
+                      priority: int = 0) -> list[Any]:
+        """Items into the batcher at `priority` (lower is sooner), on `adapter`'s slot (held until their
+        results are back)."""
         async with self.adapters.holding(adapter) as held:
             if held is not None:
                 head = self.adapters.head(held.slot)
@@ -64,32 +66,33 @@ class EncoderRunner(BatchedRunner):
                     raise InvalidRequest(f"adapter {held.name!r} has a classification head of {len(head.labels)} "
                                          "outputs; reranking needs one (a relevance score)", "model")
                 items = [dataclasses.replace(item, slot=held.slot) for item in items]
-            out = await self.batcher.submit_many(items, [len(item.ids) for item in items], deadline(timeout_s))
+            out = await self.batcher.submit_many(items, [len(item.ids) for item in items], deadline(timeout_s),
+                                                 priority=priority)
             if held is not None and items:
                 self.observer.on_adapter(held.name, items[0].task, len(items), sum(len(item.ids) for item in items))
             return out
 
     async def classify(self, texts: Sequence[str], truncate: bool, timeout_s: float | None,
-                       adapter: AdapterRef | None = None) -> list[Classification]:
+                       adapter: AdapterRef | None = None, priority: int = 0) -> list[Classification]:
         ids = await off_loop(chars(texts), tokenize, self.loaded.tokenizer, texts, self.loaded.max_input_tokens,
                              truncate)
-        return await self._submit([EncodeItem(x, "classify") for x in ids], adapter, timeout_s)
+        return await self._submit([EncodeItem(x, "classify") for x in ids], adapter, timeout_s, priority)
 
     async def embed(self, texts: Sequence[str], truncate: bool, timeout_s: float | None,
-                    adapter: AdapterRef | None = None) -> Embeddings:
+                    adapter: AdapterRef | None = None, priority: int = 0) -> Embeddings:
         ids = await off_loop(chars(texts), tokenize, self.loaded.tokenizer, texts, self.loaded.max_input_tokens,
                              truncate)
-        vectors = await self._submit([EncodeItem(x, "embed") for x in ids], adapter, timeout_s)
+        vectors = await self._submit([EncodeItem(x, "embed") for x in ids], adapter, timeout_s, priority)
         return Embeddings(vectors, sum(len(x) for x in ids))
 
     async def rerank(self, query: str, texts: Sequence[str], truncate: bool, raw_scores: bool,
-                     timeout_s: float | None, adapter: AdapterRef | None = None) -> list[float]:
+                     timeout_s: float | None, adapter: AdapterRef | None = None, priority: int = 0) -> list[float]:
         """One relevance score per text, in input order: the head's score of the (query, text) pair's
         logit (a cross-encoder's: its sigmoid), or the logit itself with raw_scores."""
         pairs = await off_loop(chars(texts) + len(texts) * len(query), tokenize_pairs, self.loaded.tokenizer, query,
                                texts, self.loaded.max_input_tokens, truncate)
         return await self._submit([EncodeItem(p.ids, "rerank", p.types, raw_scores) for p in pairs], adapter,
-                                  timeout_s)
+                                  timeout_s, priority)
 
     @torch.inference_mode()
     def run_batch(self, payloads: list[EncodeItem]) -> list[Classification | list[float] | float]:

@@ -107,18 +107,19 @@ class TranslatorRunner(BatchedRunner):
         return beam_params(self.loaded, options)
 
     async def translate(self, texts: Sequence[str], options: TranslateOptions,
-                        timeout_s: float | None) -> list[str]:
+                        timeout_s: float | None, priority: int = 0) -> list[str]:
         params = self.params(options)
         prefixed = [self.prefix + t for t in texts]
         ids = await off_loop(chars(prefixed), tokenize, self.loaded.tokenizer, prefixed,
                              self.loaded.max_input_tokens, options.truncate)
         return await self.batcher.submit_many([TranslateItem(x, params) for x in ids], [len(x) for x in ids],
-                                              deadline(timeout_s), [params.beam_size * params.max_new_tokens] * len(ids))
+                                              deadline(timeout_s), [params.beam_size * params.max_new_tokens] * len(ids),
+                                              priority=priority)
 
-    async def translate_stream(self, texts: Sequence[str], options: TranslateOptions, timeout_s: float | None
-                               ) -> AsyncIterator[tuple[int, TextDelta | TranslationDone]]:
+    async def translate_stream(self, texts: Sequence[str], options: TranslateOptions, timeout_s: float | None,
+                               priority: int = 0) -> AsyncIterator[tuple[int, TextDelta | TranslationDone]]:
         """translate()'s answers as a stream (request-level batches have no pieces: each text whole, at the end)."""
-        for i, text in enumerate(await self.translate(texts, options, timeout_s)):
+        for i, text in enumerate(await self.translate(texts, options, timeout_s, priority)):
             yield i, TextDelta(text)
             yield i, TranslationDone(text)
 
@@ -160,9 +161,9 @@ class TranslatorEngineRunner(EngineRunner):
     def params(self, options: TranslateOptions) -> BeamParams:
         return beam_params(self.loaded, options)
 
-    async def _submit(self, texts: Sequence[str], options: TranslateOptions, timeout_s: float | None
-                      ) -> list[Any]:
-        """Every text submitted to the engine together: their handles."""
+    async def _submit(self, texts: Sequence[str], options: TranslateOptions, timeout_s: float | None,
+                      priority: int = 0) -> list[Any]:
+        """Every text submitted to the engine together, at `priority` (lower is sooner): their handles."""
         params = self.params(options)
         if params.beam_size > self.config.max_rows:
             raise InvalidRequest(f"beam_size is {params.beam_size}; this deployment decodes at most "
@@ -171,12 +172,13 @@ class TranslatorEngineRunner(EngineRunner):
         ids = await off_loop(chars(prefixed), tokenize, self.loaded.tokenizer, prefixed,
                              self.loaded.max_input_tokens, options.truncate)
         until = None if timeout_s is None else time.perf_counter() + timeout_s
-        return self.engine.submit_many([TranslationSubmission(x, params, deadline=until) for x in ids])
+        return self.engine.submit_many([TranslationSubmission(x, params, deadline=until, priority=priority)
+                                        for x in ids])
 
     async def translate(self, texts: Sequence[str], options: TranslateOptions,
-                        timeout_s: float | None) -> list[str]:
+                        timeout_s: float | None, priority: int = 0) -> list[str]:
         """Every text's translation. Past `timeout_s` the unfinished ones are cancelled: DeadlineExceeded."""
-        handles = await self._submit(texts, options, timeout_s)
+        handles = await self._submit(texts, options, timeout_s, priority)
         try:
             finished = await asyncio.wait_for(asyncio.gather(*(handle.result() for handle in handles)), timeout_s)
         except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
@@ -191,13 +193,13 @@ class TranslatorEngineRunner(EngineRunner):
             raise InternalError(f"{self.deployment}: the translation failed; see the server log")
         return [event.text for event in finished]
 
-    async def translate_stream(self, texts: Sequence[str], options: TranslateOptions, timeout_s: float | None
-                               ) -> AsyncIterator[tuple[int, TextDelta | TranslationDone]]:
+    async def translate_stream(self, texts: Sequence[str], options: TranslateOptions, timeout_s: float | None,
+                               priority: int = 0) -> AsyncIterator[tuple[int, TextDelta | TranslationDone]]:
         """(index of the text, event) as the engine produces them: a greedy translation's pieces of text
         as its tokens are chosen, a beam search's text whole when it ends; then TranslationDone per
         text. `timeout_s` only bounds the wait for rows (admission): the caller decides how long it
         reads. Closing the stream, or cancelling the task reading it, cancels the unfinished texts."""
-        handles = await self._submit(texts, options, timeout_s)
+        handles = await self._submit(texts, options, timeout_s, priority)
         ended = [False] * len(handles)
         try:
             async for i, event in interleaved(handles):

@@ -70,6 +70,7 @@ class EchoBackend:
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
+        self.priorities: list[int] = []  # each encoder or translator call's priority, in turn
 
     async def call(self, deployment: str, method: str, *args: Any) -> Any:
         self.calls[method] = self.calls.get(method, 0) + 1
@@ -77,22 +78,28 @@ class EchoBackend:
         return getattr(self, "_" + method)(*args)
 
     def _classify(self, texts: list[str], truncate: bool, adapter: AdapterRef | None,
-                  timeout_s: float | None) -> list[Classification]:
+                  timeout_s: float | None, priority: int = 0) -> list[Classification]:
+        self.priorities.append(priority)
         _tokens(texts, truncate)
         return [Classification(LABELS[len(t) % 2], 0.75, {LABELS[len(t) % 2]: 0.75, LABELS[1 - len(t) % 2]: 0.25})
                 for t in texts]
 
-    def _embed(self, texts: list[str], truncate: bool, adapter: AdapterRef | None, timeout_s: float | None) -> Embeddings:
+    def _embed(self, texts: list[str], truncate: bool, adapter: AdapterRef | None, timeout_s: float | None,
+               priority: int = 0) -> Embeddings:
+        self.priorities.append(priority)
         lengths = _tokens(texts, truncate)
         return Embeddings([[1.0 if j == len(t) % DIM else 0.0 for j in range(DIM)] for t in texts], sum(lengths))
 
     def _rerank(self, query: str, texts: list[str], truncate: bool, raw_scores: bool, adapter: AdapterRef | None,
-                timeout_s: float | None) -> list[float]:
+                timeout_s: float | None, priority: int = 0) -> list[float]:
+        self.priorities.append(priority)
         _tokens([query + t for t in texts], truncate)  # a pair's tokens: query and text
         shared = [len(set(query) & set(t)) / max(len(set(t)), 1) for t in texts]  # in [0, 1]
         return [4 * s - 2 for s in shared] if raw_scores else shared
 
-    def _translate(self, texts: list[str], options: TranslateOptions, timeout_s: float | None) -> list[str]:
+    def _translate(self, texts: list[str], options: TranslateOptions, timeout_s: float | None,
+                   priority: int = 0) -> list[str]:
+        self.priorities.append(priority)
         _tokens(texts, options.truncate)
         return [t[::-1] for t in texts]
 

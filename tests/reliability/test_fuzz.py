@@ -32,7 +32,8 @@ def test_every_operation_answers_as_documented(keys: bool) -> None:
 class BrokenBackend(EchoBackend):
     """A classify that answers a malformed result: the route fails with a 500."""
 
-    def _classify(self, texts: list[str], truncate: bool, adapter: Any, timeout_s: float | None) -> Any:
+    def _classify(self, texts: list[str], truncate: bool, adapter: Any, timeout_s: float | None,
+                  priority: int = 0) -> Any:
         return [Classification("x", 1.0, {"x": 1.0})] if len(texts) > 1 else None
 
 

@@ -250,3 +250,22 @@ def test_a_request_that_cannot_be_translated_before_its_deadline_is_refused_at_o
     assert log.calls[1][0] is not None and log.calls[1][0] > 0.005
     assert list(late[0].result_sync(timeout=5).token_ids) == _alone(model, tok.encode(TEXTS[1]), BeamParams(4, 8))
     assert first[0].result_sync(timeout=5).finish_reason in ("stop", "length")
+
+
+def test_waiting_sources_are_admitted_by_priority_then_arrival(tiny) -> None:
+    """Rows for one greedy search at a time: the sources start one after another, the soonest priority
+    first (lower is sooner, a tenant's), in arrival order within a priority."""
+    model, tok = tiny
+    engine = TranslationEngine(model, tok, rows=1, max_new_tokens=4, banned_ids=[0])
+    priorities = [3, 0, 3, -1, 0]
+    handles = engine.submit_many([TranslationSubmission(tok.encode(TEXTS[i]), BeamParams(1, 4), priority=p)
+                                  for i, p in enumerate(priorities)])
+    admitted: list[int] = []
+    while engine.stats().waiting or engine.stats().running:
+        engine.step()
+        for i, h in enumerate(handles):
+            state = engine._live.get(h.request_id)
+            if i not in admitted and (state is None or state.admitted is not None):
+                admitted.append(i)
+    assert admitted == [3, 1, 4, 0, 2]
+    assert all(h.result_sync(timeout=5).error is None for h in handles)

@@ -72,7 +72,7 @@ def test_classify_routes_to_the_deployment_and_converts() -> None:
     assert r.status_code == 200
     assert r.json() == {"model": "enc", "results": [{"label": "pos", "score": 0.75,
                                                      "scores": {"neg": 0.25, "pos": 0.75}}] * 2}
-    assert backend.calls == [("encoder", "classify", (["a", "b"], True, None, 3.0))]
+    assert backend.calls == [("encoder", "classify", (["a", "b"], True, None, 3.0, 0))]  # no tenant: priority 0
 
 
 def test_a_task_no_model_serves_is_a_404() -> None:
@@ -93,7 +93,7 @@ def test_the_settings_deadline_caps_the_header() -> None:
     backend = FakeBackend()
     request(backend, "POST", "/v1/classify", {"request_timeout_s": 2}, json={"inputs": "a"},
             headers={"X-Request-Timeout": "60"})
-    assert backend.calls[0][2][-1] == 2.0
+    assert backend.calls[0][2][-2:] == (2.0, 0)  # (the deadline, the priority)
 
 
 def test_overload_from_a_replica_is_a_503_with_retry_after() -> None:

@@ -149,3 +149,16 @@ def test_a_tenants_generations_run_at_its_priority_and_never_sooner() -> None:
     assert [r.priority for r in backend.requests] == [5, 5, 9, -3, None]
     assert [r.tenant for r in backend.requests] == ["a", "a", "a", None, None]  # whose share of a queue
 
+
+
+def test_a_tenants_encoder_and_translator_calls_carry_its_priority() -> None:
+    """The replicas batch (encoders) and admit (translators) a tenant's inputs at its priority."""
+    backend = EchoBackend()
+    app = create_api(fake_settings({"api_keys": [KEY_C], "tenants": {"a": {"keys": [KEY_A], "priority": 7}}}), backend,
+                     ServiceMetrics(CollectorRegistry()))
+    got = calls(app, [(KEY_A, "/v1/classify", {"inputs": "x"}), (KEY_A, "/v1/embeddings", {"input": "x"}),
+                      (KEY_A, "/v1/rerank", {"query": "q", "texts": ["x"]}),
+                      (KEY_A, "/v1/translate", {"inputs": "x", "source_lang": "en", "target_lang": "es"}),
+                      (KEY_C, "/v1/classify", {"inputs": "x"})])
+    assert [r.status_code for r in got] == [200] * 5
+    assert backend.priorities == [7, 7, 7, 7, 0]

@@ -163,6 +163,44 @@ def test_the_oldest_item_is_never_starved_by_closer_lengths() -> None:
     assert ("outlier", 100) in rec.batches[0]
 
 
+def test_a_more_urgent_request_is_batched_before_earlier_less_urgent_ones() -> None:
+    """Priority (lower is sooner, a tenant's): while a batch computes, the queue orders what waits by
+    priority, then arrival; the next batch is built around its head, and equal priorities keep
+    their arrival order."""
+    rec = Recorder(fn=lambda p: p, delay_s=0.05)
+    batcher = make(rec, max_batch_size=2, max_wait_ms=0)
+
+    async def main() -> None:
+        busy = asyncio.ensure_future(batcher.submit("busy", length=5, priority=5))
+        await asyncio.sleep(0.02)  # computing "busy": the rest queue behind it
+        late = [asyncio.ensure_future(batcher.submit(f"low{i}", length=5, priority=10)) for i in range(4)]
+        await asyncio.sleep(0)
+        urgent = [asyncio.ensure_future(batcher.submit(f"high{i}", length=5, priority=-1)) for i in range(2)]
+        mid = asyncio.ensure_future(batcher.submit("mid", length=5))
+        await asyncio.gather(busy, *late, *urgent, mid)
+
+    run(main())
+    assert rec.batches == [["busy"], ["high0", "high1"], ["mid", "low0"], ["low1", "low2"], ["low3"]]
+
+
+def test_the_wait_estimate_counts_only_the_inputs_a_request_would_stand_behind() -> None:
+    rec = Recorder(delay_s=0.1)
+    batcher = make(rec, max_batch_size=2, max_wait_ms=0)
+
+    async def main() -> None:
+        assert await batcher.submit(1, length=4) == 10  # measures seconds per padded token
+        queued = [asyncio.ensure_future(batcher.submit(i, length=4, priority=10)) for i in range(8)]
+        await asyncio.sleep(0.01)
+        assert batcher.wait_estimate(priority=10) > 0.3
+        assert batcher.wait_estimate(priority=0) < batcher.wait_estimate(priority=10) / 3  # only the running batch
+        started = time.monotonic()
+        assert await batcher.submit(7, length=4, deadline=time.monotonic() + 0.5) == 70  # admitted, and ahead
+        assert time.monotonic() - started < 0.35
+        await asyncio.gather(*queued)
+
+    run(main())
+
+
 def test_a_full_batch_does_not_wait_and_a_lone_item_waits_max_wait() -> None:
     async def timed(batcher: DynamicBatcher, n: int) -> float:
         started = time.monotonic()
