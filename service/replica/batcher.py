@@ -4,8 +4,9 @@ and runs batches one at a time on the replica's single inference thread. No Ray 
 The queue is ordered by priority (lower is sooner, a tenant's: service/http/quotas.py), first come
 first served within one. A batch goes when the queue could fill one or its head waited max_wait; it
 takes the head (the most urgent, oldest item) and the run next to it in length order that wastes
-least on padding, within `n_rows * longest <= max_batch_tokens` (models.inputs.select_batch). Past `max_queued` items, or when
-the estimated wait would outlast its deadline, a request is refused at once with `Overloaded`.
+least on padding, within `n_rows * longest <= max_batch_tokens` (models.inputs.select_batch). Past
+`max_queued` items, or when the estimated wait would outlast its deadline, a request is refused at
+once with `Overloaded`.
 Cancelled and expired items are dropped before compute; a failing batch is split and re-run in
 halves, so an item fails alone. `run_batch(payloads)` returns one result per payload, in order: a
 value, an Exception (fails that item), or STOPPED where `still_wanted(payload)` said to stop.
