@@ -45,7 +45,7 @@ def thread_settings() -> None:
     # graphs are kept per code object, and every Block shares one: a translator's encoder and decoder
     # blocks, a decoder's dense and paged caches, and their 1-row / n-row, first-step / later-step
     # variants pass torch's default of 8 (past the limit a block runs eager); a generator with its
-    # prompt twins (the blocks, float32 and bfloat16 timed at load) warms up 56
+    # prompt twins (the blocks, float32 and bfloat16 timed at load) warms up several dozen
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
