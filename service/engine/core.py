@@ -309,7 +309,7 @@ class GenerationEngine(StepLoop):
                 head = self._waiting[0] if self._waiting else None
             if head is None:
                 return
-            if batch.free >= 1 and (not batch.paged or batch.blocks_for(head) <= batch.blocks_available()):
+            if batch.free >= 1 and batch.blocks_for(head) <= batch.blocks_available():
                 return
             candidates = [(seq.priority, seq.admitted or 0.0, row) for row, seq in enumerate(batch.rows)
                           if seq.priority > head.priority]

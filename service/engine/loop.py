@@ -135,12 +135,10 @@ class StepLoop:
             self._cond.notify()
 
     def _insert(self, state: Any, behind: bool) -> None:
-        """Queue `state` by its priority (lower is sooner; none: 0): behind every waiting request of
-        its priority (a new one), or ahead of them (a preempted one, back to the head of its class)."""
-        priority = getattr(state, "priority", 0)
+        """Queue `state` by its priority (lower is sooner): behind every waiting request of its priority
+        (a new one), or ahead of them (a preempted one, back to the head of its class)."""
         for i, other in enumerate(self._waiting):
-            theirs = getattr(other, "priority", 0)
-            if theirs > priority or (not behind and theirs == priority):
+            if other.priority > state.priority or (not behind and other.priority == state.priority):
                 self._waiting.insert(i, state)
                 return
         self._waiting.append(state)
