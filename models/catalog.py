@@ -181,15 +181,17 @@ def _compiles(spec: ModelSpec) -> bool:
     return spec.compile or "compiled" in spec.requested_backends().values()
 
 
-def _pack_and_compile(spec: ModelSpec, model: nn.Module, dense_kernel: str) -> tuple[dict[str, str], float, str | None]:
-    """Pack its float32 CPU projections (models/projections/dense.py), then compile its blocks if the spec says so:
-    (the kernels chosen per weight shape, seconds spent compiling and warming up, why compiling failed)."""
+def _pack_and_compile(spec: ModelSpec, model: nn.Module, dense_kernel: str,
+                      kv_dtype: torch.dtype | None) -> tuple[dict[str, str], float, str | None]:
+    """Pack its float32 CPU projections (models/projections/dense.py), then compile its blocks if the spec says so,
+    warmed up on KV caches of `kv_dtype` (the engine's; None: the model's dtype): (the kernels chosen per
+    weight shape, seconds spent compiling and warming up, why compiling failed)."""
     kernels = pack_dense(model, dense_kernel)  # float32 CPU layers only
     if not _compiles(spec):
         return kernels, 0.0, None
     compile_blocks(model)  # last: the compiled blocks do not re-check their layers
     try:
-        return kernels, warm_up(model), None
+        return kernels, warm_up(model, kv_dtype), None
     except Exception as e:  # noqa: BLE001 - no C++ compiler for inductor, an unsupported op: the plan says so
         uncompile_blocks(model)
         log.warning("%s: compiling its blocks failed: %s", spec.name, str(e)[:300])
@@ -213,7 +215,7 @@ class _PromptTwin:
 
 
 def _prompt_twin(spec: ModelSpec, blocks: nn.Module, base: nn.Module | None, twins: tuple[str, ...],
-                 cast: torch.dtype | None, mode: str | None) -> _PromptTwin:
+                 cast: torch.dtype | None, mode: str | None, kv_dtype: torch.dtype | None) -> _PromptTwin:
     """Each twin of `twins` built from `base` (the float32 model before quantizing) on its panels and
     compiled as the spec says; under "auto" each is timed against the `blocks` and the fastest kept if
     faster, else the one named. Our panels' rows do not depend on the other rows, so a prompt's keys
@@ -225,7 +227,7 @@ def _prompt_twin(spec: ModelSpec, blocks: nn.Module, base: nn.Module | None, twi
             twin = fuse_projections(twin)
         if cast is not None:
             twin = twin.to(cast)
-        kernels, seconds, _ = _pack_and_compile(spec, twin, KERNELS[kind])
+        kernels, seconds, _ = _pack_and_compile(spec, twin, KERNELS[kind], kv_dtype)
         built[kind] = twin, kernels, seconds
     if not built:
         return _PromptTwin()
@@ -283,8 +285,8 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
         set_activation_bits(model, spec.block_activation_bits)
     if cast_after and dtype:
         model = model.to(dtype)
-    kernels, compile_seconds, compile_error = _pack_and_compile(spec, model, dense_kernel)
-    prompts = _prompt_twin(spec, model, base, twins, dtype if cast_after else None, mode)
+    kernels, compile_seconds, compile_error = _pack_and_compile(spec, model, dense_kernel, runtime.kv_dtype)
+    prompts = _prompt_twin(spec, model, base, twins, dtype if cast_after else None, mode, runtime.kv_dtype)
     if prompts.model is not None:
         compile_seconds, kernels = compile_seconds + prompts.compile_seconds, {**prompts.kernels, **kernels}
     longest = getattr(model.cfg, "max_tokens", model.cfg.max_positions)  # encoders: positions past an offset

@@ -1,14 +1,16 @@
 """fp32 vs the quantized modes (models/projections/quant.py) on the default models, side by side in one run.
 
     python -m loadtests.models.quant [--modes int8,q8_0,q4_1,q4_1+a8] [--quick] [--threads 2] [--json out.json]
-                                                                                  (make bench-quant)
+                                     [--models generator,encoder,translator] [--kv bfloat16]   (make bench-quant)
 
 Each model is loaded in fp32 and in every mode (`quantize: int8` / `q8_0` / `q4_1`; "+a8": the
 block formats with 8-bit activations, `block_activation_bits: 8`; eager, as the default specs
 otherwise are); timed runs alternate between them. Quality is each mode against fp32.
 - SmolLM2-135M: greedy decoding tokens/s at batch 1 / 8 / 32 (models.generate, 32 new tokens);
   perplexity on held-out English text (the running text of the translator's 1,000 test sentences,
-  which no model here was trained on); the greedy answer to "What is the capital of France?".
+  which no model here was trained on), and with `--kv` the same through a paged KV cache of each
+  dtype named (each window's keys and values stored, rounded to it, then attended, as the engine's
+  `kv_cache_dtype` does); the greedy answer to "What is the capital of France?".
 - MiniLM + sentiment head: texts/s at batch 1 / 8 / 32 (mixed lengths); on the test sentences, the
   share with the same label as fp32 and the lowest cosine between fp32 and int8 embeddings.
 - Translator: beam-4 sentences/s at batch 1 / 8 / 32; chrF of beam 4 on the committed test set
@@ -32,6 +34,8 @@ import torch
 
 from models import zoo
 from models.beam_search import BeamParams, translate_ids
+from models.cache.base import KV_DTYPES
+from models.cache.paged import PagedKVCache, blocks_for
 from models.catalog import BUILTIN_DIR, DEFAULT_SPECS, LoadedModel, load_model
 from models.decoding import SamplingParams
 from models.generate import generate
@@ -66,7 +70,7 @@ def load_pair(name: str, cache_dir: Path, modes: tuple[str, ...] = MODES) -> dic
 
 
 def bench_generator(cache_dir: Path, sentences: list[str], quick: bool, rng: random.Random,
-                    modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+                    modes: tuple[str, ...] = MODES, kv: tuple[str, ...] = ()) -> dict[str, Any]:
     lms = load_pair("generator", cache_dir, modes)
     tok = lms["fp32"].tokenizer
     rows = []
@@ -86,21 +90,28 @@ def bench_generator(cache_dir: Path, sentences: list[str], quick: bool, rng: ran
     quality = {}
     for k, lm in lms.items():
         (out,) = generate(lm.executor, [prompt], SamplingParams(max_new_tokens=24))
-        quality[k] = {"perplexity": perplexity(lm, ids, window=512), "capital_answer": tok.decode(out.tokens)}
+        quality[k] = {"perplexity": perplexity(lm, ids, window=512), "capital_answer": tok.decode(out.tokens),
+                      "perplexity_kv": {d: perplexity(lm, ids, window=512, kv=KV_DTYPES[d]) for d in kv}}
         log.info("generator %s: perplexity %.3f, answer %r", k, quality[k]["perplexity"],
                  quality[k]["capital_answer"])
     return {"speed_tokens_per_s": rows, "quality": quality, "tokens_scored": len(ids)}
 
 
 @torch.inference_mode()
-def perplexity(lm: LoadedModel, ids: list[int], window: int) -> float:
+def perplexity(lm: LoadedModel, ids: list[int], window: int, kv: torch.dtype | None = None) -> float:
     """exp(mean next-token NLL) over `ids`, in non-overlapping windows of `window` tokens, computed as
-    prompts are (a generator's prompt weights where it has them)."""
+    prompts are (a generator's prompt weights where it has them); with `kv`, each window through a
+    paged KV cache of that dtype (its keys and values stored, then attended as stored)."""
     nll, n = 0.0, 0
     model = lm.prompt_model if lm.prompt_model is not None else lm.model
     for start in range(0, len(ids) - 1, window):
         chunk = torch.tensor([ids[start: start + window + 1]])
-        logits = model(chunk[:, :-1]).float()  # (1, T, V)
+        if kv is None:
+            logits = model(chunk[:, :-1]).float()  # (1, T, V)
+        else:
+            t = chunk.size(1) - 1
+            cache = PagedKVCache.for_model(model.cfg, 1, blocks_for(t) + 1, t, kv)
+            logits = model(chunk[:, :-1], cache=cache.view()).float()  # (1, T, V)
         nll += torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
         n += chunk.size(1) - 1
     return math.exp(nll / n)
@@ -166,34 +177,45 @@ def bench_translator(cache_dir: Path, quick: bool, rng: random.Random,
 
 
 def render(result: dict[str, Any]) -> str:
-    modes = [m for m in result["generator"]["quality"] if m != "fp32"]
+    first = next(result[k] for k in ("generator", "encoder", "translator") if k in result)
+    speed = next(v for k, v in first.items() if k.startswith("speed"))
+    modes = [m for m in speed[0] if m not in ("batch", "fp32")]  # a speed row: batch, fp32, then each mode
     lines = [f"CPU: {result['cpu']}; torch {result['torch']}, {result['threads']} threads", "",
              "| model | work | batch | fp32 | " + " | ".join(modes) + " | " + " | ".join(f"{m} / fp32" for m in modes)
              + " |", "|---|---|---:|" + "---:|" * (1 + 2 * len(modes))]
     for model, key, unit in (("SmolLM2-135M", "generator", "greedy decode, tokens/s"),
                              ("MiniLM + head", "encoder", "forward, texts/s"),
                              ("translator", "translator", "beam 4, sentences/s")):
+        if key not in result:
+            continue
         speed = next(v for k, v in result[key].items() if k.startswith("speed"))
         for r in speed:
             lines.append(f"| {model} | {unit} | {r['batch']} | {r['fp32']:.1f} | "
                          + " | ".join(f"{r[m]:.1f}" for m in modes) + " | "
                          + " | ".join(f"{r[m] / r['fp32']:.2f}x" for m in modes) + " |")
-    g, e, t = result["generator"], result["encoder"], result["translator"]
 
     def row(name: str, measure: str, cell: Callable[[str], str]) -> str:
         return f"| {name} | {measure} | " + " | ".join(cell(m) for m in ["fp32", *modes]) + " |"
 
-    lines += ["", "| model | quality measure | fp32 | " + " | ".join(modes) + " |",
-              "|---|---|---:|" + "---:|" * len(modes),
-              row("SmolLM2-135M", f"perplexity, {g['tokens_scored']} held-out tokens",
-                  lambda m: f"{g['quality'][m]['perplexity']:.3f}"),
-              row("SmolLM2-135M", "capital of France (greedy)", lambda m: repr(g["quality"][m]["capital_answer"])),
-              row("MiniLM + head", f"same label as fp32, {e['texts']} texts",
-                  lambda m: f"{e['quality'][m]['same_label']:.3f}"),
-              row("MiniLM + head", "embedding cosine to fp32 (min / mean)",
-                  lambda m: f"{e['quality'][m]['min_cosine']:.4f} / {e['quality'][m]['mean_cosine']:.4f}"),
-              row("translator", f"chrF, beam 4, {t['sentences']} test sentences",
-                  lambda m: f"{t['chrf_beam4'][m]:.2f}")]
+    lines += ["", "| model | quality measure | fp32 | " + " | ".join(modes) + " |", "|---|---|---:|" + "---:|" * len(modes)]
+    if "generator" in result:
+        g = result["generator"]
+        lines.append(row("SmolLM2-135M", f"perplexity, {g['tokens_scored']} held-out tokens",
+                         lambda m: f"{g['quality'][m]['perplexity']:.3f}"))
+        for d in g["quality"]["fp32"].get("perplexity_kv", {}):
+            lines.append(row("SmolLM2-135M", f"perplexity, the same, through a {d} KV cache",
+                             lambda m, d=d: f"{g['quality'][m]['perplexity_kv'][d]:.3f}"))
+        lines.append(row("SmolLM2-135M", "capital of France (greedy)", lambda m: repr(g["quality"][m]["capital_answer"])))
+    if "encoder" in result:
+        e = result["encoder"]
+        lines += [row("MiniLM + head", f"same label as fp32, {e['texts']} texts",
+                      lambda m: f"{e['quality'][m]['same_label']:.3f}"),
+                  row("MiniLM + head", "embedding cosine to fp32 (min / mean)",
+                      lambda m: f"{e['quality'][m]['min_cosine']:.4f} / {e['quality'][m]['mean_cosine']:.4f}")]
+    if "translator" in result:
+        t = result["translator"]
+        lines.append(row("translator", f"chrF, beam 4, {t['sentences']} test sentences",
+                         lambda m: f"{t['chrf_beam4'][m]:.2f}"))
     return "\n".join(lines)
 
 
@@ -203,8 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
     p.add_argument("--modes", default=",".join(MODES), help="quantized modes to compare with fp32")
+    p.add_argument("--models", default="generator,encoder,translator", help="which default models to run")
+    p.add_argument("--kv", default="", help="KV cache dtypes the generator's perplexity is also computed through")
     args = p.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
+    models = set(args.models.split(","))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -212,10 +237,15 @@ def main(argv: list[str] | None = None) -> None:
     sentences = read_test(TEST_SET)[0]
     machine = machine_info()
     cpu = f"{machine.get('cpu_model', platform.processor())} ({', '.join(machine.get('cpu_flags', [])) or 'no listed flags'})"
-    result = {"cpu": cpu, "machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "generator": bench_generator(cache_dir, sentences, args.quick, rng, modes),
-              "encoder": bench_encoder(cache_dir, sentences, args.quick, rng, modes),
-              "translator": bench_translator(cache_dir, args.quick, rng, modes)}
+    result: dict[str, Any] = {"cpu": cpu, "machine": machine, "torch": torch.__version__,
+                              "threads": torch.get_num_threads()}
+    if "generator" in models:
+        result["generator"] = bench_generator(cache_dir, sentences, args.quick, rng, modes,
+                                              tuple(d for d in args.kv.split(",") if d))
+    if "encoder" in models:
+        result["encoder"] = bench_encoder(cache_dir, sentences, args.quick, rng, modes)
+    if "translator" in models:
+        result["translator"] = bench_translator(cache_dir, args.quick, rng, modes)
     print(render(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

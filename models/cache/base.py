@@ -19,6 +19,17 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a cache keeps keys/values in: "auto" the model's (its weights'), else one of KV_DTYPES."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_DTYPES:
+        raise ValueError(f"a KV cache dtype is 'auto' or one of {sorted(KV_DTYPES)}, got {name!r}")
+    return KV_DTYPES[name]
+
 
 class CacheStep(Protocol):
     """Rows [start, stop) of a cache as one forward pass sees them (its layers read and write them)."""

@@ -252,20 +252,21 @@ class LayerCache:
         return rows[self.start:self.stop]  # (B, K, L, D)
 
     def write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store new keys/values (B, K, T, D) at each row's next slots; return the (B, K, S, D) keys
-        and values the step attends to: views of the buffers, or (ring, T > 1) the past slots read
-        first with the new keys after them."""
+        """Store new keys/values (B, K, T, D) at each row's next slots, rounded to the buffers' dtype;
+        return the (B, K, S, D) keys and values the step attends to, in k's dtype: views of the buffers
+        (copies where the buffers' dtype is narrower), or (ring, T > 1) the past slots read first with
+        the new keys after them."""
         d, heads = k.size(-1), k.size(1)
         k_rows, v_rows = self._rows(self.flat_k, heads), self._rows(self.flat_v, heads)  # (B, K, L, D) each
         if self.past is not None:
-            k_all = torch.cat([k_rows[:, :, :self.past], k.to(k_rows.dtype)], dim=2)  # (B, K, S, D)
-            v_all = torch.cat([v_rows[:, :, :self.past], v.to(v_rows.dtype)], dim=2)  # (B, K, S, D)
+            k_all = torch.cat([k_rows[:, :, :self.past], k.to(k_rows.dtype)], dim=2).to(k.dtype)  # (B, K, S, D)
+            v_all = torch.cat([v_rows[:, :, :self.past], v.to(v_rows.dtype)], dim=2).to(v.dtype)  # (B, K, S, D)
         self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d).to(self.flat_k.dtype))  # (B*K*T, D) rows copied
         self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d).to(self.flat_v.dtype))  # (B*K*T, D) rows copied
         if self.past is not None:
             return k_all, v_all
         s = self.step_len
-        return k_rows[:, :, :s], v_rows[:, :, :s]  # (B, K, S, D) each
+        return k_rows[:, :, :s].to(k.dtype), v_rows[:, :, :s].to(v.dtype)  # (B, K, S, D) each
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | Tensor | None, scale: float | None,
                gqa: bool) -> Tensor:

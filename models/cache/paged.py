@@ -8,7 +8,11 @@ order, so a row costs the blocks its tokens fill. Blocks are reference counted: 
 shared by rows and the prefix cache, since a row writes only at positions >= its length. Block 0, the
 null block, is never handed out and fills tables past a row's blocks. `ensure` allocates (CacheFull
 when the pool is out); the rest is base.KeyValueCache's surface. A step attends through the native
-decode kernel (one token a row, float32 on the CPU: `kernel_runs`) or gathers rows to (B, K, S, D).
+decode kernel (one token a row, a float32 or bfloat16 pool on the CPU: `pool_kernel_runs`) or gathers rows
+to (B, K, S, D). The pool's dtype may be narrower than the model's: keys and values are rounded to it
+as they are stored, and every step, prompt or decode, attends the stored (rounded) values widened to
+the queries' dtype, so a prompt computed in chunks or found in the prefix cache sees what one computed
+whole sees.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class PagedKVCache(RowLengths):
         self._refs = [0] * blocks
         self._free = list(range(blocks - 1, 0, -1))  # a stack: the lowest ids first
         if decode_kernel is None:
-            decode_kernel = kernel_runs(dtype, torch.device(device))
+            decode_kernel = pool_kernel_runs(dtype, torch.device(device))
         self.decode_kernel = decode_kernel
         self.block_bytes = 2 * n_layers * kv_heads * block * head_dim * self._flat_k[0].element_size()
 
@@ -281,10 +285,19 @@ class PagedKVCache(RowLengths):
         return [buf[self._block_rows(block)] for buf in self._flat_k + self._flat_v]
 
 
+KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)  # the pools models/kernels/attention.cpp reads
+
+
 def kernel_runs(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether decode steps attend through models/kernels/attention.cpp: float32 on an AVX2 or AVX-512 CPU
     where the native kernels build."""
     return dtype == torch.float32 and device.type == "cpu" and native.available()
+
+
+def pool_kernel_runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a pool of `dtype` on `device` is read by the decode kernel (kernel_runs; a bfloat16 pool
+    too, its values widened exactly)."""
+    return dtype in KERNEL_POOL_DTYPES and kernel_runs(torch.float32, torch.device(device))
 
 
 @dataclass
@@ -427,11 +440,13 @@ class PagedLayerCache:
         return rows.view(b, nb, heads, self.block, d).transpose(1, 2).reshape(b, heads, nb * self.block, d)  # (B, K, S, D)
 
     def write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store new keys/values (B, K, T, D); return the rows' keys/values (B, K, S, D), gathered."""
+        """Store new keys/values (B, K, T, D), rounded to the pool's dtype; return the rows' stored
+        keys/values (B, K, S, D), gathered, in k's dtype."""
         d, heads = k.size(-1), k.size(1)
         self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d).to(self.flat_k.dtype))  # (B*K*T, D) rows copied
         self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d).to(self.flat_v.dtype))  # (B*K*T, D) rows copied
-        return self._gather(self.flat_k, heads), self._gather(self.flat_v, heads)  # (B, K, S, D) each
+        return (self._gather(self.flat_k, heads).to(k.dtype),
+                self._gather(self.flat_v, heads).to(v.dtype))  # (B, K, S, D) each
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | Tensor | None, scale: float | None,
                gqa: bool) -> Tensor:
@@ -439,12 +454,12 @@ class PagedLayerCache:
         through the decode kernel (each row its own keys, no mask), else gathered under `mask`."""
         b, h, t, d = q.shape
         if t == 1 and self.decode_kernel:
-            self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d))  # (B*K, D) rows copied
-            self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d))  # (B*K, D) rows copied
-            out = torch.ops.ts_panels.paged_decode_f32(
-                q.reshape(b, h, d).contiguous(), self.flat_k, self.flat_v, self.tables, self.keys, k.size(1),
-                self.block, d ** -0.5 if scale is None else scale)  # (B, H, D)
-            return out.view(b, h, 1, d)  # (B, H, T, D)
+            self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d).to(self.flat_k.dtype))  # (B*K, D) rows copied
+            self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d).to(self.flat_v.dtype))  # (B*K, D) rows copied
+            out = torch.ops.ts_panels.paged_decode(
+                q.reshape(b, h, d).float().contiguous(), self.flat_k, self.flat_v, self.tables, self.keys,
+                k.size(1), self.block, d ** -0.5 if scale is None else scale)  # (B, H, D) float32
+            return out.view(b, h, 1, d).to(q.dtype)  # (B, H, T, D)
         k_all, v_all = self.write(k, v)  # (B, K, S, D) each
         return attention(q, k_all, v_all, mask, scale=scale, gqa=gqa)  # (B, H, T, D)
 

@@ -71,9 +71,10 @@ def uncompile_blocks(model: nn.Module) -> None:
 
 
 @torch.inference_mode()
-def warm_up(model: nn.Module) -> float:
-    """Run the shapes serving meets (1 and 2 rows; prefill and decode steps on a KV cache; an
-    encoder's padded batch) so their graphs compile now. Returns the seconds it took."""
+def warm_up(model: nn.Module, kv_dtype: torch.dtype | None = None) -> float:
+    """Run the shapes serving meets (1 and 2 rows; prefill and decode steps on a KV cache of `kv_dtype`,
+    the engine's, None: the model's dtype; an encoder's padded batch) so their graphs compile now.
+    Returns the seconds it took."""
     from ..cache.dense import KVCache
     from ..cache.paged import BLOCK_TOKENS, PagedKVCache
     from ..decoder import DecoderLM
@@ -81,7 +82,7 @@ def warm_up(model: nn.Module) -> float:
     from ..seq2seq import Seq2Seq
 
     started = time.perf_counter()
-    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    device, dtype = next(model.parameters()).device, kv_dtype or next(model.parameters()).dtype
     if isinstance(model, Seq2Seq):  # through beam search itself: its cache rows and reordered cross keys
         from ..beam_search import BeamParams, translate_ids
 

@@ -14,10 +14,11 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..adapters.lora import LoraLinear
-from ..cache.paged import kernel_runs
+from ..cache.paged import KERNEL_POOL_DTYPES, kernel_runs, pool_kernel_runs
 from ..kernels import native
 from ..projections.panels import Bf16PanelLinear, BlockLinear
 from .compiled import is_compiled
@@ -38,6 +39,7 @@ class Runtime:
     graphs: bool | None = None  # decode steps as captured graphs: None where they run (CUDA), False never,
     # True also on a CPU, where the same padded steps run eagerly (tests)
     compile_error: str | None = None  # compiling the blocks was asked for and failed (catalog.load_model)
+    kv_dtype: torch.dtype | None = None  # what the engine's KV cache keeps (None: the model's dtype)
 
 
 def _kind(model: nn.Module) -> tuple[str, bool]:
@@ -144,12 +146,19 @@ def _encode(model: nn.Module, runtime: Runtime, ours: bool) -> _Phase:
     return phase
 
 
+def _kv(model: nn.Module, runtime: Runtime) -> torch.dtype:
+    """The dtype of the KV cache the model's decode steps run on."""
+    return runtime.kv_dtype or next(model.parameters()).dtype
+
+
 def _attention(model: nn.Module, runtime: Runtime) -> str:
     weight = next(model.parameters())
+    kv = _kv(model, runtime)
+    cache = f"{str(kv).removeprefix('torch.')} KV"
     paged = runtime.paged and model.cfg.sliding_window is None
-    if paged and kernel_runs(weight.dtype, weight.device):
-        return "attention: paged decode kernel"
-    return "attention: SDPA" + (" on a paged cache" if paged else "")
+    if paged and pool_kernel_runs(kv, weight.device):
+        return f"attention: paged decode kernel, {cache}"
+    return "attention: SDPA" + (" on a paged cache" if paged else "") + f", {cache}"
 
 
 def _decode(model: nn.Module, runtime: Runtime, head: Callable[[], object] | None, ours: bool) -> _Phase:
@@ -157,6 +166,8 @@ def _decode(model: nn.Module, runtime: Runtime, head: Callable[[], object] | Non
     weights = _weights(model)
 
     head_reason = []
+
+    kv = _kv(model, runtime)
 
     def build() -> NativeDecoder:
         if not runtime.paged:
@@ -168,9 +179,13 @@ def _decode(model: nn.Module, runtime: Runtime, head: Callable[[], object] | Non
             except Unsupported as e:  # the head runs in torch after the step
                 head_reason.append(f"head after it: needs {e}")
         stack = model.decoder if head is not None else model.stack  # Seq2Seq, DecoderLM
-        return NativeDecoder.build(stack, (lambda: projection) if projection is not None else None)
+        step = NativeDecoder.build(stack, (lambda: projection) if projection is not None else None)
+        if kv not in KERNEL_POOL_DTYPES:
+            raise Unsupported(f"a float32 or bfloat16 KV cache (engine.kv_cache_dtype gives {kv})")
+        return step
 
-    phase.native(build, lambda step: ", ".join([_isa(), weights, step.detail(), *head_reason]), ours)
+    phase.native(build, lambda step: ", ".join([_isa(), weights, step.detail(), f"{str(kv).removeprefix('torch.')} KV",
+                                                *head_reason]), ours)
     device = next(model.parameters()).device
     if head is not None:
         phase.cannot("cuda_graphs", "needs a generator's engine (beam steps are not captured)")

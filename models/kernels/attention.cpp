@@ -2,8 +2,9 @@
 // row, each row attending exactly its own keys (no padding to the longest row, no mask), read in
 // place through the row's block table (no gather copy).
 //
-// Layout of one layer's pool, flat (N * K * BS + 1, D) float32: block n, head k, slot t at row
-// (n * K + k) * BS + t (the last row is a trash slot no table names). A row's table lists its
+// Layout of one layer's pool, flat (N * K * BS + 1, D) float32 or bfloat16 (each value widened to float32
+// exactly as it is read): block n, head k, slot t at row (n * K + k) * BS + t (the last row is a trash
+// slot no table names). A row's table lists its
 // blocks in order; its keys are positions 0 .. lengths[b] - 1 (this step's key included).
 //
 // Work item (row b, key/value head k): its G = H / K query heads (grouped-query attention) share
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -28,20 +30,33 @@ namespace {
 
 using namespace ts;
 
-TS_TARGET inline float dot(const float* a, const float* b, int64_t d) {
+// a pool's values (float32, or bfloat16 as their bits) as float32, exactly
+TS_TARGET inline vf widen(const float* p) { return load(p); }
+TS_TARGET inline vf widen(const uint16_t* p) { return bf16s(p); }
+inline float widen1(float v) { return v; }
+inline float widen1(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename E>
+TS_TARGET inline float dot(const float* a, const E* b, int64_t d) {
   int64_t i = 0;
   vf acc = zero();
-  for (; i + LANES <= d; i += LANES) acc = fmadd(load(a + i), load(b + i), acc);
+  for (; i + LANES <= d; i += LANES) acc = fmadd(load(a + i), widen(b + i), acc);
   float s = reduce_add(acc);
-  for (; i < d; ++i) s += a[i] * b[i];
+  for (; i < d; ++i) s += a[i] * widen1(b[i]);
   return s;
 }
 
-TS_TARGET inline void axpy(float w, const float* x, float* y, int64_t d) {
+template <typename E>
+TS_TARGET inline void axpy(float w, const E* x, float* y, int64_t d) {
   int64_t i = 0;
   const vf wv = set1(w);
-  for (; i + LANES <= d; i += LANES) store(y + i, fmadd(wv, load(x + i), load(y + i)));
-  for (; i < d; ++i) y[i] += w * x[i];
+  for (; i + LANES <= d; i += LANES) store(y + i, fmadd(wv, widen(x + i), load(y + i)));
+  for (; i < d; ++i) y[i] += w * widen1(x[i]);
 }
 
 // softmax numerators in place, exp(x - max), over a row of S scores; returns their sum (the lanes'
@@ -75,13 +90,14 @@ TS_TARGET inline float exp_shifted(float* row, int64_t S) {
 
 // A row's key (or value) slots in order through its block table, without a division per key:
 // slot s is at ((table[s / BS] * K + kh) * BS + s % BS) * D of the pool.
+template <typename E>
 struct Slots {
-  const float* pool;
+  const E* pool;
   const int64_t* table;
   int64_t K, kh, BS, D;
   int64_t block = 0, offset = 0;
-  const float* next() {
-    const float* p = pool + ((table[block] * K + kh) * BS + offset) * D;
+  const E* next() {
+    const E* p = pool + ((table[block] * K + kh) * BS + offset) * D;
     if (++offset == BS) {
       ++block;
       offset = 0;
@@ -92,8 +108,8 @@ struct Slots {
 
 // attend() for a head dim of DV (a multiple of LANES): q and the output accumulators in registers, the
 // scores of LANES keys at a time summed by one shuffle tree, each query head over the row's keys in turn.
-template <int DV>
-TS_TARGET void attend_fixed(const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
+template <int DV, typename E>
+TS_TARGET void attend_fixed(const float* q, const E* k_pool, const E* v_pool, const int64_t* table,
                             int64_t S, int64_t K, int64_t kh, int64_t BS, int64_t G, float scale, float* out,
                             float* scores) {
   constexpr int NV = DV / LANES;
@@ -101,15 +117,15 @@ TS_TARGET void attend_fixed(const float* q, const float* k_pool, const float* v_
     vf qv[NV];
     for (int i = 0; i < NV; ++i) qv[i] = load(q + g * DV + LANES * i);
     float* row = scores + g * S;
-    Slots keys{k_pool, table, K, kh, BS, DV};
+    Slots<E> keys{k_pool, table, K, kh, BS, DV};
     for (int64_t s0 = 0; s0 < S; s0 += LANES) {  // LANES keys (a block holds BS = 16)
       vf acc[LANES];
       const int64_t n = std::min<int64_t>(LANES, S - s0);
       for (int t = 0; t < LANES; ++t) {
         acc[t] = zero();
         if (t >= n) continue;
-        const float* kp = keys.next();
-        for (int i = 0; i < NV; ++i) acc[t] = fmadd(qv[i], load(kp + LANES * i), acc[t]);
+        const E* kp = keys.next();
+        for (int i = 0; i < NV; ++i) acc[t] = fmadd(qv[i], widen(kp + LANES * i), acc[t]);
       }
       const vf sc = mul(sum_lanes(acc), set1(scale));
       if (n == LANES) {
@@ -121,11 +137,11 @@ TS_TARGET void attend_fixed(const float* q, const float* k_pool, const float* v_
     const float sum = exp_shifted(row, S);
     vf o[NV];
     for (int i = 0; i < NV; ++i) o[i] = zero();
-    Slots values{v_pool, table, K, kh, BS, DV};
+    Slots<E> values{v_pool, table, K, kh, BS, DV};
     for (int64_t s = 0; s < S; ++s) {
-      const float* vp = values.next();
+      const E* vp = values.next();
       const vf w = set1(row[s]);
-      for (int i = 0; i < NV; ++i) o[i] = fmadd(w, load(vp + LANES * i), o[i]);
+      for (int i = 0; i < NV; ++i) o[i] = fmadd(w, widen(vp + LANES * i), o[i]);
     }
     const vf inv = set1(1.0f / sum);
     for (int i = 0; i < NV; ++i) store(out + g * DV + LANES * i, mul(o[i], inv));
@@ -133,11 +149,12 @@ TS_TARGET void attend_fixed(const float* q, const float* k_pool, const float* v_
 }
 
 // One (row, key/value head): q and out are its G query heads (G, D); scores is scratch (G, S).
-TS_TARGET void attend(const float* q, const float* k_pool, const float* v_pool, const int64_t* table, int64_t S,
+template <typename E>
+TS_TARGET void attend(const float* q, const E* k_pool, const E* v_pool, const int64_t* table, int64_t S,
                            int64_t K, int64_t kh, int64_t BS, int64_t D, int64_t G, float scale, float* out,
                            float* scores) {
   for (int64_t s0 = 0; s0 < S; s0 += BS) {
-    const float* kb = k_pool + (table[s0 / BS] * K + kh) * BS * D;
+    const E* kb = k_pool + (table[s0 / BS] * K + kh) * BS * D;
     const int64_t n = std::min(BS, S - s0);
     for (int64_t t = 0; t < n; ++t) {
       for (int64_t g = 0; g < G; ++g) scores[g * S + s0 + t] = dot(q + g * D, kb + t * D, D) * scale;
@@ -149,7 +166,7 @@ TS_TARGET void attend(const float* q, const float* k_pool, const float* v_pool, 
     std::fill(out + g * D, out + (g + 1) * D, 0.0f);
   }
   for (int64_t s0 = 0; s0 < S; s0 += BS) {
-    const float* vb = v_pool + (table[s0 / BS] * K + kh) * BS * D;
+    const E* vb = v_pool + (table[s0 / BS] * K + kh) * BS * D;
     const int64_t n = std::min(BS, S - s0);
     for (int64_t t = 0; t < n; ++t) {
       for (int64_t g = 0; g < G; ++g) axpy(scores[g * S + s0 + t], vb + t * D, out + g * D, D);
@@ -160,37 +177,11 @@ TS_TARGET void attend(const float* q, const float* k_pool, const float* v_pool, 
   }
 }
 
-// q (B, H, D); k_pool, v_pool (blocks * K * BS [+ 1], D); tables (B, M) int64; lengths (B,) int64:
-// keys per row, this step's included (>= 1). Returns (B, H, D).
-at::Tensor attend_pool(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                       const at::Tensor& tables, const at::Tensor& lengths, int64_t kv_heads, int64_t block,
-                       double scale, int64_t blocks) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be a contiguous (B, H, D) float32 tensor");
-  TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
-                  v_pool.is_contiguous() && k_pool.dim() == 2 && k_pool.size(1) == q.size(2) && k_pool.sizes() == v_pool.sizes(),
-              "the pools must be contiguous (N * K * BS + 1, D) float32 tensors");
-  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == q.size(0),
-              "tables must be a contiguous (B, M) int64 tensor");
-  TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == at::kLong && lengths.size(0) == q.size(0), "lengths must be (B,) int64");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), M = tables.size(1);
-  TORCH_CHECK(kv_heads > 0 && H % kv_heads == 0 && block > 0, "H must be a multiple of kv_heads");
+// attend_pool's loop for pools of E (float: float32, uint16_t: bfloat16 bits)
+template <typename E>
+void attend_rows(const float* qp, const E* kp, const E* vp, const int64_t* tab, const int64_t* len, int64_t B,
+                 int64_t H, int64_t D, int64_t M, int64_t kv_heads, int64_t block, float sc, float* op) {
   const int64_t G = H / kv_heads;
-  TORCH_CHECK(blocks * kv_heads * block <= k_pool.size(0), "the pool holds fewer than ", blocks, " blocks");
-  const at::Tensor lens = lengths.contiguous();
-  const int64_t* len = lens.data_ptr<int64_t>();
-  const int64_t* tab = tables.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(len[b] >= 1 && len[b] <= M * block, "row ", b, " has ", len[b], " keys; its table holds ", M * block);
-    for (int64_t j = 0; j < (len[b] + block - 1) / block; ++j) {
-      TORCH_CHECK(tab[b * M + j] >= 0 && tab[b * M + j] < blocks, "row ", b, " names block ", tab[b * M + j], " outside the pool");
-    }
-  }
-  at::Tensor out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * kv_heads, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
@@ -209,13 +200,51 @@ at::Tensor attend_pool(const at::Tensor& q, const at::Tensor& k_pool, const at::
       }
     }
   });
+}
+
+// q (B, H, D) float32; k_pool, v_pool (blocks * K * BS [+ 1], D) float32 or bfloat16, both alike; tables
+// (B, M) int64; lengths (B,) int64: keys per row, this step's included (>= 1). Returns (B, H, D) float32.
+at::Tensor attend_pool(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                       const at::Tensor& tables, const at::Tensor& lengths, int64_t kv_heads, int64_t block,
+                       double scale, int64_t blocks) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be a contiguous (B, H, D) float32 tensor");
+  const bool bf16 = k_pool.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || k_pool.scalar_type() == at::kFloat) && v_pool.scalar_type() == k_pool.scalar_type() &&
+                  k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 2 && k_pool.size(1) == q.size(2) &&
+                  k_pool.sizes() == v_pool.sizes(),
+              "the pools must be contiguous (N * K * BS + 1, D) tensors, both float32 or both bfloat16");
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == q.size(0),
+              "tables must be a contiguous (B, M) int64 tensor");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == at::kLong && lengths.size(0) == q.size(0), "lengths must be (B,) int64");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), M = tables.size(1);
+  TORCH_CHECK(kv_heads > 0 && H % kv_heads == 0 && block > 0, "H must be a multiple of kv_heads");
+  TORCH_CHECK(blocks * kv_heads * block <= k_pool.size(0), "the pool holds fewer than ", blocks, " blocks");
+  const at::Tensor lens = lengths.contiguous();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(len[b] >= 1 && len[b] <= M * block, "row ", b, " has ", len[b], " keys; its table holds ", M * block);
+    for (int64_t j = 0; j < (len[b] + block - 1) / block; ++j) {
+      TORCH_CHECK(tab[b * M + j] >= 0 && tab[b * M + j] < blocks, "row ", b, " names block ", tab[b * M + j], " outside the pool");
+    }
+  }
+  at::Tensor out = at::empty_like(q);
+  const float sc = static_cast<float>(scale);
+  if (bf16) {
+    attend_rows(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_pool.data_ptr()),
+                reinterpret_cast<const uint16_t*>(v_pool.data_ptr()), tab, len, B, H, D, M, kv_heads, block, sc,
+                out.data_ptr<float>());
+  } else {
+    attend_rows(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), tab, len, B, H, D, M,
+                kv_heads, block, sc, out.data_ptr<float>());
+  }
   return out;
 }
 
 // The torch op: a paged KV cache's pool, (N * K * BS + 1, D) with its trash row last.
-at::Tensor paged_decode_f32(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                            const at::Tensor& tables, const at::Tensor& lengths, int64_t kv_heads, int64_t block,
-                            double scale) {
+at::Tensor paged_decode_op(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& tables, const at::Tensor& lengths, int64_t kv_heads, int64_t block,
+                           double scale) {
   TORCH_CHECK(kv_heads > 0 && block > 0, "kv_heads and block must be positive");
   return attend_pool(q, k_pool, v_pool, tables, lengths, kv_heads, block, scale,
                      (k_pool.size(0) - 1) / (kv_heads * block));
@@ -226,7 +255,7 @@ at::Tensor paged_decode_f32(const at::Tensor& q, const at::Tensor& k_pool, const
 at::Tensor ts::paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& tables, const at::Tensor& lengths, int64_t kv_heads, int64_t block,
                             double scale) {
-  return paged_decode_f32(q, k_pool, v_pool, tables, lengths, kv_heads, block, scale);
+  return paged_decode_op(q, k_pool, v_pool, tables, lengths, kv_heads, block, scale);
 }
 
 at::Tensor ts::sources_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -240,9 +269,9 @@ at::Tensor ts::sources_attend(const at::Tensor& q, const at::Tensor& k, const at
 }
 
 TORCH_LIBRARY_FRAGMENT(ts_panels, m) {
-  m.def("paged_decode_f32(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lengths, int kv_heads, int block, float scale) -> Tensor");
+  m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lengths, int kv_heads, int block, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ts_panels, CPU, m) {
-  m.impl("paged_decode_f32", &paged_decode_f32);
+  m.impl("paged_decode", &paged_decode_op);
 }

@@ -27,7 +27,8 @@
 // weights (self, [cross,] ff) of every layer in turn, norm_biases their biases (LayerNorm; None:
 // none). Projections, each as weights, bias, kind (ops.h), outputs, activation parts, every layer's in
 // turn: qkv, o, [cross q, cross o,] up (gate_up when gated), down. cos, sin (B, D): each row's rotary
-// angles (None: no rotary). k_pools, v_pools: each layer's pool. slots (B * K,): the pool row each new
+// angles (None: no rotary). k_pools, v_pools: each layer's pool, float32 or bfloat16 (new keys and values
+// rounded to nearest even, as torch's conversion). slots (B * K,): the pool row each new
 // key/value goes to (row b, head k at b * K + k); tables (B, M) and keys (B,): each row's blocks and
 // key count after this step (models/cache/paged.py), the same in every layer; or, for a decode step,
 // past (B,): each row's keys before it, from which the op derives slots, key counts and positions. cross_k, cross_v: each
@@ -249,9 +250,40 @@ void check_step(const Step& st, int64_t B, int64_t D, int64_t pool_rows, bool cr
 }
 
 void check_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t D) {
-  TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
-                  v_pool.is_contiguous() && k_pool.dim() == 2 && k_pool.sizes() == v_pool.sizes() && k_pool.size(1) == D,
-              "the pools must be contiguous (N * K * BS + 1, D) float32 tensors");
+  TORCH_CHECK((k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16) &&
+                  v_pool.scalar_type() == k_pool.scalar_type() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  k_pool.dim() == 2 && k_pool.sizes() == v_pool.sizes() && k_pool.size(1) == D,
+              "the pools must be contiguous (N * K * BS + 1, D) tensors, both float32 or both bfloat16");
+}
+
+// one new key or value row into a pool of E: float32 as it is, bfloat16 rounded to nearest even (as
+// torch's .to(torch.bfloat16), so a prompt's keys written by torch and a step's by this are alike)
+inline void put_row(const float* x, int64_t D, float* dst) { std::copy(x, x + D, dst); }
+inline void put_row(const float* x, int64_t D, c10::BFloat16* dst) {
+  for (int64_t i = 0; i < D; ++i) dst[i] = c10::BFloat16(x[i]);
+}
+
+// the step's new keys (rotated) and values of rows [b0, b1) into the pools; qkv rows (B, (H + 2K) D), q (B, H, D)
+template <typename E>
+void put_keys(const float* qkvp, float* qp, E* kp, E* vp, const int64_t* slot, int64_t b0, int64_t b1, int64_t H,
+              int64_t K, int64_t D, const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin) {
+  std::vector<float> key(D);
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* row = qkvp + b * (H + 2 * K) * D;
+    if (cos.has_value()) {
+      const float* c = cos->data_ptr<float>() + b * D;
+      const float* s = sin->data_ptr<float>() + b * D;
+      for (int64_t hh = 0; hh < H; ++hh) rotate(row + hh * D, c, s, D, qp + (b * H + hh) * D);
+      for (int64_t k = 0; k < K; ++k) {
+        rotate(row + (H + k) * D, c, s, D, key.data());
+        put_row(key.data(), D, kp + slot[b * K + k] * D);
+      }
+    } else {
+      std::copy(row, row + H * D, qp + b * H * D);
+      for (int64_t k = 0; k < K; ++k) put_row(row + (H + k) * D, D, kp + slot[b * K + k] * D);
+    }
+    for (int64_t k = 0; k < K; ++k) put_row(row + (H + K + k) * D, D, vp + slot[b * K + k] * D);
+  }
 }
 
 // x (B, C) through one block (checked): self-attention, [cross-attention,] feed-forward
@@ -270,21 +302,13 @@ at::Tensor run_layer(const Layer& layer, const at::Tensor& x, size_t P, const St
     at::Tensor q = at::empty({B, H, D}, x.options());  // (B, H, D)
     const float* qkvp = qkv.data_ptr<float>();
     float* qp = q.data_ptr<float>();
-    float* kp = k_pool.data_ptr<float>();
-    float* vp = v_pool.data_ptr<float>();
+    const bool bf16 = k_pool.scalar_type() == at::kBFloat16;
     at::parallel_for(0, B, grain((H + 2 * K) * D), [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const float* row = qkvp + b * (H + 2 * K) * D;
-        if (cos.has_value()) {
-          const float* c = cos->data_ptr<float>() + b * D;
-          const float* s = sin->data_ptr<float>() + b * D;
-          for (int64_t hh = 0; hh < H; ++hh) rotate(row + hh * D, c, s, D, qp + (b * H + hh) * D);
-          for (int64_t k = 0; k < K; ++k) rotate(row + (H + k) * D, c, s, D, kp + slot[b * K + k] * D);
-        } else {
-          std::copy(row, row + H * D, qp + b * H * D);
-          for (int64_t k = 0; k < K; ++k) std::copy(row + (H + k) * D, row + (H + k + 1) * D, kp + slot[b * K + k] * D);
-        }
-        for (int64_t k = 0; k < K; ++k) std::copy(row + (H + K + k) * D, row + (H + K + k + 1) * D, vp + slot[b * K + k] * D);
+      if (bf16) {
+        put_keys(qkvp, qp, k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>(), slot, b0, b1, H, K, D,
+                 cos, sin);
+      } else {
+        put_keys(qkvp, qp, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), slot, b0, b1, H, K, D, cos, sin);
       }
     });
     const at::Tensor attn = paged_decode(q, k_pool, v_pool, st.tables, st.keys, K, st.block, st.scale).view({B, H * D});  // (B, H D)

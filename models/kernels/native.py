@@ -133,7 +133,7 @@ def _register_fakes() -> None:
     def fake_attention(q: torch.Tensor, *args: object) -> torch.Tensor:
         return torch.empty_like(q)
 
-    torch.library.register_fake(f"{NAME}::paged_decode_f32", fake_attention)
+    torch.library.register_fake(f"{NAME}::paged_decode", fake_attention)
 
     def fake_lora(x: torch.Tensor, y: torch.Tensor, *args: object) -> torch.Tensor:
         return torch.empty_like(y)

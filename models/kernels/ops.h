@@ -20,7 +20,7 @@ enum class Kind : int64_t { F32 = 0, Q4_1 = 1, Q8_0 = 2, BF16 = 3 };
 at::Tensor project(Kind kind, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                    int64_t n, int64_t parts);
 
-// q (B, H, D) against each row's keys in a paged pool -> (B, H, D) (attention.cpp's paged_decode_f32)
+// q (B, H, D) float32 against each row's keys in a paged pool (float32 or bfloat16) -> (B, H, D) (attention.cpp)
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& tables, const at::Tensor& lengths, int64_t kv_heads, int64_t block,
                         double scale);

@@ -58,6 +58,12 @@ class EngineConfig:
 
     max_running: int = 8  # sequences decoding at once (paged: as blocks allow; rows: if the budget holds the rows)
     kv_cache_mib: float = 384.0  # KV-cache budget: blocks of 16 tokens (paged), or rows of max_total_tokens
+    # what the cache keeps keys and values in: "auto" the model's dtype, or "float32", "bfloat16",
+    # "float16". bfloat16 on a float32 model: twice the tokens in the budget and half the bytes a decode
+    # step's attention reads, each key and value rounded to 8 significant bits as it is stored (every
+    # step attends the stored values, so chunked, cached and whole prompts agree); the CPU's decode kernel
+    # reads float32 and bfloat16 pools
+    kv_cache_dtype: str = "auto"
     # paged: the cache is a pool of 16-token blocks (models/cache/paged.py), a sequence holds the blocks its
     # tokens fill, and the engine preempts the newest sequence when they run out; false: one preallocated
     # row of max_total_tokens per sequence. Sliding-window models always keep rows (a ring of the window).
@@ -102,6 +108,8 @@ class EngineConfig:
             problems.append(f"max_total_tokens must leave room for a prompt and one token, got {self.max_total_tokens}")
         if not 0 < self.max_queued_share <= 1:
             problems.append(f"max_queued_share must be in (0, 1], got {self.max_queued_share!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            problems.append(f"kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.kv_cache_dtype!r}")
         if not self.kv_cache_mib > 0:
             problems.append(f"kv_cache_mib must be > 0, got {self.kv_cache_mib!r}")
         if self.prefill_step_ms is not None and not self.prefill_step_ms > 0:

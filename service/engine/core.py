@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.adapters import Held, ResidentAdapters
-from models.cache.base import KeyValueCache
+from models.cache.base import KV_DTYPES, KeyValueCache, kv_dtype
 from models.cache.dense import KVCache
 from models.cache.paged import PagedKVCache
 from models.decoder import DecoderLM
@@ -81,8 +81,9 @@ def salt(held: Held | None, cache_salt: str) -> str:
 
 def engine_runtime(config: EngineConfig) -> Runtime:
     """What an engine with this config gives its model's decode steps (the plan depends on it):
-    speculative decoding's verify steps do not run on captured graphs."""
-    return Runtime(paged=config.paged, graphs=False if config.speculative is not None else config.decode_graphs)
+    speculative decoding's verify steps do not run on captured graphs; the KV cache's dtype."""
+    return Runtime(paged=config.paged, graphs=False if config.speculative is not None else config.decode_graphs,
+                   kv_dtype=None if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype])
 
 
 # select_batch's fixed cost of one prefill forward pass, in padded prompt tokens: prompts of very
@@ -114,13 +115,14 @@ class GenerationEngine(StepLoop):
         weight = next(model.parameters())
         self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
         self.device = weight.device
-        self.limits = EngineLimits.resolve(self.config, model.cfg, weight.dtype, max_input_tokens)
+        self.kv_dtype = kv_dtype(self.config.kv_cache_dtype, weight.dtype)
+        self.limits = EngineLimits.resolve(self.config, model.cfg, self.kv_dtype, max_input_tokens)
         self.cache: KeyValueCache
         if self.limits.blocks:
             self.cache = PagedKVCache.for_model(model.cfg, self.limits.rows, self.limits.blocks,
-                                                self.limits.max_total_tokens, weight.dtype, self.device)
+                                                self.limits.max_total_tokens, self.kv_dtype, self.device)
         else:
-            self.cache = KVCache.for_model(model.cfg, self.limits.rows, self.limits.max_total_tokens, weight.dtype,
+            self.cache = KVCache.for_model(model.cfg, self.limits.rows, self.limits.max_total_tokens, self.kv_dtype,
                                            self.device)
         super().__init__(name, self.limits.rows, self.limits.max_queued, self.cache.nbytes(), observer, after_step)
         self.max_queued_share = config.max_queued_share
@@ -163,7 +165,8 @@ class GenerationEngine(StepLoop):
         if draft.model.cfg.vocab_size != self.model.cfg.vocab_size:
             raise ValueError(f"{self.name}: the draft model's vocabulary ({draft.model.cfg.vocab_size}) is not the "
                              f"model's ({self.model.cfg.vocab_size}): a draft needs the same tokenizer")
-        return Speculator(spec, DraftModel(draft, self.limits.rows, self.limits.blocks, self.limits.max_total_tokens))
+        return Speculator(spec, DraftModel(draft, self.limits.rows, self.limits.blocks, self.limits.max_total_tokens,
+                                           self.config.kv_cache_dtype))
 
     @property
     def plan(self) -> ExecutionPlan:

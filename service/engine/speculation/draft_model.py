@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from models.cache.base import kv_dtype
 from models.cache.paged import CacheFull, PagedKVCache
 from models.execution.executors import DecoderExecutor
 
@@ -28,11 +29,13 @@ PREFILL_FROM = 4  # a row this many tokens behind catches up with a prefill of i
 class DraftModel:
     """Owns the draft executor's cache and which request holds which of its rows."""
 
-    def __init__(self, steps: DecoderExecutor, rows: int, blocks: int, max_len: int) -> None:
+    def __init__(self, steps: DecoderExecutor, rows: int, blocks: int, max_len: int, kv_cache_dtype: str = "auto") -> None:
+        """kv_cache_dtype: as the engine's (EngineConfig.kv_cache_dtype), for the draft's own cache."""
         self.steps = steps
         weight = next(steps.model.parameters())
         self.device = weight.device
-        self.cache = PagedKVCache.for_model(steps.model.cfg, rows, blocks, max_len, weight.dtype, self.device)
+        self.cache = PagedKVCache.for_model(steps.model.cfg, rows, blocks, max_len,
+                                            kv_dtype(kv_cache_dtype, weight.dtype), self.device)
         self._free = list(range(rows - 1, -1, -1))
         self._row: dict[int, int] = {}  # id(seq) -> its draft row
         self._drafted: dict[int, int] = {}  # id(seq) -> tokens written past its length by the last draft

@@ -147,7 +147,7 @@ def test_the_kernel_gives_a_row_the_same_bits_alone_and_among_others() -> None:
     tables = torch.tensor([[3, 1, 7, 0], [2, 0, 0, 0], [9, 8, 6, 5]])  # (B, M)
     lengths = torch.tensor([40, 5, 64])  # (B,)
     q = torch.randn(3, h, d)  # (B, H, D)
-    op = torch.ops.ts_panels.paged_decode_f32
+    op = torch.ops.ts_panels.paged_decode
     together = op(q, k_pool, v_pool, tables, lengths, kv_heads, block, 0.125)  # (B, H, D)
     for row in range(3):
         alone = op(q[row:row + 1].contiguous(), k_pool, v_pool, tables[row:row + 1].contiguous(),
@@ -166,7 +166,7 @@ def test_the_kernel_gives_a_row_the_same_bits_alone_and_among_others() -> None:
 def test_the_kernel_refuses_a_table_outside_the_pool() -> None:
     pool = torch.zeros(2 * 1 * 4 + 1, 16)
     with pytest.raises(RuntimeError, match="names block 5 outside the pool"):
-        torch.ops.ts_panels.paged_decode_f32(torch.zeros(1, 1, 16), pool, pool, torch.tensor([[5]]),
+        torch.ops.ts_panels.paged_decode(torch.zeros(1, 1, 16), pool, pool, torch.tensor([[5]]),
                                              torch.tensor([3]), 1, 4, 1.0)
 
 
@@ -279,3 +279,66 @@ def test_a_token_view_step_equals_one_step_per_token(backend: str, kernel: bool)
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_the_kernel_reads_a_bfloat16_pool_as_its_values_widened() -> None:
+    """A bfloat16 pool through the decode kernel gives the bits the same pool widened to float32 gives
+    (each value widened exactly, the same order of sums), at the fixed head dims and the general one."""
+    torch.manual_seed(1)
+    kv_heads, block, h = 2, 16, 6
+    tables = torch.tensor([[3, 1, 7, 0], [2, 0, 0, 0], [9, 8, 6, 5]])  # (B, M)
+    lengths = torch.tensor([40, 5, 64])  # (B,)
+    op = torch.ops.ts_panels.paged_decode
+    for d in (64, 48):
+        k_pool, v_pool = (torch.randn(10 * kv_heads * block + 1, d).bfloat16() for _ in range(2))  # (N * K * BS + 1, D)
+        q = torch.randn(3, h, d)  # (B, H, D)
+        narrow = op(q, k_pool, v_pool, tables, lengths, kv_heads, block, 0.125)
+        wide = op(q, k_pool.float(), v_pool.float(), tables, lengths, kv_heads, block, 0.125)
+        assert narrow.dtype == torch.float32 and torch.equal(narrow, wide)
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        op(q, k_pool, v_pool.float(), tables, lengths, kv_heads, block, 0.125)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_a_bfloat16_pool_equals_its_values_and_stays_close_to_float32(kernel: bool) -> None:
+    """A bfloat16 pool stores each key and value rounded (as torch's conversion) and every step, prompt
+    or decode, attends the stored values: the decode kernel and the gathered path agree on it, and its
+    logits stay within bfloat16's rounding of the float32 pool's."""
+    if kernel and not native.available() and not os.environ.get("REQUIRE_NATIVE_KERNELS"):
+        pytest.skip("no AVX2 or AVX-512 CPU, or no compiler, for the native kernels")
+    model = gqa_model()
+    wide = run(model, PagedKVCache.for_model(model.cfg, rows=3, blocks=20, max_len=64, decode_kernel=kernel),
+               PROMPTS, 20)
+    narrow_cache = PagedKVCache.for_model(model.cfg, rows=3, blocks=20, max_len=64, dtype=torch.bfloat16,
+                                          decode_kernel=kernel)
+    narrow = run(model, narrow_cache, PROMPTS, 20)
+    gathered = run(model, PagedKVCache.for_model(model.cfg, rows=3, blocks=20, max_len=64, dtype=torch.bfloat16,
+                                                 decode_kernel=False), PROMPTS, 20)
+    assert narrow_cache._pool.dtype == torch.bfloat16
+    for step, (n, g) in enumerate(zip(narrow, gathered, strict=True)):
+        torch.testing.assert_close(n, g, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    # close while both pools decode the same tokens (each run feeds its own greedy tokens back)
+    same = next((i for i, (w, n) in enumerate(zip(wide, narrow, strict=True)) if not torch.equal(w.argmax(-1), n.argmax(-1))),
+                len(wide))
+    assert same >= 5
+    for step in range(same):
+        torch.testing.assert_close(narrow[step], wide[step], rtol=0, atol=5e-2, msg=f"step {step}")
+    assert not torch.equal(narrow[0], wide[0])  # the pool is narrower
+
+
+def test_a_prompt_in_chunks_on_a_bfloat16_pool_equals_it_whole() -> None:
+    """Chunks attend the earlier chunks' stored (rounded) keys, and so does a whole prompt: the same
+    logits either way."""
+    model = gqa_model()
+    prompt = PROMPTS[0]
+    logits = []
+    for chunks in ([prompt], [prompt[:7], prompt[7:16], prompt[16:]]):
+        cache = PagedKVCache.for_model(model.cfg, rows=1, blocks=8, max_len=64, dtype=torch.bfloat16,
+                                       decode_kernel=False)
+        with torch.inference_mode():
+            for chunk in chunks:
+                out = model(torch.tensor([chunk]), cache=cache.view(), last=torch.tensor([len(chunk) - 1]))[:, 0]
+                cache.advance(len(chunk))
+        logits.append(out)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)

@@ -27,15 +27,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CLOSE = dict(atol=1e-5, rtol=1e-5)
 
 
-def compiled(family: str, mode: str | None = None):  # noqa: ANN201
-    """(eager, compiled) copies of one tiny model, the compiled one warmed up."""
+def compiled(family: str, mode: str | None = None, kv: torch.dtype | None = None):  # noqa: ANN201
+    """(eager, compiled) copies of one tiny model, the compiled one warmed up (on KV caches of `kv`)."""
     eager, _ = tiny_model(family)
     model, _ = tiny_model(family)
     if mode is not None:
         quantize(eager, mode)
         quantize(model, mode)
     compile_blocks(model)
-    warm_up(model)
+    warm_up(model, kv)
     return eager, model
 
 
@@ -77,15 +77,16 @@ def test_a_compiled_decoder_matches_eager_and_does_not_recompile_once_warm() -> 
     assert graphs() == before  # batch sizes 1-5, prompts 2-7 tokens, chunks after a past: the warm-up's graphs
 
 
-def test_a_compiled_decoder_serves_the_engine_s_paged_steps_on_the_warm_up_s_graphs() -> None:
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
+def test_a_compiled_decoder_serves_the_engine_s_paged_steps_on_the_warm_up_s_graphs(kv: torch.dtype) -> None:
     """What a replica's first requests run: prompts over several blocks on empty paged rows (one row and
     three), decode steps, then a chunk after a past; equal to eager and no graph compiled after warm_up
     (a table of one block specialises: a warm-up prompt within one block left a served prompt of two
-    blocks to compile on its first request)."""
-    eager, model = compiled("decoder")
+    blocks to compile on its first request; a pool's dtype does too: the warm-up runs the engine's)."""
+    eager, model = compiled("decoder", kv=kv)
     before = graphs()
     for rows, prompt in ((1, 40), (3, 23), (1, 17)):
-        caches = {m: PagedKVCache.for_model(m.cfg, rows, 8 * rows + 1, 128) for m in (model, eager)}
+        caches = {m: PagedKVCache.for_model(m.cfg, rows, 8 * rows + 1, 128, dtype=kv) for m in (model, eager)}
         with torch.inference_mode():
             for t in (prompt, 1, 1, 20):  # the prompt, two steps, a chunk after a past
                 got = {}
@@ -155,7 +156,7 @@ def test_load_model_compiles_when_the_spec_says_so() -> None:
 def test_a_model_whose_blocks_fail_to_compile_is_served_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     import models.catalog
 
-    def broken(model) -> float:  # noqa: ANN001 - as when inductor finds no C++ compiler
+    def broken(model, kv_dtype=None) -> float:  # noqa: ANN001 - as when inductor finds no C++ compiler
         raise RuntimeError("no working C++ compiler found")
 
     monkeypatch.setattr(models.catalog, "warm_up", broken)

@@ -68,14 +68,15 @@ class Counted:
         return getattr(self.backend, name)
 
 
-def steps(model: DecoderLM, backend: str, prompts=PROMPTS) -> list[torch.Tensor]:
-    """Each step's logits (B, V) of a right-padded prefill and 20 greedy decode steps on a paged cache,
-    the decode steps on `backend` ("native" or "torch")."""
-    executor = plan_model(model, {"decode": backend})
+def steps(model: DecoderLM, backend: str, prompts=PROMPTS, kv: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Each step's logits (B, V) of a right-padded prefill and 20 greedy decode steps on a paged cache
+    of `kv`, the decode steps on `backend` ("native" or "torch")."""
+    executor = plan_model(model, {"decode": backend}, Runtime(kv_dtype=kv))
     assert executor.plan.backend("decode") == backend
     if backend == "native":
         executor.step = Counted(executor.step)
-    out = run(executor, PagedKVCache.for_model(model.cfg, rows=len(prompts), blocks=20, max_len=64), prompts, 20)
+    out = run(executor, PagedKVCache.for_model(model.cfg, rows=len(prompts), blocks=20, max_len=64, dtype=kv),
+              prompts, 20)
     if backend == "native":
         assert len(executor.step.calls) == 20  # every decode step, and only those, took the native step
     return out
@@ -111,11 +112,12 @@ def test_native_blocks_equals_the_blocks(weights: str, changes: dict) -> None:
         assert torch.equal(n.argmax(-1), b.argmax(-1))
 
 
-def decoded_apart(executor: DecoderExecutor, prompts: list[list[int]], n: int) -> list[torch.Tensor]:
-    """Each prompt prefilled on its own (its own row of one paged cache, the same computation whatever
-    else is in the batch: a padded prefill is not what is tested here), then n greedy decode steps of
-    all rows together: each decode step's logits (B, V)."""
-    cache = PagedKVCache.for_model(executor.model.cfg, rows=len(prompts), blocks=20, max_len=64)
+def decoded_apart(executor: DecoderExecutor, prompts: list[list[int]], n: int,
+                  kv: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Each prompt prefilled on its own (its own row of one paged cache of `kv`, the same computation
+    whatever else is in the batch: a padded prefill is not what is tested here), then n greedy decode
+    steps of all rows together: each decode step's logits (B, V)."""
+    cache = PagedKVCache.for_model(executor.model.cfg, rows=len(prompts), blocks=20, max_len=64, dtype=kv)
     first = []
     with torch.inference_mode():
         for row, p in enumerate(prompts):
@@ -131,14 +133,31 @@ def decoded_apart(executor: DecoderExecutor, prompts: list[list[int]], n: int) -
 
 
 @pytest.mark.parametrize("weights", ["q4_1", "f32"])
-def test_native_blocks_gives_a_row_the_same_bits_alone_and_among_others(weights: str) -> None:
+def test_native_blocks_on_a_bfloat16_cache_equals_the_blocks(weights: str) -> None:
+    """A bfloat16 KV cache: the op's steps (keys and values rounded as it writes them) give the blocks'
+    logits on the same cache (torch's rounding), and the plan says which cache it runs on."""
+    model = fast_model(weights)
+    plan = plan_model(model, {"decode": "native"}, Runtime(kv_dtype=torch.bfloat16)).plan
+    assert "bfloat16 KV" in plan["decode"].detail
+    blocks = steps(model, "torch", kv=torch.bfloat16)
+    fast = steps(model, "native", kv=torch.bfloat16)
+    wide = steps(model, "native")
+    atol = 1e-4 if weights != "f32" else 1e-5
+    for step, (b, n) in enumerate(zip(blocks, fast, strict=True)):
+        torch.testing.assert_close(n, b, rtol=1e-5, atol=atol, msg=f"step {step}")
+    assert not torch.equal(fast[1], wide[1])  # the cache is narrower than float32
+
+
+@pytest.mark.parametrize(("weights", "kv"), [("q4_1", torch.float32), ("f32", torch.float32),
+                                             ("q4_1", torch.bfloat16)])
+def test_native_blocks_gives_a_row_the_same_bits_alone_and_among_others(weights: str, kv: torch.dtype) -> None:
     """Rows of 19, 4 and 2 tokens (different key counts every step): a row's decode steps through the op
     give the same bits alone and among the others."""
-    executor = plan_model(fast_model(weights), {"decode": "native"})
+    executor = plan_model(fast_model(weights), {"decode": "native"}, Runtime(kv_dtype=kv))
     prompts = [PROMPTS[0], PROMPTS[1], [50, 51]]
-    together = decoded_apart(executor, prompts, 20)
+    together = decoded_apart(executor, prompts, 20, kv)
     for row, prompt in enumerate(prompts):
-        alone = decoded_apart(executor, [prompt], 20)
+        alone = decoded_apart(executor, [prompt], 20, kv)
         for step, (t, a) in enumerate(zip(together, alone, strict=True)):
             assert torch.equal(t[row], a[0]), f"row {row}, step {step}"
 
