@@ -181,21 +181,19 @@ def _compiles(spec: ModelSpec) -> bool:
     return spec.compile or "compiled" in spec.requested_backends().values()
 
 
-def _pack_and_compile(spec: ModelSpec, model: nn.Module, dense_kernel: str,
-                      kv_dtype: torch.dtype | None) -> tuple[dict[str, str], float, str | None]:
-    """Pack its float32 CPU projections (models/projections/dense.py), then compile its blocks if the spec says so,
-    warmed up on KV caches of `kv_dtype` (the engine's; None: the model's dtype): (the kernels chosen per
-    weight shape, seconds spent compiling and warming up, why compiling failed)."""
-    kernels = pack_dense(model, dense_kernel)  # float32 CPU layers only
+def _compile(spec: ModelSpec, model: nn.Module, kv_dtype: torch.dtype | None) -> tuple[float, str | None]:
+    """Compile its blocks if the spec says so, warmed up on KV caches of `kv_dtype` (the engine's; None:
+    the model's dtype), after its projections are packed (the compiled blocks do not re-check their
+    layers): (seconds spent compiling and warming up, why compiling failed)."""
     if not _compiles(spec):
-        return kernels, 0.0, None
-    compile_blocks(model)  # last: the compiled blocks do not re-check their layers
+        return 0.0, None
+    compile_blocks(model)
     try:
-        return kernels, warm_up(model, kv_dtype), None
+        return warm_up(model, kv_dtype), None
     except Exception as e:  # noqa: BLE001 - no C++ compiler for inductor, an unsupported op: the plan says so
         uncompile_blocks(model)
         log.warning("%s: compiling its blocks failed: %s", spec.name, str(e)[:300])
-        return kernels, 0.0, str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        return 0.0, str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 @dataclass
@@ -206,7 +204,6 @@ class _PromptTwin:
     weights: str | None = None  # "float32" or "bfloat16"
     speedups: dict[str, float] = field(default_factory=dict)  # "auto": each twin's speed over the blocks'
     kernels: dict[str, str] = field(default_factory=dict)
-    compile_seconds: float = 0.0
 
     @property
     def speedup(self) -> float | None:
@@ -215,34 +212,34 @@ class _PromptTwin:
 
 
 def _prompt_twin(spec: ModelSpec, blocks: nn.Module, base: nn.Module | None, twins: tuple[str, ...],
-                 cast: torch.dtype | None, mode: str | None, kv_dtype: torch.dtype | None) -> _PromptTwin:
-    """Each twin of `twins` built from `base` (the float32 model before quantizing) on its panels and
-    compiled as the spec says; under "auto" each is timed against the `blocks` and the fastest kept if
-    faster, else the one named. Our panels' rows do not depend on the other rows, so a prompt's keys
-    are the same in any batch. KernelUnavailable: bfloat16 named on a CPU without it."""
-    built: dict[str, tuple[nn.Module, dict[str, str], float]] = {}
+                 cast: torch.dtype | None, mode: str | None) -> _PromptTwin:
+    """Each twin of `twins` built from `base` (the float32 model before quantizing) on its panels; under
+    "auto" each is timed against the `blocks`, both before any is compiled (so only the one kept is
+    compiled), and the fastest kept if faster, else the one named. Our panels' rows do not depend on the
+    other rows, so a prompt's keys are the same in any batch. KernelUnavailable: bfloat16 named on a CPU
+    without it."""
+    built: dict[str, tuple[nn.Module, dict[str, str]]] = {}
     for kind in twins:
         twin = copy.deepcopy(base) if kind != twins[-1] else base  # the last takes base itself
         if spec.fuse and keeps_fusion(None, twin):
             twin = fuse_projections(twin)
         if cast is not None:
             twin = twin.to(cast)
-        kernels, seconds, _ = _pack_and_compile(spec, twin, KERNELS[kind], kv_dtype)
-        built[kind] = twin, kernels, seconds
+        built[kind] = twin, pack_dense(twin, KERNELS[kind])
     if not built:
         return _PromptTwin()
     if spec.prompt_weights != "auto":  # a named twin is kept unmeasured
-        twin, kernels, seconds = built[twins[0]]
-        return _PromptTwin(twin, twins[0], {}, kernels, seconds)
-    speedups = {kind: prompt_speedup(blocks, twin) for kind, (twin, _, _) in built.items()}
+        twin, kernels = built[twins[0]]
+        return _PromptTwin(twin, twins[0], {}, kernels)
+    speedups = {kind: prompt_speedup(blocks, twin) for kind, (twin, _) in built.items()}
     chosen = fastest(speedups)
     log.info("%s: a %d-token prompt ran %s as fast as on the %s blocks: prompts on %s", spec.name, PROBE_TOKENS,
              ", ".join(f"{x:.2f}x on {kind} weights" for kind, x in speedups.items()), mode,
              f"{chosen} weights" if chosen else "the blocks")
     if chosen is None:
         return _PromptTwin(speedups=speedups)
-    twin, kernels, seconds = built[chosen]
-    return _PromptTwin(twin, chosen, speedups, kernels, seconds)
+    twin, kernels = built[chosen]
+    return _PromptTwin(twin, chosen, speedups, kernels)
 
 
 def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -285,10 +282,12 @@ def load_model(spec: ModelSpec, cache_dir: Path, device: str = "cpu", dtype: tor
         set_activation_bits(model, spec.block_activation_bits)
     if cast_after and dtype:
         model = model.to(dtype)
-    kernels, compile_seconds, compile_error = _pack_and_compile(spec, model, dense_kernel, runtime.kv_dtype)
-    prompts = _prompt_twin(spec, model, base, twins, dtype if cast_after else None, mode, runtime.kv_dtype)
+    kernels = pack_dense(model, dense_kernel)  # float32 CPU layers only
+    prompts = _prompt_twin(spec, model, base, twins, dtype if cast_after else None, mode)
+    compile_seconds, compile_error = _compile(spec, model, runtime.kv_dtype)
     if prompts.model is not None:
-        compile_seconds, kernels = compile_seconds + prompts.compile_seconds, {**prompts.kernels, **kernels}
+        twin_seconds, _ = _compile(spec, prompts.model, runtime.kv_dtype)
+        compile_seconds, kernels = compile_seconds + twin_seconds, {**prompts.kernels, **kernels}
     longest = getattr(model.cfg, "max_tokens", model.cfg.max_positions)  # encoders: positions past an offset
     limit = min(spec.max_input_tokens or longest, longest)
     detail = ""

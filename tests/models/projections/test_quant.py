@@ -319,6 +319,26 @@ def test_prompt_weights_auto_measures_every_twin_this_cpu_runs_and_keeps_the_fas
         assert loaded.prompt_weights == "float32" and detail.endswith("-> float32, float32 1.20x the blocks")
 
 
+@needs_kernels
+def test_prompt_weights_auto_measures_the_twins_eager_and_compiles_only_the_one_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiling and warming up a twin takes seconds of a replica's start: the twins are timed before any
+    model is compiled, then the model and the kept twin are compiled, the others never."""
+    import models.catalog
+    from models.execution.compiled import is_compiled
+
+    timed, warmed = [], []
+    monkeypatch.setattr(models.catalog, "prompt_speedup",
+                        lambda blocks, twin: timed.append((is_compiled(blocks), is_compiled(twin))) or 1.5)
+    monkeypatch.setattr(models.catalog, "warm_up", lambda model, kv_dtype=None: warmed.append(model) or 0.5)
+    spec = ModelSpec(name="g", tasks=("generate",), source="tiny:decoder", quantize="q4_1", prompt_weights="auto",
+                     compile=True)
+    loaded = load_model(spec, Path("/nonexistent"))
+    assert timed and all(t == (False, False) for t in timed)  # every twin measured, none compiled yet
+    assert warmed == [loaded.model, loaded.prompt_model] and loaded.compile_seconds == 1.0
+    assert is_compiled(loaded.model) and is_compiled(loaded.prompt_model)
+
+
 def _twin_kind(model: torch.nn.Module) -> str:
     from models.projections.panels import Bf16PanelLinear
 
