@@ -8,6 +8,9 @@ structural ones (MODULE_GUARDS), so a block has a few graphs, which `warm_up` bu
 after the layers are final (quantized, packed): catalog.load_model compiles last, and the planner
 (planner.py) then gives it the phases it runs. torch keeps compiler settings per thread: a thread that
 runs compiled blocks calls `thread_settings()` first. Results: eager's to ~1e-5 (test_compiled.py).
+Past torch's recompile limit a block's new shapes would run eager, silently: warming up past it fails
+the compilation (the plan then says so and the model is served eager), and a hit while serving is
+logged as an error and counted (`recompile_limit_hits`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,36 @@ def structural_guards(entries: list) -> list[bool]:
 OPTIONS = {"guard_filter_fn": structural_guards}
 
 
+class RecompileLimitHit(RuntimeError):
+    """Warming up passed torch's recompile limit: some of the blocks' graphs would run eager."""
+
+
+class _LimitWatch(logging.Handler):
+    """Reads torch's "hit config.recompile_limit" warning (torch._dynamo.convert_frame): the function
+    whose new shapes run eager from then on. Attached once, by compile_blocks."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hits: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if not text.startswith("torch._dynamo hit config."):
+            return
+        where = text.splitlines()[1].strip() if "\n" in text else text
+        self.hits.append(where)
+        log.error("a compiled block passed torch's recompile limit (%s): its new shapes run eager from now on",
+                  where)
+
+
+_WATCH = _LimitWatch()
+
+
+def recompile_limit_hits() -> int:
+    """How many times, in this process, a compiled block passed torch's recompile limit."""
+    return len(_WATCH.hits)
+
+
 def thread_settings() -> None:
     """torch's compiler settings the compiled blocks need, for the calling thread: torch keeps them
     per thread (context variables), so a thread that runs compiled blocks (an engine's) calls this
@@ -44,14 +77,17 @@ def thread_settings() -> None:
     torch.fx.experimental._config.use_duck_shape = False
     # graphs are kept per code object, and every Block shares one: a translator's encoder and decoder
     # blocks, a decoder's dense and paged caches, and their 1-row / n-row, first-step / later-step
-    # variants pass torch's default of 8 (past the limit a block runs eager); a generator with its
-    # prompt twins (the blocks, float32 and bfloat16 timed at load) warms up several dozen
+    # variants pass torch's default of 8 (past the limit a block runs eager); a generator and its
+    # prompt twin warm up a few dozen
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def compile_blocks(model: nn.Module) -> int:
     """Compile every Block of `model` in place (nn.Module.compile); returns how many."""
     thread_settings()
+    dynamo_log = logging.getLogger("torch._dynamo.convert_frame")
+    if _WATCH not in dynamo_log.handlers:
+        dynamo_log.addHandler(_WATCH)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
         block.compile(dynamic=True, options=OPTIONS)
@@ -74,14 +110,15 @@ def uncompile_blocks(model: nn.Module) -> None:
 def warm_up(model: nn.Module, kv_dtype: torch.dtype | None = None) -> float:
     """Run the shapes serving meets (1 and 2 rows; prefill and decode steps on a KV cache of `kv_dtype`,
     the engine's, None: the model's dtype; an encoder's padded batch) so their graphs compile now.
-    Returns the seconds it took."""
+    Returns the seconds it took; RecompileLimitHit where a graph it needs passed torch's recompile limit
+    (that shape would run eager: the caller serves the model eager, and its plan says why)."""
     from ..cache.dense import KVCache
     from ..cache.paged import BLOCK_TOKENS, PagedKVCache
     from ..decoder import DecoderLM
     from ..encoder import EncoderModel
     from ..seq2seq import Seq2Seq
 
-    started = time.perf_counter()
+    started, hits = time.perf_counter(), recompile_limit_hits()
     device, dtype = next(model.parameters()).device, kv_dtype or next(model.parameters()).dtype
     if isinstance(model, Seq2Seq):  # through beam search itself: its cache rows and reordered cross keys
         from ..beam_search import BeamParams, translate_ids
@@ -115,6 +152,9 @@ def warm_up(model: nn.Module, kv_dtype: torch.dtype | None = None) -> float:
                 for t in steps:
                     model(torch.full((rows, t), 3, dtype=torch.long, device=device), cache=cache.view())
                     cache.advance(t)
+    if recompile_limit_hits() > hits:
+        raise RecompileLimitHit(f"warming up passed torch's recompile limit of "
+                                f"{torch._dynamo.config.recompile_limit} graphs a block ({_WATCH.hits[-1]})")
     seconds = time.perf_counter() - started
     log.info("compiled blocks warmed up in %.1f s", seconds)
     return seconds

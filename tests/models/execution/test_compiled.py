@@ -4,7 +4,10 @@ and blocks of different structure in one process each running their own graph.""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,3 +174,21 @@ def test_a_model_whose_blocks_fail_to_compile_is_served_eager(monkeypatch: pytes
                    Path("/nonexistent"))
     eager, _ = tiny_model("decoder")
     torch.testing.assert_close(decode_steps(loaded.model, [[5, 6]], 2), decode_steps(eager, [[5, 6]], 2), **CLOSE)
+
+
+def test_warming_up_past_the_recompile_limit_serves_eager_and_the_plan_says_so() -> None:
+    """Past torch's recompile limit a block's new shapes would run eager without a word: a warm-up that
+    passes it fails the compilation, so the plan names the reason and the model is served eager. In a
+    process of its own (the limit's hit marks the block's code object there)."""
+    code = ("import json, torch; from pathlib import Path; import models.execution.compiled as c;"
+            "c.RECOMPILE_LIMIT = 2; torch._dynamo.config.recompile_limit = 2;"
+            "from models.catalog import load_model, ModelSpec;"
+            "l = load_model(ModelSpec(name='g', tasks=('generate',), source='tiny:decoder', compile=True), Path('/n'));"
+            "print(json.dumps([l.plan.to_dict(), l.compiled, c.recompile_limit_hits()]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parents[3])
+    plan, compiled, hits = json.loads(out.stdout.splitlines()[-1])
+    assert hits >= 1 and not compiled
+    assert plan["prefill"]["backend"] == "torch"
+    assert "passed torch's recompile limit of 2 graphs a block" in plan["prefill"]["not_taken"]["compiled"]
+    assert "its new shapes run eager from now on" in out.stderr  # logged as an error where it happens
