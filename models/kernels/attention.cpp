@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -29,17 +28,6 @@
 namespace {
 
 using namespace ts;
-
-// a pool's values (float32, or bfloat16 as their bits) as float32, exactly
-TS_TARGET inline vf widen(const float* p) { return load(p); }
-TS_TARGET inline vf widen(const uint16_t* p) { return bf16s(p); }
-inline float widen1(float v) { return v; }
-inline float widen1(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 template <typename E>
 TS_TARGET inline float dot(const float* a, const E* b, int64_t d) {

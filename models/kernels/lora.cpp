@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "ops.h"
@@ -25,15 +24,6 @@ namespace {
 
 using namespace ts;
 
-TS_TARGET inline vf load_as_float(const float* p) { return load(p); }
-TS_TARGET inline vf load_as_float(const uint16_t* p) { return bf16s(p); }
-inline float as_float(float v) { return v; }
-inline float as_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // Accumulators a pass keeps in registers (AVX-512 has 32 vector registers, AVX2 16): a pass of the first
 // product takes KB rank rows x up to ROWS rows, one of the second takes CB vectors of outputs x ROWS rows
@@ -51,7 +41,7 @@ TS_TARGET void dots(const W* a, const float* const* x, int64_t len, float* t, in
   int64_t i = 0;
   for (; i + LANES <= len; i += LANES) {
     vf av[M];
-    for (int k = 0; k < M; ++k) av[k] = load_as_float(a + k * len + i);
+    for (int k = 0; k < M; ++k) av[k] = widen(a + k * len + i);
     for (int q = 0; q < N; ++q) {
       const vf xv = load(x[q] + i);
       for (int k = 0; k < M; ++k) acc[k][q] = fmadd(av[k], xv, acc[k][q]);
@@ -60,7 +50,7 @@ TS_TARGET void dots(const W* a, const float* const* x, int64_t len, float* t, in
   for (int k = 0; k < M; ++k) {
     for (int q = 0; q < N; ++q) {
       float s = reduce_add(acc[k][q]);
-      for (int64_t e = i; e < len; ++e) s += as_float(a[k * len + e]) * x[q][e];
+      for (int64_t e = i; e < len; ++e) s += widen1(a[k * len + e]) * x[q][e];
       t[k + q * stride] = s;
     }
   }
@@ -78,7 +68,7 @@ TS_TARGET void updates(const float* const* t, const W* bt, int64_t O, int64_t us
       for (int q = 0; q < N; ++q) acc[c][q] = zero();
     for (int64_t j = 0; j < used; ++j) {
       vf b[CB];
-      for (int c = 0; c < CB; ++c) b[c] = load_as_float(bt + j * O + o + c * LANES);
+      for (int c = 0; c < CB; ++c) b[c] = widen(bt + j * O + o + c * LANES);
       for (int q = 0; q < N; ++q) {
         const vf tv = set1(t[q][j]);
         for (int c = 0; c < CB; ++c) acc[c][q] = fmadd(tv, b[c], acc[c][q]);
@@ -91,7 +81,7 @@ TS_TARGET void updates(const float* const* t, const W* bt, int64_t O, int64_t us
     vf acc[N];
     for (int q = 0; q < N; ++q) acc[q] = zero();
     for (int64_t j = 0; j < used; ++j) {
-      const vf vb = load_as_float(bt + j * O + o);
+      const vf vb = widen(bt + j * O + o);
       for (int q = 0; q < N; ++q) acc[q] = fmadd(set1(t[q][j]), vb, acc[q]);
     }
     for (int q = 0; q < N; ++q) store(y[q] + o, add(load(y[q] + o), acc[q]));
@@ -99,7 +89,7 @@ TS_TARGET void updates(const float* const* t, const W* bt, int64_t O, int64_t us
   for (; o < o1; ++o) {
     for (int q = 0; q < N; ++q) {
       float s = 0.0f;
-      for (int64_t j = 0; j < used; ++j) s += t[q][j] * as_float(bt[j * O + o]);
+      for (int64_t j = 0; j < used; ++j) s += t[q][j] * widen1(bt[j * O + o]);
       y[q][o] += s;
     }
   }

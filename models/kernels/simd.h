@@ -185,6 +185,17 @@ TS_TARGET inline void narrow_i8(const vi (&v)[32 / LANES], int8_t* out) {
 }
 #endif
 
+// LANES values stored as float32, or as bfloat16 (their bits), as float32, exactly; and one such value
+TS_TARGET inline vf widen(const float* p) { return load(p); }
+TS_TARGET inline vf widen(const uint16_t* p) { return bf16s(p); }
+inline float widen1(float v) { return v; }
+inline float widen1(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 #if defined(TS_BF16)
 // acc (float32 lanes j) += x[2 j] w[2 j] + x[2 j + 1] w[2 j + 1]: x and w hold bfloat16 pairs (vdpbf16ps;
 // the products exact, its own rounding of the sums, the same for every lane and call)
