@@ -22,7 +22,7 @@ from torch import Tensor
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+def kv_dtype(name: str, model_dtype: torch.dtype | None) -> torch.dtype | None:
     """The dtype a cache keeps keys/values in: "auto" the model's (its weights'), else one of KV_DTYPES."""
     if name == "auto":
         return model_dtype

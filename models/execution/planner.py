@@ -151,14 +151,17 @@ def _kv(model: nn.Module, runtime: Runtime) -> torch.dtype:
     return runtime.kv_dtype or next(model.parameters()).dtype
 
 
+def _kv_detail(kv: torch.dtype) -> str:
+    return f"{str(kv).removeprefix('torch.')} KV"
+
+
 def _attention(model: nn.Module, runtime: Runtime) -> str:
     weight = next(model.parameters())
     kv = _kv(model, runtime)
-    cache = f"{str(kv).removeprefix('torch.')} KV"
     paged = runtime.paged and model.cfg.sliding_window is None
     if paged and pool_kernel_runs(kv, weight.device):
-        return f"attention: paged decode kernel, {cache}"
-    return "attention: SDPA" + (" on a paged cache" if paged else "") + f", {cache}"
+        return f"attention: paged decode kernel, {_kv_detail(kv)}"
+    return "attention: SDPA" + (" on a paged cache" if paged else "") + f", {_kv_detail(kv)}"
 
 
 def _decode(model: nn.Module, runtime: Runtime, head: Callable[[], object] | None, ours: bool) -> _Phase:
@@ -184,8 +187,7 @@ def _decode(model: nn.Module, runtime: Runtime, head: Callable[[], object] | Non
             raise Unsupported(f"a float32 or bfloat16 KV cache (engine.kv_cache_dtype gives {kv})")
         return step
 
-    phase.native(build, lambda step: ", ".join([_isa(), weights, step.detail(), f"{str(kv).removeprefix('torch.')} KV",
-                                                *head_reason]), ours)
+    phase.native(build, lambda step: ", ".join([_isa(), weights, step.detail(), _kv_detail(kv), *head_reason]), ours)
     device = next(model.parameters()).device
     if head is not None:
         phase.cannot("cuda_graphs", "needs a generator's engine (beam steps are not captured)")

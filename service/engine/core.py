@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.adapters import Held, ResidentAdapters
-from models.cache.base import KV_DTYPES, KeyValueCache, kv_dtype
+from models.cache.base import KeyValueCache, kv_dtype
 from models.cache.dense import KVCache
 from models.cache.paged import PagedKVCache
 from models.decoder import DecoderLM
@@ -83,7 +83,7 @@ def engine_runtime(config: EngineConfig) -> Runtime:
     """What an engine with this config gives its model's decode steps (the plan depends on it):
     speculative decoding's verify steps do not run on captured graphs; the KV cache's dtype."""
     return Runtime(paged=config.paged, graphs=False if config.speculative is not None else config.decode_graphs,
-                   kv_dtype=None if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype])
+                   kv_dtype=kv_dtype(config.kv_cache_dtype, None))  # "auto": None, the model's dtype
 
 
 # select_batch's fixed cost of one prefill forward pass, in padded prompt tokens: prompts of very
