@@ -137,6 +137,9 @@ SPECS: dict[str, Spec] = {
     "generation_kv_cache_usage_ratio": Spec("gauge", ("model",), "KV-cache tokens held / capacity, the fullest "
                                                                  "live replica", mode="livemax"),
     "generation_kv_blocks": Spec("gauge", ("model", "kind"), "Paged KV cache: 16-token blocks used and free"),
+    "compiled_recompile_limit_hits_total": Spec(
+        "counter", ("model",), "Times a compiled block of the model passed torch's recompile limit while serving: "
+                               "its new shapes run eager from then on (the replica's log names the block)"),
     "generation_preempted_total": Spec("counter", ("model",), "Requests preempted when KV blocks ran out "
                                                                 "(recomputed when admitted again)"),
     "generation_spec_draft_tokens_total": Spec("counter", ("model", "method"), "Speculative decoding: drafted "

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from models.execution.compiled import recompile_limit_hits
+
 from ..messages import FINISH_REASONS
 from .hooks import DROPS, REFUSALS, BatchObserver, EngineObserver, EngineStats
 from .memory import resident_bytes
@@ -31,13 +33,30 @@ class AdmissionMetrics:
             self.metrics["admission_refused_total"].labels(self.model, refused).inc()
 
 
-class PrometheusBatchObserver(AdmissionMetrics, BatchObserver):
+class RecompileMetrics:
+    """The model's compiled blocks passing torch's recompile limit while it serves (its new shapes run
+    eager from then on: the plan no longer holds): polled after each batch or step, counted from when
+    the observer was made (a hit while warming up already made the plan eager). One model a process."""
+
+    def __init__(self, metrics: ServiceMetrics, model: str) -> None:
+        self._hits = metrics["compiled_recompile_limit_hits_total"].labels(model)
+        self._hits_seen = recompile_limit_hits()
+
+    def poll_recompiles(self) -> None:
+        hits = recompile_limit_hits()
+        if hits > self._hits_seen:
+            self._hits.inc(hits - self._hits_seen)
+            self._hits_seen = hits
+
+
+class PrometheusBatchObserver(AdmissionMetrics, RecompileMetrics, BatchObserver):
     """A DynamicBatcher's hooks -> the batch and queue metrics of one model (each drop reason of
     DROPS exported at 0 from the start)."""
 
     def __init__(self, metrics: ServiceMetrics, model: str, adapters: Sequence[str] = (),
                  tasks: Sequence[str] = ()) -> None:
-        super().__init__(metrics, model)
+        AdmissionMetrics.__init__(self, metrics, model)
+        RecompileMetrics.__init__(self, metrics, model)
         for reason in DROPS:
             metrics["batch_dropped_items_total"].labels(model, reason)
         for adapter in adapters:  # the configured adapters' counters from the first scrape
@@ -70,6 +89,7 @@ class PrometheusBatchObserver(AdmissionMetrics, BatchObserver):
         self.efficiency.observe(real_tokens / computed_tokens if computed_tokens else 1.0)
         self.inference.observe(inference_s)
         self.rss.set(resident_bytes())
+        self.poll_recompiles()
         for wait in queue_waits_s:
             self.wait.observe(wait)
 
@@ -83,7 +103,7 @@ SPEC_COUNTERS = {"spec_drafted": "draft_tokens_total", "spec_accepted": "accepte
                  "spec_plain_ms": "plain_seconds_total"}
 
 
-class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
+class PrometheusEngineObserver(AdmissionMetrics, RecompileMetrics, EngineObserver):
     """A GenerationEngine's hooks -> the generation metrics of one model (and its queue and steps
     in the shared queue/batch metrics)."""
 
@@ -92,7 +112,8 @@ class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
         """`speculative`: the engine's speculative method (its counters are exported from the start,
         as are the finished requests of each of FINISH_REASONS, and the counters of each configured
         adapter in `adapters`)."""
-        super().__init__(metrics, model)
+        AdmissionMetrics.__init__(self, metrics, model)
+        RecompileMetrics.__init__(self, metrics, model)
         for reason in FINISH_REASONS:
             metrics["generation_requests_finished_total"].labels(model, reason)
             for adapter in adapters:
@@ -153,6 +174,7 @@ class PrometheusEngineObserver(AdmissionMetrics, EngineObserver):
                 counter.inc((now - self._spec_seen[field]) / scale)
                 self._spec_seen[field] = now
         self.rss.set(resident_bytes())
+        self.poll_recompiles()
         if generated:
             self.generated.inc(generated)
             self.size.observe(generated)

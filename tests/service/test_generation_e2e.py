@@ -939,13 +939,14 @@ SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.
 
 
 def shipped_generator() -> dict[str, Any]:
-    """The shipped config's generator model settings (4-bit blocks, compiled, float32) and its speculative
-    decoding (prompt lookup), as deployed."""
+    """The shipped config's generator model settings (4-bit blocks, compiled, float32), its speculative
+    decoding (prompt lookup) and its KV cache's dtype (bfloat16), as deployed."""
     import yaml
 
     (app,) = yaml.safe_load(SHIPPED_CONFIG.read_text())["applications"]
     gen = app["args"]["deployments"]["generator"]
-    return {"model": gen["model"], "dtype": gen["dtype"], "engine": {"speculative": gen["engine"]["speculative"]}}
+    engine = {k: gen["engine"][k] for k in ("speculative", "kv_cache_dtype")}
+    return {"model": gen["model"], "dtype": gen["dtype"], "engine": engine}
 
 
 @pytest.fixture(scope="module")
@@ -971,6 +972,7 @@ def test_smollm2_answers_the_capital_of_france(smollm2: Cluster) -> None:
     assert plan["decode"]["backend"] == ("native" if blocks else "compiled")
     if blocks:
         assert plan["decode"]["detail"].startswith(f"{native.isa()}, q4_1/q8_0 blocks, blocks + embedding + final norm")
+    assert "bfloat16 KV" in plan["decode"]["detail"]  # the shipped cache: keys/values stored in bfloat16
     # prompt_weights: auto keeps a twin (float32, or bfloat16 where our bfloat16 panels run) only where it
     # measured faster at load, and the plan says what it measured
     assert card["prompt_weights"] in ((None, "float32", "bfloat16") if blocks else (None,))

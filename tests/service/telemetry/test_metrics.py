@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from models.decoding import SamplingParams
+from models.execution.compiled import compile_blocks
 from models.tiny import tiny_model
 from service.engine.config import EngineConfig
 from service.engine.core import GenerationEngine
@@ -43,7 +44,16 @@ from service.settings import Settings
 from service.telemetry import metrics as metrics_module
 from service.telemetry.endpoints import is_api
 from service.telemetry.front_answers import answers_file, write_totals
-from service.telemetry.hooks import CANCELLED, DEADLINE, DROPS, EXPIRED, QUEUE_FULL, REFUSALS, REJECTED
+from service.telemetry.hooks import (
+    CANCELLED,
+    DEADLINE,
+    DROPS,
+    EXPIRED,
+    QUEUE_FULL,
+    REFUSALS,
+    REJECTED,
+    EngineStats,
+)
 from service.telemetry.logs import REQUEST_ID, JsonFormatter, PlainFormatter, valid_request_id
 from service.telemetry.memory import resident_bytes
 from service.telemetry.metrics import (
@@ -175,6 +185,27 @@ def test_engine_metrics_observe_what_the_engine_did(metrics: ServiceMetrics) -> 
                   "generation_kv_cache_usage_ratio"):
         assert value(metrics, gauge, **m) == 0, gauge
     assert 2**20 < value(metrics, "replica_resident_memory_bytes", **m) == pytest.approx(resident_bytes(), rel=0.5)
+
+
+def test_a_compiled_block_passing_the_recompile_limit_while_serving_is_counted(metrics: ServiceMetrics) -> None:
+    """torch's "hit config.recompile_limit" warning while a model serves (its new shapes run eager from
+    then on) counts on that model's counter at the next batch or step; hits before the observer was
+    made (a warm-up's, which made the plan eager) do not."""
+    compile_blocks(tiny_model("decoder")[0])  # watches torch's log from now on (nothing compiles until called)
+    hit = "torch._dynamo hit config.recompile_limit (8)\n   function: 'forward' (models/layers.py:114)"
+    logging.getLogger("torch._dynamo.convert_frame").warning(hit)  # before the observers: not counted
+    engine, batcher = PrometheusEngineObserver(metrics, "gen"), PrometheusBatchObserver(metrics, "enc")
+    stats = EngineStats(running=1, waiting=0, rows=2, cache_usage=0.1, cache_bytes=1, prompt_tokens=1,
+                        generated_tokens=1, steps=1)
+    engine.on_step(stats, 1, 0.01)
+    batcher.on_batch(1, 4, 4, 0.01, [0.0])
+    assert value(metrics, "compiled_recompile_limit_hits_total", model="gen") == 0
+    logging.getLogger("torch._dynamo.convert_frame").warning(hit)
+    logging.getLogger("torch._dynamo.convert_frame").warning("torch._dynamo: something else")
+    engine.on_step(stats, 1, 0.01)
+    batcher.on_batch(1, 4, 4, 0.01, [0.0])
+    assert value(metrics, "compiled_recompile_limit_hits_total", model="gen") == 1
+    assert value(metrics, "compiled_recompile_limit_hits_total", model="enc") == 1
 
 
 def test_admission_estimates_and_refusals_reach_their_metrics(metrics: ServiceMetrics) -> None:
