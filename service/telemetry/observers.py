@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from models.execution.compiled import recompile_limit_hits
-
 from ..messages import FINISH_REASONS
 from .hooks import DROPS, REFUSALS, BatchObserver, EngineObserver, EngineStats
 from .memory import resident_bytes
@@ -33,6 +31,13 @@ class AdmissionMetrics:
             self.metrics["admission_refused_total"].labels(self.model, refused).inc()
 
 
+def _recompile_limit_hits() -> int:
+    # imported here: the ingress imports this module too, and never torch (tests/service/test_layout.py)
+    from models.execution.compiled import recompile_limit_hits
+
+    return recompile_limit_hits()
+
+
 class RecompileMetrics:
     """The model's compiled blocks passing torch's recompile limit while it serves (its new shapes run
     eager from then on: the plan no longer holds): polled after each batch or step, counted from when
@@ -40,10 +45,10 @@ class RecompileMetrics:
 
     def __init__(self, metrics: ServiceMetrics, model: str) -> None:
         self._hits = metrics["compiled_recompile_limit_hits_total"].labels(model)
-        self._hits_seen = recompile_limit_hits()
+        self._hits_seen = _recompile_limit_hits()
 
     def poll_recompiles(self) -> None:
-        hits = recompile_limit_hits()
+        hits = _recompile_limit_hits()
         if hits > self._hits_seen:
             self._hits.inc(hits - self._hits_seen)
             self._hits_seen = hits
