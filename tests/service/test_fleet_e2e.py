@@ -49,7 +49,7 @@ def app_args(long_dir: Path, retry_after_s: int = 1) -> dict[str, Any]:
                 "engine": {"max_running": 8, "max_queued": 32, "max_total_tokens": None}},
             "long": {
                 "model": {"name": LONG, "tasks": ["generate"], "source": f"dir:{long_dir}"},
-                "num_cpus": 0, "torch_threads": 1, "drain_grace_s": 60,
+                "num_cpus": 0, "torch_threads": 1, "drain_grace_s": 150,  # past what 16 streams take on a slow CI machine
                 "autoscaling_config": {
                     "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                     "upscale_delay_s": 1, "downscale_delay_s": 1, "metrics_interval_s": 0.5,
