@@ -31,24 +31,21 @@ class AdmissionMetrics:
             self.metrics["admission_refused_total"].labels(self.model, refused).inc()
 
 
-def _recompile_limit_hits() -> int:
-    # imported here: the ingress imports this module too, and never torch (tests/service/test_layout.py)
-    from models.execution.compiled import recompile_limit_hits
-
-    return recompile_limit_hits()
-
-
 class RecompileMetrics:
     """The model's compiled blocks passing torch's recompile limit while it serves (its new shapes run
     eager from then on: the plan no longer holds): polled after each batch or step, counted from when
     the observer was made (a hit while warming up already made the plan eager). One model a process."""
 
     def __init__(self, metrics: ServiceMetrics, model: str) -> None:
+        # imported here, in a replica: the ingress imports this module too, and never torch (test_layout.py)
+        from models.execution.compiled import recompile_limit_hits
+
+        self._count = recompile_limit_hits
         self._hits = metrics["compiled_recompile_limit_hits_total"].labels(model)
-        self._hits_seen = _recompile_limit_hits()
+        self._hits_seen = recompile_limit_hits()
 
     def poll_recompiles(self) -> None:
-        hits = _recompile_limit_hits()
+        hits = self._count()
         if hits > self._hits_seen:
             self._hits.inc(hits - self._hits_seen)
             self._hits_seen = hits
