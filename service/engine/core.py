@@ -416,10 +416,18 @@ class GenerationEngine(StepLoop):
 
     def _chunk(self) -> int:
         """Chunked prefill: the next chunk of the long prompt in progress, or of the waiting head when
-        it is longer than a chunk and a row is free. Returns the prompt tokens it computed."""
+        it is longer than a chunk and a row is free. A chunk waits a step while a more urgent prompt
+        that is not chunked waits for a free row (it is prefilled first). Returns the prompt tokens
+        it computed."""
         chunk, batch = self.limits.prefill_chunk, self._batch
         if chunk is None:
             return 0
+        if batch.partial is not None and batch.free >= 1:
+            with self._cond:
+                head = self._waiting[0] if self._waiting else None
+            if (head is not None and head.priority < batch.partial.priority
+                    and (head.resume or not self._long(self._rest(head)))):
+                return 0
         if batch.partial is None:
             with self._cond:
                 if (not self._waiting or batch.free < 1 or self._waiting[0].resume
@@ -481,7 +489,8 @@ class GenerationEngine(StepLoop):
         """FIFO while rows are free, (longest prompt) x (requests) fits the prefill budget (the first
         one always, unless `first_fits` is False) and, paged, blocks for each context are available
         (made free before returning); stops at a prompt to prefill in chunks (a preempted request's
-        context is recomputed whole). Paged, a request's prefix hit is counted as blocks it shares,
+        context is recomputed whole) and at a less urgent priority than the first's (an urgent prompt
+        is computed in a forward of its own, never padded out by the queue behind it). Paged, a request's prefix hit is counted as blocks it shares,
         not new ones, and pinned (appended to `pins`; the caller unpins after the prefill) so that
         nothing evicts it first."""
         batch = self._batch
@@ -496,6 +505,8 @@ class GenerationEngine(StepLoop):
                 rest = self._rest(head)
                 if self._long(rest) and not head.resume:
                     break  # _chunk takes it when the chunked prefill in progress is done
+                if group and head.priority > group[0].priority:
+                    break  # the next step takes it
                 longest_next = max(longest, rest)
                 if (group or not first_fits) and longest_next * (len(group) + 1) > budget:
                     break

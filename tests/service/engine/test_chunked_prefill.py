@@ -141,3 +141,35 @@ def test_a_windowed_model_prefills_in_chunks_through_its_ring(tiny: tuple[nn.Mod
     with torch.no_grad():
         want = [full_recomputation_greedy(windowed, p, 8) for p in prompts]
     assert [list(read(h)[1].token_ids) for h in handles] == want
+
+
+def test_an_urgent_prompt_is_prefilled_alone_and_before_a_chunk(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """A long prompt at priority 5 is in its chunks and three short ones of priority 5 wait when an
+    urgent one (priority 0) arrives: the next step computes the urgent prompt in a forward of its own
+    (not padded out by those behind it) and the chunk waits; the step after, the chunk goes on, the
+    three are prefilled together and the four rows decode. Every answer is the one of a run alone."""
+    from service.engine.core import Submission
+
+    model, tok = tiny
+    spy = FaultyLM(model, lambda ids, cache: False)
+    engine = make(spy, tok, max_running=8, prefill_chunk=CHUNK, prefill_tokens=256)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    long = long_prompt(30)
+    chunked = engine.submit_many([Submission(long, params, priority=5)])[0]
+    engine.step()  # its first chunk
+    shorts = [long_prompt(n, base) for n, base in ((6, 4), (7, 8), (5, 13))]
+    low = engine.submit_many([Submission(p, params, priority=5) for p in shorts])
+    urgent_prompt = [9, 8, 7]
+    urgent = engine.submit_many([Submission(urgent_prompt, params, priority=0)])[0]
+    spy.calls.clear()
+    engine.step()
+    # the urgent prompt alone (padded to an even width), then the decode step of its row
+    assert [tuple(ids.shape) for ids in spy.calls] == [(1, 4), (1, 1)], spy.calls
+    assert [seq.request_id for seq in engine._batch.rows] == [urgent.request_id]
+    spy.calls.clear()
+    engine.step()
+    shapes = [tuple(ids.shape) for ids in spy.calls]
+    assert shapes[0] == (1, CHUNK) and shapes[1][0] == 3 and shapes[2] == (4, 1), shapes  # chunk, the three, decode
+    run_until_idle(engine)
+    for handle, prompt in zip([chunked, *low, urgent], [long, *shorts, urgent_prompt], strict=True):
+        assert list(read(handle)[1].token_ids) == reference(model, tok, prompt, params)[0]
