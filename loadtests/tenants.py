@@ -2,6 +2,7 @@
 
     python -m loadtests.tenants --url http://127.0.0.1:8000 --calm-key K1 --flood-key K2
                                 [--flood 32] [--requests 20] [--max-tokens 32]
+                                [--calm-priority P --flood-priority P] [--model NAME]
 
 The service runs with both keys as tenants (docs/reliability.md, "Tenants and quotas"), e.g. the
 flooding one at a larger priority value: `TS_TENANTS='{"calm": {"keys": ["K1"]}, "flood": {"keys":
@@ -10,6 +11,10 @@ completions one after another (its time to first token: the first content chunk)
 clients of the other tenant stream completions in a closed loop while the calm tenant sends the same
 requests again. Prints the calm tenant's TTFT p50 / p95 alone and under the flood, their ratio, and
 the flood's output tok/s and statuses. Only for a service on this machine (127.0.0.1).
+
+A server without tenants (vLLM's with `--scheduling-policy priority`) is measured the same way with
+the requests' own `priority` field (`--calm-priority 0 --flood-priority 10`, no keys) and its model's
+name (`--model`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -29,13 +35,28 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "W
              "Give me a synonym for happy.", "Which planet is closest to the sun?"]
 
 
-async def ttft(client: httpx.AsyncClient, key: str, question: str, max_tokens: int) -> float | None:
+@dataclass(frozen=True)
+class Tenant:
+    """How one tenant's requests are told apart: its API key and/or their `priority` field; the model."""
+
+    key: str | None = None
+    priority: int | None = None
+    model: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.key is None else {"Authorization": f"Bearer {self.key}"}
+
+    def body(self, **fields: Any) -> dict[str, Any]:
+        extra = {"priority": self.priority} if self.priority is not None else {}
+        return fields | extra | ({"model": self.model} if self.model is not None else {})
+
+
+async def ttft(client: httpx.AsyncClient, tenant: Tenant, question: str, max_tokens: int) -> float | None:
     """Seconds from sending a streaming chat completion to its first content chunk (None: refused)."""
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "stream": True,
-            "temperature": 0}
+    body = tenant.body(messages=[{"role": "user", "content": question}], max_tokens=max_tokens, stream=True,
+                       temperature=0)
     began = time.perf_counter()
-    async with client.stream("POST", "/v1/chat/completions", json=body,
-                             headers={"Authorization": f"Bearer {key}"}) as r:
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=tenant.headers()) as r:
         if r.status_code != 200:
             return None
         first = None
@@ -47,17 +68,18 @@ async def ttft(client: httpx.AsyncClient, key: str, question: str, max_tokens: i
     return first
 
 
-async def calm(url: str, key: str, n: int, max_tokens: int) -> list[float]:
+async def calm(url: str, tenant: Tenant, n: int, max_tokens: int) -> list[float]:
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         out = []
         for i in range(n):
-            t = await ttft(client, key, QUESTIONS[i % len(QUESTIONS)], max_tokens)
+            t = await ttft(client, tenant, QUESTIONS[i % len(QUESTIONS)], max_tokens)
             if t is not None:
                 out.append(t)
         return out
 
 
-async def flood(url: str, key: str, clients: int, stop: asyncio.Event, max_tokens: int) -> tuple[int, Counter[int]]:
+async def flood(url: str, tenant: Tenant, clients: int, stop: asyncio.Event,
+                max_tokens: int) -> tuple[int, Counter[int]]:
     """`clients` streaming completions in a closed loop until `stop`: (chunks received, statuses)."""
     chunks, statuses = [0], Counter()
 
@@ -65,10 +87,9 @@ async def flood(url: str, key: str, clients: int, stop: asyncio.Event, max_token
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
             i = c
             while not stop.is_set():
-                body = {"prompt": f"Story {i}: once upon a time", "max_tokens": max_tokens, "stream": True,
-                        "temperature": 0.8, "seed": i}
-                async with client.stream("POST", "/v1/completions", json=body,
-                                         headers={"Authorization": f"Bearer {key}"}) as r:
+                body = tenant.body(prompt=f"Story {i}: once upon a time", max_tokens=max_tokens, stream=True,
+                                   temperature=0.8, seed=i)
+                async with client.stream("POST", "/v1/completions", json=body, headers=tenant.headers()) as r:
                     statuses[r.status_code] += 1
                     if r.status_code != 200:
                         await asyncio.sleep(0.5)
@@ -91,13 +112,15 @@ def p95(values: Sequence[float]) -> float:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    await calm(args.url, args.calm_key, 2, args.max_tokens)  # warm-up
-    alone = await calm(args.url, args.calm_key, args.requests, args.max_tokens)
+    calm_tenant = Tenant(args.calm_key, args.calm_priority, args.model)
+    flood_tenant = Tenant(args.flood_key, args.flood_priority, args.model)
+    await calm(args.url, calm_tenant, 2, args.max_tokens)  # warm-up
+    alone = await calm(args.url, calm_tenant, args.requests, args.max_tokens)
     stop = asyncio.Event()
-    flooding = asyncio.create_task(flood(args.url, args.flood_key, args.flood, stop, args.max_tokens))
+    flooding = asyncio.create_task(flood(args.url, flood_tenant, args.flood, stop, args.max_tokens))
     await asyncio.sleep(args.ramp_s)
     began = time.perf_counter()
-    under = await calm(args.url, args.calm_key, args.requests, args.max_tokens)
+    under = await calm(args.url, calm_tenant, args.requests, args.max_tokens)
     took = time.perf_counter() - began
     stop.set()
     chunks, statuses = await flooding
@@ -109,8 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.tenants", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--calm-key", required=True)
-    p.add_argument("--flood-key", required=True)
+    p.add_argument("--calm-key", help="the calm tenant's API key")
+    p.add_argument("--flood-key", help="the flooding tenant's API key")
+    p.add_argument("--calm-priority", type=int, help="the calm tenant's requests' `priority` field")
+    p.add_argument("--flood-priority", type=int, help="the flooding tenant's requests' `priority` field")
+    p.add_argument("--model", help="the `model` field of every request (a peer server's model name)")
     p.add_argument("--flood", type=int, default=32, help="the flooding tenant's concurrent streams")
     p.add_argument("--requests", type=int, default=20, help="the calm tenant's requests in each phase")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -119,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.url.startswith(("http://127.", "http://localhost")):
         p.error("the load goes to a service on this machine only (127.0.0.1 / localhost)")
+    if (args.calm_key is None and args.calm_priority is None) or (args.flood_key is None and args.flood_priority is None):
+        p.error("each tenant needs a key (--calm-key, --flood-key) or a priority (--calm-priority, --flood-priority)")
     out = asyncio.run(run(args))
     alone, under = out["alone"], out["under"]
     row = {"alone_p50_s": round(statistics.median(alone), 3), "alone_p95_s": round(p95(alone), 3),
