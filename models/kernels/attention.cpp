@@ -12,7 +12,6 @@
 // weighted sum are computed per item in a fixed order, whatever else is in the batch: a row's result
 // does not depend on its batch (bitwise), as the projections' kernels (panels.cpp) guarantee.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -36,7 +36,6 @@
 // (B, 1): each row's source; source_keys (B,): its real keys. final_norm, final_norm_bias: the norm
 // after the last block (None: none).
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -8,7 +8,6 @@
 // row), as the projections' kernels. Both threads share even one row's update: the first products are
 // split by ranks, the second (after a barrier) by output columns.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/library.h>
@@ -23,7 +22,6 @@
 namespace {
 
 using namespace ts;
-
 
 // Accumulators a pass keeps in registers (AVX-512 has 32 vector registers, AVX2 16): a pass of the first
 // product takes KB rank rows x up to ROWS rows, one of the second takes CB vectors of outputs x ROWS rows

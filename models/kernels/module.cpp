@@ -5,7 +5,7 @@
 // convert once and the step runs without the GIL (the replica's event loop goes on while a step
 // computes, as it did during an op's call).
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "ops.h"
 

@@ -30,7 +30,6 @@
 // AVX-512 with VNNI, AVX2): models/kernels/native.py builds and loads the one this CPU runs. Each
 // build computes the same bits: the integer sums are exact and the float operations lane-wise.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -3,8 +3,6 @@
 // consecutive rows of every layer's keys and values, so a copy is one memcpy per layer and kind; as
 // torch ops (index tensors, a gather and a scatter) it cost more than the bytes moved.
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

@@ -12,7 +12,6 @@
 // lowest index first; a NaN candidate ranks below every number (it enters only while fewer than k
 // candidates have been seen).
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
