@@ -3,8 +3,8 @@ decode attention, attention.cpp; a beam step's candidates, select.cpp) and the b
 (module.cpp: a whole stack's decode step or encoder pass, block_step.cpp; copying pool blocks, pool.cpp).
 
 `available()` builds once per machine and instruction set (torch's extension builder, cached under
-$TORCH_EXTENSIONS_DIR; concurrent first loads wait on its lock; `python -m models.kernels.native`
-builds ahead) and loads once per process; it is False, and callers keep torch's kernels, with no
+$TORCH_EXTENSIONS_DIR; concurrent first loads wait on one another, and a build killed midway leaves
+no lock behind that would hold the next load forever; `python -m models.kernels.native` builds ahead) and loads once per process; it is False, and callers keep torch's kernels, with no
 AVX2/FMA/F16C or AVX-512, with TS_NATIVE_KERNELS=0, or when the build fails (`unavailable_reason`).
 `isa()` picks the widest build the CPU runs (TS_NATIVE_ISA may pick a narrower one); every build
 computes the same bits. `module()` only after available() said True.
@@ -12,12 +12,15 @@ computes the same bits. `module()` only after available() said True.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -102,9 +105,10 @@ def available() -> bool:
 
     started = time.perf_counter()
     try:
-        _module.append(load(name=f"{NAME}_{chosen}", sources=[str(source) for source in SOURCES],
-                            extra_cflags=_build_flags(chosen), extra_ldflags=["-fopenmp"], is_python_module=True,
-                            verbose=False))
+        with _build_lock(f"{NAME}_{chosen}"):
+            _module.append(load(name=f"{NAME}_{chosen}", sources=[str(source) for source in SOURCES],
+                                extra_cflags=_build_flags(chosen), extra_ldflags=["-fopenmp"],
+                                is_python_module=True, verbose=False))
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: keep torch's kernels, say why
         _off.append(f"building them failed: {str(e).splitlines()[-1][:200]}")
         log.warning("native kernels off: building %s failed (%s)", ", ".join(s.name for s in SOURCES),
@@ -113,6 +117,24 @@ def available() -> bool:
     _register_fakes()
     log.info("native kernels loaded in %.1f s (%s)", time.perf_counter() - started, chosen)
     return True
+
+
+@contextlib.contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """Held around torch's build and load of `name`. Torch's own lock is a file its holder removes,
+    so a process killed while building (SIGKILL, out of memory, a replica stopped mid-start) leaves it
+    and every later load waits on it forever. Ours is an flock, which the kernel drops with its holder:
+    whoever holds it is the only one of our loads at work, so a torch lock file found then is stale."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(name, verbose=False))
+    with open(folder / "ts-build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+        stale = folder / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build of %s that was killed", stale, name)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def _register_fakes() -> None:
