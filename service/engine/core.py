@@ -417,8 +417,8 @@ class GenerationEngine(StepLoop):
     def _chunk(self) -> int:
         """Chunked prefill: the next chunk of the long prompt in progress, or of the waiting head when
         it is longer than a chunk and a row is free. A chunk waits a step while a more urgent prompt
-        that is not chunked waits for a free row (it is prefilled first). Returns the prompt tokens
-        it computed."""
+        that is not chunked can be admitted (a row and, paged, its blocks free): it is prefilled
+        first. Returns the prompt tokens it computed."""
         chunk, batch = self.limits.prefill_chunk, self._batch
         if chunk is None:
             return 0
@@ -426,7 +426,8 @@ class GenerationEngine(StepLoop):
             with self._cond:
                 head = self._waiting[0] if self._waiting else None
             if (head is not None and head.priority < batch.partial.priority
-                    and (head.resume or not self._long(self._rest(head)))):
+                    and (head.resume or not self._long(self._rest(head)))
+                    and (not batch.paged or batch.blocks_for(head) <= batch.blocks_available())):
                 return 0
         if batch.partial is None:
             with self._cond:
@@ -463,10 +464,19 @@ class GenerationEngine(StepLoop):
 
     def _chunk_blocks(self, tokens: int, last: bool) -> int:
         """Paged: blocks the chunked prompt needs to hold `tokens` (with its first new token after its
-        last chunk, and a block for each sibling that may join on a copy of its row)."""
+        last chunk, and a block for each sibling that may join on a copy of its row: the waiting
+        requests right behind it with its prompt, as _take_siblings takes them)."""
         batch = self._batch
         need = batch.cache.blocks_needed(batch.partial_row, tokens + last)
-        return need + (max(0, min(len(self._waiting), batch.free - 1)) if last else 0)
+        if not last:
+            return need
+        seq, siblings = batch.partial, 0
+        with self._cond:
+            for waiting in self._waiting:
+                if waiting.prompt != seq.prompt or waiting.salt != seq.salt:
+                    break
+                siblings += 1
+        return need + max(0, min(siblings, batch.free - 1))
 
     def _long(self, rest: int) -> bool:
         """Whether a prompt with `rest` tokens to compute is prefilled in chunks."""
@@ -490,9 +500,9 @@ class GenerationEngine(StepLoop):
         one always, unless `first_fits` is False) and, paged, blocks for each context are available
         (made free before returning); stops at a prompt to prefill in chunks (a preempted request's
         context is recomputed whole) and at a less urgent priority than the first's (an urgent prompt
-        is computed in a forward of its own, never padded out by the queue behind it). Paged, a request's prefix hit is counted as blocks it shares,
-        not new ones, and pinned (appended to `pins`; the caller unpins after the prefill) so that
-        nothing evicts it first."""
+        is computed in a forward of its own, never padded out by the queue behind it). Paged, a
+        request's prefix hit is counted as blocks it shares, not new ones, and pinned (appended to
+        `pins`; the caller unpins after the prefill) so that nothing evicts it first."""
         batch = self._batch
         free, group, longest, taken = batch.free, [], 0, 0
         if not free or not self._waiting:  # nothing to admit (the loop below checks again under the lock):

@@ -173,3 +173,30 @@ def test_an_urgent_prompt_is_prefilled_alone_and_before_a_chunk(tiny: tuple[nn.M
     run_until_idle(engine)
     for handle, prompt in zip([chunked, *low, urgent], [long, *shorts, urgent_prompt], strict=True):
         assert list(read(handle)[1].token_ids) == reference(model, tok, prompt, params)[0]
+
+
+@pytest.mark.parametrize("priority", [0, 5], ids=["urgent", "equal"])
+def test_a_last_chunk_goes_on_when_the_next_prompt_waits_for_blocks_it_holds(tiny: tuple[nn.Module, TextTokenizer],
+                                                                           priority: int) -> None:
+    """A pool of 6 blocks of 16 tokens, nothing running, a 90-token prompt of priority 5 eleven chunks
+    in (all 6 blocks held): a 5-token prompt of another text cannot be admitted until the chunked one
+    is done, so its last chunk goes on (it used to wait for that prompt, or keep a block for it as for
+    a sibling of its own text: forever); an urgent one then preempts it. Both give the answers of a
+    run alone."""
+    from service.engine.core import Submission
+
+    from .test_paged_engine import mib_for_blocks
+
+    model, tok = tiny
+    engine = make(model, tok, max_running=4, prefill_chunk=CHUNK, kv_cache_mib=mib_for_blocks(model, 6),
+                  max_total_tokens=96, prefix_cache_mib=0)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    long, other_prompt = long_prompt(90), [9, 8, 7, 6, 5]
+    chunked = engine.submit_many([Submission(long, params, priority=5)])[0]
+    for _ in range(11):
+        engine.step()
+    assert engine._batch.partial_done == 88 and engine._batch.blocks_available() == 0
+    other = engine.submit_many([Submission(other_prompt, params, priority=priority)])[0]
+    run_until_idle(engine, max_steps=100)
+    assert list(read(chunked)[1].token_ids) == reference(model, tok, long, params)[0]
+    assert list(read(other)[1].token_ids) == reference(model, tok, other_prompt, params)[0]
