@@ -2,8 +2,8 @@
 decode attention, attention.cpp; a beam step's candidates, select.cpp) and the build's Python module
 (module.cpp: a whole stack's decode step or encoder pass, block_step.cpp; copying pool blocks, pool.cpp).
 
-`available()` builds once per machine and instruction set (torch's extension builder, cached under
-$TORCH_EXTENSIONS_DIR; concurrent first loads wait on one another, and a build killed midway leaves
+`available()` builds once per machine, instruction set and checkout (torch's extension builder, cached
+under $TORCH_EXTENSIONS_DIR: `build_directory()`; concurrent first loads wait on one another, and a build killed midway leaves
 no lock that would hold the next load forever; `python -m models.kernels.native` builds ahead) and
 loads once per process; it is False, and callers keep torch's kernels, with no AVX2/FMA/F16C or AVX-512, with TS_NATIVE_KERNELS=0, or when the build fails (`unavailable_reason`).
 `isa()` picks the widest build the CPU runs (TS_NATIVE_ISA may pick a narrower one); every build
@@ -105,10 +105,11 @@ def available() -> bool:
 
     started = time.perf_counter()
     try:
-        with _build_lock(f"{NAME}_{chosen}"):
+        folder = build_directory(chosen)
+        with _build_lock(folder):
             _module.append(load(name=f"{NAME}_{chosen}", sources=[str(source) for source in SOURCES],
                                 extra_cflags=_build_flags(chosen), extra_ldflags=["-fopenmp"],
-                                is_python_module=True, verbose=False))
+                                build_directory=str(folder), is_python_module=True, verbose=False))
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: keep torch's kernels, say why
         _off.append(f"building them failed: {str(e).splitlines()[-1][:200]}")
         log.warning("native kernels off: building %s failed (%s)", ", ".join(s.name for s in SOURCES),
@@ -119,20 +120,29 @@ def available() -> bool:
     return True
 
 
+def build_directory(chosen: str) -> Path:
+    """The folder of `chosen`'s build: in torch's extensions folder, one per instruction set and per
+    checkout of these sources (a build names its sources by path, so two checkouts sharing a folder
+    would rebuild at every switch from one to the other); created if missing."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    checkout = hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:12]
+    folder = Path(_get_build_directory(f"{NAME}_{chosen}", verbose=False)) / checkout
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @contextlib.contextmanager
-def _build_lock(name: str) -> Iterator[None]:
-    """Held around torch's build and load of `name`. Torch's own lock is a file its holder removes,
+def _build_lock(folder: Path) -> Iterator[None]:
+    """Held around torch's build and load in `folder`. Torch's own lock is a file its holder removes,
     so a process killed while building (SIGKILL, out of memory, a replica stopped mid-start) leaves it
     and every later load waits on it forever. Ours is an flock, which the kernel drops with its holder:
     whoever holds it is the only one of our loads at work, so a torch lock file found then is stale."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    folder = Path(_get_build_directory(name, verbose=False))
     with open(folder / "ts-build.flock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
         stale = folder / "lock"
         if stale.exists():
-            log.warning("removing %s, left by a build of %s that was killed", stale, name)
+            log.warning("removing %s, left by a build that was killed", stale)
             stale.unlink(missing_ok=True)
         yield
 
