@@ -3,9 +3,11 @@ decode attention, attention.cpp; a beam step's candidates, select.cpp) and the b
 (module.cpp: a whole stack's decode step or encoder pass, block_step.cpp; copying pool blocks, pool.cpp).
 
 `available()` builds once per machine, instruction set and checkout (torch's extension builder, cached
-under $TORCH_EXTENSIONS_DIR: `build_directory()`; concurrent first loads wait on one another, and a build killed midway leaves
-no lock that would hold the next load forever; `python -m models.kernels.native` builds ahead) and
-loads once per process; it is False, and callers keep torch's kernels, with no AVX2/FMA/F16C or AVX-512, with TS_NATIVE_KERNELS=0, or when the build fails (`unavailable_reason`).
+under $TORCH_EXTENSIONS_DIR: `build_directory()`; concurrent first loads wait on one another, and a
+build killed midway leaves no lock that would hold the next load forever; `python -m
+models.kernels.native` builds ahead) and loads once per process; it is False, and callers keep
+torch's kernels, with no AVX2/FMA/F16C or AVX-512, with TS_NATIVE_KERNELS=0, or when the build fails
+(`unavailable_reason`).
 `isa()` picks the widest build the CPU runs (TS_NATIVE_ISA may pick a narrower one); every build
 computes the same bits. `module()` only after available() said True.
 """

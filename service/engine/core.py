@@ -79,6 +79,11 @@ def salt(held: Held | None, cache_salt: str) -> str:
     return "\x1f".join(parts)
 
 
+def _siblings(a: SeqState, b: SeqState) -> bool:
+    """Whether `a` may join on a copy of `b`'s row once b's prompt is computed (the same prompt and salt)."""
+    return a.prompt == b.prompt and a.salt == b.salt
+
+
 def engine_runtime(config: EngineConfig) -> Runtime:
     """What an engine with this config gives its model's decode steps (the plan depends on it):
     speculative decoding's verify steps do not run on captured graphs; the KV cache's dtype."""
@@ -470,12 +475,9 @@ class GenerationEngine(StepLoop):
         need = batch.cache.blocks_needed(batch.partial_row, tokens + last)
         if not last:
             return need
-        seq, siblings = batch.partial, 0
         with self._cond:
-            for waiting in self._waiting:
-                if waiting.prompt != seq.prompt or waiting.salt != seq.salt:
-                    break
-                siblings += 1
+            siblings = next((i for i, seq in enumerate(self._waiting) if not _siblings(seq, batch.partial)),
+                            len(self._waiting))
         return need + max(0, min(siblings, batch.free - 1))
 
     def _long(self, rest: int) -> bool:
@@ -488,8 +490,7 @@ class GenerationEngine(StepLoop):
         siblings: list[SeqState] = []
         with self._cond:
             now = time.perf_counter()
-            while (self._waiting and len(siblings) < self._batch.free
-                   and self._waiting[0].prompt == seq.prompt and self._waiting[0].salt == seq.salt):
+            while self._waiting and len(siblings) < self._batch.free and _siblings(self._waiting[0], seq):
                 sibling = self._pop_waiting()
                 sibling.admitted = now
                 siblings.append(sibling)
