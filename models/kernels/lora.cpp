@@ -148,18 +148,32 @@ std::pair<int64_t, int64_t> share(const std::vector<int64_t>& cumulative, int ti
   return {at(tid), at(tid + 1)};
 }
 
-std::vector<int64_t> cumulative_work(const std::vector<Item>& items) {
-  std::vector<int64_t> c(items.size() + 1, 0);
+// c[i] = the work of items [0, i); returns c
+const std::vector<int64_t>& cumulative_work(const std::vector<Item>& items, std::vector<int64_t>& c) {
+  c.assign(items.size() + 1, 0);
   for (size_t i = 0; i < items.size(); ++i) c[i + 1] = c[i] + items[i].work;
   return c;
 }
+
+// An update's plan (lora_add_typed): the rows in slot order, their chunks, the two phases' items and
+// their cumulative work, and the first products t
+struct Plan {
+  std::vector<int64_t> order;
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  std::vector<Item> firsts, seconds;
+  std::vector<int64_t> c1, c2;
+  std::vector<float> t;
+};
 
 template <typename W>
 void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int64_t* slots) {
   const int64_t R = x.size(0), I = x.size(1), O = y.size(1), N = l.a.size(0), PR = l.a.size(1);
   const int64_t P = static_cast<int64_t>(l.bounds.size()) - 1;
-  // rows grouped by slot (stable)
-  std::vector<int64_t> order;
+  // the plan's lists live from call to call on each calling thread: a decode step's hundred calls at a
+  // few rows allocate nothing
+  thread_local Plan plan;
+  std::vector<int64_t>& order = plan.order;  // rows with an adapter, grouped by slot (stable)
+  order.clear();
   for (int64_t b = 0; b < R; ++b) {
     if (slots[b] >= 0) {
       TORCH_CHECK(slots[b] < N, "adapter slot ", slots[b], " outside the ", N, " slots");
@@ -167,17 +181,22 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
     }
   }
   if (order.empty()) return;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t u, int64_t v) { return slots[u] < slots[v]; });
+  auto by_slot = [&](int64_t u, int64_t v) { return slots[u] < slots[v]; };
+  if (!std::is_sorted(order.begin(), order.end(), by_slot)) std::stable_sort(order.begin(), order.end(), by_slot);
   const int64_t* ranks = l.ranks.data_ptr<int64_t>();
   // chunks (first row in `order`, rows): a slot's rows, ROWS at a time
-  std::vector<std::pair<int64_t, int64_t>> chunks;
+  std::vector<std::pair<int64_t, int64_t>>& chunks = plan.chunks;
+  chunks.clear();
   const int64_t n_rows = static_cast<int64_t>(order.size());
   for (int64_t g0 = 0, g1 = 0; g0 < n_rows; g0 = g1) {
     for (g1 = g0; g1 < n_rows && slots[order[g1]] == slots[order[g0]]; ++g1) {
     }
     for (int64_t r0 = g0; r0 < g1; r0 += ROWS) chunks.emplace_back(r0, std::min<int64_t>(ROWS, g1 - r0));
   }
-  std::vector<Item> firsts, seconds;
+  std::vector<Item>& firsts = plan.firsts;
+  std::vector<Item>& seconds = plan.seconds;
+  firsts.clear();
+  seconds.clear();
   for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
     const int64_t s = slots[order[chunks[c].first]], n = chunks[c].second;
     for (int64_t p = 0; p < P; ++p) {
@@ -195,7 +214,8 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
   const W* ap = reinterpret_cast<const W*>(l.a.data_ptr());
   const W* btp = reinterpret_cast<const W*>(l.bt.data_ptr());
   // t[u * PR + p * rank + j]: the first product of row order[u], part p, rank j
-  std::vector<float> t(static_cast<size_t>(n_rows * PR));
+  std::vector<float>& t = plan.t;
+  t.resize(static_cast<size_t>(n_rows * PR));
   auto first = [&](const Item& it) {
     const auto [r0, n] = chunks[it.chunk];
     const int64_t s = slots[order[r0]];
@@ -216,7 +236,8 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
     const W* bt = btp + (s * PR + it.part * l.rank) * O;  // (used, O)
     updates_any(ts, bt, O, used, it.begin, it.end, n, ys);
   };
-  const std::vector<int64_t> c1 = cumulative_work(firsts), c2 = cumulative_work(seconds);
+  const std::vector<int64_t>& c1 = cumulative_work(firsts, plan.c1);
+  const std::vector<int64_t>& c2 = cumulative_work(seconds, plan.c2);
   const int threads = (at::in_parallel_region() || c1.back() + c2.back() < PARALLEL_WORK)
                           ? 1
                           : static_cast<int>(std::min<int64_t>(at::get_num_threads(), seconds.size()));
