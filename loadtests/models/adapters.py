@@ -188,18 +188,32 @@ def median_rate(runs: list[dict[str, Any]], label: str, streams: int) -> float |
     return statistics.median(rates) if rates else None
 
 
+def round_ratios(runs: list[dict[str, Any]], streams: int) -> list[float]:
+    """adapters / bare of each round's two windows (run back to back: a machine whose speed drifts over
+    the rounds moves both), in round order; none for runs without rounds."""
+    rates: dict[tuple[int, str], float] = {(r["round"], r["label"]): r["tok_s"] for r in runs
+                                           if r["streams"] == streams and "round" in r}
+    return [rates[n, "adapters"] / rates[n, "base"] for n in sorted({n for n, _ in rates})
+            if (n, "base") in rates and (n, "adapters") in rates]
+
+
 def markdown(result: dict[str, Any]) -> str:
     ours, llama = result["ours"], result.get("llama.cpp", {})
     lines = [f"LoRA adapters on {result['machine']['cpu_model']}, {result['machine']['nproc']} cores ({result['date']}): {result['adapters']} adapters of rank "
              f"{result['rank']} on every attention and MLP projection; median of {result['rounds']} rounds of "
              f"{result['seconds']:.0f} s; output tok/s, prefill included.", "",
-             "| engine | streams | bare model | adapters | adapters / bare |", "|---|---:|---:|---:|---:|"]
+             "| engine | streams | bare model | adapters | adapters / bare | each round | median of rounds |",
+             "|---|---:|---:|---:|---:|---|---:|"]
 
     def row(engine: str, runs: list[dict[str, Any]], streams: int, what: str) -> None:
         base, adapted = median_rate(runs, "base", streams), median_rate(runs, "adapters", streams)
         if base is None or adapted is None:
             return
-        lines.append(f"| {engine} | {streams} ({what}) | {base:.1f} | {adapted:.1f} | **{adapted / base:.2f}x** |")
+        rounds = round_ratios(runs, streams)
+        each = ", ".join(f"{r:.2f}x" for r in rounds)
+        paired = f"**{statistics.median(rounds):.2f}x**" if rounds else ""
+        lines.append(f"| {engine} | {streams} ({what}) | {base:.1f} | {adapted:.1f} | {adapted / base:.2f}x | {each} "
+                     f"| {paired} |")
 
     if "runs" in ours:
         row("ours (q4_1, native step)", ours["runs"], result["streams"], f"{result['adapters']} adapters")

@@ -152,9 +152,16 @@ struct Layer {
 
   // projection `which` of x (B, I) -> (B, O), with each row's adapter (`adapters`: B slots, or null)
   at::Tensor project(size_t which, const at::Tensor& x, const int64_t* adapters) const {
-    at::Tensor y = ts::project(static_cast<Kind>(kinds[which]), x, weights[which], biases[which], outs[which],
-                               parts[which]);
-    if (adapters != nullptr && lora[which].a.defined()) lora_add(x, y, lora[which], adapters);
+    const Kind kind = static_cast<Kind>(kinds[which]);
+    if (adapters == nullptr || !lora[which].a.defined()) {
+      return ts::project(kind, x, weights[which], biases[which], outs[which], parts[which]);
+    }
+    if (lora_fuses(x.size(0), adapters)) {
+      const LoraAfter after(x, lora[which], adapters);
+      return ts::project(kind, x, weights[which], biases[which], outs[which], parts[which], &after);
+    }
+    at::Tensor y = ts::project(kind, x, weights[which], biases[which], outs[which], parts[which]);
+    lora_add(x, y, lora[which], adapters);
     return y;
   }
 

@@ -5,14 +5,18 @@
 // float32 exactly as it is read); the products and sums are float32. Rows of one slot are computed
 // together, up to ROWS per pass, so each slot's factors are read once per call however many rows use it;
 // a row's result does not depend on the others (each output sums its ranks in order, then adds to the
-// row), as the projections' kernels. Both threads share even one row's update: the first products are
-// split by ranks, the second (after a barrier) by output columns.
+// row), as the projections' kernels. Two ways to share the work between threads, the same bits: lora_add
+// after the projection, in a region of its own (the first products split by ranks, the second, after a
+// barrier, by output columns), or, for a step's one or two rows with an adapter, LoraAfter inside the
+// projection's region (each thread adds its own outputs' updates, computing the first products of the
+// parts they fall in itself): no region and no barrier of its own.
 
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -84,10 +88,10 @@ TS_TARGET void updates(const float* const* t, const W* bt, int64_t O, int64_t us
     }
     for (int q = 0; q < N; ++q) store(y[q] + o, add(load(y[q] + o), acc[q]));
   }
-  for (; o < o1; ++o) {
+  for (; o < o1; ++o) {  // as a lane of the loops above computes it: which loop an output falls in changes nothing
     for (int q = 0; q < N; ++q) {
       float s = 0.0f;
-      for (int64_t j = 0; j < used; ++j) s += t[q][j] * widen1(bt[j * O + o]);
+      for (int64_t j = 0; j < used; ++j) s = std::fma(t[q][j], widen1(bt[j * O + o]), s);
       y[q][o] += s;
     }
   }
@@ -257,7 +261,66 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
   }
 }
 
+// Rows with an adapter at or below which the updates run inside the projection's region (LoraAfter)
+constexpr int64_t FUSED_ROWS = 2;
+
+template <typename W>
+void after_typed(const at::Tensor& x, float* yp, const Lora& l, const int64_t* slots, int64_t o0, int64_t o1) {
+  const int64_t R = x.size(0), I = x.size(1), O = l.bt.size(2), PR = l.a.size(1);
+  const int64_t P = static_cast<int64_t>(l.bounds.size()) - 1;
+  const int64_t* ranks = l.ranks.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  const W* ap = reinterpret_cast<const W*>(l.a.data_ptr());
+  const W* btp = reinterpret_cast<const W*>(l.bt.data_ptr());
+  thread_local std::vector<float> t;  // t[q * rank + j]: row q of a chunk, rank j of the part at hand
+  t.resize(static_cast<size_t>(ROWS * l.rank));
+  bool taken[FUSED_ROWS] = {};
+  int64_t seen = 0;  // rows with an adapter met so far (lora_fuses: at most FUSED_ROWS)
+  for (int64_t b = 0; b < R; ++b) {
+    if (slots[b] < 0 || taken[seen++]) continue;
+    // a chunk: row b and the later rows of its slot
+    const int64_t s = slots[b];
+    const float* xs[ROWS];
+    float* ys[ROWS];
+    float* ts[ROWS];
+    int64_t n = 0;
+    for (int64_t c = b, k = seen - 1; c < R; ++c) {
+      if (slots[c] < 0) continue;
+      if (slots[c] == s) {
+        taken[k] = true;
+        xs[n] = xp + c * I;
+        ys[n] = yp + c * O;
+        ts[n] = t.data() + n * l.rank;
+        ++n;
+      }
+      ++k;
+    }
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t begin = std::max(o0, l.bounds[p]), end = std::min(o1, l.bounds[p + 1]), used = ranks[s * P + p];
+      if (begin >= end || used == 0) continue;
+      const W* a = ap + (s * PR + p * l.rank) * I;  // (used, I)
+      for (int64_t j = 0; j < used; j += KB)
+        dots_any(a + j * I, std::min<int64_t>(KB, used - j), xs, n, I, t.data() + j, l.rank);
+      updates_any(ts, btp + (s * PR + p * l.rank) * O, O, used, begin, end, n, ys);
+    }
+  }
+}
+
 }  // namespace
+
+bool ts::lora_fuses(int64_t rows, const int64_t* slots) {
+  int64_t n = 0;
+  for (int64_t b = 0; b < rows; ++b) n += slots[b] >= 0;
+  return n >= 1 && n <= FUSED_ROWS;
+}
+
+void ts::LoraAfter::operator()(float* y, int64_t o0, int64_t o1) const {
+  if (lora.a.scalar_type() == at::kBFloat16) {
+    after_typed<uint16_t>(x, y, lora, slots, o0, o1);
+  } else {
+    after_typed<float>(x, y, lora, slots, o0, o1);
+  }
+}
 
 void ts::lora_add(const at::Tensor& x, at::Tensor& y, const Lora& l, const int64_t* slots) {
   TORCH_CHECK(l.a.size(2) == x.size(1) && l.bt.size(2) == y.size(1) && l.bt.size(1) == l.a.size(1) &&

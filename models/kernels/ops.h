@@ -18,9 +18,17 @@ namespace ts {
 // or bfloat16 panels (builds with AVX512-BF16; x is rounded to bfloat16 first)
 enum class Kind : int64_t { F32 = 0, Q4_1 = 1, Q8_0 = 2, BF16 = 3 };
 
-// y (M, n) = x (M, K) W^T + bias, W in `kind`'s layout; parts: the activations' 8-bit parts (blocks)
+// Work on a projection's outputs once they are computed, inside the projection's own parallel region:
+// called on each thread with y (M, n) and the range of outputs [o0, o1) that thread computed
+struct After {
+  virtual void operator()(float* y, int64_t o0, int64_t o1) const = 0;
+  virtual ~After() = default;
+};
+
+// y (M, n) = x (M, K) W^T + bias, W in `kind`'s layout; parts: the activations' 8-bit parts (blocks);
+// `after` (or null) on each thread's outputs
 at::Tensor project(Kind kind, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                   int64_t n, int64_t parts);
+                   int64_t n, int64_t parts, const After* after = nullptr);
 
 // q (B, H, D) float32 against each row's keys in a paged pool (float32 or bfloat16) -> (B, H, D) (attention.cpp)
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -62,6 +70,19 @@ struct Lora {
 
 // y (R, O) += each row's adapter update from x (R, I), slots[b] the row's slot (-1: none) (lora.cpp)
 void lora_add(const at::Tensor& x, at::Tensor& y, const Lora& lora, const int64_t* slots);
+
+// The same updates as an After of the projection (lora.cpp): each thread computes the first products of
+// the parts its outputs fall in (all of them where two threads share a part) and adds its outputs'
+// updates, the same bits as lora_add, with no parallel region of their own. For a few rows
+// (lora_fuses), where that region and its barrier cost more than the repeated first products.
+struct LoraAfter : After {
+  const at::Tensor& x;
+  const Lora& lora;
+  const int64_t* slots;
+  LoraAfter(const at::Tensor& x_, const Lora& lora_, const int64_t* slots_) : x(x_), lora(lora_), slots(slots_) {}
+  void operator()(float* y, int64_t o0, int64_t o1) const override;
+};
+bool lora_fuses(int64_t rows, const int64_t* slots);
 
 // A stack's parameters, held once (models/execution/native.py builds one per stack, through module.cpp):
 // each block's norms and projections in turn (qkv, o, [cross q, cross o,] up or gate/up, down; the

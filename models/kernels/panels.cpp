@@ -340,10 +340,11 @@ void rest(const Kernel& kernel, int64_t left, int64_t p, int64_t m, float* y, in
   }
 }
 
-// y (M, N) against P panels; parallel over panels, rows in passes of up to Kernel::ROWS
+// y (M, N) against P panels; parallel over panels, rows in passes of up to Kernel::ROWS; `after` (or
+// null) on each thread's outputs once its panels are done
 template <typename Kernel>
 at::Tensor run(const Kernel& kernel, const at::Tensor& x, int64_t P, int64_t N, const c10::optional<at::Tensor>& bias,
-               at::ScalarType out = at::kFloat) {
+               const After* after = nullptr) {
   constexpr int R = Kernel::ROWS;
   const int64_t M = x.size(0);
   TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "N does not match the number of panels");
@@ -352,7 +353,7 @@ at::Tensor run(const Kernel& kernel, const at::Tensor& x, int64_t P, int64_t N, 
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bad bias");
     b = bias->data_ptr<float>();
   }
-  at::Tensor y = at::empty({M, N}, x.options().dtype(out));
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const int64_t passes = (M + R - 1) / R;
   const int64_t lines = (kernel.panel_bytes() + 63) / 64;
@@ -373,6 +374,7 @@ at::Tensor run(const Kernel& kernel, const at::Tensor& x, int64_t P, int64_t N, 
       for (; m + R <= M; m += R) kernel.template tile<R>(p, m, yo + m * N, N, bp, nvalid, ahead);
       rest<R - 1>(kernel, M - m, p, m, yo + m * N, N, bp, nvalid, ahead);
     }
+    if (after != nullptr) (*after)(yp, p0 * NR, std::min(N, p1 * NR));
   });
   return y;
 }
@@ -386,21 +388,23 @@ void check_panels(const at::Tensor& t, int64_t K, at::ScalarType dtype, int64_t 
               name, " has the wrong dtype, layout or shape");
 }
 
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n) {
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                      const After* after = nullptr) {
   check_x(x);
   check_panels(w, x.size(1), at::kFloat, NR, "w");
-  return run(F32{w.data_ptr<float>(), x.data_ptr<float>(), x.size(1)}, x, w.size(0), n, bias);
+  return run(F32{w.data_ptr<float>(), x.data_ptr<float>(), x.size(1)}, x, w.size(0), n, bias, after);
 }
 
 // x (M, K) bfloat16, w (P, K / 2, 32) int32 (bfloat16 pairs) -> (M, n) float32
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n) {
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                       const After* after = nullptr) {
 #if defined(TS_BF16)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) % 2 == 0,
               "x must be a contiguous bfloat16 matrix of an even width");
   check_panels(w, x.size(1) / 2, at::kInt, NR, "w");
   const BF16 kernel{reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>()),
                     reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()), x.size(1) / 2};
-  return run(kernel, x, w.size(0), n, bias, at::kFloat);
+  return run(kernel, x, w.size(0), n, bias, after);
 #else
   TORCH_CHECK(false, "this build of the kernels has no bfloat16 panels (they need AVX512-BF16)");
 #endif
@@ -408,30 +412,30 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 
 template <typename Format>
 at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const c10::optional<at::Tensor>& bias, int64_t n,
-                         int64_t parts) {
+                         int64_t parts, const After* after = nullptr) {
   check_x(x);
   const int64_t K = x.size(1);
   TORCH_CHECK(K % GROUP == 0, "block formats need the input size to be a multiple of 32");
   TORCH_CHECK(parts == 1 || parts == 2, "activations come in 1 or 2 parts of 8 bits");
   check_panels(q, K / GROUP, at::kByte, Format::RECORD, "q");
   const Rows8 rows = quantize_activations(x.data_ptr<float>(), x.size(0), K, parts == 2);
-  if (parts == 2) return run(Blocks<Format, true>{q.data_ptr<uint8_t>(), rows, K}, x, q.size(0), n, bias);
-  return run(Blocks<Format, false>{q.data_ptr<uint8_t>(), rows, K}, x, q.size(0), n, bias);
+  if (parts == 2) return run(Blocks<Format, true>{q.data_ptr<uint8_t>(), rows, K}, x, q.size(0), n, bias, after);
+  return run(Blocks<Format, false>{q.data_ptr<uint8_t>(), rows, K}, x, q.size(0), n, bias, after);
 }
 
 }  // namespace
 
 at::Tensor ts::project(Kind kind, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                       int64_t n, int64_t parts) {
+                       int64_t n, int64_t parts, const After* after) {
   switch (kind) {
     case Kind::F32:
-      return linear_f32(x, w, bias, n);
+      return linear_f32(x, w, bias, n, after);
     case Kind::Q4_1:
-      return linear_blocks<Q41Format>(x, w, bias, n, parts);
+      return linear_blocks<Q41Format>(x, w, bias, n, parts, after);
     case Kind::Q8_0:
-      return linear_blocks<Q80Format>(x, w, bias, n, parts);
+      return linear_blocks<Q80Format>(x, w, bias, n, parts, after);
     case Kind::BF16:
-      return linear_bf16(x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16), w, bias, n);
+      return linear_bf16(x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16), w, bias, n, after);
   }
   TORCH_CHECK(false, "unknown projection kind ", static_cast<int64_t>(kind));
 }
@@ -444,8 +448,12 @@ TORCH_LIBRARY(ts_panels, m) {
 }
 
 TORCH_LIBRARY_IMPL(ts_panels, CPU, m) {
-  m.impl("linear_f32", &linear_f32);
-  m.impl("linear_q4_1", &linear_blocks<Q41Format>);
-  m.impl("linear_q8_0", &linear_blocks<Q80Format>);
-  m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_f32", [](const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                          int64_t n) { return linear_f32(x, w, bias, n); });
+  m.impl("linear_q4_1", [](const at::Tensor& x, const at::Tensor& q, const c10::optional<at::Tensor>& bias, int64_t n,
+                           int64_t parts) { return linear_blocks<Q41Format>(x, q, bias, n, parts); });
+  m.impl("linear_q8_0", [](const at::Tensor& x, const at::Tensor& q, const c10::optional<at::Tensor>& bias, int64_t n,
+                           int64_t parts) { return linear_blocks<Q80Format>(x, q, bias, n, parts); });
+  m.impl("linear_bf16", [](const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                           int64_t n) { return linear_bf16(x, w, bias, n); });
 }

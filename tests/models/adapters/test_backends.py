@@ -86,6 +86,27 @@ def test_a_row_through_the_native_step_has_the_same_bits_whatever_adapters_are_b
             assert torch.equal(t[row], a[row])
 
 
+@pytest.mark.parametrize(("weights", "changes", "factors"), [
+    ("q4_1", {}, torch.bfloat16), ("f32", {"d_ff": 40}, torch.float32)])
+def test_a_row_alone_has_the_bits_it_has_among_other_adapter_rows(weights, changes, factors, tmp_path) -> None:
+    """A step's one or two rows with adapters take their updates inside each projection's parallel region
+    (lora.cpp's LoraAfter: each thread its outputs, the first products repeated), more rows in a region
+    of their own: a row's bits are the same either way, on two threads whose outputs split a part (the
+    query part of q/k/v; with d_ff 40, the up part where its vectors start off the thread's)."""
+    model = fast_model(weights, **changes)
+    with_adapters(model, tmp_path, dtype=factors)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        others = steps(model, "native", torch.tensor([1, 0, 2]))
+        for row, slot in enumerate((1, 0, 2)):
+            alone = steps(model, "native", torch.tensor([slot if r == row else -1 for r in range(3)]))
+            for step, (o, a) in enumerate(zip(others, alone, strict=True)):
+                assert torch.equal(o[row], a[row]), f"row {row}, step {step}"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(not native.has_bf16(), reason="bfloat16 panels need AVX512-BF16")
 def test_adapters_beside_bfloat16_panels(tmp_path) -> None:
     from models.projections.dense import pack_dense
