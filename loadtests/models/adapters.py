@@ -12,7 +12,9 @@ turn (base, adapters, base, adapters...: a busy machine shows in both): `--strea
 loop for `--seconds` (each sends the next request when its answer is whole: a chat prompt of
 loadtests/prompts/, greedy, max_new_tokens tokens, end of sequence ignored), either every request on the
 bare model or request i on adapter i mod N; then one client alone, bare and on adapter 0. Figure: output
-tokens per second over the measured window (the engine's count, prefill included).
+tokens per second over the measured window (the engine's count, prefill included). Last in each round,
+one client whose requests alternate bare / adapter 0 for --seconds: each kind's tokens over its own
+requests' time, a pair of figures no drift of the machine's speed between windows can split.
 
 llama.cpp (the build of loadtests/peers/env.py): adapter 0 converted by its convert_lora_to_gguf.py against
 the HF copy of SmolLM2 that `make peers-servers` keeps (.peers/smollm2-hf), then llama-server on the same
@@ -88,6 +90,32 @@ def closed_loop(engine: Any, prompts: list[list[int]], streams: int, seconds: fl
     return {"tok_s": (after - before) / (ended - started), "requests": sent[0]}
 
 
+def interleaved(engine: Any, prompts: list[list[int]], seconds: float, adapter: str, max_new: int) -> dict[str, float]:
+    """One client alone for `seconds`, its requests alternately on the bare model and on `adapter` (the
+    same prompt for each pair): each kind's output tok/s over its own requests' wall time (prefill
+    included), so a machine whose speed drifts moves both alike."""
+    from models.decoding import SamplingParams
+    from service.engine.core import Submission
+
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    tokens = {"base": 0, "adapters": 0}
+    spent = {"base": 0.0, "adapters": 0.0}
+    ended = time.perf_counter() + seconds
+    i = 0
+    while time.perf_counter() < ended or i % 2:
+        kind = "adapters" if i % 2 else "base"
+        held = engine.adapters.acquire(adapter) if i % 2 else None
+        started = time.perf_counter()
+        done = engine.submit_many([Submission(prompts[(i // 2) % len(prompts)], params, adapter=held)])[0] \
+            .result_sync(timeout=600)
+        spent[kind] += time.perf_counter() - started
+        if done.error is not None:
+            raise RuntimeError(done.error)
+        tokens[kind] += len(done.token_ids)
+        i += 1
+    return {kind: tokens[kind] / spent[kind] for kind in tokens} | {"pairs": i // 2}
+
+
 def run_ours(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     """Load the shipped generator with adapter slots, time the adapters' loads, run the closed loops."""
     import dataclasses
@@ -129,6 +157,10 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, An
                 fig = closed_loop(engine, prompts, streams, args.seconds, args.warmup, which, args.max_new_tokens)
                 out["runs"].append({"round": rnd, "label": label, "streams": streams, **fig})
                 log.info("ours round %d, %d streams, %s: %.1f tok/s", rnd, streams, label, fig["tok_s"])
+            pair = interleaved(engine, prompts, args.seconds, names[0], args.max_new_tokens)
+            out.setdefault("interleaved", []).append({"round": rnd, **pair})
+            log.info("ours round %d, 1 stream interleaved: base %.1f, adapter %.1f tok/s (%d pairs)", rnd,
+                     pair["base"], pair["adapters"], pair["pairs"])
     finally:
         engine.shutdown()
     return out
@@ -218,6 +250,14 @@ def markdown(result: dict[str, Any]) -> str:
     if "runs" in ours:
         row("ours (q4_1, native step)", ours["runs"], result["streams"], f"{result['adapters']} adapters")
         row("ours (q4_1, native step)", ours["runs"], 1, "adapter 0")
+    if ours.get("interleaved"):
+        pairs = ours["interleaved"]
+        ratios = [p["adapters"] / p["base"] for p in pairs]
+        lines.append(f"| ours, requests alternating bare / adapter | 1 (adapter 0) "
+                     f"| {statistics.median(p['base'] for p in pairs):.1f} "
+                     f"| {statistics.median(p['adapters'] for p in pairs):.1f} | "
+                     f"{statistics.median(p['adapters'] for p in pairs) / statistics.median(p['base'] for p in pairs):.2f}x "
+                     f"| {', '.join(f'{r:.2f}x' for r in ratios)} | **{statistics.median(ratios):.2f}x** |")
     for kind in result.get("llama_lora_types", []) if "runs" in llama else []:
         row(f"llama.cpp `--lora` ({kind} GGUF)", [r for r in llama["runs"] if r["kind"] in (None, kind)], 1,
             "adapter 0")

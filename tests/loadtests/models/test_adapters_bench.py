@@ -26,6 +26,11 @@ def test_the_table_shows_the_median_of_the_rounds_next_to_the_ratio_of_medians()
               "rounds": 3, "seconds": 15.0, "streams": 32,
               "ours": {"runs": runs([(200.0, 180.0), (100.0, 90.0), (150.0, 120.0)])
                        + runs([(600.0, 480.0), (500.0, 450.0), (700.0, 560.0)], streams=32)}}
+    result["ours"]["interleaved"] = [{"round": 0, "base": 100.0, "adapters": 85.0, "pairs": 9},
+                                     {"round": 1, "base": 80.0, "adapters": 72.0, "pairs": 7},
+                                     {"round": 2, "base": 90.0, "adapters": 72.0, "pairs": 8}]
     table = markdown(result)
+    assert ("| ours, requests alternating bare / adapter | 1 (adapter 0) | 90.0 | 72.0 | 0.80x | 0.85x, 0.90x, "
+            "0.80x | **0.85x** |") in table
     assert "| 1 (adapter 0) | 150.0 | 120.0 | 0.80x | 0.90x, 0.90x, 0.80x | **0.90x** |" in table
     assert "| 32 (8 adapters) | 600.0 | 480.0 | 0.80x | 0.80x, 0.90x, 0.80x | **0.80x** |" in table
