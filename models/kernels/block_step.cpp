@@ -156,7 +156,7 @@ struct Layer {
     if (adapters == nullptr || !lora[which].a.defined()) {
       return ts::project(kind, x, weights[which], biases[which], outs[which], parts[which]);
     }
-    if (lora_fuses(x.size(0), adapters)) {
+    if (lora_fuses(x, outs[which], lora[which], adapters)) {
       const LoraAfter after(x, lora[which], adapters);
       return ts::project(kind, x, weights[which], biases[which], outs[which], parts[which], &after);
     }

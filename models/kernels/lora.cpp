@@ -171,7 +171,7 @@ struct Plan {
 
 template <typename W>
 void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int64_t* slots) {
-  const int64_t R = x.size(0), I = x.size(1), O = y.size(1), N = l.a.size(0), PR = l.a.size(1);
+  const int64_t R = x.size(0), I = x.size(1), O = y.size(1), PR = l.a.size(1);
   const int64_t P = static_cast<int64_t>(l.bounds.size()) - 1;
   // the plan's lists live from call to call on each calling thread: a decode step's hundred calls at a
   // few rows allocate nothing
@@ -179,10 +179,7 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
   std::vector<int64_t>& order = plan.order;  // rows with an adapter, grouped by slot (stable)
   order.clear();
   for (int64_t b = 0; b < R; ++b) {
-    if (slots[b] >= 0) {
-      TORCH_CHECK(slots[b] < N, "adapter slot ", slots[b], " outside the ", N, " slots");
-      order.push_back(b);
-    }
+    if (slots[b] >= 0) order.push_back(b);
   }
   if (order.empty()) return;
   auto by_slot = [&](int64_t u, int64_t v) { return slots[u] < slots[v]; };
@@ -263,6 +260,16 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
 
 // Rows with an adapter at or below which the updates run inside the projection's region (LoraAfter)
 constexpr int64_t FUSED_ROWS = 2;
+static_assert(FUSED_ROWS <= ROWS, "a slot's fused rows are one chunk");
+
+// the checks of lora_add, on the calling thread (not inside a parallel region)
+void check_fits(const at::Tensor& x, int64_t O, const Lora& l, const int64_t* slots) {
+  TORCH_CHECK(l.a.size(2) == x.size(1) && l.bt.size(2) == O && l.bt.size(1) == l.a.size(1) &&
+                  l.a.size(1) == (static_cast<int64_t>(l.bounds.size()) - 1) * l.rank,
+              "an adapter's factors do not fit the projection");
+  for (int64_t b = 0; b < x.size(0); ++b)
+    TORCH_CHECK(slots[b] < l.a.size(0), "adapter slot ", slots[b], " outside the ", l.a.size(0), " slots");
+}
 
 template <typename W>
 void after_typed(const at::Tensor& x, float* yp, const Lora& l, const int64_t* slots, int64_t o0, int64_t o1) {
@@ -308,10 +315,12 @@ void after_typed(const at::Tensor& x, float* yp, const Lora& l, const int64_t* s
 
 }  // namespace
 
-bool ts::lora_fuses(int64_t rows, const int64_t* slots) {
+bool ts::lora_fuses(const at::Tensor& x, int64_t outputs, const Lora& l, const int64_t* slots) {
   int64_t n = 0;
-  for (int64_t b = 0; b < rows; ++b) n += slots[b] >= 0;
-  return n >= 1 && n <= FUSED_ROWS;
+  for (int64_t b = 0; b < x.size(0); ++b) n += slots[b] >= 0;
+  if (n < 1 || n > FUSED_ROWS) return false;
+  check_fits(x, outputs, l, slots);
+  return true;
 }
 
 void ts::LoraAfter::operator()(float* y, int64_t o0, int64_t o1) const {
@@ -323,9 +332,7 @@ void ts::LoraAfter::operator()(float* y, int64_t o0, int64_t o1) const {
 }
 
 void ts::lora_add(const at::Tensor& x, at::Tensor& y, const Lora& l, const int64_t* slots) {
-  TORCH_CHECK(l.a.size(2) == x.size(1) && l.bt.size(2) == y.size(1) && l.bt.size(1) == l.a.size(1) &&
-                  l.a.size(1) == (static_cast<int64_t>(l.bounds.size()) - 1) * l.rank,
-              "an adapter's factors do not fit the projection");
+  check_fits(x, y.size(1), l, slots);
   if (l.a.scalar_type() == at::kBFloat16) {
     lora_add_typed<uint16_t>(x, y, l, slots);
   } else {

@@ -82,7 +82,9 @@ struct LoraAfter : After {
   LoraAfter(const at::Tensor& x_, const Lora& lora_, const int64_t* slots_) : x(x_), lora(lora_), slots(slots_) {}
   void operator()(float* y, int64_t o0, int64_t o1) const override;
 };
-bool lora_fuses(int64_t rows, const int64_t* slots);
+// whether a projection of x (R, I) to `outputs` takes its rows' updates as a LoraAfter: one or two rows have an
+// adapter (the checks of lora_add first)
+bool lora_fuses(const at::Tensor& x, int64_t outputs, const Lora& lora, const int64_t* slots);
 
 // A stack's parameters, held once (models/execution/native.py builds one per stack, through module.cpp):
 // each block's norms and projections in turn (qkv, o, [cross q, cross o,] up or gate/up, down; the

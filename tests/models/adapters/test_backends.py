@@ -107,6 +107,23 @@ def test_a_row_alone_has_the_bits_it_has_among_other_adapter_rows(weights, chang
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("slots", [[7, -1, -1], [0, 7, 1]])  # one row (inside the projection's region), three
+def test_a_slot_outside_the_slots_is_an_error_not_a_stray_read(slots, tmp_path) -> None:
+    model = fast_model("q4_1")
+    with_adapters(model, tmp_path)  # 4 slots
+    executor = plan_model(model, {"decode": "native"})
+    cache = PagedKVCache.for_model(model.cfg, rows=3, blocks=20, max_len=64)
+    with pytest.raises(RuntimeError, match="adapter slot 7 outside the 4 slots"):  # the step's own check
+        run(_DecodeOnly(executor, torch.tensor(slots)), cache, PROMPTS, 2)
+
+
+class _DecodeOnly(Sloted):
+    """Sloted whose prefill has no adapters (the torch forward checks its own slots)."""
+
+    def prefill(self, ids, cache, last):  # noqa: ANN001, ANN201
+        return self.executor.prefill(ids, cache, last)
+
+
 @pytest.mark.skipif(not native.has_bf16(), reason="bfloat16 panels need AVX512-BF16")
 def test_adapters_beside_bfloat16_panels(tmp_path) -> None:
     from models.projections.dense import pack_dense
