@@ -100,6 +100,8 @@ def interleaved(engine: Any, prompts: list[list[int]], seconds: float, adapter: 
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
     tokens = {"base": 0, "adapters": 0}
     spent = {"base": 0.0, "adapters": 0.0}
+    first = {"base": [], "adapters": []}  # each request's time to first token
+    step = {"base": [], "adapters": []}  # each request's mean time per token after the first
     ended = time.perf_counter() + seconds
     i = 0
     while time.perf_counter() < ended or i % 2:
@@ -112,8 +114,12 @@ def interleaved(engine: Any, prompts: list[list[int]], seconds: float, adapter: 
         if done.error is not None:
             raise RuntimeError(done.error)
         tokens[kind] += len(done.token_ids)
+        first[kind].append(done.timing.first_token_s)
+        step[kind].append(statistics.mean(done.timing.inter_token_s))
         i += 1
-    return {kind: tokens[kind] / spent[kind] for kind in tokens} | {"pairs": i // 2}
+    return ({kind: tokens[kind] / spent[kind] for kind in tokens} | {"pairs": i // 2}
+            | {f"{kind}_ttft_ms": 1000 * statistics.median(first[kind]) for kind in first}
+            | {f"{kind}_step_ms": 1000 * statistics.median(step[kind]) for kind in step})
 
 
 def run_ours(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
@@ -159,8 +165,10 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, An
                 log.info("ours round %d, %d streams, %s: %.1f tok/s", rnd, streams, label, fig["tok_s"])
             pair = interleaved(engine, prompts, args.seconds, names[0], args.max_new_tokens)
             out.setdefault("interleaved", []).append({"round": rnd, **pair})
-            log.info("ours round %d, 1 stream interleaved: base %.1f, adapter %.1f tok/s (%d pairs)", rnd,
-                     pair["base"], pair["adapters"], pair["pairs"])
+            log.info("ours round %d, 1 stream interleaved: base %.1f, adapter %.1f tok/s (%d pairs); time to "
+                     "first token %.1f / %.1f ms, per token after it %.2f / %.2f ms", rnd, pair["base"],
+                     pair["adapters"], pair["pairs"], pair["base_ttft_ms"], pair["adapters_ttft_ms"],
+                     pair["base_step_ms"], pair["adapters_step_ms"])
     finally:
         engine.shutdown()
     return out
@@ -237,6 +245,8 @@ def markdown(result: dict[str, Any]) -> str:
              "| engine | streams | bare model | adapters | adapters / bare | each round | median of rounds |",
              "|---|---:|---:|---:|---:|---|---:|"]
 
+    notes: list[str] = []
+
     def row(engine: str, runs: list[dict[str, Any]], streams: int, what: str) -> None:
         base, adapted = median_rate(runs, "base", streams), median_rate(runs, "adapters", streams)
         if base is None or adapted is None:
@@ -258,10 +268,17 @@ def markdown(result: dict[str, Any]) -> str:
                      f"| {statistics.median(p['adapters'] for p in pairs):.1f} | "
                      f"{statistics.median(p['adapters'] for p in pairs) / statistics.median(p['base'] for p in pairs):.2f}x "
                      f"| {', '.join(f'{r:.2f}x' for r in ratios)} | **{statistics.median(ratios):.2f}x** |")
+        if all("base_ttft_ms" in p for p in pairs):
+            def med(key: str) -> float:
+                return statistics.median(p[key] for p in pairs)
+            notes.append(f"Alternating requests, medians of the rounds: time to first token {med('base_ttft_ms'):.1f} ms "
+                         f"bare, {med('adapters_ttft_ms'):.1f} ms with the adapter; per token after it "
+                         f"{med('base_step_ms'):.2f} / {med('adapters_step_ms'):.2f} ms.")
     for kind in result.get("llama_lora_types", []) if "runs" in llama else []:
         row(f"llama.cpp `--lora` ({kind} GGUF)", [r for r in llama["runs"] if r["kind"] in (None, kind)], 1,
             "adapter 0")
     lines.append("")
+    lines += notes
     if "load_s" in ours:
         loads = ours["load_s"]
         lines.append(f"Adapter load (read the PEFT directory, write a slot; {ours['adapter_mib']:.1f} MiB each): "
