@@ -159,6 +159,25 @@ const std::vector<int64_t>& cumulative_work(const std::vector<Item>& items, std:
   return c;
 }
 
+// order: the rows b < R with an adapter (slots[b] >= 0), grouped by slot (stable); chunks (first row in
+// `order`, rows): each slot's rows, ROWS at a time
+void group_rows(const int64_t* slots, int64_t R, std::vector<int64_t>& order,
+                std::vector<std::pair<int64_t, int64_t>>& chunks) {
+  order.clear();
+  chunks.clear();
+  for (int64_t b = 0; b < R; ++b) {
+    if (slots[b] >= 0) order.push_back(b);
+  }
+  auto by_slot = [&](int64_t u, int64_t v) { return slots[u] < slots[v]; };
+  if (!std::is_sorted(order.begin(), order.end(), by_slot)) std::stable_sort(order.begin(), order.end(), by_slot);
+  const int64_t n = static_cast<int64_t>(order.size());
+  for (int64_t g0 = 0, g1 = 0; g0 < n; g0 = g1) {
+    for (g1 = g0; g1 < n && slots[order[g1]] == slots[order[g0]]; ++g1) {
+    }
+    for (int64_t r0 = g0; r0 < g1; r0 += ROWS) chunks.emplace_back(r0, std::min<int64_t>(ROWS, g1 - r0));
+  }
+}
+
 // An update's plan (lora_add_typed): the rows in slot order, their chunks, the two phases' items and
 // their cumulative work, and the first products t
 struct Plan {
@@ -176,24 +195,12 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
   // the plan's lists live from call to call on each calling thread: a decode step's hundred calls at a
   // few rows allocate nothing
   thread_local Plan plan;
-  std::vector<int64_t>& order = plan.order;  // rows with an adapter, grouped by slot (stable)
-  order.clear();
-  for (int64_t b = 0; b < R; ++b) {
-    if (slots[b] >= 0) order.push_back(b);
-  }
+  group_rows(slots, R, plan.order, plan.chunks);
+  const std::vector<int64_t>& order = plan.order;
+  const std::vector<std::pair<int64_t, int64_t>>& chunks = plan.chunks;
   if (order.empty()) return;
-  auto by_slot = [&](int64_t u, int64_t v) { return slots[u] < slots[v]; };
-  if (!std::is_sorted(order.begin(), order.end(), by_slot)) std::stable_sort(order.begin(), order.end(), by_slot);
-  const int64_t* ranks = l.ranks.data_ptr<int64_t>();
-  // chunks (first row in `order`, rows): a slot's rows, ROWS at a time
-  std::vector<std::pair<int64_t, int64_t>>& chunks = plan.chunks;
-  chunks.clear();
   const int64_t n_rows = static_cast<int64_t>(order.size());
-  for (int64_t g0 = 0, g1 = 0; g0 < n_rows; g0 = g1) {
-    for (g1 = g0; g1 < n_rows && slots[order[g1]] == slots[order[g0]]; ++g1) {
-    }
-    for (int64_t r0 = g0; r0 < g1; r0 += ROWS) chunks.emplace_back(r0, std::min<int64_t>(ROWS, g1 - r0));
-  }
+  const int64_t* ranks = l.ranks.data_ptr<int64_t>();
   std::vector<Item>& firsts = plan.firsts;
   std::vector<Item>& seconds = plan.seconds;
   firsts.clear();
@@ -260,7 +267,6 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
 
 // Rows with an adapter at or below which the updates run inside the projection's region (LoraAfter)
 constexpr int64_t FUSED_ROWS = 2;
-static_assert(FUSED_ROWS <= ROWS, "a slot's fused rows are one chunk");
 
 // the checks of lora_add, on the calling thread (not inside a parallel region)
 void check_fits(const at::Tensor& x, int64_t O, const Lora& l, const int64_t* slots) {
@@ -280,27 +286,19 @@ void after_typed(const at::Tensor& x, float* yp, const Lora& l, const int64_t* s
   const W* ap = reinterpret_cast<const W*>(l.a.data_ptr());
   const W* btp = reinterpret_cast<const W*>(l.bt.data_ptr());
   thread_local std::vector<float> t;  // t[q * rank + j]: row q of a chunk, rank j of the part at hand
+  thread_local std::vector<int64_t> order;
+  thread_local std::vector<std::pair<int64_t, int64_t>> chunks;
   t.resize(static_cast<size_t>(ROWS * l.rank));
-  bool taken[FUSED_ROWS] = {};
-  int64_t seen = 0;  // rows with an adapter met so far (lora_fuses: at most FUSED_ROWS)
-  for (int64_t b = 0; b < R; ++b) {
-    if (slots[b] < 0 || taken[seen++]) continue;
-    // a chunk: row b and the later rows of its slot
-    const int64_t s = slots[b];
+  group_rows(slots, R, order, chunks);
+  for (const auto& [r0, n] : chunks) {
+    const int64_t s = slots[order[r0]];
     const float* xs[ROWS];
     float* ys[ROWS];
     float* ts[ROWS];
-    int64_t n = 0;
-    for (int64_t c = b, k = seen - 1; c < R; ++c) {
-      if (slots[c] < 0) continue;
-      if (slots[c] == s) {
-        taken[k] = true;
-        xs[n] = xp + c * I;
-        ys[n] = yp + c * O;
-        ts[n] = t.data() + n * l.rank;
-        ++n;
-      }
-      ++k;
+    for (int64_t q = 0; q < n; ++q) {
+      xs[q] = xp + order[r0 + q] * I;
+      ys[q] = yp + order[r0 + q] * O;
+      ts[q] = t.data() + q * l.rank;
     }
     for (int64_t p = 0; p < P; ++p) {
       const int64_t begin = std::max(o0, l.bounds[p]), end = std::min(o1, l.bounds[p + 1]), used = ranks[s * P + p];
