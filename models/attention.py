@@ -57,11 +57,15 @@ class AttentionMask:
 
     `causal` (then `safe` is None): query i attends keys 0..i and nothing else is masked, which
     SDPA's `is_causal` computes without a mask in memory, so it may pick its flash kernels (a prompt
-    prefilled into empty cache rows, right-padded: a real query never reaches a padded key)."""
+    prefilled into empty cache rows, right-padded: a real query never reaches a padded key).
+    `after_past`: the mask says no more than "query t of row b, at position past[b] + t, attends keys
+    0 .. past[b] + t" (no window, no padding), so a paged cache may attend with its prompt kernel
+    instead (models/cache/paged.py)."""
 
     safe: Tensor | None  # (B, 1, T, S) bool: the mask, with dead rows all True; None when causal
     dead: Tensor | None  # (B, 1, T, 1) bool: rows with no key; None when every row has one
     causal: bool = False
+    after_past: bool = False
 
     @classmethod
     def build(cls, mask: Tensor) -> AttentionMask:
@@ -73,7 +77,12 @@ class AttentionMask:
     @classmethod
     def lower_triangle(cls) -> AttentionMask:
         """Query i attends keys 0..i (keys aligned with the queries from the first; S >= T)."""
-        return cls(None, None, causal=True)
+        return cls(None, None, causal=True, after_past=True)
+
+    @classmethod
+    def after(cls, mask: Tensor) -> AttentionMask:
+        """causal_mask(positions, key positions) of cached rows without a window: (B, 1, T, S) bool."""
+        return cls(mask, None, after_past=True)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | AttentionMask | None,

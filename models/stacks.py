@@ -100,7 +100,9 @@ class CausalStack(nn.Module):
             if plain and t > 1 and cache.fresh():
                 # empty rows, right-padded: slot j holds position j, a real query sees only real keys
                 mask = AttentionMask.lower_triangle()
-            else:  # every query sees at least its own key: no dead rows to look for (no host sync)
+            elif plain:  # every query sees at least its own key: no dead rows to look for (no host sync)
+                mask = AttentionMask.after(causal_mask(positions, k_pos))  # (B, 1, T, S)
+            else:
                 mask = AttentionMask(causal_mask(positions, k_pos, self.window), None)  # (B, 1, T, S)
         elif plain and unpadded:
             k_pos, mask = positions, AttentionMask.lower_triangle()

@@ -48,8 +48,10 @@ class PagedKVCache(RowLengths):
 
     def __init__(self, n_layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, blocks: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 block: int = BLOCK_TOKENS, decode_kernel: bool | None = None, zeroed: bool = True) -> None:
-        """zeroed False: the pool starts uninitialised and each block is zeroed when `ensure` hands it
+                 block: int = BLOCK_TOKENS, decode_kernel: bool | None = None, zeroed: bool = True,
+                 prompt_kernel: bool | None = None) -> None:
+        """decode_kernel / prompt_kernel: whether steps of one token a row / of several attend through
+        models/kernels/ (None: where they run, `pool_kernel_runs` / `prompt_kernel_runs`). zeroed False: the pool starts uninitialised and each block is zeroed when `ensure` hands it
         out, so only the pages of blocks in use are ever touched (a beam search: its pool is sized for
         every beam's longest output, most of which it never uses)."""
         if blocks < 2:
@@ -78,17 +80,22 @@ class PagedKVCache(RowLengths):
         if decode_kernel is None:
             decode_kernel = pool_kernel_runs(dtype, torch.device(device))
         self.decode_kernel = decode_kernel
+        if prompt_kernel is None:
+            prompt_kernel = prompt_kernel_runs(dtype, torch.device(device), head_dim)
+        self.prompt_kernel = prompt_kernel
         self.block_bytes = 2 * n_layers * kv_heads * block * head_dim * self._flat_k[0].element_size()
 
     @classmethod
     def for_model(cls, cfg, rows: int, blocks: int, max_len: int | None = None, dtype=None, device=None,
-                  decode_kernel: bool | None = None, zeroed: bool = True) -> PagedKVCache:
+                  decode_kernel: bool | None = None, zeroed: bool = True,
+                  prompt_kernel: bool | None = None) -> PagedKVCache:
         """A pool shaped for a decoder config (no sliding window: windowed models keep the dense ring)."""
         if getattr(cfg, "sliding_window", None) is not None:
             raise ValueError("a sliding-window model keeps the dense cache's ring (models.cache.dense.KVCache)")
         n_layers = getattr(cfg, "n_decoder_layers", cfg.n_layers)
         return cls(n_layers, rows, cfg.kv_heads, max_len or cfg.max_positions, cfg.head_dim, blocks,
-                   dtype or torch.float32, device or "cpu", decode_kernel=decode_kernel, zeroed=zeroed)
+                   dtype or torch.float32, device or "cpu", decode_kernel=decode_kernel, zeroed=zeroed,
+                   prompt_kernel=prompt_kernel)
 
     # -- blocks --------------------------------------------------------------------------------
 
@@ -300,6 +307,16 @@ def pool_kernel_runs(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype in KERNEL_POOL_DTYPES and kernel_runs(torch.float32, torch.device(device))
 
 
+PROMPT_HEAD_DIMS = (32, 64, 128)  # the head dims models/kernels/prompt_attention.cpp takes at either width
+
+
+def prompt_kernel_runs(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether steps of several tokens a row (prompts, chunks) attend through
+    models/kernels/prompt_attention.cpp: a pool the decode kernel reads, float32 queries, a head dim it
+    takes (the stack's mask must say no more than causal after each row's past: AttentionMask.after_past)."""
+    return pool_kernel_runs(dtype, device) and head_dim in PROMPT_HEAD_DIMS
+
+
 @dataclass
 class PagedCacheView:
     """Rows [start, stop) of a PagedKVCache, as one forward pass sees them."""
@@ -318,6 +335,11 @@ class PagedCacheView:
     def decode_kernel(self) -> bool:
         """Whether this step's one-token rows attend through models/kernels/attention.cpp."""
         return self.native and self.cache.decode_kernel
+
+    @property
+    def prompt_kernel(self) -> bool:
+        """Whether this step's rows of several tokens attend through models/kernels/prompt_attention.cpp."""
+        return self.native and self.cache.prompt_kernel
 
     def fresh(self) -> bool:
         """Whether every row starts this step empty (a prefill from the first token; host lengths)."""
@@ -415,7 +437,7 @@ class PagedCacheView:
         if self._slots is None or self._tables is None or self._keys is None:
             raise RuntimeError("PagedCacheView.layer() before begin()")
         return PagedLayerCache(c._flat_k[i], c._flat_v[i], self._slots, self._tables, self._keys, c.block,
-                               self.decode_kernel)
+                               self.decode_kernel, self.prompt_kernel)
 
 
 @dataclass(frozen=True)
@@ -430,6 +452,7 @@ class PagedLayerCache:
     keys: Tensor  # (B,) keys per row after this step
     block: int  # BS
     decode_kernel: bool
+    prompt_kernel: bool = False
 
     def _gather(self, flat: Tensor, heads: int) -> Tensor:
         """The rows' blocks, in order: (B, K, nb * BS, D)."""
@@ -451,7 +474,9 @@ class PagedLayerCache:
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | Tensor | None, scale: float | None,
                gqa: bool) -> Tensor:
         """Store the step's keys/values (B, K, T, D) and attend q (B, H, T, D): one new token per row
-        through the decode kernel (each row its own keys, no mask), else gathered under `mask`."""
+        through the decode kernel (each row its own keys, no mask), rows of several tokens under a mask
+        that is causal after each row's past through the prompt kernel (float32 queries), else
+        gathered under `mask`."""
         b, h, t, d = q.shape
         if t == 1 and self.decode_kernel:
             self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d).to(self.flat_k.dtype))  # (B*K, D) rows copied
@@ -460,6 +485,13 @@ class PagedLayerCache:
                 q.reshape(b, h, d).float().contiguous(), self.flat_k, self.flat_v, self.tables, self.keys,
                 k.size(1), self.block, d ** -0.5 if scale is None else scale)  # (B, H, D) float32
             return out.view(b, h, 1, d).to(q.dtype)  # (B, H, T, D)
+        if (t > 1 and self.prompt_kernel and q.dtype == torch.float32 and isinstance(mask, AttentionMask)
+                and mask.after_past):
+            self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d).to(self.flat_k.dtype))  # (B*K*T, D) rows copied
+            self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d).to(self.flat_v.dtype))  # (B*K*T, D) rows copied
+            return torch.ops.ts_panels.paged_prompt(
+                q, self.flat_k, self.flat_v, self.tables, self.keys, k.size(1), self.block,
+                d ** -0.5 if scale is None else scale)  # (B, H, T, D) view of (B, T, H, D) float32
         k_all, v_all = self.write(k, v)  # (B, K, S, D) each
         return attention(q, k_all, v_all, mask, scale=scale, gqa=gqa)  # (B, H, T, D)
 

@@ -18,7 +18,13 @@ import torch
 from torch import nn
 
 from ..adapters.lora import LoraLinear
-from ..cache.paged import KERNEL_POOL_DTYPES, kernel_runs, pool_kernel_runs
+from ..cache.paged import (
+    KERNEL_POOL_DTYPES,
+    PROMPT_HEAD_DIMS,
+    kernel_runs,
+    pool_kernel_runs,
+    prompt_kernel_runs,
+)
 from ..kernels import native
 from ..projections.panels import Bf16PanelLinear, BlockLinear
 from .compiled import is_compiled
@@ -164,6 +170,27 @@ def _attention(model: nn.Module, runtime: Runtime) -> str:
     return "attention: SDPA" + (" on a paged cache" if paged else "") + f", {_kv_detail(kv)}"
 
 
+def _prompt_attention(model: nn.Module, runtime: Runtime) -> str:
+    """How a generator's prompts attend: the paged cache's prompt kernel where it runs (a float32 model,
+    a mask that is only causal: no sliding window, no relative positions), else SDPA."""
+    weight, cfg = next(model.parameters()), model.cfg
+    kv = _kv(model, runtime)
+    if not runtime.paged:
+        why = "engine.paged: false"
+    elif cfg.sliding_window is not None or cfg.position == "relative":
+        why = "a sliding window or relative positions"
+    elif weight.dtype != torch.float32:
+        why = f"{str(weight.dtype).removeprefix('torch.')} queries"
+    elif not pool_kernel_runs(kv, weight.device):
+        why = f"{_kv_detail(kv)} on {weight.device.type}" + (
+            f"; our CPU kernels: {native.unavailable_reason()}" if native.unavailable_reason() else "")
+    elif not prompt_kernel_runs(kv, weight.device, cfg.head_dim):
+        why = f"head dim {cfg.head_dim}; it takes {', '.join(map(str, PROMPT_HEAD_DIMS))}"
+    else:
+        return "attention: paged prompt kernel"
+    return f"attention: SDPA (not the prompt kernel: {why})"
+
+
 def _decode(model: nn.Module, runtime: Runtime, head: Callable[[], object] | None, ours: bool) -> _Phase:
     phase = _Phase("decode")
     weights = _weights(model)
@@ -230,8 +257,8 @@ def plan_model(model: nn.Module, execution: str | Mapping[str, str] = "auto", ru
         prefill.cannot("native", "decode steps only (one token a row)")
         prefill.cannot("cuda_graphs", "decode steps only (one token a row)")
         prompts = prompt_model if prompt_model is not None else model
-        _model_forward(prefill, prompts, runtime,
-                       f"{_weights(prompts)}{', ' + prompt_detail if prompt_detail else ''}")
+        _model_forward(prefill, prompts, runtime, f"{_weights(prompts)}{', ' + prompt_detail if prompt_detail else ''}"
+                       f", {_prompt_attention(prompts, runtime)}")
         chosen["prefill"] = prefill.choose(asked["prefill"])
         # an engine's decode_graphs: true asks for graphs (on a CPU: the same padded steps, eager)
         wanted = "cuda_graphs" if runtime.graphs is True and asked["decode"] == "auto" else asked["decode"]

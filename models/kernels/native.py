@@ -1,5 +1,6 @@
 """Building and loading models/kernels/: the `torch.ops.ts_panels` ops (projections, panels.cpp; paged
-decode attention, attention.cpp; a beam step's candidates, select.cpp) and the build's Python module
+decode attention, attention.cpp; paged prompt attention, prompt_attention.cpp; a beam step's candidates,
+select.cpp) and the build's Python module
 (module.cpp: a whole stack's decode step or encoder pass, block_step.cpp; copying pool blocks, pool.cpp).
 
 `available()` builds once per machine, instruction set and checkout (torch's extension builder, cached
@@ -30,8 +31,8 @@ import torch
 log = logging.getLogger("models.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("panels.cpp", "attention.cpp", "block_step.cpp", "lora.cpp", "select.cpp", "pool.cpp",
-                        "module.cpp")]
+           for name in ("panels.cpp", "attention.cpp", "prompt_attention.cpp", "block_step.cpp", "lora.cpp",
+                        "select.cpp", "pool.cpp", "module.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
 NAME = "ts_panels"  # the ops' namespace: torch.ops.ts_panels
 DISABLE_ENV = "TS_NATIVE_KERNELS"
@@ -151,7 +152,7 @@ def _build_lock(folder: Path) -> Iterator[None]:
 
 def _register_fakes() -> None:
     """Shapes for torch.compile / meta tensors: each projection maps x (M, K) to (M, n), decode
-    attention q (B, H, D) to (B, H, D)."""
+    attention q (B, H, D) to (B, H, D), prompt attention q (B, H, T, D) to a (B, H, T, D) view of (B, T, H, D)."""
 
     def fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int, *parts: int) -> torch.Tensor:
         return x.new_empty(x.size(0), n)
@@ -168,6 +169,12 @@ def _register_fakes() -> None:
         return torch.empty_like(q)
 
     torch.library.register_fake(f"{NAME}::paged_decode", fake_attention)
+
+    def fake_prompt(q: torch.Tensor, *args: object) -> torch.Tensor:
+        b, h, t, d = q.shape
+        return q.new_empty(b, t, h, d).permute(0, 2, 1, 3)  # (B, H, T, D) view of (B, T, H, D)
+
+    torch.library.register_fake(f"{NAME}::paged_prompt", fake_prompt)
 
     def fake_lora(x: torch.Tensor, y: torch.Tensor, *args: object) -> torch.Tensor:
         return torch.empty_like(y)

@@ -55,6 +55,8 @@ TS_TARGET inline vi srai_i16(vi a, int n) { return _mm256_srai_epi16(a, n); }
 TS_TARGET inline vi madd_i16(vi a, vi b) { return _mm256_madd_epi16(a, b); }
 TS_TARGET inline vi maddubs_i16(vi u, vi s) { return _mm256_maddubs_epi16(u, s); }
 TS_TARGET inline vf to_float(vi a) { return _mm256_cvtepi32_ps(a); }
+// lane i: x where a >= b, else y (ordered: a NaN lane takes y)
+TS_TARGET inline vf select_ge(vf a, vf b, vf x, vf y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
 // bit i set where lane i of a > b (ordered: a NaN lane is never greater)
 TS_TARGET inline uint32_t greater(vf a, vf b) { return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ))); }
 // bit i set where lane i of a is NaN
@@ -150,6 +152,7 @@ TS_TARGET inline vi srai_i16(vi a, int n) { return _mm512_srai_epi16(a, n); }
 TS_TARGET inline vi madd_i16(vi a, vi b) { return _mm512_madd_epi16(a, b); }
 TS_TARGET inline vi maddubs_i16(vi u, vi s) { return _mm512_maddubs_epi16(u, s); }
 TS_TARGET inline vf to_float(vi a) { return _mm512_cvtepi32_ps(a); }
+TS_TARGET inline vf select_ge(vf a, vf b, vf x, vf y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GE_OQ), y, x); }
 TS_TARGET inline uint32_t greater(vf a, vf b) { return static_cast<uint32_t>(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ)); }
 TS_TARGET inline uint32_t nan_lanes(vf a) { return static_cast<uint32_t>(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q)); }
 TS_TARGET inline vi round_i32(vf a) { return _mm512_cvt_roundps_epi32(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }

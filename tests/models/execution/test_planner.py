@@ -85,6 +85,8 @@ def test_without_the_native_kernels_auto_plans_torch_and_says_why(tmp_path: Path
     assert plan["decode"]["backend"] == "torch"
     assert plan["decode"]["not_taken"]["native"] == "needs our CPU kernels, which are off here (TS_NATIVE_KERNELS=0)"
     assert "attention: SDPA" in plan["decode"]["detail"]
+    assert plan["prefill"]["detail"].endswith("attention: SDPA (not the prompt kernel: float32 KV on cpu; our CPU "
+                                              "kernels: TS_NATIVE_KERNELS=0)")
 
 
 def test_an_engine_takes_the_plan_of_its_own_cache() -> None:
@@ -143,3 +145,21 @@ def test_a_bfloat16_model_plans_torch_with_the_reason() -> None:
     plan = plan_model(model, runtime=Runtime()).plan
     assert plan.backend("decode") == "torch"
     assert plan["decode"].not_taken["native"].startswith("needs ")
+
+
+@pytest.mark.parametrize(("changes", "runtime", "says"), [
+    ({}, Runtime(graphs=False), "attention: paged prompt kernel"),
+    ({}, Runtime(graphs=False, paged=False), "attention: SDPA (not the prompt kernel: engine.paged: false)"),
+    ({"sliding_window": 8}, Runtime(graphs=False), "attention: SDPA (not the prompt kernel: a sliding window or"),
+    ({"n_heads": 3, "n_kv_heads": 1}, Runtime(graphs=False), "attention: paged prompt kernel"),  # head dim 128
+    ({"n_heads": 8, "n_kv_heads": 2}, Runtime(graphs=False), "(not the prompt kernel: head dim 48; it takes 32, 64, 128)"),
+])
+def test_a_generators_prefill_names_how_its_prompts_attend(changes: dict, runtime: Runtime, says: str) -> None:
+    """Prompts attend through the paged cache's prompt kernel where the cache and model let them (the
+    condition PagedLayerCache.attend checks), and the plan says so, or why not."""
+    if not native.available():
+        pytest.skip("needs the native kernels")
+    base = tiny_model("decoder")[0].cfg
+    model = type(tiny_model("decoder")[0])(base.replace(**({"d_model": 384, "n_heads": 6, "n_kv_heads": 2} | changes)))
+    detail = plan_model(model.eval(), "auto", runtime).plan["prefill"].detail
+    assert says in detail

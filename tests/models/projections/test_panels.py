@@ -96,7 +96,7 @@ def test_block_formats_compute_their_reference_arithmetic(fmt: str, n: int, k: i
 def test_every_build_this_cpu_runs_gives_the_same_bits() -> None:
     """Each instruction set's build (TS_NATIVE_ISA: AVX-512 with VNNI, AVX-512 by multiply-adds, AVX2
     with half the lanes) must give the very bits of the widest: exact integer sums, float work lane by
-    lane. On a CPU that runs one build this checks that build alone."""
+    lane (the projections, and prompt attention). On a CPU that runs one build this checks that build alone."""
     script = (
         "import json, sys, torch\n"
         "from models.kernels import native\n"
@@ -110,6 +110,10 @@ def test_every_build_this_cpu_runs_gives_the_same_bits() -> None:
         "        lin = BlockLinear(fmt, torch.randn(100, 256), torch.randn(100), activation_bits=bits)\n"
         "        with torch.inference_mode():\n"
         "            out[f'{fmt} {bits}'] = lin(x).tolist()\n"
+        "pool = torch.randn(4 * 2 * 16 + 1, 64)\n"  # prompt attention (prompt_attention.cpp): lane by lane too
+        "q = torch.randn(1, 6, 40, 64)\n"
+        "out['prompt'] = torch.ops.ts_panels.paged_prompt(q, pool, pool.flip(0), torch.tensor([[3, 1, 2]]),\n"
+        "                                                 torch.tensor([45]), 2, 16, 0.125).tolist()\n"
         "print(json.dumps([native.isa(), out]))\n")
     runs = {}
     for isa in native.cpu_isas():

@@ -313,10 +313,10 @@ def test_prompt_weights_auto_measures_every_twin_this_cpu_runs_and_keeps_the_fas
     if native.has_bf16():
         assert loaded.prompt_weights == "bfloat16" and loaded.prompt_speedup == 1.7
         assert _twin_kind(loaded.prompt_model) == "bfloat16"
-        assert detail == "bfloat16 panels, prompt_weights: auto -> bfloat16, float32 1.20x the blocks, " \
-                         "bfloat16 1.70x the blocks"
+        assert detail.startswith("bfloat16 panels, prompt_weights: auto -> bfloat16, float32 1.20x the blocks, "
+                                 "bfloat16 1.70x the blocks, attention: ")
     else:  # the bfloat16 twin is not a candidate on this CPU
-        assert loaded.prompt_weights == "float32" and detail.endswith("-> float32, float32 1.20x the blocks")
+        assert loaded.prompt_weights == "float32" and "-> float32, float32 1.20x the blocks, attention: " in detail
 
 
 @needs_kernels
@@ -361,7 +361,8 @@ def test_prompt_weights_bfloat16_computes_prompts_on_bfloat16_panels_or_refuses_
     loaded = load_model(spec, Path("/nonexistent"))
     twin = loaded.prompt_model
     assert loaded.prompt_weights == "bfloat16" and any(isinstance(m, Bf16PanelLinear) for m in twin.modules())
-    assert loaded.plan["prefill"].detail == "bfloat16 panels, prompt_weights: bfloat16"
+    assert loaded.plan["prefill"].detail == ("bfloat16 panels, prompt_weights: bfloat16, attention: SDPA (not the "
+                                             "prompt kernel: head dim 8; it takes 32, 64, 128)")
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.inference_mode():
         torch.testing.assert_close(twin(ids), loaded.model(ids), atol=0.1, rtol=0.1)

@@ -1,0 +1,87 @@
+"""Prompt attention, the paged cache's prompt kernel against SDPA: `python -m loadtests.models.prompt_attention`.
+
+One layer of SmolLM2-135M's attention shape (9 query heads on 3 key/value heads, head dim 64) on a
+paged bfloat16 pool (the shipped `kv_cache_dtype`), T new tokens a row after `past` cached ones: the
+gathered path (the rows' keys gathered to (B, K, S, D) float32, torch's SDPA, causal without a mask
+for fresh rows, a boolean mask after cached keys) against the prompt kernel
+(models/kernels/prompt_attention.cpp: each row's keys in place through its block table). Both through
+the cache's own `attend`, after the same writes, called in turn; medians of `--repeats` calls each.
+"GFLOP/s" counts the causal products (4 B H D per query-key pair). Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from models.attention import AttentionMask, causal_mask
+from models.cache.paged import PagedKVCache, blocks_for
+from models.kernels import native
+from models.machine import machine_info
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def one(rows: int, tokens: int, past: int, repeats: int) -> dict[str, float]:
+    """Seconds per call of each path for `rows` rows of `tokens` new tokens after `past` cached ones."""
+    longest = past + tokens
+    caches = {name: PagedKVCache(1, rows, KV_HEADS, longest, HEAD_DIM, dtype=torch.bfloat16, prompt_kernel=on,
+                                 blocks=rows * blocks_for(longest) + 1)
+              for name, on in (("sdpa", False), ("kernel", True))}
+    q = torch.randn(rows, HEADS + KV_HEADS, tokens, HEAD_DIM)[:, :HEADS]  # (B, H, T, D): as the fused projection leaves it
+    k, v = torch.randn(rows, KV_HEADS, tokens, HEAD_DIM), torch.randn(rows, KV_HEADS, tokens, HEAD_DIM)  # (B, K, T, D)
+    calls = {}
+    for name, cache in caches.items():
+        for row in range(rows):
+            cache.ensure(row, past)
+        cache.set_lengths([past] * rows)
+        view = cache.view()
+        positions, _ = view.begin(tokens)  # (B, T)
+        mask = (AttentionMask.lower_triangle() if past == 0
+                else AttentionMask.after(causal_mask(positions, view.key_positions())))  # (B, 1, T, S)
+        layer = view.layer(0)
+        calls[name] = lambda layer=layer, mask=mask: layer.attend(q, k, v, mask, None, True)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():
+        call()  # warm-up
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    flops = 4 * rows * HEADS * HEAD_DIM * sum(past + t + 1 for t in range(tokens))
+    out = {name: statistics.median(t) for name, t in times.items()}
+    return {**out, "gflops_sdpa": flops / out["sdpa"] / 1e9, "gflops_kernel": flops / out["kernel"] / 1e9}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cases", default="1x128,1x512,1x1000,4x256,8x64,1x256+768,1x16+1000",
+                   help="rows x new tokens [+ cached tokens], comma-separated")
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args(argv)
+    if not native.available():
+        raise SystemExit("the prompt kernel needs the native kernels (AVX2 or AVX-512, g++): see models/kernels/native.py")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    m = machine_info()
+    print(f"CPU: {m.get('cpu_model')} ({', '.join(m.get('cpu_flags', []))}); torch {torch.__version__}, "
+          f"{args.threads} threads; one layer, {HEADS} query / {KV_HEADS} KV heads, head dim {HEAD_DIM}, bfloat16 pool\n")
+    print("| rows | new tokens | cached | SDPA (ms) | prompt kernel (ms) | SDPA ÷ kernel | GFLOP/s SDPA / kernel |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    with torch.inference_mode():
+        for case in args.cases.split(","):
+            size, _, cached = case.partition("+")
+            rows, tokens = (int(x) for x in size.split("x"))
+            past = int(cached or 0)
+            r = one(rows, tokens, past, args.repeats)
+            print(f"| {rows} | {tokens} | {past} | {r['sdpa'] * 1e3:.3f} | {r['kernel'] * 1e3:.3f} | "
+                  f"{r['sdpa'] / r['kernel']:.2f}x | {r['gflops_sdpa']:.0f} / {r['gflops_kernel']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
