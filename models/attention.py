@@ -60,12 +60,14 @@ class AttentionMask:
     prefilled into empty cache rows, right-padded: a real query never reaches a padded key).
     `after_past`: the mask says no more than "query t of row b, at position past[b] + t, attends keys
     0 .. past[b] + t" (no window, no padding), so a paged cache may attend with its prompt kernel
-    instead (models/cache/paged.py)."""
+    instead (models/cache/paged.py); `bf16_products`: that kernel may take its products in bfloat16
+    (a stack whose projections round their inputs to bfloat16: CausalStack.bf16_products)."""
 
     safe: Tensor | None  # (B, 1, T, S) bool: the mask, with dead rows all True; None when causal
     dead: Tensor | None  # (B, 1, T, 1) bool: rows with no key; None when every row has one
     causal: bool = False
     after_past: bool = False
+    bf16_products: bool = False
 
     @classmethod
     def build(cls, mask: Tensor) -> AttentionMask:
@@ -75,14 +77,14 @@ class AttentionMask:
         return cls(mask | ~live, ~live)  # (B, 1, T, S), (B, 1, T, 1)
 
     @classmethod
-    def lower_triangle(cls) -> AttentionMask:
+    def lower_triangle(cls, bf16_products: bool = False) -> AttentionMask:
         """Query i attends keys 0..i (keys aligned with the queries from the first; S >= T)."""
-        return cls(None, None, causal=True, after_past=True)
+        return cls(None, None, causal=True, after_past=True, bf16_products=bf16_products)
 
     @classmethod
-    def after(cls, mask: Tensor) -> AttentionMask:
+    def after(cls, mask: Tensor, bf16_products: bool = False) -> AttentionMask:
         """causal_mask(positions, key positions) of cached rows without a window: (B, 1, T, S) bool."""
-        return cls(mask, None, after_past=True)
+        return cls(mask, None, after_past=True, bf16_products=bf16_products)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | AttentionMask | None,

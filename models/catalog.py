@@ -226,6 +226,8 @@ def _prompt_twin(spec: ModelSpec, blocks: nn.Module, base: nn.Module | None, twi
         if cast is not None:
             twin = twin.to(cast)
         built[kind] = twin, pack_dense(twin, KERNELS[kind])
+        if kind == "bfloat16" and hasattr(twin, "stack"):  # its projections round their inputs to
+            twin.stack.bf16_products = True  # bfloat16: so may its prompts' attention (models/kernels/)
     if not built:
         return _PromptTwin()
     if spec.prompt_weights != "auto":  # a named twin is kept unmeasured

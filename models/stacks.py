@@ -73,6 +73,9 @@ class CausalStack(nn.Module):
         self.relative_bias = _relative_bias(cfg, bidirectional=False)
         self.blocks = nn.ModuleList(Block(cfg, cross=cross) for _ in range(n_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else None
+        # the paged prompt kernel may round q and the softmax weights to bfloat16 for its products: set
+        # on a model whose projections round their inputs to bfloat16 (a bfloat16 prompt twin)
+        self.bf16_products = False
 
     def forward(
         self,
@@ -99,9 +102,9 @@ class CausalStack(nn.Module):
             k_pos = cache.key_positions()  # (S,) or (B, S): the position each key slot holds
             if plain and t > 1 and cache.fresh():
                 # empty rows, right-padded: slot j holds position j, a real query sees only real keys
-                mask = AttentionMask.lower_triangle()
+                mask = AttentionMask.lower_triangle(self.bf16_products)
             elif plain:  # every query sees at least its own key: no dead rows to look for (no host sync)
-                mask = AttentionMask.after(causal_mask(positions, k_pos))  # (B, 1, T, S)
+                mask = AttentionMask.after(causal_mask(positions, k_pos), self.bf16_products)  # (B, 1, T, S)
             else:
                 mask = AttentionMask(causal_mask(positions, k_pos, self.window), None)  # (B, 1, T, S)
         elif plain and unpadded:

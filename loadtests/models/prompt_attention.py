@@ -4,8 +4,10 @@ One layer of SmolLM2-135M's attention shape (9 query heads on 3 key/value heads,
 paged bfloat16 pool (the shipped `kv_cache_dtype`), T new tokens a row after `past` cached ones: the
 gathered path (the rows' keys gathered to (B, K, S, D) float32, torch's SDPA, causal without a mask
 for fresh rows, a boolean mask after cached keys) against the prompt kernel
-(models/kernels/prompt_attention.cpp: each row's keys in place through its block table). Both through
-the cache's own `attend`, after the same writes, called in turn; medians of `--repeats` calls each.
+(models/kernels/prompt_attention.cpp: each row's keys in place through its block table), with float32
+products and, where the AVX512-BF16 build runs, bfloat16 products (as a bfloat16 prompt twin's
+prompts attend). All through the cache's own `attend`, after the same writes, called in turn; medians
+of `--repeats` calls each.
 "GFLOP/s" counts the causal products (4 B H D per query-key pair). Prints a table.
 """
 
@@ -34,14 +36,19 @@ def one(rows: int, tokens: int, past: int, repeats: int) -> dict[str, float]:
     q = torch.randn(rows, HEADS + KV_HEADS, tokens, HEAD_DIM)[:, :HEADS]  # (B, H, T, D): as the fused projection leaves it
     k, v = torch.randn(rows, KV_HEADS, tokens, HEAD_DIM), torch.randn(rows, KV_HEADS, tokens, HEAD_DIM)  # (B, K, T, D)
     calls = {}
+    bf16 = native.has_bf16()
+    if bf16:
+        caches["kernel_bf16"] = PagedKVCache(1, rows, KV_HEADS, longest, HEAD_DIM, dtype=torch.bfloat16,
+                                             prompt_kernel=True, blocks=rows * blocks_for(longest) + 1)
     for name, cache in caches.items():
         for row in range(rows):
             cache.ensure(row, past)
         cache.set_lengths([past] * rows)
         view = cache.view()
         positions, _ = view.begin(tokens)  # (B, T)
-        mask = (AttentionMask.lower_triangle() if past == 0
-                else AttentionMask.after(causal_mask(positions, view.key_positions())))  # (B, 1, T, S)
+        products = name == "kernel_bf16"
+        mask = (AttentionMask.lower_triangle(products) if past == 0
+                else AttentionMask.after(causal_mask(positions, view.key_positions()), products))  # (B, 1, T, S)
         layer = view.layer(0)
         calls[name] = lambda layer=layer, mask=mask: layer.attend(q, k, v, mask, None, True)
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -54,7 +61,7 @@ def one(rows: int, tokens: int, past: int, repeats: int) -> dict[str, float]:
             times[name].append(time.perf_counter() - start)
     flops = 4 * rows * HEADS * HEAD_DIM * sum(past + t + 1 for t in range(tokens))
     out = {name: statistics.median(t) for name, t in times.items()}
-    return {**out, "gflops_sdpa": flops / out["sdpa"] / 1e9, "gflops_kernel": flops / out["kernel"] / 1e9}
+    return {**out, **{f"gflops_{name}": flops / t / 1e9 for name, t in out.items()}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,16 +78,21 @@ def main(argv: list[str] | None = None) -> None:
     m = machine_info()
     print(f"CPU: {m.get('cpu_model')} ({', '.join(m.get('cpu_flags', []))}); torch {torch.__version__}, "
           f"{args.threads} threads; one layer, {HEADS} query / {KV_HEADS} KV heads, head dim {HEAD_DIM}, bfloat16 pool\n")
-    print("| rows | new tokens | cached | SDPA (ms) | prompt kernel (ms) | SDPA ÷ kernel | GFLOP/s SDPA / kernel |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    bf16 = native.has_bf16()
+    extra = (" kernel, bf16 products (ms) | SDPA ÷ bf16 products |", "---:|---:|") if bf16 else ("", "")
+    print(f"| rows | new tokens | cached | SDPA (ms) | prompt kernel (ms) | SDPA ÷ kernel |{extra[0]} GFLOP/s "
+          f"SDPA / kernel{' / bf16 products' if bf16 else ''} |")
+    print(f"|---:|---:|---:|---:|---:|---:|{extra[1]}---:|")
     with torch.inference_mode():
         for case in args.cases.split(","):
             size, _, cached = case.partition("+")
             rows, tokens = (int(x) for x in size.split("x"))
             past = int(cached or 0)
             r = one(rows, tokens, past, args.repeats)
+            products = (f" {r['kernel_bf16'] * 1e3:.3f} | {r['sdpa'] / r['kernel_bf16']:.2f}x |" if bf16 else "")
+            rates = " / ".join(f"{r[f'gflops_{n}']:.0f}" for n in ("sdpa", "kernel", "kernel_bf16") if f"gflops_{n}" in r)
             print(f"| {rows} | {tokens} | {past} | {r['sdpa'] * 1e3:.3f} | {r['kernel'] * 1e3:.3f} | "
-                  f"{r['sdpa'] / r['kernel']:.2f}x | {r['gflops_sdpa']:.0f} / {r['gflops_kernel']:.0f} |", flush=True)
+                  f"{r['sdpa'] / r['kernel']:.2f}x |{products} {rates} |", flush=True)
 
 
 if __name__ == "__main__":

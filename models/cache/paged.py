@@ -8,7 +8,8 @@ order, so a row costs the blocks its tokens fill. Blocks are reference counted: 
 shared by rows and the prefix cache, since a row writes only at positions >= its length. Block 0, the
 null block, is never handed out and fills tables past a row's blocks. `ensure` allocates (CacheFull
 when the pool is out); the rest is base.KeyValueCache's surface. A step attends through the native
-decode kernel (one token a row, a float32 or bfloat16 pool on the CPU: `pool_kernel_runs`) or gathers rows
+decode kernel (one token a row, a float32 or bfloat16 pool on the CPU: `pool_kernel_runs`), the native
+prompt kernel (several tokens a row under a plain causal mask: `prompt_kernel_runs`), or gathers rows
 to (B, K, S, D). The pool's dtype may be narrower than the model's: keys and values are rounded to it
 as they are stored, and every step, prompt or decode, attends the stored (rounded) values widened to
 the queries' dtype, so a prompt computed in chunks or found in the prefix cache sees what one computed
@@ -475,8 +476,8 @@ class PagedLayerCache:
                gqa: bool) -> Tensor:
         """Store the step's keys/values (B, K, T, D) and attend q (B, H, T, D): one new token per row
         through the decode kernel (each row its own keys, no mask), rows of several tokens under a mask
-        that is causal after each row's past through the prompt kernel (float32 queries), else
-        gathered under `mask`."""
+        that is causal after each row's past through the prompt kernel (float32 queries; products in
+        bfloat16 where the mask says so), else gathered under `mask`."""
         b, h, t, d = q.shape
         if t == 1 and self.decode_kernel:
             self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d).to(self.flat_k.dtype))  # (B*K, D) rows copied
@@ -491,7 +492,7 @@ class PagedLayerCache:
             self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d).to(self.flat_v.dtype))  # (B*K*T, D) rows copied
             return torch.ops.ts_panels.paged_prompt(
                 q, self.flat_k, self.flat_v, self.tables, self.keys, k.size(1), self.block,
-                d ** -0.5 if scale is None else scale)  # (B, H, T, D) view of (B, T, H, D) float32
+                d ** -0.5 if scale is None else scale, mask.bf16_products)  # (B, H, T, D) view of (B, T, H, D)
         k_all, v_all = self.write(k, v)  # (B, K, S, D) each
         return attention(q, k_all, v_all, mask, scale=scale, gqa=gqa)  # (B, H, T, D)
 

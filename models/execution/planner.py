@@ -187,7 +187,8 @@ def _prompt_attention(model: nn.Module, runtime: Runtime) -> str:
     elif not prompt_kernel_runs(kv, weight.device, cfg.head_dim):
         why = f"head dim {cfg.head_dim}; it takes {', '.join(map(str, PROMPT_HEAD_DIMS))}"
     else:
-        return "attention: paged prompt kernel"
+        return "attention: paged prompt kernel" + (
+            ", bfloat16 products" if getattr(getattr(model, "stack", None), "bf16_products", False) else "")
     return f"attention: SDPA (not the prompt kernel: {why})"
 
 

@@ -16,13 +16,19 @@
 // is bitwise the same alone, in any batch, in any tile of queries, and whether its prompt is computed
 // whole or in chunks after cached keys (masked keys add exact zeros, a tile with no key of a row
 // leaves it exactly as it was); and the same at either vector width.
+//
+// bf16_products (the AVX512-BF16 build only): the two products in bfloat16 pairs by vdpbf16ps, q and
+// the softmax weights rounded to bfloat16, for prompts whose projections round their inputs to
+// bfloat16 already; half the instructions, the same row-wise guarantees within that build.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -126,6 +132,153 @@ TS_TARGET void values(const float* pt, int64_t mp, int64_t r0, int64_t r1, const
   values_tail<DV, R - 1>(pt, mp, r, r1 - r, alpha, vp, nk, o);
 }
 
+#if defined(TS_BF16)
+// bfloat16 products (AVX512-BF16's vdpbf16ps: each pair's products exact, summed in float32 with the
+// instruction's own rounding, the same in every lane): for prompts whose projections already round their
+// inputs to bfloat16 (the bfloat16 panels), q and the softmax weights are rounded to bfloat16 (nearest,
+// ties to even, as torch rounds) and keys and values read as bfloat16.
+
+inline uint32_t bf16_bits(float x) {  // round to nearest even (finite x)
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+}
+
+// LANES floats rounded to bfloat16, as 16-bit values zero-extended in 32-bit lanes
+TS_TARGET inline vi bf16_lanes(vf x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
+// LANES bfloat16 values (their bits) zero-extended in 32-bit lanes
+TS_TARGET inline vi bf16_lanes(const uint16_t* p) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+TS_TARGET inline vi bf16_lanes(const float* p) { return bf16_lanes(load(p)); }
+// lane i: a's value in the low half, b's in the high half (a pair for vdpbf16ps)
+TS_TARGET inline vi pair(vi a, vi b) { return _mm512_or_si512(a, _mm512_slli_epi32(b, 16)); }
+
+// st (J keys, RV row vectors) = kp2 (J, D / 2 pairs) . qt2 (D / 2 pairs, rows at r0), pairs in order of d
+template <int J, int RV>
+TS_TARGET void scores_block_bf16(const uint32_t* qt2, int64_t mp, int64_t r0, const uint32_t* kp2, int64_t D2,
+                                 float* st) {
+  vf acc[J][RV];
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < RV; ++v) acc[j][v] = zero();
+  for (int64_t i = 0; i < D2; ++i) {
+    vi q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = load_i(qt2 + i * mp + r0 + v * LANES);
+    for (int j = 0; j < J; ++j) {
+      const vi k = set1_i32(static_cast<int32_t>(kp2[j * D2 + i]));
+      for (int v = 0; v < RV; ++v) acc[j][v] = dot_bf16(acc[j][v], q[v], k);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < RV; ++v) store(st + j * mp + r0 + v * LANES, acc[j][v]);
+}
+
+template <int J>
+TS_TARGET void scores_rows_bf16(const uint32_t* qt2, int64_t mp, int64_t rv0, int64_t rv1, const uint32_t* kp2,
+                                int64_t D2, float* st) {
+  int64_t rv = rv0;
+  for (; rv + QRV <= rv1; rv += QRV) scores_block_bf16<J, QRV>(qt2, mp, rv * LANES, kp2, D2, st);
+  switch (rv1 - rv) {
+    case 3: scores_block_bf16<J, 3>(qt2, mp, rv * LANES, kp2, D2, st); break;
+    case 2: scores_block_bf16<J, 2>(qt2, mp, rv * LANES, kp2, D2, st); break;
+    case 1: scores_block_bf16<J, 1>(qt2, mp, rv * LANES, kp2, D2, st); break;
+    default: break;
+  }
+}
+
+TS_TARGET void scores_bf16(const uint32_t* qt2, int64_t mp, int64_t rv0, int64_t rv1, const uint32_t* kp2,
+                           int64_t nk, int64_t D2, float* st) {
+  int64_t j = 0;
+  for (; j + QJ <= nk; j += QJ) scores_rows_bf16<QJ>(qt2, mp, rv0, rv1, kp2 + j * D2, D2, st + j * mp);
+  for (; j < nk; ++j) scores_rows_bf16<1>(qt2, mp, rv0, rv1, kp2 + j * D2, D2, st + j * mp);
+}
+
+// the tile's weights st (nk keys, mp rows) as bfloat16 pairs of keys (2 jp, 2 jp + 1): pt2 (nk / 2 up, mp)
+TS_TARGET void weight_pairs(const float* st, int64_t mp, int64_t rv0, int64_t mv, int64_t nk, uint32_t* pt2) {
+  for (int64_t jp = 0; 2 * jp < nk; ++jp) {
+    for (int64_t rv = rv0; rv < mv; ++rv) {
+      const int64_t r = rv * LANES;
+      const vi a = bf16_lanes(st + 2 * jp * mp + r);
+      const vi b = 2 * jp + 1 < nk ? bf16_lanes(st + (2 * jp + 1) * mp + r) : zero_i();
+      _mm512_storeu_si512(pt2 + jp * mp + r, pair(a, b));
+    }
+  }
+}
+
+// o (R rows of D) = o * alpha + sum over key pairs, in order, of the pair's weights . values
+template <int R, int DV>
+TS_TARGET void values_block_bf16(const uint32_t* pt2, int64_t mp, int64_t r0, const float* alpha, const uint32_t* vp2,
+                                 int64_t np, float* o) {
+  constexpr int64_t D = DV * LANES;
+  vf acc[R][DV];
+  for (int r = 0; r < R; ++r) {
+    const vf a = set1(alpha[r0 + r]);
+    for (int i = 0; i < DV; ++i) acc[r][i] = mul(load(o + (r0 + r) * D + i * LANES), a);
+  }
+  for (int64_t jp = 0; jp < np; ++jp) {
+    vi v[DV];
+    for (int i = 0; i < DV; ++i) v[i] = load_i(vp2 + jp * D + i * LANES);
+    for (int r = 0; r < R; ++r) {
+      const vi p = set1_i32(static_cast<int32_t>(pt2[jp * mp + r0 + r]));
+      for (int i = 0; i < DV; ++i) acc[r][i] = dot_bf16(acc[r][i], v[i], p);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < DV; ++i) store(o + (r0 + r) * D + i * LANES, acc[r][i]);
+}
+
+template <int DV, int R>
+TS_TARGET void values_tail_bf16(const uint32_t* pt2, int64_t mp, int64_t r0, int64_t n, const float* alpha,
+                                const uint32_t* vp2, int64_t np, float* o) {
+  if constexpr (R > 0) {
+    if (n >= R) {
+      values_block_bf16<R, DV>(pt2, mp, r0, alpha, vp2, np, o);
+      values_tail_bf16<DV, R>(pt2, mp, r0 + R, n - R, alpha, vp2, np, o);
+    } else {
+      values_tail_bf16<DV, R - 1>(pt2, mp, r0, n, alpha, vp2, np, o);
+    }
+  }
+}
+
+template <int DV>
+TS_TARGET void values_bf16(const uint32_t* pt2, int64_t mp, int64_t r0, int64_t r1, const float* alpha,
+                           const uint32_t* vp2, int64_t np, float* o) {
+  constexpr int R = value_rows<DV>();
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) values_block_bf16<R, DV>(pt2, mp, r, alpha, vp2, np, o);
+  values_tail_bf16<DV, R - 1>(pt2, mp, r, r1 - r, alpha, vp2, np, o);
+}
+
+// keys [j0, j0 + nk) as bfloat16 pairs over d: (nk, D / 2)
+template <typename E>
+TS_TARGET void pack_key_pairs(const E* pool, const int64_t* table, int64_t K, int64_t kh, int64_t BS, int64_t D,
+                              int64_t j0, int64_t nk, uint32_t* out) {
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t p = j0 + j;
+    const E* src = pool + ((table[p / BS] * K + kh) * BS + p % BS) * D;
+    if constexpr (std::is_same_v<E, uint16_t>) {
+      std::memcpy(out + j * (D / 2), src, D * sizeof(uint16_t));
+    } else {
+      for (int64_t i = 0; i < D / 2; ++i) out[j * (D / 2) + i] = bf16_bits(src[2 * i]) | bf16_bits(src[2 * i + 1]) << 16;
+    }
+  }
+}
+
+// values [j0, j0 + nk) as bfloat16 pairs over keys: (nk / 2 up, D), (v[2 jp][d], v[2 jp + 1][d])
+template <typename E>
+TS_TARGET void pack_value_pairs(const E* pool, const int64_t* table, int64_t K, int64_t kh, int64_t BS, int64_t D,
+                                int64_t j0, int64_t nk, uint32_t* out) {
+  for (int64_t jp = 0; 2 * jp < nk; ++jp) {
+    const int64_t p = j0 + 2 * jp;
+    const E* a = pool + ((table[p / BS] * K + kh) * BS + p % BS) * D;
+    const E* b = 2 * jp + 1 < nk ? pool + ((table[(p + 1) / BS] * K + kh) * BS + (p + 1) % BS) * D : nullptr;
+    for (int64_t i = 0; i < D; i += LANES) {
+      _mm512_storeu_si512(out + jp * D + i, pair(bf16_lanes(a + i), b != nullptr ? bf16_lanes(b + i) : zero_i()));
+    }
+  }
+}
+#endif
+
 // The online softmax over one tile for row vectors [rv0, mv): scores masked past each row's position
 // (pos), the running max m and sum l updated, st turned into the tile's weights, alpha = the factor
 // that rescales each row's output so far.
@@ -170,18 +323,26 @@ TS_TARGET void pack(const E* pool, const int64_t* table, int64_t K, int64_t kh, 
 
 struct Scratch {
   std::vector<float> qt, st, kp, vp, o, pos, m, l, alpha;
+  std::vector<uint32_t> qt2, kp2, vp2, pt2;  // bfloat16 pairs (bf16 products)
 };
 
-template <int DV, typename E>
-TS_TARGET void attend_item(const float* q, int64_t qs_b, int64_t qs_h, int64_t qs_t, const E* k_pool, const E* v_pool,
+template <int DV, bool BF, typename E>
+TS_TARGET void attend_item(const float* q, int64_t qs_h, int64_t qs_t, const E* k_pool, const E* v_pool,
                            const int64_t* table, int64_t K, int64_t kh, int64_t BS, int64_t G, int64_t t0, int64_t nt,
                            int64_t past, float scale, float* out, int64_t H, Scratch& w) {
   constexpr int64_t D = DV * LANES;
   const int64_t M = nt * G, mv = (M + LANES - 1) / LANES, mp = mv * LANES;
-  w.qt.assign(D * mp, 0.0f);
   w.st.resize(BK * mp);
-  w.kp.resize(BK * D);
-  w.vp.resize(BK * D);
+  if constexpr (BF) {
+    w.qt2.assign(D / 2 * mp, 0u);
+    w.kp2.resize(BK * D / 2);
+    w.vp2.resize(BK / 2 * D);
+    w.pt2.resize(BK / 2 * mp);
+  } else {
+    w.qt.assign(D * mp, 0.0f);
+    w.kp.resize(BK * D);
+    w.vp.resize(BK * D);
+  }
   w.o.assign(mp * D, 0.0f);
   w.pos.resize(mp);
   w.m.assign(mp, NEG_INF);
@@ -193,7 +354,14 @@ TS_TARGET void attend_item(const float* q, int64_t qs_b, int64_t qs_h, int64_t q
   }
   for (int64_t r = 0; r < M; ++r) {
     const float* src = q + (kh * G + r % G) * qs_h + (t0 + r / G) * qs_t;
-    for (int64_t d = 0; d < D; ++d) w.qt[d * mp + r] = src[d] * scale;
+    if constexpr (BF) {
+#if defined(TS_BF16)
+      for (int64_t i = 0; i < D / 2; ++i)
+        w.qt2[i * mp + r] = bf16_bits(src[2 * i] * scale) | bf16_bits(src[2 * i + 1] * scale) << 16;
+#endif
+    } else {
+      for (int64_t d = 0; d < D; ++d) w.qt[d * mp + r] = src[d] * scale;
+    }
   }
   const int64_t first = past + t0, last = past + t0 + nt - 1;  // the item's query positions
   for (int64_t j0 = 0; j0 <= last; j0 += BK) {
@@ -201,11 +369,22 @@ TS_TARGET void attend_item(const float* q, int64_t qs_b, int64_t qs_h, int64_t q
     // rows before position j0 have no key in this tile: left as they are (exactly what it would do)
     const int64_t r_first = j0 > first ? (j0 - first) * G : 0;
     const int64_t rv0 = r_first / LANES;
-    pack(k_pool, table, K, kh, BS, D, j0, nk, w.kp.data());
-    pack(v_pool, table, K, kh, BS, D, j0, nk, w.vp.data());
-    scores(w.qt.data(), mp, rv0, mv, w.kp.data(), nk, D, w.st.data());
-    softmax_tile(w.st.data(), mp, rv0, mv, j0, nk, w.pos.data(), w.m.data(), w.l.data(), w.alpha.data());
-    values<DV>(w.st.data(), mp, rv0 * LANES, M, w.alpha.data(), w.vp.data(), nk, w.o.data());
+    if constexpr (BF) {
+#if defined(TS_BF16)
+      pack_key_pairs(k_pool, table, K, kh, BS, D, j0, nk, w.kp2.data());
+      pack_value_pairs(v_pool, table, K, kh, BS, D, j0, nk, w.vp2.data());
+      scores_bf16(w.qt2.data(), mp, rv0, mv, w.kp2.data(), nk, D / 2, w.st.data());
+      softmax_tile(w.st.data(), mp, rv0, mv, j0, nk, w.pos.data(), w.m.data(), w.l.data(), w.alpha.data());
+      weight_pairs(w.st.data(), mp, rv0, mv, nk, w.pt2.data());
+      values_bf16<DV>(w.pt2.data(), mp, rv0 * LANES, M, w.alpha.data(), w.vp2.data(), (nk + 1) / 2, w.o.data());
+#endif
+    } else {
+      pack(k_pool, table, K, kh, BS, D, j0, nk, w.kp.data());
+      pack(v_pool, table, K, kh, BS, D, j0, nk, w.vp.data());
+      scores(w.qt.data(), mp, rv0, mv, w.kp.data(), nk, D, w.st.data());
+      softmax_tile(w.st.data(), mp, rv0, mv, j0, nk, w.pos.data(), w.m.data(), w.l.data(), w.alpha.data());
+      values<DV>(w.st.data(), mp, rv0 * LANES, M, w.alpha.data(), w.vp.data(), nk, w.o.data());
+    }
   }
   for (int64_t r = 0; r < M; ++r) {
     const vf inv = set1(1.0f / w.l[r]);
@@ -214,7 +393,7 @@ TS_TARGET void attend_item(const float* q, int64_t qs_b, int64_t qs_h, int64_t q
   }
 }
 
-template <int DV, typename E>
+template <int DV, bool BF, typename E>
 void attend_all(const at::Tensor& q, const E* kp, const E* vp, const int64_t* tab, const int64_t* keys, int64_t M,
                 int64_t kv_heads, int64_t block, float sc, float* op) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), G = H / kv_heads;
@@ -230,27 +409,42 @@ void attend_all(const at::Tensor& q, const E* kp, const E* vp, const int64_t* ta
       const int64_t b = i / (kv_heads * tiles), kh = i / tiles % kv_heads, z = i % tiles;
       const int64_t tile = z % 2 == 0 ? z / 2 : tiles - 1 - z / 2;
       const int64_t t0 = tile * tq, nt = std::min(tq, T - t0);
-      attend_item<DV>(qp + b * sb, sb, sh, st, kp, vp, tab + b * M, kv_heads, kh, block, G, t0, nt, keys[b] - T, sc,
-                      op + b * T * H * D, H, w);
+      attend_item<DV, BF>(qp + b * sb, sh, st, kp, vp, tab + b * M, kv_heads, kh, block, G, t0, nt, keys[b] - T, sc,
+                          op + b * T * H * D, H, w);
     }
   });
 }
 
-template <typename E>
+template <bool BF, typename E>
 void attend_dispatch(const at::Tensor& q, const E* kp, const E* vp, const int64_t* tab, const int64_t* keys, int64_t M,
                      int64_t kv_heads, int64_t block, float sc, float* op) {
   switch (q.size(3) / LANES) {
-    case 2: attend_all<2>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
-    case 4: attend_all<4>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
-    case 8: attend_all<8>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
-    case 16: attend_all<16>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
+    case 2: attend_all<2, BF>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
+    case 4: attend_all<4, BF>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
+    case 8: attend_all<8, BF>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
+    case 16: attend_all<16, BF>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
     default: TORCH_CHECK(false, "unreachable head dim");
+  }
+}
+
+template <typename E>
+void attend_products(bool bf16_products, const at::Tensor& q, const E* kp, const E* vp, const int64_t* tab,
+                     const int64_t* keys, int64_t M, int64_t kv_heads, int64_t block, float sc, float* op) {
+  if (bf16_products) {
+#if defined(TS_BF16)
+    attend_dispatch<true>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op);
+#endif
+  } else {
+    attend_dispatch<false>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op);
   }
 }
 
 at::Tensor paged_prompt_op(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& tables, const at::Tensor& keys, int64_t kv_heads, int64_t block,
-                           double scale) {
+                           double scale, bool bf16_products) {
+#if !defined(TS_BF16)
+  TORCH_CHECK(!bf16_products, "bfloat16 products need the AVX512-BF16 build of the kernels; this CPU runs another");
+#endif
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.stride(3) == 1, "q must be a (B, H, T, D) float32 tensor with a contiguous last dim");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   TORCH_CHECK(D % LANES == 0 && (D / LANES == 2 || D / LANES == 4 || D / LANES == 8 || D / LANES == 16),
@@ -278,11 +472,12 @@ at::Tensor paged_prompt_op(const at::Tensor& q, const at::Tensor& k_pool, const 
   if (T == 0 || B == 0) return out.permute({0, 2, 1, 3});
   const float sc = static_cast<float>(scale);
   if (bf16) {
-    attend_dispatch(q, reinterpret_cast<const uint16_t*>(k_pool.data_ptr()), reinterpret_cast<const uint16_t*>(v_pool.data_ptr()),
-                    tab, kn, M, kv_heads, block, sc, out.data_ptr<float>());
-  } else {
-    attend_dispatch(q, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), tab, kn, M, kv_heads, block, sc,
+    attend_products(bf16_products, q, reinterpret_cast<const uint16_t*>(k_pool.data_ptr()),
+                    reinterpret_cast<const uint16_t*>(v_pool.data_ptr()), tab, kn, M, kv_heads, block, sc,
                     out.data_ptr<float>());
+  } else {
+    attend_products(bf16_products, q, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), tab, kn, M, kv_heads, block,
+                    sc, out.data_ptr<float>());
   }
   return out.permute({0, 2, 1, 3});  // (B, H, T, D) view
 }
@@ -290,7 +485,7 @@ at::Tensor paged_prompt_op(const at::Tensor& q, const at::Tensor& k_pool, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ts_panels, m) {
-  m.def("paged_prompt(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor keys, int kv_heads, int block, float scale) -> Tensor");
+  m.def("paged_prompt(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor keys, int kv_heads, int block, float scale, bool bf16_products=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ts_panels, CPU, m) {

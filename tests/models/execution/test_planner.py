@@ -163,3 +163,7 @@ def test_a_generators_prefill_names_how_its_prompts_attend(changes: dict, runtim
     model = type(tiny_model("decoder")[0])(base.replace(**({"d_model": 384, "n_heads": 6, "n_kv_heads": 2} | changes)))
     detail = plan_model(model.eval(), "auto", runtime).plan["prefill"].detail
     assert says in detail
+    if says == "attention: paged prompt kernel":  # a bfloat16 twin's stack: bfloat16 products
+        model.stack.bf16_products = True
+        assert plan_model(model, "auto", runtime).plan["prefill"].detail.endswith(
+            "attention: paged prompt kernel, bfloat16 products")

@@ -12,6 +12,7 @@ import torch
 
 from models.cache.paged import PagedKVCache
 from models.decoder import DecoderLM
+from models.kernels import native
 from models.projections.dense import pack_dense
 from models.tiny import tiny_model
 from tests.models.cache.test_paged import PROMPTS, gqa_model, run
@@ -79,6 +80,33 @@ def test_it_equals_softmax_attention_and_a_row_keeps_its_bits(dtype: torch.dtype
     for cut in (1, t // 3, t - 1):  # in two chunks, the second after the first's keys: the same bits
         first = op(q[:, :, :cut], k_pool, v_pool, tables, torch.tensor(past) + cut, k, BS, scale)
         second = op(q[:, :, cut:], k_pool, v_pool, tables, keys, k, BS, scale)
+        assert torch.equal(torch.cat([first, second], 2), out), cut
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_products_stay_close_and_a_row_keeps_its_bits(dtype: torch.dtype) -> None:
+    """The AVX512-BF16 build's bfloat16 products (q and the weights rounded to bfloat16): within
+    bfloat16's rounding of softmax attention, and the same row-wise bits as the float32 products; other
+    builds refuse them."""
+    torch.manual_seed(2)
+    h, k, d, t, past = 6, 2, 64, 70, [0, 16, 45]
+    k_pool, v_pool = pools(int(sum(-(-(p + t) // BS) for p in past)) + 1, k, d, dtype)
+    tables, q, keys = tables_for(past, t), torch.randn(len(past), h, t, d), torch.tensor(past) + t
+    op, scale = torch.ops.ts_panels.paged_prompt, d ** -0.5
+    if not native.has_bf16():
+        with pytest.raises(RuntimeError, match="bfloat16 products need the AVX512-BF16 build"):
+            op(q, k_pool, v_pool, tables, keys, k, BS, scale, True)
+        return
+    out = op(q, k_pool, v_pool, tables, keys, k, BS, scale, True)  # (B, H, T, D)
+    want = reference(q, k_pool, v_pool, tables, past, k, scale)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-2)
+    assert not torch.equal(out, op(q, k_pool, v_pool, tables, keys, k, BS, scale))  # it did round
+    for row in range(len(past)):
+        alone = op(q[row:row + 1], k_pool, v_pool, tables[row:row + 1], keys[row:row + 1], k, BS, scale, True)
+        assert torch.equal(alone[0], out[row])
+    for cut in (1, 25, t - 1):  # an odd cut splits a pair of keys: the pair's other weight is exactly 0
+        first = op(q[:, :, :cut], k_pool, v_pool, tables, torch.tensor(past) + cut, k, BS, scale, True)
+        second = op(q[:, :, cut:], k_pool, v_pool, tables, keys, k, BS, scale, True)
         assert torch.equal(torch.cat([first, second], 2), out), cut
 
 

@@ -361,6 +361,7 @@ def test_prompt_weights_bfloat16_computes_prompts_on_bfloat16_panels_or_refuses_
     loaded = load_model(spec, Path("/nonexistent"))
     twin = loaded.prompt_model
     assert loaded.prompt_weights == "bfloat16" and any(isinstance(m, Bf16PanelLinear) for m in twin.modules())
+    assert twin.stack.bf16_products and not loaded.model.stack.bf16_products  # its prompt attention too
     assert loaded.plan["prefill"].detail == ("bfloat16 panels, prompt_weights: bfloat16, attention: SDPA (not the "
                                              "prompt kernel: head dim 8; it takes 32, 64, 128)")
     ids = torch.tensor([[5, 6, 7, 8, 9]])
