@@ -51,6 +51,18 @@ def one(rows: int, longest: int, repeats: int) -> dict[str, float]:
             "gbs_bf16": held / 2 / out["paged_bf16"] / 1e9}
 
 
+def start(threads: int, kernel: str, shape_note: str = "") -> None:
+    """What both attention benchmarks do first: refuse without the native kernels (naming `kernel`), set
+    torch's threads and seed, print the CPU and the layer's shape."""
+    if not native.available():
+        raise SystemExit(f"the {kernel} needs the native kernels (AVX2 or AVX-512, g++): see models/kernels/native.py")
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    m = machine_info()
+    print(f"CPU: {m.get('cpu_model')} ({', '.join(m.get('cpu_flags', []))}); torch {torch.__version__}, "
+          f"{threads} threads; one layer, {HEADS} query / {KV_HEADS} KV heads, head dim {HEAD_DIM}{shape_note}\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -58,13 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--longest", default="128,512,1024")
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args(argv)
-    if not native.available():
-        raise SystemExit("the paged decode kernel needs the native kernels (AVX2 or AVX-512, g++): see models/kernels/native.py")
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    m = machine_info()
-    print(f"CPU: {m.get('cpu_model')} ({', '.join(m.get('cpu_flags', []))}); torch {torch.__version__}, "
-          f"{args.threads} threads; one layer, {HEADS} query / {KV_HEADS} KV heads, head dim {HEAD_DIM}\n")
+    start(args.threads, "paged decode kernel")
     print("| rows | longest | dense SDPA (ms) | paged kernel (ms) | paged, bf16 pool (ms) | dense ÷ paged | "
           "paged ÷ bf16 pool | GB/s dense / paged / bf16 pool |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -22,9 +22,8 @@ import torch
 from models.attention import AttentionMask, causal_mask
 from models.cache.paged import PagedKVCache, blocks_for
 from models.kernels import native
-from models.machine import machine_info
 
-HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+from .attention import HEAD_DIM, HEADS, KV_HEADS, start
 
 
 def one(rows: int, tokens: int, past: int, repeats: int) -> dict[str, float]:
@@ -71,13 +70,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="rows x new tokens [+ cached tokens], comma-separated")
     p.add_argument("--repeats", type=int, default=15)
     args = p.parse_args(argv)
-    if not native.available():
-        raise SystemExit("the prompt kernel needs the native kernels (AVX2 or AVX-512, g++): see models/kernels/native.py")
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    m = machine_info()
-    print(f"CPU: {m.get('cpu_model')} ({', '.join(m.get('cpu_flags', []))}); torch {torch.__version__}, "
-          f"{args.threads} threads; one layer, {HEADS} query / {KV_HEADS} KV heads, head dim {HEAD_DIM}, bfloat16 pool\n")
+    start(args.threads, "prompt kernel", ", bfloat16 pool")
     bf16 = native.has_bf16()
     extra = (" kernel, bf16 products (ms) | SDPA ÷ bf16 products |", "---:|---:|") if bf16 else ("", "")
     print(f"| rows | new tokens | cached | SDPA (ms) | prompt kernel (ms) | SDPA ÷ kernel |{extra[0]} GFLOP/s "

@@ -43,61 +43,86 @@ constexpr int QJ = LANES == 16 ? 6 : 2;          // keys per scores block
 constexpr int QRV = 4;                           // row vectors per scores block
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// sc (J keys, RV row vectors) = kp (J, D) . qt (D, rows at r0): each score summed over d in order
-template <int J, int RV>
-TS_TARGET void scores_block(const float* qt, int64_t mp, int64_t r0, const float* kp, int64_t D, float* st) {
+// How the two products multiply: float32 lanes by fused multiply-adds, or (the AVX512-BF16 build)
+// bfloat16 pairs by vdpbf16ps, each 32-bit lane two values summed into one float32 lane. T is what q,
+// keys, weights and values are kept as in the scratch (a float, or a pair of bfloat16 bits).
+struct F32 {
+  using T = float;
+  using V = vf;
+  TS_TARGET static V lanes(const T* p) { return load(p); }
+  TS_TARGET static V one(T x) { return set1(x); }
+  TS_TARGET static vf madd(vf acc, V a, V b) { return fmadd(a, b, acc); }
+};
+
+#if defined(TS_BF16)
+struct BF16 {
+  using T = uint32_t;
+  using V = vi;
+  TS_TARGET static V lanes(const T* p) { return load_i(p); }
+  TS_TARGET static V one(T x) { return set1_i32(static_cast<int32_t>(x)); }
+  TS_TARGET static vf madd(vf acc, V a, V b) { return dot_bf16(acc, a, b); }
+};
+#endif
+
+// st (J keys, RV row vectors) = kp (J, n) . qt (n, rows at r0): each score summed over its n steps
+// (d, or pairs of d) in order
+template <typename P, int J, int RV>
+TS_TARGET void scores_block(const typename P::T* qt, int64_t mp, int64_t r0, const typename P::T* kp, int64_t n,
+                            float* st) {
   vf acc[J][RV];
   for (int j = 0; j < J; ++j)
     for (int v = 0; v < RV; ++v) acc[j][v] = zero();
-  for (int64_t d = 0; d < D; ++d) {
-    vf q[RV];
-    for (int v = 0; v < RV; ++v) q[v] = load(qt + d * mp + r0 + v * LANES);
+  for (int64_t d = 0; d < n; ++d) {
+    typename P::V q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = P::lanes(qt + d * mp + r0 + v * LANES);
     for (int j = 0; j < J; ++j) {
-      const vf k = set1(kp[j * D + d]);
-      for (int v = 0; v < RV; ++v) acc[j][v] = fmadd(q[v], k, acc[j][v]);
+      const typename P::V k = P::one(kp[j * n + d]);
+      for (int v = 0; v < RV; ++v) acc[j][v] = P::madd(acc[j][v], q[v], k);
     }
   }
   for (int j = 0; j < J; ++j)
     for (int v = 0; v < RV; ++v) store(st + j * mp + r0 + v * LANES, acc[j][v]);
 }
 
-template <int J>
-TS_TARGET void scores_rows(const float* qt, int64_t mp, int64_t rv0, int64_t rv1, const float* kp, int64_t D,
-                           float* st) {
+template <typename P, int J>
+TS_TARGET void scores_rows(const typename P::T* qt, int64_t mp, int64_t rv0, int64_t rv1, const typename P::T* kp,
+                           int64_t n, float* st) {
   int64_t rv = rv0;
-  for (; rv + QRV <= rv1; rv += QRV) scores_block<J, QRV>(qt, mp, rv * LANES, kp, D, st);
+  for (; rv + QRV <= rv1; rv += QRV) scores_block<P, J, QRV>(qt, mp, rv * LANES, kp, n, st);
   switch (rv1 - rv) {
-    case 3: scores_block<J, 3>(qt, mp, rv * LANES, kp, D, st); break;
-    case 2: scores_block<J, 2>(qt, mp, rv * LANES, kp, D, st); break;
-    case 1: scores_block<J, 1>(qt, mp, rv * LANES, kp, D, st); break;
+    case 3: scores_block<P, J, 3>(qt, mp, rv * LANES, kp, n, st); break;
+    case 2: scores_block<P, J, 2>(qt, mp, rv * LANES, kp, n, st); break;
+    case 1: scores_block<P, J, 1>(qt, mp, rv * LANES, kp, n, st); break;
     default: break;
   }
 }
 
 // st (nk keys, mp rows) for row vectors [rv0, rv1)
-TS_TARGET void scores(const float* qt, int64_t mp, int64_t rv0, int64_t rv1, const float* kp, int64_t nk, int64_t D,
-                      float* st) {
+template <typename P>
+TS_TARGET void scores(const typename P::T* qt, int64_t mp, int64_t rv0, int64_t rv1, const typename P::T* kp,
+                      int64_t nk, int64_t n, float* st) {
   int64_t j = 0;
-  for (; j + QJ <= nk; j += QJ) scores_rows<QJ>(qt, mp, rv0, rv1, kp + j * D, D, st + j * mp);
-  for (; j < nk; ++j) scores_rows<1>(qt, mp, rv0, rv1, kp + j * D, D, st + j * mp);
+  for (; j + QJ <= nk; j += QJ) scores_rows<P, QJ>(qt, mp, rv0, rv1, kp + j * n, n, st + j * mp);
+  for (; j < nk; ++j) scores_rows<P, 1>(qt, mp, rv0, rv1, kp + j * n, n, st + j * mp);
 }
 
-// o (R rows of D) = o * alpha + sum over the nk keys, in order, of p (key j's row r at pt[j * mp + r]) v
-template <int R, int DV>
-TS_TARGET void values_block(const float* pt, int64_t mp, int64_t r0, const float* alpha, const float* vp, int64_t nk,
-                            float* o) {
+// o (R rows of D) = o * alpha + sum over the tile's n steps (keys, or pairs of keys), in order, of the
+// step's weights of row r (pt[j * mp + r]) times its values (vp (n, D))
+template <typename P, int R, int DV>
+TS_TARGET void values_block(const typename P::T* pt, int64_t mp, int64_t r0, const float* alpha,
+                            const typename P::T* vp, int64_t n, float* o) {
   constexpr int64_t D = DV * LANES;
   vf acc[R][DV];
   for (int r = 0; r < R; ++r) {
     const vf a = set1(alpha[r0 + r]);
     for (int i = 0; i < DV; ++i) acc[r][i] = mul(load(o + (r0 + r) * D + i * LANES), a);
   }
-  for (int64_t j = 0; j < nk; ++j) {
-    vf v[DV];
-    for (int i = 0; i < DV; ++i) v[i] = load(vp + j * D + i * LANES);
+  for (int64_t j = 0; j < n; ++j) {
+    typename P::V v[DV];
+    for (int i = 0; i < DV; ++i) v[i] = P::lanes(vp + j * D + i * LANES);
     for (int r = 0; r < R; ++r) {
-      const vf p = set1(pt[j * mp + r0 + r]);
-      for (int i = 0; i < DV; ++i) acc[r][i] = fmadd(p, v[i], acc[r][i]);
+      const typename P::V p = P::one(pt[j * mp + r0 + r]);
+      for (int i = 0; i < DV; ++i) acc[r][i] = P::madd(acc[r][i], v[i], p);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -109,27 +134,27 @@ constexpr int value_rows() {
   return LANES == 16 ? (DV <= 2 ? 12 : DV == 4 ? 6 : DV == 8 ? 3 : 1) : (DV <= 2 ? 6 : DV == 4 ? 3 : 1);
 }
 
-template <int DV, int R>
-TS_TARGET void values_tail(const float* pt, int64_t mp, int64_t r0, int64_t n, const float* alpha, const float* vp,
-                           int64_t nk, float* o) {
+template <typename P, int DV, int R>
+TS_TARGET void values_tail(const typename P::T* pt, int64_t mp, int64_t r0, int64_t rows, const float* alpha,
+                           const typename P::T* vp, int64_t n, float* o) {
   if constexpr (R > 0) {
-    if (n >= R) {
-      values_block<R, DV>(pt, mp, r0, alpha, vp, nk, o);
-      values_tail<DV, R>(pt, mp, r0 + R, n - R, alpha, vp, nk, o);
+    if (rows >= R) {
+      values_block<P, R, DV>(pt, mp, r0, alpha, vp, n, o);
+      values_tail<P, DV, R>(pt, mp, r0 + R, rows - R, alpha, vp, n, o);
     } else {
-      values_tail<DV, R - 1>(pt, mp, r0, n, alpha, vp, nk, o);
+      values_tail<P, DV, R - 1>(pt, mp, r0, rows, alpha, vp, n, o);
     }
   }
 }
 
 // rows [r0, r1): o = o * alpha + p v
-template <int DV>
-TS_TARGET void values(const float* pt, int64_t mp, int64_t r0, int64_t r1, const float* alpha, const float* vp,
-                      int64_t nk, float* o) {
+template <typename P, int DV>
+TS_TARGET void values(const typename P::T* pt, int64_t mp, int64_t r0, int64_t r1, const float* alpha,
+                      const typename P::T* vp, int64_t n, float* o) {
   constexpr int R = value_rows<DV>();
   int64_t r = r0;
-  for (; r + R <= r1; r += R) values_block<R, DV>(pt, mp, r, alpha, vp, nk, o);
-  values_tail<DV, R - 1>(pt, mp, r, r1 - r, alpha, vp, nk, o);
+  for (; r + R <= r1; r += R) values_block<P, R, DV>(pt, mp, r, alpha, vp, n, o);
+  values_tail<P, DV, R - 1>(pt, mp, r, r1 - r, alpha, vp, n, o);
 }
 
 #if defined(TS_BF16)
@@ -154,45 +179,6 @@ TS_TARGET inline vi bf16_lanes(const float* p) { return bf16_lanes(load(p)); }
 // lane i: a's value in the low half, b's in the high half (a pair for vdpbf16ps)
 TS_TARGET inline vi pair(vi a, vi b) { return _mm512_or_si512(a, _mm512_slli_epi32(b, 16)); }
 
-// st (J keys, RV row vectors) = kp2 (J, D / 2 pairs) . qt2 (D / 2 pairs, rows at r0), pairs in order of d
-template <int J, int RV>
-TS_TARGET void scores_block_bf16(const uint32_t* qt2, int64_t mp, int64_t r0, const uint32_t* kp2, int64_t D2,
-                                 float* st) {
-  vf acc[J][RV];
-  for (int j = 0; j < J; ++j)
-    for (int v = 0; v < RV; ++v) acc[j][v] = zero();
-  for (int64_t i = 0; i < D2; ++i) {
-    vi q[RV];
-    for (int v = 0; v < RV; ++v) q[v] = load_i(qt2 + i * mp + r0 + v * LANES);
-    for (int j = 0; j < J; ++j) {
-      const vi k = set1_i32(static_cast<int32_t>(kp2[j * D2 + i]));
-      for (int v = 0; v < RV; ++v) acc[j][v] = dot_bf16(acc[j][v], q[v], k);
-    }
-  }
-  for (int j = 0; j < J; ++j)
-    for (int v = 0; v < RV; ++v) store(st + j * mp + r0 + v * LANES, acc[j][v]);
-}
-
-template <int J>
-TS_TARGET void scores_rows_bf16(const uint32_t* qt2, int64_t mp, int64_t rv0, int64_t rv1, const uint32_t* kp2,
-                                int64_t D2, float* st) {
-  int64_t rv = rv0;
-  for (; rv + QRV <= rv1; rv += QRV) scores_block_bf16<J, QRV>(qt2, mp, rv * LANES, kp2, D2, st);
-  switch (rv1 - rv) {
-    case 3: scores_block_bf16<J, 3>(qt2, mp, rv * LANES, kp2, D2, st); break;
-    case 2: scores_block_bf16<J, 2>(qt2, mp, rv * LANES, kp2, D2, st); break;
-    case 1: scores_block_bf16<J, 1>(qt2, mp, rv * LANES, kp2, D2, st); break;
-    default: break;
-  }
-}
-
-TS_TARGET void scores_bf16(const uint32_t* qt2, int64_t mp, int64_t rv0, int64_t rv1, const uint32_t* kp2,
-                           int64_t nk, int64_t D2, float* st) {
-  int64_t j = 0;
-  for (; j + QJ <= nk; j += QJ) scores_rows_bf16<QJ>(qt2, mp, rv0, rv1, kp2 + j * D2, D2, st + j * mp);
-  for (; j < nk; ++j) scores_rows_bf16<1>(qt2, mp, rv0, rv1, kp2 + j * D2, D2, st + j * mp);
-}
-
 // the tile's weights st (nk keys, mp rows) as bfloat16 pairs of keys (2 jp, 2 jp + 1): pt2 (nk / 2 up, mp)
 TS_TARGET void weight_pairs(const float* st, int64_t mp, int64_t rv0, int64_t mv, int64_t nk, uint32_t* pt2) {
   for (int64_t jp = 0; 2 * jp < nk; ++jp) {
@@ -203,50 +189,6 @@ TS_TARGET void weight_pairs(const float* st, int64_t mp, int64_t rv0, int64_t mv
       _mm512_storeu_si512(pt2 + jp * mp + r, pair(a, b));
     }
   }
-}
-
-// o (R rows of D) = o * alpha + sum over key pairs, in order, of the pair's weights . values
-template <int R, int DV>
-TS_TARGET void values_block_bf16(const uint32_t* pt2, int64_t mp, int64_t r0, const float* alpha, const uint32_t* vp2,
-                                 int64_t np, float* o) {
-  constexpr int64_t D = DV * LANES;
-  vf acc[R][DV];
-  for (int r = 0; r < R; ++r) {
-    const vf a = set1(alpha[r0 + r]);
-    for (int i = 0; i < DV; ++i) acc[r][i] = mul(load(o + (r0 + r) * D + i * LANES), a);
-  }
-  for (int64_t jp = 0; jp < np; ++jp) {
-    vi v[DV];
-    for (int i = 0; i < DV; ++i) v[i] = load_i(vp2 + jp * D + i * LANES);
-    for (int r = 0; r < R; ++r) {
-      const vi p = set1_i32(static_cast<int32_t>(pt2[jp * mp + r0 + r]));
-      for (int i = 0; i < DV; ++i) acc[r][i] = dot_bf16(acc[r][i], v[i], p);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < DV; ++i) store(o + (r0 + r) * D + i * LANES, acc[r][i]);
-}
-
-template <int DV, int R>
-TS_TARGET void values_tail_bf16(const uint32_t* pt2, int64_t mp, int64_t r0, int64_t n, const float* alpha,
-                                const uint32_t* vp2, int64_t np, float* o) {
-  if constexpr (R > 0) {
-    if (n >= R) {
-      values_block_bf16<R, DV>(pt2, mp, r0, alpha, vp2, np, o);
-      values_tail_bf16<DV, R>(pt2, mp, r0 + R, n - R, alpha, vp2, np, o);
-    } else {
-      values_tail_bf16<DV, R - 1>(pt2, mp, r0, n, alpha, vp2, np, o);
-    }
-  }
-}
-
-template <int DV>
-TS_TARGET void values_bf16(const uint32_t* pt2, int64_t mp, int64_t r0, int64_t r1, const float* alpha,
-                           const uint32_t* vp2, int64_t np, float* o) {
-  constexpr int R = value_rows<DV>();
-  int64_t r = r0;
-  for (; r + R <= r1; r += R) values_block_bf16<R, DV>(pt2, mp, r, alpha, vp2, np, o);
-  values_tail_bf16<DV, R - 1>(pt2, mp, r, r1 - r, alpha, vp2, np, o);
 }
 
 // keys [j0, j0 + nk) as bfloat16 pairs over d: (nk, D / 2)
@@ -373,17 +315,17 @@ TS_TARGET void attend_item(const float* q, int64_t qs_h, int64_t qs_t, const E* 
 #if defined(TS_BF16)
       pack_key_pairs(k_pool, table, K, kh, BS, D, j0, nk, w.kp2.data());
       pack_value_pairs(v_pool, table, K, kh, BS, D, j0, nk, w.vp2.data());
-      scores_bf16(w.qt2.data(), mp, rv0, mv, w.kp2.data(), nk, D / 2, w.st.data());
+      scores<BF16>(w.qt2.data(), mp, rv0, mv, w.kp2.data(), nk, D / 2, w.st.data());
       softmax_tile(w.st.data(), mp, rv0, mv, j0, nk, w.pos.data(), w.m.data(), w.l.data(), w.alpha.data());
       weight_pairs(w.st.data(), mp, rv0, mv, nk, w.pt2.data());
-      values_bf16<DV>(w.pt2.data(), mp, rv0 * LANES, M, w.alpha.data(), w.vp2.data(), (nk + 1) / 2, w.o.data());
+      values<BF16, DV>(w.pt2.data(), mp, rv0 * LANES, M, w.alpha.data(), w.vp2.data(), (nk + 1) / 2, w.o.data());
 #endif
     } else {
       pack(k_pool, table, K, kh, BS, D, j0, nk, w.kp.data());
       pack(v_pool, table, K, kh, BS, D, j0, nk, w.vp.data());
-      scores(w.qt.data(), mp, rv0, mv, w.kp.data(), nk, D, w.st.data());
+      scores<F32>(w.qt.data(), mp, rv0, mv, w.kp.data(), nk, D, w.st.data());
       softmax_tile(w.st.data(), mp, rv0, mv, j0, nk, w.pos.data(), w.m.data(), w.l.data(), w.alpha.data());
-      values<DV>(w.st.data(), mp, rv0 * LANES, M, w.alpha.data(), w.vp.data(), nk, w.o.data());
+      values<F32, DV>(w.st.data(), mp, rv0 * LANES, M, w.alpha.data(), w.vp.data(), nk, w.o.data());
     }
   }
   for (int64_t r = 0; r < M; ++r) {
