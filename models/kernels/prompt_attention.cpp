@@ -360,11 +360,10 @@ void attend_all(const at::Tensor& q, const E* kp, const E* vp, const int64_t* ta
 template <bool BF, typename E>
 void attend_dispatch(const at::Tensor& q, const E* kp, const E* vp, const int64_t* tab, const int64_t* keys, int64_t M,
                      int64_t kv_heads, int64_t block, float sc, float* op) {
-  switch (q.size(3) / LANES) {
-    case 2: attend_all<2, BF>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
-    case 4: attend_all<4, BF>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
-    case 8: attend_all<8, BF>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
-    case 16: attend_all<16, BF>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
+  switch (q.size(3)) {  // DV vectors of LANES floats a head
+    case 32: attend_all<32 / LANES, BF>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
+    case 64: attend_all<64 / LANES, BF>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
+    case 128: attend_all<128 / LANES, BF>(q, kp, vp, tab, keys, M, kv_heads, block, sc, op); break;
     default: TORCH_CHECK(false, "unreachable head dim");
   }
 }
@@ -389,8 +388,7 @@ at::Tensor paged_prompt_op(const at::Tensor& q, const at::Tensor& k_pool, const 
 #endif
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.stride(3) == 1, "q must be a (B, H, T, D) float32 tensor with a contiguous last dim");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  TORCH_CHECK(D % LANES == 0 && (D / LANES == 2 || D / LANES == 4 || D / LANES == 8 || D / LANES == 16),
-              "prompt attention takes head dims of 2, 4, 8 or 16 vectors of ", LANES, " floats, got ", D);
+  TORCH_CHECK(D == 32 || D == 64 || D == 128, "prompt attention takes head dims 32, 64 and 128, got ", D);
   const bool bf16 = k_pool.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || k_pool.scalar_type() == at::kFloat) && v_pool.scalar_type() == k_pool.scalar_type() &&
                   k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 2 && k_pool.size(1) == D &&
