@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from service.ray_env import use_fast_path
+from service.testing.cluster import stop_kept
 
 # Ray Serve's request path as `python -m service` runs it (service/ray_env.py); every Ray process a
 # test starts inherits it.
@@ -20,3 +21,12 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kept_cluster() -> Iterator[None]:
+    """The end-to-end modules share one local Ray + Serve (service.testing.cluster.local_cluster with
+    keep=True: each deletes its applications after, and starting Ray costs ~8 s a module); it ends
+    with the session."""
+    yield
+    stop_kept()

@@ -59,10 +59,46 @@ def wait_for(url: str, path: str, status: int, timeout_s: float) -> httpx.Respon
             time.sleep(0.2)
 
 
+# A local Ray + Serve that local_cluster(keep=True) left running for the next one with the same
+# settings: [((num_cpus, env), base URL)] while it runs (a test session's end-to-end modules share it).
+_KEPT: list[tuple[tuple[int, tuple[tuple[str, str], ...]], str]] = []
+
+
 @contextmanager
-def local_cluster(num_cpus: int = 4, env: Mapping[str, str] | None = None) -> Iterator[str]:
-    """A fresh local Ray (workers get `env`, one OpenMP thread unless `env` says otherwise) with
-    Serve on a free 127.0.0.1 port; yields the base URL, shuts both down after."""
+def local_cluster(num_cpus: int = 4, env: Mapping[str, str] | None = None, keep: bool = False) -> Iterator[str]:
+    """A local Ray (workers get `env`, one OpenMP thread unless `env` says otherwise) with Serve on a
+    free 127.0.0.1 port; yields the base URL. Fresh, and shut down after, unless `keep`: then one kept
+    by an earlier local_cluster(keep=True) with the same num_cpus and env is reused, and after the
+    block its Serve applications are deleted and Ray and Serve left running (stop_kept() ends them;
+    a local_cluster with other settings, or without keep, ends them first)."""
+    key = (num_cpus, tuple(sorted((env or {}).items())))
+    if not (keep and _KEPT and _KEPT[0][0] == key and ray.is_initialized()):
+        stop_kept()
+        url = _start(num_cpus, env)
+        if keep:
+            _KEPT.append((key, url))
+    else:
+        url = _KEPT[0][1]
+    try:
+        yield url
+    finally:
+        if keep and _KEPT:
+            for name in list(serve.status().applications):
+                serve.delete(name)
+        else:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def stop_kept() -> None:
+    """Shut down the Ray and Serve a local_cluster(keep=True) left running, if any."""
+    if _KEPT:
+        _KEPT.clear()
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _start(num_cpus: int, env: Mapping[str, str] | None) -> str:
     local_ray_env()
     port = free_port()
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -71,10 +107,10 @@ def local_cluster(num_cpus: int = 4, env: Mapping[str, str] | None = None) -> It
              runtime_env={"env_vars": env_vars})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    except BaseException:
         ray.shutdown()
+        raise
+    return f"http://127.0.0.1:{port}"
 
 
 def deploy(app_args: dict[str, Any], name: str = "e2e", prefix: str = "/",

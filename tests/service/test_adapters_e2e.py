@@ -65,7 +65,7 @@ def url(adapters: dict[str, Path]) -> Any:
                                   "adapter_dir": str(adapters["routed"].parent)},
                         "num_cpus": 0, "torch_threads": 1, "num_replicas": 2}},
     }
-    with local_cluster() as base:
+    with local_cluster(keep=True) as base:
         deploy(args, "adapters", "/")
         wait_for(base, "/readyz", 200, timeout_s=120)
         yield base

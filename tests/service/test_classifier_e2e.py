@@ -85,7 +85,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def url(dirs: dict[str, Path]) -> Iterator[str]:
-    with local_cluster() as base:
+    with local_cluster(keep=True) as base:
         deploy(app_args(dirs["classifier"], dirs["reranker"]), "heads", "/")
         wait_for(base, "/readyz", 200, timeout_s=120)
         yield base

@@ -56,7 +56,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, hf.Q
     args = {"device": "cpu", "deployments": {"qwen": {
         "model": {"name": NAME, "source": f"hf:{path}", "defaults": {"max_new_tokens": N_NEW}},
         "num_cpus": 0, "torch_threads": 1, "engine": {"max_running": 4, "max_queued": 8}}}}
-    with local_cluster() as url:
+    with local_cluster(keep=True) as url:
         deploy(args, "family", "/")
         wait_for(url, "/readyz", 200, timeout_s=120)
         yield url, model, TextTokenizer.from_hf_dir(path)

@@ -84,7 +84,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     gate = tmp_path_factory.mktemp("gate") / "open"
     settings = Settings.build(app_args(gate), env={})
-    with local_cluster() as serve_url, ExitStack() as stack:  # through the front, as users reach it
+    with local_cluster(keep=True) as serve_url, ExitStack() as stack:  # through the front, as users reach it
         url = client_url(stack, serve_url, settings.max_body_bytes, math.ceil(settings.retry_after_s))
         app = build_app_from_settings(settings)
         deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "e2e", "route_prefix": "/"},

@@ -65,7 +65,7 @@ def app_args(long_dir: Path, retry_after_s: int = 1) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     long_dir = long_decoder(tmp_path_factory.mktemp("long"))
-    with local_cluster(num_cpus=4) as url:
+    with local_cluster(num_cpus=4, keep=True) as url:
         deploy(app_args(long_dir), name=APP)
         wait_for(url, "/readyz", 200, timeout_s=120)
         yield url, long_dir

@@ -119,7 +119,7 @@ def second_app(cluster: Cluster, args: dict[str, Any], name: str, timeout_s: flo
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with local_cluster() as url:
+    with local_cluster(keep=True) as url:
         yield Cluster(url)
 
 

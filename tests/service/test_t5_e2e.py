@@ -112,7 +112,7 @@ def server(t5_dir: Path) -> Iterator[str]:
     args = {"device": "cpu", "deployments": {"t5": {
         "model": model_spec(t5_dir), "num_cpus": 0,
         "batching": {"max_batch_size": 8, "max_wait_ms": 25, "max_queued": 64}}}}
-    with local_cluster() as url:
+    with local_cluster(keep=True) as url:
         deploy(args, "t5", "/")
         wait_for(url, "/readyz", 200, timeout_s=180)
         yield url

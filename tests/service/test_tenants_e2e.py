@@ -34,7 +34,7 @@ def url() -> Any:
             "encoder": {"model": {"name": "minilm", "tasks": ["embed"], "source": "zoo:minilm"},
                         "num_cpus": 0, "torch_threads": 1, "batching": {"max_batch_size": 1, "max_wait_ms": 0}}},
     }
-    with local_cluster() as base:
+    with local_cluster(keep=True) as base:
         deploy(args, "tenants", "/")
         wait_for(base, "/readyz", 200, timeout_s=120)
         yield base

@@ -22,7 +22,7 @@ import ray
 from ray import serve
 
 from service.telemetry.metrics import PREFIX
-from service.testing.cluster import ROOT, deploy, free_port, local_ray_env, wait_for
+from service.testing.cluster import ROOT, deploy, free_port, local_ray_env, stop_kept, wait_for
 
 pytestmark = pytest.mark.e2e
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ def replica_nodes(deployment: str) -> list[str]:
 def two_nodes() -> Iterator[TwoNodes]:
     from ray.cluster_utils import Cluster
 
+    stop_kept()  # a Ray of its own: not the one the other end-to-end modules share
     local_ray_env()
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head_node": 1}})
