@@ -52,9 +52,10 @@ class PagedKVCache(RowLengths):
                  block: int = BLOCK_TOKENS, decode_kernel: bool | None = None, zeroed: bool = True,
                  prompt_kernel: bool | None = None) -> None:
         """decode_kernel / prompt_kernel: whether steps of one token a row / of several attend through
-        models/kernels/ (None: where they run, `pool_kernel_runs` / `prompt_kernel_runs`). zeroed False: the pool starts uninitialised and each block is zeroed when `ensure` hands it
-        out, so only the pages of blocks in use are ever touched (a beam search: its pool is sized for
-        every beam's longest output, most of which it never uses)."""
+        models/kernels/ (None: where they run, `pool_kernel_runs` / `prompt_kernel_runs`). zeroed
+        False: the pool starts uninitialised and each block is zeroed when `ensure` hands it out, so
+        only the pages of blocks in use are ever touched (a beam search: its pool is sized for every
+        beam's longest output, most of which it never uses)."""
         if blocks < 2:
             raise ValueError(f"a paged cache needs at least 2 blocks (one is the null block), got {blocks}")
         self.block, self.kv_heads, self.max_len, self.n_blocks = block, kv_heads, max_len, blocks
