@@ -464,14 +464,21 @@ class PagedLayerCache:
         rows = pool.index_select(0, self.tables.reshape(-1))  # (B * nb, K, BS, D)
         return rows.view(b, nb, heads, self.block, d).transpose(1, 2).reshape(b, heads, nb * self.block, d)  # (B, K, S, D)
 
+    def store(self, k: Tensor, v: Tensor) -> None:
+        """Store new keys/values (B, K, T, D) at this step's slots, rounded to the pool's dtype."""
+        d = k.size(-1)
+        self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d).to(self.flat_k.dtype))  # (B*K*T, D) rows copied
+        self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d).to(self.flat_v.dtype))  # (B*K*T, D) rows copied
+
+    def _stored(self, heads: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The rows' stored keys/values (B, K, S, D) each, gathered, in `dtype`."""
+        return self._gather(self.flat_k, heads).to(dtype), self._gather(self.flat_v, heads).to(dtype)
+
     def write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store new keys/values (B, K, T, D), rounded to the pool's dtype; return the rows' stored
         keys/values (B, K, S, D), gathered, in k's dtype."""
-        d, heads = k.size(-1), k.size(1)
-        self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d).to(self.flat_k.dtype))  # (B*K*T, D) rows copied
-        self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d).to(self.flat_v.dtype))  # (B*K*T, D) rows copied
-        return (self._gather(self.flat_k, heads).to(k.dtype),
-                self._gather(self.flat_v, heads).to(v.dtype))  # (B, K, S, D) each
+        self.store(k, v)
+        return self._stored(k.size(1), k.dtype)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | Tensor | None, scale: float | None,
                gqa: bool) -> Tensor:
@@ -480,21 +487,18 @@ class PagedLayerCache:
         that is causal after each row's past through the prompt kernel (float32 queries; products in
         bfloat16 where the mask says so), else gathered under `mask`."""
         b, h, t, d = q.shape
+        self.store(k, v)
         if t == 1 and self.decode_kernel:
-            self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d).to(self.flat_k.dtype))  # (B*K, D) rows copied
-            self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d).to(self.flat_v.dtype))  # (B*K, D) rows copied
             out = torch.ops.ts_panels.paged_decode(
                 q.reshape(b, h, d).float().contiguous(), self.flat_k, self.flat_v, self.tables, self.keys,
                 k.size(1), self.block, d ** -0.5 if scale is None else scale)  # (B, H, D) float32
             return out.view(b, h, 1, d).to(q.dtype)  # (B, H, T, D)
         if (t > 1 and self.prompt_kernel and q.dtype == torch.float32 and isinstance(mask, AttentionMask)
                 and mask.after_past):
-            self.flat_k.index_copy_(0, self.slots, k.reshape(-1, d).to(self.flat_k.dtype))  # (B*K*T, D) rows copied
-            self.flat_v.index_copy_(0, self.slots, v.reshape(-1, d).to(self.flat_v.dtype))  # (B*K*T, D) rows copied
             return torch.ops.ts_panels.paged_prompt(
                 q, self.flat_k, self.flat_v, self.tables, self.keys, k.size(1), self.block,
                 d ** -0.5 if scale is None else scale, mask.bf16_products)  # (B, H, T, D) view of (B, T, H, D)
-        k_all, v_all = self.write(k, v)  # (B, K, S, D) each
+        k_all, v_all = self._stored(k.size(1), k.dtype)  # (B, K, S, D) each
         return attention(q, k_all, v_all, mask, scale=scale, gqa=gqa)  # (B, H, T, D)
 
 

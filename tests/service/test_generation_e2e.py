@@ -979,6 +979,10 @@ def test_smollm2_answers_the_capital_of_france(smollm2: Cluster) -> None:
     if blocks:
         assert "prompt_weights: auto -> " in plan["prefill"]["detail"]
         assert ("bfloat16" in plan["prefill"]["detail"]) is native.has_bf16()
+        # prompts attend from the paged blocks (models/kernels/prompt_attention.cpp); a bfloat16 twin's
+        # in bfloat16 products
+        assert "attention: paged prompt kernel" in plan["prefill"]["detail"]
+        assert plan["prefill"]["detail"].endswith(", bfloat16 products") is (card["prompt_weights"] == "bfloat16")
     client = smollm2.openai("/smollm2")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     whole = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages,  # type: ignore[arg-type]

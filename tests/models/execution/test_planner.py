@@ -21,6 +21,7 @@ from models.execution.planner import Runtime, plan_model
 from models.kernels import native
 from models.spec import KIND_PHASES, ModelSpec
 from models.tiny import tiny_model
+from tests.models.projections.test_quant import needs_kernels
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -154,11 +155,10 @@ def test_a_bfloat16_model_plans_torch_with_the_reason() -> None:
     ({"n_heads": 3, "n_kv_heads": 1}, Runtime(graphs=False), "attention: paged prompt kernel"),  # head dim 128
     ({"n_heads": 8, "n_kv_heads": 2}, Runtime(graphs=False), "(not the prompt kernel: head dim 48; it takes 32, 64, 128)"),
 ])
+@needs_kernels
 def test_a_generators_prefill_names_how_its_prompts_attend(changes: dict, runtime: Runtime, says: str) -> None:
     """Prompts attend through the paged cache's prompt kernel where the cache and model let them (the
     condition PagedLayerCache.attend checks), and the plan says so, or why not."""
-    if not native.available():
-        pytest.skip("needs the native kernels")
     base = tiny_model("decoder")[0].cfg
     model = type(tiny_model("decoder")[0])(base.replace(**({"d_model": 384, "n_heads": 6, "n_kv_heads": 2} | changes)))
     detail = plan_model(model.eval(), "auto", runtime).plan["prefill"].detail
