@@ -25,7 +25,7 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session", autouse=True)
 def kept_cluster() -> Iterator[None]:
-    """The end-to-end modules share one local Ray + Serve (service.testing.cluster.local_cluster with
+    """The service's end-to-end modules share one local Ray + Serve (service.testing.cluster.local_cluster with
     keep=True: each deletes its applications after, and starting Ray costs ~8 s a module); it ends
     with the session."""
     yield

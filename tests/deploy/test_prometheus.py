@@ -199,7 +199,7 @@ def start_prometheus(tmp: Path, target: str) -> tuple[subprocess.Popen[bytes], s
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     binary("prometheus")  # skip before starting anything
     tmp = tmp_path_factory.mktemp("prometheus")
-    with local_cluster(num_cpus=4, keep=True) as serve_url, ExitStack() as front:
+    with local_cluster(num_cpus=4) as serve_url, ExitStack() as front:
         deploy(app_args(tmp / "metrics", tiny_adapter(tmp / "adapter"),
                         encoder_adapter(tmp / "encoder-adapter", 0, ("ham", "spam"))), name="prom", prefix="/")
         url = client_url(front, serve_url, MAX_BODY, 1, metrics_dir=str(tmp / "metrics"))  # as python -m service

@@ -104,7 +104,7 @@ def engine_idle(stats: dict[str, Any]) -> bool:
 
 @pytest.fixture(scope="package")
 def live() -> Iterator[Live]:
-    with local_cluster(num_cpus=4, keep=True) as serve_url, ExitStack() as stack:
+    with local_cluster(num_cpus=4) as serve_url, ExitStack() as stack:
         url = client_url(stack, serve_url, Settings.build(app_args(), env={}).max_body_bytes, int(RETRY_AFTER))
         deploy(app_args(), name=APP, prefix="/")
         wait_for(url, "/readyz", 200, timeout_s=120)
