@@ -2,6 +2,8 @@
 
 `tiny:encoder`, `tiny:decoder` and `tiny:seq2seq` build the same weights in every process
 (fixed seed), so Ray replicas and the test process agree. Not for real use: outputs are noise.
+`tiny:decoder-wide` is tiny:decoder 8x wider and twice as deep (~1 ms a step on one thread): for tests
+that need the model, not the HTTP stack, to be what runs out.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ _BUILDERS = {
         vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_layers=2, max_positions=512,
         position="rotary", norm="rmsnorm", activation="swiglu", attn_bias=False, mlp_bias=False,
         eos_token_ids=(EOS,))),
+    "decoder-wide": lambda: DecoderLM(DecoderConfig(
+        vocab_size=VOCAB, d_model=256, n_heads=8, n_kv_heads=4, d_ff=768, n_layers=4, max_positions=512,
+        position="rotary", norm="rmsnorm", activation="swiglu", attn_bias=False, mlp_bias=False,
+        eos_token_ids=(EOS,))),
     "seq2seq": lambda: Seq2Seq(Seq2SeqConfig(
         vocab_size=VOCAB, d_model=32, n_heads=4, d_ff=64, n_layers=2, max_positions=256, pad_token_id=PAD,
         decoder_start_token_id=PAD, eos_token_id=EOS, scale_embeddings=True)),
@@ -67,5 +73,5 @@ def tiny_model(family: str, seed: int = 0) -> tuple[nn.Module, TextTokenizer]:
                 if weight.dim() >= 2:
                     weight.mul_(SEQ2SEQ_SPREAD)
     tok = byte_tokenizer(append_eos=family == "seq2seq")
-    template = CHAT_TEMPLATE if family == "decoder" else None
+    template = CHAT_TEMPLATE if family.startswith("decoder") else None
     return model, TextTokenizer(tok, template, {"eos_token": "</s>"})

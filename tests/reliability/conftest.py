@@ -10,7 +10,7 @@ Deployments, each sized for what it is used for:
   client can disconnect mid-request.
 - `generator`: tiny:decoder with 16 rows and a deep queue; cancellation and engine faults
   (`ignore_eos` makes a request run for all its max_new_tokens).
-- `burst`: tiny:decoder with 2 rows and 4 queue slots, 8 requests in the replica and 8 queued for
+- `burst`: tiny:decoder-wide with 1 row and 4 queue slots, 8 requests in the replica and 8 queued for
   it at the ingress: a small capacity to overload (the model, not the HTTP stack, is the bottleneck).
 """
 
@@ -41,8 +41,8 @@ def _encoder(name: str, batching: dict[str, Any], **extra: Any) -> dict[str, Any
             "num_cpus": 0, "torch_threads": 1, "batching": batching, **extra}
 
 
-def _decoder(name: str, engine: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"model": {"name": name, "tasks": ["generate"], "source": "tiny:decoder"}, "num_cpus": 0,
+def _decoder(name: str, engine: dict[str, Any], source: str = "tiny:decoder", **extra: Any) -> dict[str, Any]:
+    return {"model": {"name": name, "tasks": ["generate"], "source": source}, "num_cpus": 0,
             "torch_threads": 1, "engine": {"max_total_tokens": None, "max_new_tokens": 500, **engine}, **extra}
 
 
@@ -54,8 +54,8 @@ def app_args() -> dict[str, Any]:
             "encoder": _encoder("tiny-encoder", {"max_batch_size": 16, "max_wait_ms": 2, "max_queued": 256}),
             "slow": _encoder("tiny-encoder-slow", {"max_batch_size": 256, "max_wait_ms": 8000, "max_queued": 256}),
             "generator": _decoder("tiny-decoder", {"max_running": 16, "max_queued": 256}),
-            "burst": _decoder("tiny-decoder-burst", {"max_running": 1, "max_queued": 4}, max_ongoing_requests=8,
-                              max_queued_requests=8),
+            "burst": _decoder("tiny-decoder-burst", {"max_running": 1, "max_queued": 4}, "tiny:decoder-wide",
+                              max_ongoing_requests=8, max_queued_requests=8),
         },
     }
 
