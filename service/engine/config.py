@@ -15,7 +15,7 @@ class SpeculativeConfig:
     one step, as extra entries of the decode step, keeping the tokens it would have chosen itself
     (greedy: the same output; sampling: the same distribution). Whether a step drafts, and how many
     tokens each row drafts, is decided per step from the measured step times and each request's
-    acceptance so far; large batches stop drafting by themselves."""
+    acceptance so far (`adaptive`); large batches stop drafting by themselves."""
 
     __pydantic_config__ = {"extra": "forbid"}
 
@@ -31,6 +31,9 @@ class SpeculativeConfig:
     draft: Mapping[str, Any] = field(default_factory=dict)
     # a row's acceptance rate before any of its drafts was verified (the adaptive rule's prior)
     prior_acceptance: float = 0.6
+    # false: every row that may draft drafts max_draft_tokens every step, whatever the measured times say
+    # (vLLM's fixed num_speculative_tokens; for a draft known to pay, or to measure acceptance)
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         problems = []

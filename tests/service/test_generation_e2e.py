@@ -898,13 +898,15 @@ def test_models_show_the_execution_plan_and_metrics_export_it(server: Cluster) -
 
 def test_speculative_decoding_gives_the_plain_answers_over_http(server: Cluster) -> None:
     """A deployment of the same tiny decoder that decodes speculatively (a draft model: the same
-    weights) answers concurrent greedy, seeded sampled and opted-out requests with the plain
+    weights, drafting every step: the adaptive rule would stop after the first drafts, as a draft this
+    dear does not pay) answers concurrent greedy, seeded sampled and opted-out requests with the plain
     deployment's texts; its card shows the drafter, and its counters move (exported from the start)."""
     args = {"device": "cpu", "deployments": {"generator": {
         "model": {"name": "tiny-decoder-spec", "tasks": ["generate"], "source": "tiny:decoder"},
         "num_cpus": 0, "torch_threads": 1,
         "engine": {"max_running": 16, "max_total_tokens": None, "max_new_tokens": 256,
-                   "speculative": {"method": "draft", "max_draft_tokens": 4, "draft": {"source": "tiny:decoder"}}}}}}
+                   "speculative": {"method": "draft", "max_draft_tokens": 4, "draft": {"source": "tiny:decoder"},
+                                   "adaptive": False}}}}}
     bodies = [{"prompt": f"spec {i} " + "la " * i, "max_tokens": 40, "ignore_eos": True,
                **({"temperature": 0.9, "seed": i} if i % 3 == 1 else {}),
                **({"speculative": False} if i % 3 == 2 else {})} for i in range(9)]
@@ -921,16 +923,23 @@ def test_speculative_decoding_gives_the_plain_answers_over_http(server: Cluster)
             card = c.get("/v1/models").json()["data"][0]
             before = c.get("/metrics").text
         assert card["speculative"]["method"] == "draft" and card["speculative"]["draft"] == {"source": "tiny:decoder"}
+        assert card["speculative"]["adaptive"] is False
         assert card["speculative"]["draft_plan"]["decode"]["backend"] == card["plan"]["decode"]["backend"]
         assert re.search(r'transformer_serve_generation_spec_draft_tokens_total\{[^}]*model="tiny-decoder-spec"', before)
         spec = asyncio.run(answers("/spec", "tiny-decoder-spec"))
         with server.client("/spec") as c:
             after = c.get("/metrics").text
     assert spec == asyncio.run(answers("", TINY))
-    kept = [float(line.rsplit(" ", 1)[1]) for line in after.splitlines()
-            if line.startswith("transformer_serve_generation_spec_accepted_tokens_total{")
-            and 'model="tiny-decoder-spec"' in line and 'method="draft"' in line]
-    assert kept and kept[0] > 0
+
+    def counter(name: str) -> list[float]:
+        return [float(line.rsplit(" ", 1)[1]) for line in after.splitlines()
+                if line.startswith(f"transformer_serve_generation_spec_{name}_total{{")
+                and 'model="tiny-decoder-spec"' in line and 'method="draft"' in line]
+
+    # 6 requests draft (3 opted out); each greedy one keeps every draft: after the prefill's token, 7
+    # steps of 4 drafts + 1 and one of 3 + 1 (the sampled ones keep some by chance)
+    drafted, kept = counter("draft_tokens"), counter("accepted_tokens")
+    assert drafted and kept and drafted[0] >= kept[0] >= 3 * (7 * 4 + 3), (drafted, kept)
 
 
 # -- the default model ------------------------------------------------------------------------------

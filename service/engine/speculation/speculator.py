@@ -47,7 +47,8 @@ class Speculator:
 
     def describe(self) -> dict[str, object]:
         """What /v1/models shows of it."""
-        out: dict[str, object] = {"method": self.method, "max_draft_tokens": self.config.max_draft_tokens}
+        out: dict[str, object] = {"method": self.method, "max_draft_tokens": self.config.max_draft_tokens,
+                                  "adaptive": self.config.adaptive}
         if self.method == "ngram":
             out |= {"ngram_min": self.config.ngram_min, "ngram_max": self.config.ngram_max}
         else:
@@ -91,8 +92,11 @@ class Speculator:
                 proposals[r] = state.lookup.propose(most)
                 most = len(proposals[r])
             candidates.append(Candidate(r, most, state.acceptance.rate))
-        chosen = choose_drafts(len(rows), candidates, self.times,
-                               self.draft.draft_s if self.draft is not None else None)
+        if self.config.adaptive:
+            chosen = choose_drafts(len(rows), candidates, self.times,
+                                   self.draft.draft_s if self.draft is not None else None)
+        else:
+            chosen = {c.row: c.most for c in candidates}
         for c in candidates:  # rows that could draft and did not: their acceptance drifts back to the prior
             if c.row not in chosen:
                 rows[c.row].speculation.acceptance.forget()

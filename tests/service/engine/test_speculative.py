@@ -2,7 +2,7 @@
 decoding without drafts (greedy, penalties, seeded sampling), alone and among others, with prefix hits,
 chunked prefill and preemption; sampling keeps the model's distribution (a chi-square test a wrong
 acceptance rule fails); rejected drafts leave the cache as a run that never drafted; the adaptive rule
-stops drafting where it does not pay; a request may opt out.
+stops drafting where it does not pay, and without it every step drafts; a request may opt out.
 """
 
 from __future__ import annotations
@@ -129,6 +129,19 @@ def test_a_draft_model_gives_the_tokens_of_plain_decoding() -> None:
     greedy = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 3
     _, history = run(model, tok, prompts[:3], greedy, draft=model, speculative=draft)
     assert 0 < history[-1].spec_accepted == history[-1].spec_drafted  # the same weights, greedy: every draft kept
+
+
+def test_without_the_adaptive_rule_every_step_drafts_the_most() -> None:
+    """`adaptive: false`: a draft as dear as the model itself (the same weights) still drafts
+    max_draft_tokens every step, fewer only where max_new_tokens leaves fewer, and all are kept."""
+    model, tok = tiny_model("decoder")
+    fixed = SpeculativeConfig(method="draft", max_draft_tokens=4, draft={"source": "tiny"}, adaptive=False)
+    plain, _ = run(model, tok, prompts_of(tok, 1), [SamplingParams(max_new_tokens=30, ignore_eos=True)])
+    spec, history = run(model, tok, prompts_of(tok, 1), [SamplingParams(max_new_tokens=30, ignore_eos=True)],
+                        draft=model, speculative=fixed)
+    same(spec, plain)
+    # the prefill's token, then 5 verify steps of 4 drafts + 1 and a last one of 3 + 1
+    assert (history[-1].spec_steps, history[-1].spec_drafted, history[-1].spec_accepted) == (6, 23, 23)
 
 
 @pytest.mark.parametrize("prefix_mib", [0.0, 1.0])
