@@ -314,14 +314,16 @@ def _adapters(spec: ModelSpec, model: nn.Module, twin: nn.Module | None) -> Resi
     if not slots:
         return None
     # the factors in the precision of the weights beside them: float32 beside float32 weights (PEFT's
-    # results to float32 rounding), bfloat16 beside blocks and bfloat16 (half the bytes a step reads;
-    # bench-adapters in docs/benchmarks.md)
-    exact = all(p.dtype == torch.float32 for p in model.parameters()) and not any(
-        isinstance(m, BlockLinear | Bf16PanelLinear) for m in model.modules())
+    # results to float32 rounding), int8 with per-rank scales beside 8- and 4-bit blocks on our kernel (a
+    # quarter of the bytes a step reads), bfloat16 otherwise (bench-adapters in docs/benchmarks.md)
+    blocks = any(isinstance(m, BlockLinear) for m in model.modules())
+    exact = all(p.dtype == torch.float32 for p in model.parameters()) and not blocks and not any(
+        isinstance(m, Bf16PanelLinear) for m in model.modules())
     device = next(model.parameters()).device
+    kernel = device.type == "cpu" and native.available()
+    factors = torch.float32 if exact else torch.int8 if blocks and kernel else torch.bfloat16
     resident = ResidentAdapters([model] + ([twin] if twin is not None else []), slots, spec.max_lora_rank,
-                                torch.float32 if exact else torch.bfloat16,
-                                kernel=device.type == "cpu" and native.available())
+                                factors, kernel=kernel)
     for name, path in list(spec.adapters.items())[:slots]:
         resident.load(read_adapter(path, name))
     return resident

@@ -11,8 +11,11 @@ output range, each with its own r ranks of the slot: part p's ranks write only i
 
 Storage, updated in place by models/adapters/resident.py (the native step reads the same tensors): `a`
 (N, P*r, I), `bt` (N, P*r, O) with the adapter's scale folded in, a slot's unused ranks zeros, in
-float32 or bfloat16 (`dtype`: half the bytes a step reads; widened exactly, the products in float32);
-`ranks` (N, P) int64 the ranks each part uses. `forward(x, slots)` is pure: slots (B,) int64 names each row's adapter.
+float32, bfloat16 or int8 (`dtype`: a half or a quarter of the bytes a step reads; widened exactly, the
+products in float32); int8 factors are rounded per rank row (each row of `a` and of `bt` over its
+absolute maximum / 127) and `scales` (N, P*r) float32 holds each rank's two row scales multiplied, applied
+to its first product (empty for float factors). `ranks` (N, P) int64 the ranks each part uses.
+`forward(x, slots)` is pure: slots (B,) int64 names each row's adapter.
 """
 
 from __future__ import annotations
@@ -36,21 +39,30 @@ class LoraLinear(nn.Module):
         self.capacity, self.rank = capacity, rank
         self.kernel = kernel  # the updates through our CPU kernel (models/kernels/lora.cpp), else torch's bmm
         parts = len(self.bounds) - 1
+        if dtype not in (torch.float32, torch.bfloat16, torch.int8):
+            raise ValueError(f"adapter factors are float32, bfloat16 or int8, not {dtype}")
         if shared is not None:  # a twin of the same model (other weights, same adapters): one storage
             if (shared.bounds, shared.capacity, shared.rank, shared.a.dtype) != (self.bounds, capacity, rank, dtype):
                 raise ValueError("a shared LoraLinear must have the same parts, slots, rank and dtype")
-            a, bt, ranks = shared.a, shared.bt, shared.ranks
+            a, bt, ranks, scales = shared.a, shared.bt, shared.ranks, shared.scales
         else:
             a = torch.zeros(capacity, parts * rank, self.in_features, dtype=dtype)  # (N, P r, I)
             bt = torch.zeros(capacity, parts * rank, self.out_features, dtype=dtype)  # (N, P r, O)
             ranks = torch.zeros(capacity, parts, dtype=torch.long)  # (N, P): each part's ranks in use
+            scales = torch.zeros(capacity, parts * rank) if dtype == torch.int8 else torch.zeros(0)  # (N, P r)
         self.register_buffer("a", a, persistent=False)
         self.register_buffer("bt", bt, persistent=False)
         self.register_buffer("ranks", ranks, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
 
     @property
     def parts(self) -> int:
         return len(self.bounds) - 1
+
+    @property
+    def quantized(self) -> bool:
+        """int8 factors with per-rank scales."""
+        return self.a.dtype == torch.int8
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
@@ -58,6 +70,8 @@ class LoraLinear(nn.Module):
         self.a[slot].zero_()
         self.bt[slot].zero_()
         self.ranks[slot].zero_()
+        if self.quantized:
+            self.scales[slot].zero_()
 
     @torch.no_grad()
     def put(self, slot: int, part: int, a: Tensor, b: Tensor, scale: float) -> None:
@@ -68,8 +82,12 @@ class LoraLinear(nn.Module):
             raise ValueError(f"factors {tuple(a.shape)} and {tuple(b.shape)} do not fit a rank-{self.rank} part of "
                              f"{self.in_features} inputs and {o1 - o0} outputs")
         lo = part * self.rank
-        self.a[slot, lo:lo + r] = a.float()  # rounded to the storage's dtype
-        self.bt[slot, lo:lo + r, o0:o1] = (b.float() * scale).t()
+        a, bt = a.float(), (b.float() * scale).t()  # (r, I), (r, O_part)
+        if self.quantized:
+            (a, sa), (bt, sb) = _rows_to_int8(a), _rows_to_int8(bt)
+            self.scales[slot, lo:lo + r] = sa * sb
+        self.a[slot, lo:lo + r] = a  # rounded to the storage's dtype
+        self.bt[slot, lo:lo + r, o0:o1] = bt
         self.ranks[slot, part] = r
 
     def delta(self, x: Tensor, slots: Tensor) -> Tensor:
@@ -79,6 +97,8 @@ class LoraLinear(nn.Module):
         use = slots >= 0  # (B,)
         index = slots.clamp(min=0)  # (B,)
         t = torch.bmm(xs.float(), self.a[index].float().transpose(1, 2))  # (B, T, P r)
+        if self.quantized:
+            t = t * self.scales[index].unsqueeze(1)  # (B, 1, P r): each rank's scales
         t = t * use.view(-1, 1, 1)  # rows of the base: nothing
         d = torch.bmm(t, self.bt[index].float()).to(x.dtype)  # (B, T, O)
         return d.squeeze(1) if flat else d
@@ -94,7 +114,8 @@ class LoraLinear(nn.Module):
         per_token = slots.repeat_interleave(x.size(1)) if x.dim() == 3 else slots  # (B T,) or (B,)
         out = torch.ops.ts_panels.lora_update(x.reshape(-1, self.in_features).float().contiguous(),
                                               y.reshape(-1, self.out_features).float(), self.a, self.bt, self.ranks,
-                                              list(self.bounds), self.rank, per_token)  # (M, O)
+                                              list(self.bounds), self.rank, per_token,
+                                              self.scales if self.quantized else None)  # (M, O)
         return out.view(y.shape).to(y.dtype)
 
 
@@ -103,6 +124,14 @@ def project(m: nn.Module, x: Tensor, slots: Tensor | None) -> Tensor:
     if slots is not None and isinstance(m, LoraLinear):
         return m(x, slots)
     return m(x)
+
+
+def _rows_to_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w (r, n) float32 -> (its rows rounded to int8 over absmax / 127, (r,) the scales); a row of zeros
+    keeps scale 0."""
+    scale = w.abs().amax(dim=1) / 127.0  # (r,)
+    q = torch.where(scale[:, None] > 0, w / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None], 0.0)
+    return q.round().clamp(-127, 127).to(torch.int8), scale
 
 
 def _features(m: nn.Module) -> tuple[int, int]:

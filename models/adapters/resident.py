@@ -87,8 +87,9 @@ def _attach(model: nn.Module, capacity: int, rank: int, shared: dict[str, LoraLi
 
 class ResidentAdapters:
     """`capacity` slots of adapters up to rank `rank` on `models` (a model and its twins: the same
-    architecture, other weights), wrapped in place at construction; factors held in `dtype` (float32, or
-    bfloat16: half the bytes each step reads, rounded once when an adapter loads); `kernel`: the torch
+    architecture, other weights), wrapped in place at construction; factors held in `dtype` (float32;
+    bfloat16 or int8 with per-rank scales: a half or a quarter of the bytes each step reads, rounded once
+    when an adapter loads); `kernel`: the torch
     forward's updates through our CPU kernel (models/kernels/lora.cpp: a CPU model whose kernels load),
     else torch's batched products."""
 
@@ -96,8 +97,8 @@ class ResidentAdapters:
                  kernel: bool = False) -> None:
         if capacity < 1 or rank < 1:
             raise ValueError(f"adapters need at least one slot and rank 1, got {capacity} slots of rank {rank}")
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"adapter factors are float32 or bfloat16, not {dtype}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.int8):
+            raise ValueError(f"adapter factors are float32, bfloat16 or int8, not {dtype}")
         self.capacity, self.rank, self.dtype, self.kernel = capacity, rank, dtype, kernel
         self._model = models[0]
         first, self._where = _attach(models[0], capacity, rank, None, dtype, kernel)

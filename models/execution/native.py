@@ -177,7 +177,7 @@ def stack_args(blocks: nn.ModuleList) -> Stack:
                                   len(layers), cross)
     for index, lin in enumerate(m for a in layers for m in a.adapters):
         if lin is not None:  # the same tensors the torch forward reads: a loaded adapter is seen by both
-            held.set_lora(index, lin.a, lin.bt, lin.ranks, list(lin.bounds), lin.rank)
+            held.set_lora(index, lin.a, lin.bt, lin.ranks, list(lin.bounds), lin.rank, lin.scales)
     return Stack(layers, held)
 
 

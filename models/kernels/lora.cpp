@@ -1,8 +1,9 @@
 // Low-rank adapter updates of a projection's rows (models/adapters/lora.py's LoraLinear, inside the
 // stack step of block_step.cpp): y_b += (x_b a_s^T) bt_s for each row b whose adapter slot s >= 0, part
 // by part (a fused projection's parts each write their own outputs with their own ranks, and only the
-// ranks the slot's adapter uses are read). The factors are float32 or bfloat16 (each value widened to
-// float32 exactly as it is read); the products and sums are float32. Rows of one slot are computed
+// ranks the slot's adapter uses are read). The factors are float32, bfloat16 or int8 (each value widened to
+// float32 exactly as it is read; int8 ranks' first products times their scales); the products and sums are
+// float32. Rows of one slot are computed
 // together, up to ROWS per pass, so each slot's factors are read once per call however many rows use it;
 // a row's result does not depend on the others (each output sums its ranks in order, then adds to the
 // row), as the projections' kernels. Two ways to share the work between threads, the same bits: lora_add
@@ -128,6 +129,19 @@ void updates_any(const float* const* t, const W* bt, int64_t O, int64_t used, in
   }
 }
 
+// t[q * stride + j] *= scales[j] for the n rows q and the ranks j < m: an int8 adapter's first products times
+// their ranks' scales (the first's and the second's together); nothing for float factors (scales null)
+inline void scale_firsts(float* t, int64_t stride, int64_t n, const float* scales, int64_t m) {
+  if (scales == nullptr) return;
+  for (int64_t q = 0; q < n; ++q)
+    for (int64_t j = 0; j < m; ++j) t[q * stride + j] *= scales[j];
+}
+
+// a slot's scales (N, P r) at [slot, lo), or null for float factors
+inline const float* scales_at(const Lora& l, int64_t slot, int64_t lo) {
+  return l.a.scalar_type() == at::kChar ? l.scales.data_ptr<float>() + slot * l.a.size(1) + lo : nullptr;
+}
+
 // Outputs one item of the second product takes: a slot's rows and a part are split in column ranges so
 // that one row's update spreads over the threads too
 constexpr int64_t COLUMNS = 256;
@@ -230,7 +244,9 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
     const float* xs[ROWS];
     for (int64_t q = 0; q < n; ++q) xs[q] = xp + order[r0 + q] * I;
     const W* a = ap + (s * PR + it.part * l.rank + it.begin) * I;  // (end - begin, I)
-    dots_any(a, it.end - it.begin, xs, n, I, t.data() + r0 * PR + it.part * l.rank + it.begin, PR);
+    float* out = t.data() + r0 * PR + it.part * l.rank + it.begin;
+    dots_any(a, it.end - it.begin, xs, n, I, out, PR);
+    scale_firsts(out, PR, n, scales_at(l, s, it.part * l.rank + it.begin), it.end - it.begin);
   };
   auto second = [&](const Item& it) {
     const auto [r0, n] = chunks[it.chunk];
@@ -273,6 +289,10 @@ void check_fits(const at::Tensor& x, int64_t O, const Lora& l, const int64_t* sl
   TORCH_CHECK(l.a.size(2) == x.size(1) && l.bt.size(2) == O && l.bt.size(1) == l.a.size(1) &&
                   l.a.size(1) == (static_cast<int64_t>(l.bounds.size()) - 1) * l.rank,
               "an adapter's factors do not fit the projection");
+  TORCH_CHECK(l.a.scalar_type() != at::kChar ||
+                  (l.scales.defined() && l.scales.scalar_type() == at::kFloat && l.scales.is_contiguous() &&
+                   l.scales.dim() == 2 && l.scales.size(0) == l.a.size(0) && l.scales.size(1) == l.a.size(1)),
+              "int8 adapter factors need their (N, P r) float32 scales");
   for (int64_t b = 0; b < x.size(0); ++b)
     TORCH_CHECK(slots[b] < l.a.size(0), "adapter slot ", slots[b], " outside the ", l.a.size(0), " slots");
 }
@@ -306,6 +326,7 @@ void after_typed(const at::Tensor& x, float* yp, const Lora& l, const int64_t* s
       const W* a = ap + (s * PR + p * l.rank) * I;  // (used, I)
       for (int64_t j = 0; j < used; j += KB)
         dots_any(a + j * I, std::min<int64_t>(KB, used - j), xs, n, I, t.data() + j, l.rank);
+      scale_firsts(t.data(), l.rank, n, scales_at(l, s, p * l.rank), used);
       updates_any(ts, btp + (s * PR + p * l.rank) * O, O, used, begin, end, n, ys);
     }
   }
@@ -324,6 +345,8 @@ bool ts::lora_fuses(const at::Tensor& x, int64_t outputs, const Lora& l, const i
 void ts::LoraAfter::operator()(float* y, int64_t o0, int64_t o1) const {
   if (lora.a.scalar_type() == at::kBFloat16) {
     after_typed<uint16_t>(x, y, lora, slots, o0, o1);
+  } else if (lora.a.scalar_type() == at::kChar) {
+    after_typed<int8_t>(x, y, lora, slots, o0, o1);
   } else {
     after_typed<float>(x, y, lora, slots, o0, o1);
   }
@@ -333,6 +356,8 @@ void ts::lora_add(const at::Tensor& x, at::Tensor& y, const Lora& l, const int64
   check_fits(x, y.size(1), l, slots);
   if (l.a.scalar_type() == at::kBFloat16) {
     lora_add_typed<uint16_t>(x, y, l, slots);
+  } else if (l.a.scalar_type() == at::kChar) {
+    lora_add_typed<int8_t>(x, y, l, slots);
   } else {
     lora_add_typed<float>(x, y, l, slots);
   }
@@ -341,9 +366,10 @@ void ts::lora_add(const at::Tensor& x, at::Tensor& y, const Lora& l, const int64
 namespace {
 
 // y (M, O) plus each row's update from x (M, I), slots (M,) int64: a new tensor (LoraLinear's torch op on
-// the CPU, for prompts: every row of a prompt has its request's slot)
+// the CPU, for prompts: every row of a prompt has its request's slot); `scales` for int8 factors
 at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a, const at::Tensor& bt,
-                       const at::Tensor& ranks, at::IntArrayRef bounds, int64_t rank, const at::Tensor& slots) {
+                       const at::Tensor& ranks, at::IntArrayRef bounds, int64_t rank, const at::Tensor& slots,
+                       const c10::optional<at::Tensor>& scales) {
   const int64_t M = x.size(0);
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
                   x.is_contiguous() && y.size(0) == M,
@@ -351,12 +377,14 @@ at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tenso
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == M,
               "slots must be a contiguous (M,) int64 tensor");
   TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.scalar_type() == bt.scalar_type() &&
-                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) && a.is_contiguous() &&
-                  bt.is_contiguous() && ranks.scalar_type() == at::kLong && ranks.is_contiguous() && rank >= 1 &&
+                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kChar) &&
+                  a.is_contiguous() && bt.is_contiguous() && ranks.scalar_type() == at::kLong && ranks.is_contiguous() &&
+                  rank >= 1 &&
                   rank <= 256 && !bounds.empty() && bounds.front() == 0 && bounds.back() == y.size(1),
               "adapter factors, ranks and bounds as Blocks::set_lora takes them");
   at::Tensor out = y.contiguous().clone();
-  const Lora l{a, bt, ranks, std::vector<int64_t>(bounds.begin(), bounds.end()), rank};
+  const Lora l{a, bt, ranks, scales.has_value() ? *scales : at::Tensor(), std::vector<int64_t>(bounds.begin(), bounds.end()),
+               rank};
   lora_add(x, out, l, slots.data_ptr<int64_t>());
   return out;
 }
@@ -364,8 +392,8 @@ at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ts_panels, m) {
-  m.def("lora_update(Tensor x, Tensor y, Tensor a, Tensor bt, Tensor ranks, int[] bounds, int rank, Tensor slots) "
-        "-> Tensor");
+  m.def("lora_update(Tensor x, Tensor y, Tensor a, Tensor bt, Tensor ranks, int[] bounds, int rank, Tensor slots, "
+        "Tensor? scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ts_panels, CPU, m) { m.impl("lora_update", &lora_update); }

@@ -60,10 +60,11 @@ void copy_blocks(const at::Tensor& pool, const std::vector<int64_t>& src, const 
                  int64_t block_rows);
 
 // One projection's adapter slots (models/adapters/lora.py's LoraLinear): a (N, P r, I) and bt (N, P r, O)
-// float32 or bfloat16, ranks (N, P) int64 the ranks each part of a slot uses, bounds (P + 1,) the parts' outputs,
-// r (`rank`) ranks a part. Undefined `a`: the projection carries no adapters.
+// float32, bfloat16 or int8, ranks (N, P) int64 the ranks each part of a slot uses, bounds (P + 1,) the parts'
+// outputs, r (`rank`) ranks a part; int8 factors have `scales` (N, P r) float32, a rank's first product's
+// scale times its second's (empty otherwise). Undefined `a`: the projection carries no adapters.
 struct Lora {
-  at::Tensor a, bt, ranks;
+  at::Tensor a, bt, ranks, scales;
   std::vector<int64_t> bounds;
   int64_t rank = 0;
 };
@@ -109,9 +110,9 @@ struct Blocks {
          std::vector<int64_t> kinds, std::vector<int64_t> outs, std::vector<int64_t> parts, int64_t act, bool gated,
          int64_t heads, int64_t kv_heads, double scale, int64_t layers, bool cross);
 
-  // projection `index` (of `weights`) carries adapter slots: a, bt, ranks and bounds as Lora's
+  // projection `index` (of `weights`) carries adapter slots: a, bt, ranks, bounds and scales as Lora's
   void set_lora(int64_t index, at::Tensor a, at::Tensor bt, at::Tensor ranks, std::vector<int64_t> bounds,
-                int64_t rank);
+                int64_t rank, at::Tensor scales);
 };
 
 // What one stack_step computes besides the stack itself, by name (module.cpp binds each field; Python sets

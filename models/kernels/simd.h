@@ -188,10 +188,20 @@ TS_TARGET inline void narrow_i8(const vi (&v)[32 / LANES], int8_t* out) {
 }
 #endif
 
-// LANES values stored as float32, or as bfloat16 (their bits), as float32, exactly; and one such value
+// LANES values stored as float32, as bfloat16 (their bits) or as int8, as float32, exactly; and one such value
 TS_TARGET inline vf widen(const float* p) { return load(p); }
 TS_TARGET inline vf widen(const uint16_t* p) { return bf16s(p); }
+#if defined(TS_AVX2)
+TS_TARGET inline vf widen(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#else
+TS_TARGET inline vf widen(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
 inline float widen1(float v) { return v; }
+inline float widen1(int8_t v) { return static_cast<float>(v); }
 inline float widen1(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;

@@ -57,7 +57,7 @@ def steps(model, backend: str, slots: torch.Tensor, prompts=PROMPTS) -> list[tor
 
 
 @pytest.mark.parametrize(("weights", "changes", "factors"), [
-    ("q4_1", {}, torch.float32), ("q4_1", {}, torch.bfloat16), ("f32", {}, torch.float32),
+    ("q4_1", {}, torch.float32), ("q4_1", {}, torch.bfloat16), ("q4_1", {}, torch.int8), ("f32", {}, torch.float32),
     ("q8_0", POST_NORM, torch.bfloat16)])
 def test_the_native_step_gives_each_row_its_adapter_as_the_blocks_do(weights, changes, factors, tmp_path) -> None:
     model = fast_model(weights, **changes)
@@ -87,7 +87,7 @@ def test_a_row_through_the_native_step_has_the_same_bits_whatever_adapters_are_b
 
 
 @pytest.mark.parametrize(("weights", "changes", "factors"), [
-    ("q4_1", {}, torch.bfloat16), ("f32", {"d_ff": 40}, torch.float32)])
+    ("q4_1", {}, torch.bfloat16), ("q4_1", {}, torch.int8), ("f32", {"d_ff": 40}, torch.float32)])
 def test_a_row_alone_has_the_bits_it_has_among_other_adapter_rows(weights, changes, factors, tmp_path) -> None:
     """A step's one or two rows with adapters take their updates inside each projection's parallel region
     (lora.cpp's LoraAfter: each thread its outputs, the first products repeated), more rows in a region
@@ -163,22 +163,43 @@ def test_the_native_encoder_gives_each_sequence_its_adapter(left, tmp_path) -> N
     assert not torch.allclose(fast[0][keep[0]], plain[0][keep[0]], atol=1e-3)
 
 
-def test_bfloat16_factors_change_the_update_by_their_rounding_only(tmp_path) -> None:
-    """The same adapter with float32 and bfloat16 factors: the logits differ by bfloat16's rounding of the
-    factors (well under the update itself), and the greedy tokens stay."""
+@pytest.mark.parametrize("factors", [torch.bfloat16, torch.int8])
+def test_rounded_factors_change_the_update_by_their_rounding_only(factors, tmp_path) -> None:
+    """The same adapter with float32 and with bfloat16 or int8 factors (per-rank scales): the logits
+    differ by the factors' rounding (well under the update itself), and the greedy tokens stay."""
     runs = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, factors):
         model = fast_model("f32")
         with_adapters(model, tmp_path / str(dtype), dtype=dtype)
         runs[dtype] = steps(model, "native", torch.tensor([1, 1, 1, 1, 1][:len(PROMPTS)]))
     plain = steps(fast_model("f32"), "native", torch.full((len(PROMPTS),), -1))
-    for f32, bf16, base in zip(runs[torch.float32], runs[torch.bfloat16], plain, strict=True):
+    for f32, rounded, base in zip(runs[torch.float32], runs[factors], plain, strict=True):
         update = (f32 - base).abs().max()
-        assert (bf16 - f32).abs().max() < 0.05 * update
-        assert torch.equal(bf16.argmax(-1), f32.argmax(-1))
+        assert (rounded - f32).abs().max() < 0.05 * update
+        assert torch.equal(rounded.argmax(-1), f32.argmax(-1))
 
 
-@pytest.mark.parametrize(("weights", "factors"), [("f32", torch.float32), ("q4_1", torch.bfloat16)])
+def test_int8_factors_are_rows_over_their_absolute_maximum() -> None:
+    """put() rounds each rank row of a and of the scaled bt to int8 over its absolute maximum / 127 (a
+    zero row keeps scale 0), and `scales` holds the two row scales multiplied."""
+    from models.adapters.lora import LoraLinear
+
+    lin = LoraLinear(torch.nn.Linear(6, 5, bias=False), (0, 5), capacity=2, rank=3, dtype=torch.int8)
+    a = torch.tensor([[1.0, -2.2, 0.5, 0.0, 4.0, -1.0], [0.0] * 6])  # (2, I): rank 2, its second row zero
+    b = torch.tensor([[0.5, 1.0], [-1.1, 0.0], [0.25, 0.0], [2.0, 0.0], [0.0, 0.0]])  # (O, 2)
+    lin.put(1, 0, a, b, scale=2.0)
+    assert lin.a.dtype == lin.bt.dtype == torch.int8 and int(lin.ranks[1, 0]) == 2
+    assert lin.a[1, 0].tolist() == [32, -70, 16, 0, 127, -32] and lin.a[1, 1].abs().sum() == 0
+    assert lin.bt[1, 0].tolist() == [32, -70, 16, 127, 0] and lin.bt[1, 1].tolist() == [127, 0, 0, 0, 0]
+    expect = torch.tensor([(torch.tensor(4.0) / 127) * (torch.tensor(4.0) / 127), 0.0])
+    torch.testing.assert_close(lin.scales[1, :2], expect, rtol=0, atol=0)
+    assert lin.scales[0].abs().sum() == 0 and float(lin.scales[1, 2]) == 0
+    lin.clear(1)
+    assert lin.scales[1].abs().sum() == 0 and lin.a[1].abs().sum() == 0
+
+
+@pytest.mark.parametrize(("weights", "factors"), [("f32", torch.float32), ("q4_1", torch.bfloat16),
+                                                  ("q4_1", torch.int8)])
 def test_our_update_kernel_in_the_torch_forward_equals_torchs_products(weights, factors, tmp_path) -> None:
     """Prompts and steps through the model's own forward: the updates by our kernel (kernel=True, as a
     CPU model serves) and by torch's batched products give each row the same logits."""
@@ -223,17 +244,24 @@ class _Slotted(torch.nn.Module):
         return self.model(ids, adapters=self.slots, **kw)
 
 
-@pytest.mark.parametrize("factors", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factors", [torch.float32, torch.bfloat16, torch.int8])
 def test_the_update_kernel_on_two_threads_gives_the_same_bits_as_on_one(factors) -> None:
     """A served model's shapes (a fused q/k/v of 576 + 2 x 192 outputs, rank 16): large enough that the
     kernel splits even one row's update over both threads (first products by ranks, then outputs by
-    columns). Every row equals its own update in float64 within float32 rounding, and the bits are the
-    same on one thread and on two, alone and beside rows of other slots."""
+    columns). Every row equals its own update in float64 within float32 rounding (int8 factors: times
+    each rank's scale), and the bits are the same on one thread and on two, alone and beside rows of
+    other slots."""
     gen = torch.Generator().manual_seed(0)
     slots_n, rank, width, parts = 3, 16, 576, (576, 192, 192)
     bounds = [0, 576, 768, 960]
-    a = (torch.randn(slots_n, len(parts) * rank, width, generator=gen) * 0.05).to(factors)  # (N, P r, I)
-    bt = (torch.randn(slots_n, len(parts) * rank, bounds[-1], generator=gen) * 0.05).to(factors)  # (N, P r, O)
+    if factors == torch.int8:
+        a = torch.randint(-127, 128, (slots_n, len(parts) * rank, width), generator=gen, dtype=torch.int8)
+        bt = torch.randint(-127, 128, (slots_n, len(parts) * rank, bounds[-1]), generator=gen, dtype=torch.int8)
+        scales = torch.rand(slots_n, len(parts) * rank, generator=gen) * 1e-5  # (N, P r)
+    else:
+        a = (torch.randn(slots_n, len(parts) * rank, width, generator=gen) * 0.05).to(factors)  # (N, P r, I)
+        bt = (torch.randn(slots_n, len(parts) * rank, bounds[-1], generator=gen) * 0.05).to(factors)  # (N, P r, O)
+        scales = None
     ranks = torch.tensor([[16, 16, 16], [8, 0, 16], [16, 4, 2]])  # (N, P): the ranks each slot uses
     x = torch.randn(7, width, generator=gen)  # (B, I)
     y = torch.randn(7, bounds[-1], generator=gen)  # (B, O)
@@ -242,7 +270,8 @@ def test_the_update_kernel_on_two_threads_gives_the_same_bits_as_on_one(factors)
 
     def update(threads: int, rows: list[int]) -> torch.Tensor:
         torch.set_num_threads(threads)
-        return op(x[rows].contiguous(), y[rows].contiguous(), a, bt, ranks, bounds, rank, slots[rows].contiguous())
+        return op(x[rows].contiguous(), y[rows].contiguous(), a, bt, ranks, bounds, rank, slots[rows].contiguous(),
+                  scales)
 
     together = update(2, list(range(7)))
     assert torch.equal(together, update(1, list(range(7))))
@@ -256,5 +285,7 @@ def test_the_update_kernel_on_two_threads_gives_the_same_bits_as_on_one(factors)
             used = int(ranks[s, p])
             lo, hi = p * rank, p * rank + used
             t = a[s, lo:hi].double() @ x[row].double()  # (used,)
+            if scales is not None:
+                t = t * scales[s, lo:hi].double()
             expect[row, bounds[p]:bounds[p + 1]] += t @ bt[s, lo:hi, bounds[p]:bounds[p + 1]].double()
     torch.testing.assert_close(together.double(), expect, rtol=1e-5, atol=1e-5)

@@ -156,7 +156,7 @@ def test_shipped_smollm2_speculative_gives_the_plain_tokens(method: str) -> None
 
 
 def test_shipped_smollm2_with_adapters_is_the_same_alone_and_among_others(tmp_path) -> None:  # noqa: ANN001
-    """The shipped Q4_1 generator with two rank-16 LoRA adapters (bfloat16 factors beside the blocks, our
+    """The shipped Q4_1 generator with two rank-16 LoRA adapters (int8 factors beside the blocks, our
     update kernel in the native decode step and in the prompts): a request's greedy tokens on each
     adapter and on the bare model are the same alone and in one batch with the others, and an adapter
     changes the answer."""
@@ -173,6 +173,7 @@ def test_shipped_smollm2_with_adapters_is_the_same_alone_and_among_others(tmp_pa
     spec, _, cache_dir = shipped_generator()
     lm = load_model(dataclasses.replace(spec, compile=False, max_adapters=2, max_lora_rank=16), cache_dir)
     assert lm.plan.backend("decode") == "native" and "LoRA adapters: 2 slots" in lm.plan["decode"].detail
+    assert "rank <= 16 (int8, our kernel)" in lm.plan["decode"].detail
     names = []
     for i in range(2):
         path = save_adapter(tmp_path / f"a{i}", random_llama_factors(lm.model, 16, seed=i, std=0.05), 16, 32)
