@@ -112,10 +112,13 @@ class LoraLinear(nn.Module):
         if not self.kernel:
             return y + self.delta(x, slots)
         per_token = slots.repeat_interleave(x.size(1)) if x.dim() == 3 else slots  # (B T,) or (B,)
-        out = torch.ops.ts_panels.lora_update(x.reshape(-1, self.in_features).float().contiguous(),
-                                              y.reshape(-1, self.out_features).float(), self.a, self.bt, self.ranks,
-                                              list(self.bounds), self.rank, per_token,
-                                              self.scales if self.quantized else None)  # (M, O)
+        args = (self.a, self.bt, self.ranks, list(self.bounds), self.rank, per_token,
+                self.scales if self.quantized else None)
+        rows = x.reshape(-1, self.in_features).float().contiguous()  # (M, I)
+        if y.dtype == torch.float32 and y.is_contiguous():  # the base's own new output: updated in place
+            torch.ops.ts_panels.lora_update_(rows, y.view(-1, self.out_features), *args)
+            return y
+        out = torch.ops.ts_panels.lora_update(rows, y.reshape(-1, self.out_features).float(), *args)  # (M, O)
         return out.view(y.shape).to(y.dtype)
 
 

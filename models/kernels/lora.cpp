@@ -365,15 +365,15 @@ void ts::lora_add(const at::Tensor& x, at::Tensor& y, const Lora& l, const int64
 
 namespace {
 
-// y (M, O) plus each row's update from x (M, I), slots (M,) int64: a new tensor (LoraLinear's torch op on
-// the CPU, for prompts: every row of a prompt has its request's slot); `scales` for int8 factors
-at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a, const at::Tensor& bt,
-                       const at::Tensor& ranks, at::IntArrayRef bounds, int64_t rank, const at::Tensor& slots,
-                       const c10::optional<at::Tensor>& scales) {
+// y (M, O) += each row's update from x (M, I), slots (M,) int64, in place (LoraLinear's torch op on the CPU,
+// for prompts: every row of a prompt has its request's slot); `scales` for int8 factors
+void lora_update_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const at::Tensor& bt,
+                  const at::Tensor& ranks, at::IntArrayRef bounds, int64_t rank, const at::Tensor& slots,
+                  const c10::optional<at::Tensor>& scales) {
   const int64_t M = x.size(0);
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
-                  x.is_contiguous() && y.size(0) == M,
-              "x and y must be (M, I) contiguous and (M, O) float32");
+                  x.is_contiguous() && y.is_contiguous() && y.size(0) == M,
+              "x and y must be (M, I) and (M, O) contiguous float32");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == M,
               "slots must be a contiguous (M,) int64 tensor");
   TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.scalar_type() == bt.scalar_type() &&
@@ -382,10 +382,17 @@ at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tenso
                   rank >= 1 &&
                   rank <= 256 && !bounds.empty() && bounds.front() == 0 && bounds.back() == y.size(1),
               "adapter factors, ranks and bounds as Blocks::set_lora takes them");
-  at::Tensor out = y.contiguous().clone();
   const Lora l{a, bt, ranks, scales.has_value() ? *scales : at::Tensor(), std::vector<int64_t>(bounds.begin(), bounds.end()),
                rank};
-  lora_add(x, out, l, slots.data_ptr<int64_t>());
+  lora_add(x, y, l, slots.data_ptr<int64_t>());
+}
+
+// the same into a new tensor (y untouched)
+at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a, const at::Tensor& bt,
+                       const at::Tensor& ranks, at::IntArrayRef bounds, int64_t rank, const at::Tensor& slots,
+                       const c10::optional<at::Tensor>& scales) {
+  at::Tensor out = y.contiguous().clone();
+  lora_update_(x, out, a, bt, ranks, bounds, rank, slots, scales);
   return out;
 }
 
@@ -394,6 +401,11 @@ at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(ts_panels, m) {
   m.def("lora_update(Tensor x, Tensor y, Tensor a, Tensor bt, Tensor ranks, int[] bounds, int rank, Tensor slots, "
         "Tensor? scales=None) -> Tensor");
+  m.def("lora_update_(Tensor x, Tensor(y!) y, Tensor a, Tensor bt, Tensor ranks, int[] bounds, int rank, "
+        "Tensor slots, Tensor? scales=None) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(ts_panels, CPU, m) { m.impl("lora_update", &lora_update); }
+TORCH_LIBRARY_IMPL(ts_panels, CPU, m) {
+  m.impl("lora_update", &lora_update);
+  m.impl("lora_update_", &lora_update_);
+}

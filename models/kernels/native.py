@@ -181,6 +181,11 @@ def _register_fakes() -> None:
 
     torch.library.register_fake(f"{NAME}::lora_update", fake_lora)
 
+    def fake_lora_(*args: object) -> None:
+        return None
+
+    torch.library.register_fake(f"{NAME}::lora_update_", fake_lora_)
+
 
 
 if __name__ == "__main__":

@@ -275,6 +275,9 @@ def test_the_update_kernel_on_two_threads_gives_the_same_bits_as_on_one(factors)
 
     together = update(2, list(range(7)))
     assert torch.equal(together, update(1, list(range(7))))
+    in_place = y.clone()  # the in-place op (a projection's own output) gives the same bits
+    torch.ops.ts_panels.lora_update_(x, in_place, a, bt, ranks, bounds, rank, slots, scales)
+    assert torch.equal(in_place, together)
     for row in range(7):
         assert torch.equal(update(2, [row])[0], together[row])
     expect = y.double().clone()
