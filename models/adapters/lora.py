@@ -15,7 +15,8 @@ float32, bfloat16 or int8 (`dtype`: a half or a quarter of the bytes a step read
 products in float32); int8 factors are rounded per rank row (each row of `a` and of `bt` over its
 absolute maximum / 127) and `scales` (N, P*r) float32 holds each rank's two row scales multiplied, applied
 to its first product (empty for float factors). `ranks` (N, P) int64 the ranks each part uses.
-`forward(x, slots)` is pure: slots (B,) int64 names each row's adapter.
+`forward(x, slots)` is pure (our kernel adds the updates to the base's own new output in place): slots
+(B,) int64 names each row's adapter.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 // Low-rank adapter updates of a projection's rows (models/adapters/lora.py's LoraLinear, inside the
 // stack step of block_step.cpp): y_b += (x_b a_s^T) bt_s for each row b whose adapter slot s >= 0, part
 // by part (a fused projection's parts each write their own outputs with their own ranks, and only the
-// ranks the slot's adapter uses are read). The factors are float32, bfloat16 or int8 (each value widened to
-// float32 exactly as it is read; int8 ranks' first products times their scales); the products and sums are
-// float32. Rows of one slot are computed
-// together, up to ROWS per pass, so each slot's factors are read once per call however many rows use it;
-// a row's result does not depend on the others (each output sums its ranks in order, then adds to the
-// row), as the projections' kernels. Two ways to share the work between threads, the same bits: lora_add
-// after the projection, in a region of its own (the first products split by ranks, the second, after a
-// barrier, by output columns), or, for a step's one or two rows with an adapter, LoraAfter inside the
-// projection's region (each thread adds its own outputs' updates, computing the first products of the
-// parts they fall in itself): no region and no barrier of its own.
+// ranks the slot's adapter uses are read). The factors are float32, bfloat16 or int8 (each value widened
+// to float32 exactly as it is read; int8 ranks' first products times their scales); the products and sums
+// are float32. Rows of one slot are computed together, up to ROWS per pass, so each slot's factors are
+// read once per call however many rows use it; a row's result does not depend on the others (each output
+// sums its ranks in order, then adds to the row), as the projections' kernels. Two ways to share the work
+// between threads, the same bits: lora_add after the projection, in a region of its own (the first
+// products split by ranks, the second, after a barrier, by output columns), or, for a step's one or two
+// rows with an adapter, LoraAfter inside the projection's region (each thread adds its own outputs'
+// updates, computing the first products of the parts they fall in itself): no region and no barrier of
+// its own.
 
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -379,8 +379,7 @@ void lora_update_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const
   TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.scalar_type() == bt.scalar_type() &&
                   (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kChar) &&
                   a.is_contiguous() && bt.is_contiguous() && ranks.scalar_type() == at::kLong && ranks.is_contiguous() &&
-                  rank >= 1 &&
-                  rank <= 256 && !bounds.empty() && bounds.front() == 0 && bounds.back() == y.size(1),
+                  rank >= 1 && rank <= 256 && !bounds.empty() && bounds.front() == 0 && bounds.back() == y.size(1),
               "adapter factors, ranks and bounds as Blocks::set_lora takes them");
   const Lora l{a, bt, ranks, scales.has_value() ? *scales : at::Tensor(), std::vector<int64_t>(bounds.begin(), bounds.end()),
                rank};
