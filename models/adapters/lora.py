@@ -116,10 +116,8 @@ class LoraLinear(nn.Module):
         args = (self.a, self.bt, self.ranks, list(self.bounds), self.rank, per_token,
                 self.scales if self.quantized else None)
         rows = x.reshape(-1, self.in_features).float().contiguous()  # (M, I)
-        if y.dtype == torch.float32 and y.is_contiguous():  # the base's own new output: updated in place
-            torch.ops.ts_panels.lora_update_(rows, y.view(-1, self.out_features), *args)
-            return y
-        out = torch.ops.ts_panels.lora_update(rows, y.reshape(-1, self.out_features).float(), *args)  # (M, O)
+        out = y.reshape(-1, self.out_features).float().contiguous()  # (M, O): y itself when float32 (no copy)
+        torch.ops.ts_panels.lora_update_(rows, out, *args)  # the base's own new output, updated in place
         return out.view(y.shape).to(y.dtype)
 
 

@@ -97,8 +97,6 @@ class ResidentAdapters:
                  kernel: bool = False) -> None:
         if capacity < 1 or rank < 1:
             raise ValueError(f"adapters need at least one slot and rank 1, got {capacity} slots of rank {rank}")
-        if dtype not in (torch.float32, torch.bfloat16, torch.int8):
-            raise ValueError(f"adapter factors are float32, bfloat16 or int8, not {dtype}")
         self.capacity, self.rank, self.dtype, self.kernel = capacity, rank, dtype, kernel
         self._model = models[0]
         first, self._where = _attach(models[0], capacity, rank, None, dtype, kernel)

@@ -386,25 +386,13 @@ void lora_update_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const
   lora_add(x, y, l, slots.data_ptr<int64_t>());
 }
 
-// the same into a new tensor (y untouched)
-at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a, const at::Tensor& bt,
-                       const at::Tensor& ranks, at::IntArrayRef bounds, int64_t rank, const at::Tensor& slots,
-                       const c10::optional<at::Tensor>& scales) {
-  at::Tensor out = y.contiguous().clone();
-  lora_update_(x, out, a, bt, ranks, bounds, rank, slots, scales);
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ts_panels, m) {
-  m.def("lora_update(Tensor x, Tensor y, Tensor a, Tensor bt, Tensor ranks, int[] bounds, int rank, Tensor slots, "
-        "Tensor? scales=None) -> Tensor");
   m.def("lora_update_(Tensor x, Tensor(y!) y, Tensor a, Tensor bt, Tensor ranks, int[] bounds, int rank, "
         "Tensor slots, Tensor? scales=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ts_panels, CPU, m) {
-  m.impl("lora_update", &lora_update);
   m.impl("lora_update_", &lora_update_);
 }

@@ -176,11 +176,6 @@ def _register_fakes() -> None:
 
     torch.library.register_fake(f"{NAME}::paged_prompt", fake_prompt)
 
-    def fake_lora(x: torch.Tensor, y: torch.Tensor, *args: object) -> torch.Tensor:
-        return torch.empty_like(y)
-
-    torch.library.register_fake(f"{NAME}::lora_update", fake_lora)
-
     def fake_lora_(*args: object) -> None:
         return None
 
