@@ -1,7 +1,8 @@
 """Speculative decoding at batch 1: our engine next to llama.cpp's llama-server, same prompts and weights.
 
     python -m loadtests.models.speculative [--prompts 8] [--max-new-tokens 256] [--workloads grounded,chat]
-                                           [--skip-ours] [--skip-llama] [--out .bench/spec]  (make bench-spec)
+                                           [--modes "f32,f32 + q4_1 draft"] [--skip-ours] [--skip-llama]
+                                           [--out .bench/spec]  (make bench-spec)
 
 Workloads are loadtests/prompts/NAME.jsonl: grounded (rewrite, extract or summarise a ~300-token
 passage: the answer copies spans of the prompt, where prompt lookup pays) and chat (free-form answers
@@ -47,7 +48,7 @@ NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")  # llama-server's pro
 SERVER_START_S = 120.0
 REQUEST_TIMEOUT_S = 600.0
 WORKER_TIMEOUT_S = 1800.0  # one of our modes: load (compiles blocks, ~15 s) and every workload
-COUNTED = ("steps", "spec_steps", "spec_drafted", "spec_accepted")  # EngineStats totals kept per workload
+COUNTED = ("steps", "spec_steps", "spec_drafted", "spec_accepted", "spec_draft_steps")  # EngineStats totals kept per workload
 # Each engine's warm-up: a prompt past one prefill chunk whose answer shares nothing with the timed ones
 # (llama.cpp's ngram-mod keeps its n-grams across requests: a timed prompt seen before would be recalled).
 WARMUP = [{"role": "user", "content": "Here is a list of numbers: " + ", ".join(map(str, range(1, 81)))
@@ -347,7 +348,7 @@ def markdown(result: dict[str, Any]) -> str:
              "tok/s | llama.cpp identical | ours / our plain | llama.cpp / its plain | ours / llama.cpp |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in result["workloads"]:
-        for m in MODES:
+        for m in map(BY_NAME.get, result.get("modes", BY_NAME)):
             o, ll = ours.get(w, {}).get(m.name), llama.get(w, {}).get(m.name)
             op, lp = ours.get(w, {}).get(m.plain), llama.get(w, {}).get(m.plain)
             label = m.name + (f" ({ngram})" if m.drafting == "ngram" and ngram else "")
@@ -442,7 +443,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "prompt_ids": {w: [p["id"] for p in ps] for w, ps in workloads.items()},
                               "prompt_tokens": {w: [len(ids) for ids in ps] for w, ps in prompts.items()},
                               "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-                              "ngram_k": args.ngram_k, "draft_k": args.draft_k, "ours": {}, "llama.cpp": {},
+                              "ngram_k": args.ngram_k, "draft_k": args.draft_k, "modes": args.modes,
+                              "ours": {}, "llama.cpp": {},
                               "skipped": [e for e, skip in (("ours", args.skip_ours), ("llama.cpp", args.skip_llama))
                                           if skip]}
     job = {"prompts": prompts, "warmup": warmup, "threads": args.threads, "max_new": args.max_new_tokens, "ngram_k": args.ngram_k,
@@ -455,8 +457,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["llama_ngram"] = pick_ngram(env, files, next(iter(prompts.values()))[0], warmup, args)
             ngram = result["llama_ngram"]["best"]
         except PeerFailed as e:
-            result["llama.cpp"] = {m.name: {"error": e.why} for m in MODES}
-    for m in MODES:
+            result["llama.cpp"] = {name: {"error": e.why} for name in args.modes}
+    for m in map(BY_NAME.get, args.modes):
         if not args.skip_ours:
             log.info("ours %s", m.name)
             try:
@@ -483,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="threads for every engine")
     p.add_argument("--ngram-k", type=int, default=8, help="our prompt lookup's most drafted tokens")
     p.add_argument("--draft-k", type=int, default=4, help="the draft model's tokens per step (both engines)")
+    p.add_argument("--modes", default=",".join(BY_NAME),
+                   help="comma-separated, of " + ", ".join(BY_NAME) + " (a ratio needs its plain mode too)")
     p.add_argument("--skip-ours", action="store_true")
     p.add_argument("--skip-llama", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / ".bench" / "spec", help="results.json, spec.md, server logs")
@@ -498,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.workloads) - set(WORKLOADS))
     if unknown:
         p.error(f"unknown workload(s) {unknown}; known: {list(WORKLOADS)}")
+    args.modes = args.modes.split(",")
+    unknown = sorted(set(args.modes) - set(BY_NAME))
+    if unknown:
+        p.error(f"unknown mode(s) {unknown}; known: {list(BY_NAME)}")
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
