@@ -29,6 +29,9 @@ class SpeculativeConfig:
     # draft: the draft model, as changes to the deployment's model spec (e.g. {"quantize": "q4_1"}: the
     # same weights as 4-bit blocks; {"source": ...}: a smaller model of the family, same tokenizer)
     draft: Mapping[str, Any] = field(default_factory=dict)
+    # draft: the draft model speculates its own steps by prompt lookup (ngram_min..ngram_max), so its k
+    # drafts take fewer of its steps where the text repeats itself; the drafts are the same tokens
+    draft_lookup: bool = True
     # a row's acceptance rate before any of its drafts was verified (the adaptive rule's prior)
     prior_acceptance: float = 0.6
     # false: every row that may draft drafts max_draft_tokens every step, whatever the measured times say

@@ -170,8 +170,14 @@ class GenerationEngine(StepLoop):
         if draft.model.cfg.vocab_size != self.model.cfg.vocab_size:
             raise ValueError(f"{self.name}: the draft model's vocabulary ({draft.model.cfg.vocab_size}) is not the "
                              f"model's ({self.model.cfg.vocab_size}): a draft needs the same tokenizer")
-        return Speculator(spec, DraftModel(draft, self.limits.rows, self.limits.blocks, self.limits.max_total_tokens,
-                                           self.config.kv_cache_dtype))
+        lookup = (spec.ngram_min, spec.ngram_max) if spec.draft_lookup else None
+        weight = next(draft.model.parameters())
+        draft_kv = kv_dtype(self.config.kv_cache_dtype, weight.dtype)
+        if draft.model.cfg == self.model.cfg and draft_kv == self.kv_dtype and weight.device == self.device:
+            return Speculator(spec, DraftModel(draft, self.cache, True, lookup))  # its keys are the model's
+        cache = PagedKVCache.for_model(draft.model.cfg, self.limits.rows, self.limits.blocks,
+                                       self.limits.max_total_tokens, draft_kv, self.device)
+        return Speculator(spec, DraftModel(draft, cache, False, lookup))
 
     @property
     def plan(self) -> ExecutionPlan:
@@ -280,6 +286,7 @@ class GenerationEngine(StepLoop):
         if self.speculator is not None:
             c = self.speculator.counts
             stats |= {"spec_drafted": c.drafted, "spec_accepted": c.accepted, "spec_steps": c.steps,
+                      "spec_draft_steps": self.speculator.draft.step_count if self.speculator.draft is not None else 0,
                       "spec_step_ms": round(c.step_s * 1000), "spec_plain_ms": round(c.plain_s * 1000)}
         return stats
 

@@ -65,10 +65,12 @@ class EngineStats:
     inter_tokens: int = 0  # tokens after a request's first
     itl_ms: int = 0  # the gaps before them, summed (milliseconds)
     # speculative decoding (service/engine/speculation/): tokens drafted and verified, of them kept, verify
-    # steps, their time (drafting included) and the time plain steps would have taken for the same tokens
+    # steps, the draft model's steps, their time (drafting included) and the time plain steps would have
+    # taken for the same tokens
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_steps: int = 0
+    spec_draft_steps: int = 0
     spec_step_ms: int = 0
     spec_plain_ms: int = 0
 

@@ -147,6 +147,8 @@ SPECS: dict[str, Spec] = {
     "generation_spec_accepted_tokens_total": Spec("counter", ("model", "method"), "Speculative decoding: drafted "
                                                                               "tokens kept"),
     "generation_spec_verify_steps_total": Spec("counter", ("model", "method"), "Speculative decoding: verify steps"),
+    "generation_spec_draft_steps_total": Spec("counter", ("model", "method"), "Speculative decoding: the draft "
+                                                                            "model's own steps"),
     "generation_spec_step_seconds_total": Spec("counter", ("model", "method"), "Speculative decoding: time in "
                                                                            "verify steps, drafting included"),
     "generation_spec_plain_seconds_total": Spec("counter", ("model", "method"), "Speculative decoding: the time "

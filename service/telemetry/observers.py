@@ -101,7 +101,7 @@ class PrometheusBatchObserver(AdmissionMetrics, RecompileMetrics, BatchObserver)
 
 # EngineStats field -> its counter (generation_spec_<name>); milliseconds are exported as seconds
 SPEC_COUNTERS = {"spec_drafted": "draft_tokens_total", "spec_accepted": "accepted_tokens_total",
-                 "spec_steps": "verify_steps_total", "spec_step_ms": "step_seconds_total",
+                 "spec_steps": "verify_steps_total", "spec_draft_steps": "draft_steps_total", "spec_step_ms": "step_seconds_total",
                  "spec_plain_ms": "plain_seconds_total"}
 
 

@@ -900,7 +900,8 @@ def test_speculative_decoding_gives_the_plain_answers_over_http(server: Cluster)
     """A deployment of the same tiny decoder that decodes speculatively (a draft model: the same
     weights, drafting every step: the adaptive rule would stop after the first drafts, as a draft this
     dear does not pay) answers concurrent greedy, seeded sampled and opted-out requests with the plain
-    deployment's texts; its card shows the drafter, and its counters move (exported from the start)."""
+    deployment's texts; its card shows the drafter (sharing the model's cache, its steps speculated by
+    prompt lookup), and its counters move (exported from the start)."""
     args = {"device": "cpu", "deployments": {"generator": {
         "model": {"name": "tiny-decoder-spec", "tasks": ["generate"], "source": "tiny:decoder"},
         "num_cpus": 0, "torch_threads": 1,
@@ -923,7 +924,8 @@ def test_speculative_decoding_gives_the_plain_answers_over_http(server: Cluster)
             card = c.get("/v1/models").json()["data"][0]
             before = c.get("/metrics").text
         assert card["speculative"]["method"] == "draft" and card["speculative"]["draft"] == {"source": "tiny:decoder"}
-        assert card["speculative"]["adaptive"] is False
+        assert card["speculative"]["adaptive"] is False and card["speculative"]["draft_lookup"] is True
+        assert card["speculative"]["draft_cache"] == "shared"  # the draft's config is the model's
         assert card["speculative"]["draft_plan"]["decode"]["backend"] == card["plan"]["decode"]["backend"]
         assert re.search(r'transformer_serve_generation_spec_draft_tokens_total\{[^}]*model="tiny-decoder-spec"', before)
         spec = asyncio.run(answers("/spec", "tiny-decoder-spec"))
@@ -938,8 +940,9 @@ def test_speculative_decoding_gives_the_plain_answers_over_http(server: Cluster)
 
     # 6 requests draft (3 opted out); each greedy one keeps every draft: after the prefill's token, 7
     # steps of 4 drafts + 1 and one of 3 + 1 (the sampled ones keep some by chance)
-    drafted, kept = counter("draft_tokens"), counter("accepted_tokens")
+    drafted, kept, steps = counter("draft_tokens"), counter("accepted_tokens"), counter("draft_steps")
     assert drafted and kept and drafted[0] >= kept[0] >= 3 * (7 * 4 + 3), (drafted, kept)
+    assert steps and 0 < steps[0] < drafted[0], (steps, drafted)  # the draft's own lookup kept some guesses
 
 
 # -- the default model ------------------------------------------------------------------------------

@@ -29,14 +29,20 @@ class PromptLookup:
             for n in range(self.n_min, min(self.n_max, at) + 1):
                 self._follows[n][tuple(seq[at - n:at])] = at
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, after: Sequence[int] = ()) -> list[int]:
         """k tokens that followed the latest earlier occurrence of the longest matching suffix; [] when
         no suffix of ngram_min..ngram_max tokens occurred before. Where what followed runs into the end
-        of the sequence (a loop of period P = end - occurrence), it goes on as the loop would."""
-        seq, end = self.tokens, len(self.tokens)
+        of the sequence (a loop of period P = end - occurrence), it goes on as the loop would. `after`:
+        tokens taken as the sequence's continuation (not indexed), e.g. drafts not yet verified."""
+        seq, known = self.tokens, len(self.tokens)
+        end = known + len(after)
+
+        def token(i: int) -> int:
+            return seq[i] if i < known else after[i - known]
+
         for n in range(min(self.n_max, end), self.n_min - 1, -1):
-            at = self._follows[n].get(tuple(seq[end - n:]))
+            at = self._follows[n].get(tuple(token(i) for i in range(end - n, end)))
             if at is not None:
                 period = end - at
-                return [seq[at + i % period] for i in range(k)]
+                return [token(at + i % period) for i in range(k)]
         return []

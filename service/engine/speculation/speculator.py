@@ -49,10 +49,11 @@ class Speculator:
         """What /v1/models shows of it."""
         out: dict[str, object] = {"method": self.method, "max_draft_tokens": self.config.max_draft_tokens,
                                   "adaptive": self.config.adaptive}
-        if self.method == "ngram":
+        if self.method == "ngram" or self.config.draft_lookup:
             out |= {"ngram_min": self.config.ngram_min, "ngram_max": self.config.ngram_max}
-        else:
-            out["draft"] = dict(self.config.draft)
+        if self.method == "draft":
+            out |= {"draft": dict(self.config.draft), "draft_lookup": self.config.draft_lookup,
+                    "draft_cache": self.draft.describe()["cache"]}
         return out
 
     def state(self, seq: SeqState) -> RowState:
@@ -107,9 +108,8 @@ class Speculator:
             return {}
         if self.draft is None:
             return {r: proposals[r][:k] for r, k in chosen.items()}
-        k = max(chosen.values())
-        drafted = self.draft.draft([rows[r] for r in chosen], k)
-        return {r: d[:chosen[r]] for r, d in zip(chosen, drafted, strict=True) if d}
+        drafted = self.draft.draft([rows[r] for r in chosen], list(chosen.values()), list(chosen))
+        return {r: d for r, d in zip(chosen, drafted, strict=True) if d}
 
     def verified(self, batch, drafts: dict[int, list[int]], kept: dict[int, int],  # noqa: ANN001
                  emitted: int, seconds: float) -> None:

@@ -114,18 +114,22 @@ def test_alone_equals_among_others() -> None:
         same(alone, [together[i]])
 
 
-def test_a_draft_model_gives_the_tokens_of_plain_decoding() -> None:
-    """A draft of other weights (a second random model: its drafts are mostly rejected) and of the
-    same weights (all kept): the target's tokens either way."""
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_draft_model_gives_the_tokens_of_plain_decoding(lookup: bool) -> None:
+    """A draft of other weights (a second random model: its drafts are mostly rejected; one of the
+    model's architecture, whose keys share the model's cache, and a wider one with a cache of its
+    own) and of the same weights (all kept): the target's tokens either way."""
     model, tok = tiny_model("decoder")
     prompts, params = prompts_of(tok, 5), PARAMS
     plain, _ = run(model, tok, prompts, params)
-    other = tiny_model("decoder", seed=1)[0]
-    draft = SpeculativeConfig(method="draft", max_draft_tokens=4, draft={"source": "tiny"})
-    for drafter in (other, model):
+    draft = SpeculativeConfig(method="draft", max_draft_tokens=4, draft={"source": "tiny"}, draft_lookup=lookup)
+    drafters = {"shared": tiny_model("decoder", seed=1)[0], "own": tiny_model("decoder-wide", seed=1)[0]}
+    for cache, drafter in (*drafters.items(), ("shared", model)):
         spec, history = run(model, tok, prompts, params, draft=drafter, speculative=draft)
         same(spec, plain)
-        assert history[-1].spec_steps > 0
+        assert history[-1].spec_steps > 0 and history[-1].spec_draft_steps > 0
+        assert make(model, tok, draft=plan_model(drafter, "auto", Runtime(paged=True, graphs=False)),
+                    speculative=draft).speculator.describe()["draft_cache"] == cache
     greedy = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 3
     _, history = run(model, tok, prompts[:3], greedy, draft=model, speculative=draft)
     assert 0 < history[-1].spec_accepted == history[-1].spec_drafted  # the same weights, greedy: every draft kept
@@ -142,6 +146,27 @@ def test_without_the_adaptive_rule_every_step_drafts_the_most() -> None:
     same(spec, plain)
     # the prefill's token, then 5 verify steps of 4 drafts + 1 and a last one of 3 + 1
     assert (history[-1].spec_steps, history[-1].spec_drafted, history[-1].spec_accepted) == (6, 23, 23)
+
+
+def test_a_draft_that_looks_up_its_own_steps_drafts_the_same_tokens_in_fewer_steps() -> None:
+    """`draft_lookup` on the native step (an entry's bits do not depend on the entries beside it): the
+    draft's tokens are the ones it drafts one step at a time (the same weights, greedy: every draft kept
+    either way, the same counts), in fewer of its steps on prompts that repeat themselves."""
+    model, tok = native_model(), tiny_model("decoder")[1]
+    prompts = [tok.encode("the cat sat on the mat, " * 2, add_special_tokens=False),
+               tok.encode("one two three four " * 2, add_special_tokens=False)]
+    greedy = [SamplingParams(max_new_tokens=60, ignore_eos=True)] * 2
+    plain, _ = run(model, tok, prompts, greedy)
+    counts = {}
+    for lookup in (False, True):
+        config = SpeculativeConfig(method="draft", max_draft_tokens=6, draft={"source": "tiny"}, adaptive=False,
+                                   draft_lookup=lookup)
+        spec, history = run(model, tok, prompts, greedy, draft=model, speculative=config)
+        same(spec, plain)
+        last = history[-1]
+        counts[lookup] = (last.spec_steps, last.spec_drafted, last.spec_accepted), last.spec_draft_steps
+    assert counts[True][0] == counts[False][0] and counts[True][0][1] == counts[True][0][2] > 0
+    assert 0 < counts[True][1] < 0.75 * counts[False][1]  # the text repeats (here 27 steps against 50)
 
 
 @pytest.mark.parametrize("prefix_mib", [0.0, 1.0])
@@ -289,6 +314,10 @@ def test_prompt_lookup_proposes_what_followed_the_longest_latest_match() -> None
     assert loop.propose(4) == [7, 7, 7, 7]  # a loop goes on as a loop
     cycle = PromptLookup(2, 2, [1, 2, 1, 2])
     assert cycle.propose(5) == [1, 2, 1, 2, 1]
+    guesses = PromptLookup(2, 3, [1, 2, 3, 4, 9])
+    assert guesses.propose(2, after=[1, 2]) == [3, 4]  # the sequence continued by unverified tokens
+    assert guesses.propose(2, after=[7]) == []
+    assert PromptLookup(2, 2, [5, 7, 1]).propose(3, after=[5, 7]) == [1, 5, 7]  # a loop runs into `after`
 
 
 def test_kept_tokens_stop_at_the_first_difference() -> None:
