@@ -106,9 +106,11 @@ def render(workloads: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, list[l
 
 def ours_worker(mode: Mode, job: dict[str, Any]) -> dict[str, Any]:
     """In this process: load the shipped generator for `mode`, run job["prompts"] (workload -> ids) on a
-    GenerationEngine, one request at a time, after a warm-up request (job["warmup"]).
-    Returns {"plan", "runs": {workload: [run]}, "counts": {workload: COUNTED's totals over its runs}}, a
-    run being {"tokens", "wall_s", "ttft_s"}."""
+    GenerationEngine, one request at a time, after a warm-up request (job["warmup"]). A drafting mode
+    also runs each prompt opted out of drafting (`speculative: false`, the plain tokens), alternately
+    first and second, so that its ratio to plain decoding is taken in one process over the same time.
+    Returns {"plan", "runs": {workload: [run]}, "counts": {workload: COUNTED's totals over its runs}}
+    and, for a drafting mode, "opted_out": {workload: [run]}; a run being {"tokens", "wall_s", "ttft_s"}."""
     import dataclasses
 
     import torch
@@ -149,8 +151,9 @@ def ours_worker(mode: Mode, job: dict[str, Any]) -> dict[str, Any]:
     # then has the process's only OpenMP pool
     engine = on_own_thread(load).start()
     params = SamplingParams(max_new_tokens=job["max_new"], temperature=0.0)
+    opted_out = dataclasses.replace(params, speculative=False)
 
-    def once(ids: list[int]) -> dict[str, Any]:
+    def once(ids: list[int], params: SamplingParams = params) -> dict[str, Any]:
         start = time.perf_counter()
         done = engine.submit(ids, params).result_sync(timeout=REQUEST_TIMEOUT_S)
         wall = time.perf_counter() - start
@@ -163,12 +166,22 @@ def ours_worker(mode: Mode, job: dict[str, Any]) -> dict[str, Any]:
         return {k: getattr(stats, k, 0) for k in COUNTED}
 
     out: dict[str, Any] = {"plan": engine.plan.summary(), "runs": {}, "counts": {}}
+    if mode.drafting:
+        out["opted_out"] = {}
     try:
         once(job["warmup"])
         for w, prompts in job["prompts"].items():
-            before = counts()
-            out["runs"][w] = [once(ids) for ids in prompts]
-            out["counts"][w] = {k: v - before[k] for k, v in counts().items()}
+            totals = dict.fromkeys(COUNTED, 0)
+            out["runs"][w] = []
+            for j, ids in enumerate(prompts):
+                if mode.drafting and j % 2 == 0:
+                    out["opted_out"].setdefault(w, []).append(once(ids, opted_out))
+                before = counts()
+                out["runs"][w].append(once(ids))
+                totals = {k: totals[k] + v - before[k] for k, v in counts().items()}
+                if mode.drafting and j % 2 == 1:
+                    out["opted_out"].setdefault(w, []).append(once(ids, opted_out))
+            out["counts"][w] = totals
     finally:
         engine.shutdown()
     return out
@@ -309,7 +322,8 @@ def figures(runs: list[dict[str, Any]], plain: list[dict[str, Any]] | None) -> d
 
 
 def summarise(result: dict[str, Any]) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
-    """engine -> workload -> mode -> figures, for every mode that ran (a plain mode checked against nothing)."""
+    """engine -> workload -> mode -> figures, for every mode that ran (a plain mode checked against nothing);
+    a drafting mode's requests opted out of drafting in the same process (ours) under "opted_out"."""
     table: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     for engine in ("ours", "llama.cpp"):
         per_mode = {m: r for m, r in result.get(engine, {}).items() if "runs" in r}
@@ -317,7 +331,9 @@ def summarise(result: dict[str, Any]) -> dict[str, dict[str, dict[str, dict[str,
             plain = per_mode.get(BY_NAME[m].plain) if BY_NAME[m].drafting else None
             for w, runs in r["runs"].items():
                 ref = None if plain is None else plain["runs"][w]
-                table.setdefault(engine, {}).setdefault(w, {})[m] = figures(runs, ref)
+                f = table.setdefault(engine, {}).setdefault(w, {})[m] = figures(runs, ref)
+                if w in r.get("opted_out", {}):
+                    f["opted_out"] = figures(r["opted_out"][w], runs)
     return table
 
 
@@ -333,6 +349,14 @@ def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
     return f"{a['decode_tok_s'] / b['decode_tok_s']:.2f}x" if a and b and b["decode_tok_s"] else "n/a"
 
 
+def _paired(f: dict[str, Any] | None) -> str:
+    """A drafting mode's decode tok/s over its requests opted out in the same process, and its ratio."""
+    if not f or "opted_out" not in f:
+        return ""
+    o = f["opted_out"]
+    return f"{o['decode_tok_s']:.1f} ({o['same']}/{o['n']}) | {_ratio(f, o)}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The table (one row per workload and mode, ours and llama.cpp side by side) and its notes."""
     s = summarise(result)
@@ -344,23 +368,27 @@ def markdown(result: dict[str, Any]) -> str:
              f"({result['date']})", "",
              f"{box.get('nproc')} CPUs ({box.get('cpu_model', '?')}), {result['threads']} threads for each engine; "
              f"llama.cpp: {result.get('llama.cpp version', 'not run')}.", "",
-             "| workload | mode | ours tok/s | ours decode tok/s | ours identical | llama.cpp tok/s | llama.cpp decode "
-             "tok/s | llama.cpp identical | ours / our plain | llama.cpp / its plain | ours / llama.cpp |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| workload | mode | ours tok/s | ours decode tok/s | ours identical | ours opted out: decode tok/s "
+             "(identical) | ours / opted out | llama.cpp tok/s | llama.cpp decode tok/s | llama.cpp identical | "
+             "ours / our plain | llama.cpp / its plain | ours / llama.cpp |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in result["workloads"]:
         for m in map(BY_NAME.get, result.get("modes", BY_NAME)):
             o, ll = ours.get(w, {}).get(m.name), llama.get(w, {}).get(m.name)
             op, lp = ours.get(w, {}).get(m.plain), llama.get(w, {}).get(m.plain)
             label = m.name + (f" ({ngram})" if m.drafting == "ngram" and ngram else "")
             lines.append(f"| {w} | {label} | {_rate(o, 'tok_s', no_o)} | {_rate(o, 'decode_tok_s', no_o)} | "
-                         f"{_same(o)} | {_rate(ll, 'tok_s', no_l)} | {_rate(ll, 'decode_tok_s', no_l)} | {_same(ll)} | "
+                         f"{_same(o)} | {_paired(o) or ' | '} | {_rate(ll, 'tok_s', no_l)} | {_rate(ll, 'decode_tok_s', no_l)} | {_same(ll)} | "
                          f"{_ratio(o, op) if m.drafting else ''} | {_ratio(ll, lp) if m.drafting else ''} | "
                          f"{_ratio(o, ll)} |")
     lines += ["", f"tok/s: output tokens / wall seconds per request (prefill included); decode tok/s: (output tokens "
               "- 1) / (wall - time to first token); both summed over the prompts and taken by the caller (ours "
               "around submit() .. result_sync(), llama.cpp around its streamed /completion), after one warm-up "
               "request (not a timed prompt); ratios are of decode tok/s. identical: outputs equal, token for token, to the same engine's plain "
-              f"run on the same weights. Ours: ngram k={result['ngram_k']}, draft k={result['draft_k']}; llama.cpp: "
+              "run on the same weights. Ours opted out: the drafting mode's process also ran each prompt with "
+              "`speculative: false` (alternately before and after the drafting request), identical to its "
+              "drafting run; ours / opted out is its ratio taken over the same minutes (the one to quote on a "
+              "machine whose speed drifts), ours / our plain the ratio to the plain mode's own process. Ours: ngram k={result['ngram_k']}, draft k={result['draft_k']}; llama.cpp: "
               f"--spec-draft-n-max {result['draft_k']}, its ngram types with their defaults (ngram-mod's n-gram pool "
               "is shared across requests; ours is per request)."]
     picked = result.get("llama_ngram", {}).get("tried")

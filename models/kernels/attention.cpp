@@ -7,15 +7,19 @@
 // slot no table names). A row's table lists its
 // blocks in order; its keys are positions 0 .. lengths[b] - 1 (this step's key included).
 //
-// Work item (row b, key/value head k): its G = H / K query heads (grouped-query attention) share
-// every key and value read, so each key/value byte is read once per step. Scores, softmax and the
-// weighted sum are computed per item in a fixed order, whatever else is in the batch: a row's result
-// does not depend on its batch (bitwise), as the projections' kernels (panels.cpp) guarantee.
+// A step's entries are rows' new tokens; a row may have several, at consecutive positions (speculative
+// decoding verifies drafted tokens as entries). Work item: the entries of one row (one block table)
+// for one key/value head, with its G = H / K query heads (grouped-query attention) together or one
+// of them an item (attend_rows): every key and value is read and widened once for all the item's
+// queries. Each query's scores, softmax and weighted sum are computed in a fixed order, whatever else
+// is in the batch or the item: an entry's result does not depend on its batch (bitwise), as the
+// projections' kernels (panels.cpp) guarantee.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -93,8 +97,9 @@ struct Slots {
   }
 };
 
-// attend() for a head dim of DV (a multiple of LANES): q and the output accumulators in registers, the
-// scores of LANES keys at a time summed by one shuffle tree, each query head over the row's keys in turn.
+// One entry's G query heads (G, DV) for key/value head kh, DV a multiple of LANES: q and the output
+// accumulators in registers, the scores of LANES keys at a time summed by one shuffle tree, each query
+// head over the row's keys in turn (keys widened as they are read).
 template <int DV, typename E>
 TS_TARGET void attend_fixed(const float* q, const E* k_pool, const E* v_pool, const int64_t* table,
                             int64_t S, int64_t K, int64_t kh, int64_t BS, int64_t G, float scale, float* out,
@@ -164,27 +169,139 @@ TS_TARGET void attend(const float* q, const E* k_pool, const E* v_pool, const in
   }
 }
 
-// attend_pool's loop for pools of E (float: float32, uint16_t: bfloat16 bits)
+// attend_fixed()'s sums for the queries of entries [b0, b1) that share a block table (one row's entries;
+// lengths may differ) and query heads [g0, g1) of key/value head kh, each LANES keys (then values)
+// widened once into float32 scratch for all of them: each query's result is bitwise attend_fixed's.
+// Queries of entry b, head g at q[(b * H + kh * G + g) * DV], and so the outputs.
+template <int DV, typename E>
+TS_TARGET void attend_shared(const float* q, const E* k_pool, const E* v_pool, const int64_t* table,
+                             const int64_t* len, int64_t b0, int64_t b1, int64_t g0, int64_t g1, int64_t H,
+                             int64_t K, int64_t kh, int64_t BS, int64_t G, float scale, float* out,
+                             std::vector<float>& scratch) {
+  constexpr int NV = DV / LANES;
+  const int64_t NG = g1 - g0, Q = (b1 - b0) * NG;
+  int64_t S = 0;
+  for (int64_t b = b0; b < b1; ++b) S = std::max(S, len[b]);
+  scratch.resize(Q * S + Q);  // each query's scores (S), then its 1 / softmax sum
+  float* inv = scratch.data() + Q * S;
+  alignas(64) float buf[LANES * DV];  // LANES keys or values as float32
+  auto at = [&](int64_t j) { return ((b0 + j / NG) * H + kh * G + g0 + j % NG) * DV; };
+  Slots<E> keys{k_pool, table, K, kh, BS, DV};
+  for (int64_t s0 = 0; s0 < S; s0 += LANES) {
+    const int64_t n = std::min<int64_t>(LANES, S - s0);
+    for (int64_t t = 0; t < n; ++t) {
+      const E* kp = keys.next();
+      for (int i = 0; i < NV; ++i) store(buf + t * DV + LANES * i, widen(kp + LANES * i));
+    }
+    for (int64_t j = 0; j < Q; ++j) {
+      const int64_t m = std::min<int64_t>(LANES, len[b0 + j / NG] - s0);
+      if (m <= 0) continue;
+      vf qv[NV];
+      for (int i = 0; i < NV; ++i) qv[i] = load(q + at(j) + LANES * i);
+      vf acc[LANES];
+      for (int t = 0; t < LANES; ++t) {
+        acc[t] = zero();
+        if (t >= m) continue;
+        for (int i = 0; i < NV; ++i) acc[t] = fmadd(qv[i], load(buf + t * DV + LANES * i), acc[t]);
+      }
+      const vf sc = mul(sum_lanes(acc), set1(scale));
+      float* row = scratch.data() + j * S;
+      if (m == LANES) {
+        store(row + s0, sc);
+      } else {
+        store_first(row + s0, sc, m);
+      }
+    }
+  }
+  for (int64_t j = 0; j < Q; ++j) {
+    inv[j] = 1.0f / exp_shifted(scratch.data() + j * S, len[b0 + j / NG]);
+    std::fill(out + at(j), out + at(j) + DV, 0.0f);
+  }
+  Slots<E> values{v_pool, table, K, kh, BS, DV};
+  for (int64_t s0 = 0; s0 < S; s0 += LANES) {
+    const int64_t n = std::min<int64_t>(LANES, S - s0);
+    for (int64_t t = 0; t < n; ++t) {
+      const E* vp = values.next();
+      for (int i = 0; i < NV; ++i) store(buf + t * DV + LANES * i, widen(vp + LANES * i));
+    }
+    for (int64_t j = 0; j < Q; ++j) {
+      const int64_t m = std::min<int64_t>(LANES, len[b0 + j / NG] - s0);
+      if (m <= 0) continue;
+      float* o = out + at(j);
+      const float* row = scratch.data() + j * S + s0;
+      vf ov[NV];
+      for (int i = 0; i < NV; ++i) ov[i] = load(o + LANES * i);
+      for (int64_t t = 0; t < m; ++t) {
+        const vf w = set1(row[t]);
+        for (int i = 0; i < NV; ++i) ov[i] = fmadd(w, load(buf + t * DV + LANES * i), ov[i]);
+      }
+      for (int i = 0; i < NV; ++i) store(o + LANES * i, ov[i]);
+    }
+  }
+  for (int64_t j = 0; j < Q; ++j) {
+    const vf iv = set1(inv[j]);
+    for (int i = 0; i < NV; ++i) store(out + at(j) + LANES * i, mul(load(out + at(j) + LANES * i), iv));
+  }
+}
+
+// attend_pool's loop for pools of E (float: float32, uint16_t: bfloat16 bits). Head dims of 32, 64 and
+// 128: work items are runs of consecutive entries with the same block table by key/value head: a run of
+// one entry by attend_fixed, a longer one (a row's drafted tokens) by attend_shared, one query head an
+// item where the runs are too few to keep the threads busy. Other head dims: an item per (entry,
+// key/value head). An entry's result does not depend on the items it is computed in.
 template <typename E>
 void attend_rows(const float* qp, const E* kp, const E* vp, const int64_t* tab, const int64_t* len, int64_t B,
                  int64_t H, int64_t D, int64_t M, int64_t kv_heads, int64_t block, float sc, float* op) {
   const int64_t G = H / kv_heads;
+  if (D == 32 || D == 64 || D == 128) {
+    std::vector<int64_t> starts{0};  // runs [starts[r], starts[r + 1]) of entries sharing a table
+    for (int64_t b = 1; b < B; ++b) {
+      if (!std::equal(tab + b * M, tab + (b + 1) * M, tab + (b - 1) * M)) starts.push_back(b);
+    }
+    starts.push_back(B);
+    const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
+    const bool split = runs * kv_heads < 4 * at::get_num_threads();
+    std::vector<std::array<int64_t, 3>> items;  // (run, kh, first query head); G / per heads each
+    for (int64_t r = 0; r < runs; ++r) {
+      const int64_t per = split && starts[r + 1] - starts[r] > 1 ? 1 : G;
+      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        for (int64_t g = 0; g < G; g += per) items.push_back({r, kh, g});
+      }
+    }
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scratch;
+      for (int64_t i = i0; i < i1; ++i) {
+        const auto [r, kh, g0] = items[i];
+        const int64_t b0 = starts[r], b1 = starts[r + 1], g1 = b1 - b0 > 1 && split ? g0 + 1 : G;
+        const int64_t* t = tab + b0 * M;
+        if (b1 - b0 == 1) {
+          const int64_t head = (b0 * H + kh * G) * D;
+          scratch.resize(G * len[b0]);
+          if (D == 32) {
+            attend_fixed<32>(qp + head, kp, vp, t, len[b0], kv_heads, kh, block, G, sc, op + head, scratch.data());
+          } else if (D == 64) {
+            attend_fixed<64>(qp + head, kp, vp, t, len[b0], kv_heads, kh, block, G, sc, op + head, scratch.data());
+          } else {
+            attend_fixed<128>(qp + head, kp, vp, t, len[b0], kv_heads, kh, block, G, sc, op + head, scratch.data());
+          }
+        } else if (D == 32) {
+          attend_shared<32>(qp, kp, vp, t, len, b0, b1, g0, g1, H, kv_heads, kh, block, G, sc, op, scratch);
+        } else if (D == 64) {
+          attend_shared<64>(qp, kp, vp, t, len, b0, b1, g0, g1, H, kv_heads, kh, block, G, sc, op, scratch);
+        } else {
+          attend_shared<128>(qp, kp, vp, t, len, b0, b1, g0, g1, H, kv_heads, kh, block, G, sc, op, scratch);
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, B * kv_heads, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / kv_heads, kh = i % kv_heads;
       scores.resize(G * len[b]);
       const int64_t head = (b * H + kh * G) * D;  // its first query head
-      const int64_t* t = tab + b * M;
-      if (D == 32) {
-        attend_fixed<32>(qp + head, kp, vp, t, len[b], kv_heads, kh, block, G, sc, op + head, scores.data());
-      } else if (D == 64) {
-        attend_fixed<64>(qp + head, kp, vp, t, len[b], kv_heads, kh, block, G, sc, op + head, scores.data());
-      } else if (D == 128) {
-        attend_fixed<128>(qp + head, kp, vp, t, len[b], kv_heads, kh, block, G, sc, op + head, scores.data());
-      } else {
-        attend(qp + head, kp, vp, t, len[b], kv_heads, kh, block, D, G, sc, op + head, scores.data());
-      }
+      attend(qp + head, kp, vp, tab + b * M, len[b], kv_heads, kh, block, D, G, sc, op + head, scores.data());
     }
   });
 }

@@ -24,3 +24,24 @@ def test_figures_count_decode_time_after_the_first_token_and_equal_outputs() -> 
     assert abs(f["decode_tok_s"] - 5 / 0.6) < 1e-9  # (4 + 1) tokens after the first in (0.4 + 0.2) s
     assert abs(f["tok_s"] - 7 / 0.9) < 1e-9
     assert figures(plain, None)["same"] is None
+
+
+def test_a_drafting_modes_opted_out_requests_give_its_ratio_in_the_table() -> None:
+    """Ours in a drafting mode: its requests opted out of drafting in the same process are summarised
+    beside it (decode tok/s, outputs equal to the drafting run's) and give the ratio the table quotes."""
+    from loadtests.models.speculative import markdown, summarise
+
+    runs = [{"tokens": [1, 2, 3, 4, 5], "wall_s": 0.6, "ttft_s": 0.2}]
+    out = [{"tokens": [1, 2, 3, 4, 5], "wall_s": 1.0, "ttft_s": 0.2}]
+    plain = [{"tokens": [1, 2, 3, 4, 5], "wall_s": 0.9, "ttft_s": 0.1}]
+    result = {"date": "now", "machine": {}, "workloads": ["grounded"], "max_new_tokens": 8, "threads": 2,
+              "ngram_k": 8, "draft_k": 8, "modes": ["q4_1", "q4_1 + ngram"], "skipped": ["llama.cpp"],
+              "ours": {"q4_1": {"runs": {"grounded": plain}},
+                       "q4_1 + ngram": {"runs": {"grounded": runs}, "opted_out": {"grounded": out},
+                                        "counts": {"grounded": {"steps": 3, "spec_accepted": 2,
+                                                                "spec_drafted": 3}}}},
+              "llama.cpp": {}}
+    f = summarise(result)["ours"]["grounded"]["q4_1 + ngram"]
+    assert f["opted_out"]["same"] == 1 and abs(f["opted_out"]["decode_tok_s"] - 4 / 0.8) < 1e-9
+    row = next(line for line in markdown(result).splitlines() if line.startswith("| grounded | q4_1 + ngram"))
+    assert "| 5.0 (1/1) | 2.00x |" in row  # 4 / 0.4 s against 4 / 0.8 s

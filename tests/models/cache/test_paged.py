@@ -163,6 +163,36 @@ def test_the_kernel_gives_a_row_the_same_bits_alone_and_among_others() -> None:
 
 
 @needs_kernels
+@needs_kernels
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("others", [0, 5])
+def test_a_rows_entries_get_the_bits_of_each_alone(d: int, dtype: torch.dtype, others: int) -> None:
+    """A row's several entries at consecutive positions (drafted tokens verified in one step) read its
+    keys once for all of them: each entry's output is the same bits as alone, beside `others` rows
+    (few items: one query head an item; many: a key/value head's query heads together)."""
+    torch.manual_seed(0)
+    kv_heads, block, h = 2, 16, 6
+    k_pool, v_pool = (torch.randn(40 * kv_heads * block + 1, d).to(dtype) for _ in range(2))  # (N * K * BS + 1, D)
+    row = [3, 1, 7, 0]
+    tables = torch.tensor([row] * 5 + [[i + 10, i + 20, 0, 0] for i in range(others)])  # (B, M)
+    lengths = torch.tensor([37, 38, 39, 40, 41] + [17 + i for i in range(others)])  # (B,)
+    q = torch.randn(len(tables), h, d)  # (B, H, D)
+    op = torch.ops.ts_panels.paged_decode
+    together = op(q, k_pool, v_pool, tables, lengths, kv_heads, block, 0.125)  # (B, H, D)
+    for b in range(len(tables)):
+        alone = op(q[b:b + 1].contiguous(), k_pool, v_pool, tables[b:b + 1].contiguous(), lengths[b:b + 1],
+                   kv_heads, block, 0.125)  # (1, H, D)
+        assert torch.equal(together[b], alone[0]), b
+    keys = k_pool[:-1].float().view(40, kv_heads, block, d)[row].transpose(0, 1).reshape(kv_heads, -1, d)
+    values = v_pool[:-1].float().view(40, kv_heads, block, d)[row].transpose(0, 1).reshape(kv_heads, -1, d)
+    for b in range(5):
+        n = int(lengths[b])
+        scores = q[b, :, None] @ keys[:, :n].repeat_interleave(h // kv_heads, 0).transpose(1, 2) * 0.125  # (H, 1, n)
+        want = torch.softmax(scores, -1) @ values[:, :n].repeat_interleave(h // kv_heads, 0)  # (H, 1, D)
+        torch.testing.assert_close(together[b], want[:, 0], rtol=1e-5, atol=1e-5)
+
+
 def test_the_kernel_refuses_a_table_outside_the_pool() -> None:
     pool = torch.zeros(2 * 1 * 4 + 1, 16)
     with pytest.raises(RuntimeError, match="names block 5 outside the pool"):
