@@ -119,6 +119,7 @@ def f32_gguf(quantize_tool: Path, q4: Path, out: Path) -> Path:
     """The Q4_1 file's weights as F32 (llama.cpp dequantizes; metadata and tokenizer kept); PeerFailed
     ("SIGILL in llama-quantize") when the tool fails, leaving no `out` behind for the next run to trust."""
     if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
         run_tool([str(quantize_tool), "--allow-requantize", str(q4), str(tmp), "F32"], "llama-quantize", 600.0)
         tmp.rename(out)
