@@ -60,9 +60,6 @@ class DraftModel:
         self.step_times = StepTimes()  # one draft step, by entries (how many guesses pay)
         self.step_count = 0  # draft steps run (catching-up prefills not counted)
 
-    def describe(self) -> dict[str, object]:
-        return {"cache": "shared" if self.shared else "own", "lookup": self.lookup is not None}
-
     def draft_s(self, k: int, rows: int) -> float:
         """Estimated seconds to draft k tokens for `rows` rows (catching up not counted)."""
         return k * self.times.estimate(rows) if self.times else 0.0

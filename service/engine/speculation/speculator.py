@@ -53,7 +53,7 @@ class Speculator:
             out |= {"ngram_min": self.config.ngram_min, "ngram_max": self.config.ngram_max}
         if self.method == "draft":
             out |= {"draft": dict(self.config.draft), "draft_lookup": self.config.draft_lookup,
-                    "draft_cache": self.draft.describe()["cache"]}
+                    "draft_cache": "shared" if self.draft.shared else "own"}
         return out
 
     def state(self, seq: SeqState) -> RowState:
