@@ -388,7 +388,8 @@ def markdown(result: dict[str, Any]) -> str:
               "run on the same weights. Ours opted out: the drafting mode's process also ran each prompt with "
               "`speculative: false` (alternately before and after the drafting request), identical to its "
               "drafting run; ours / opted out is its ratio taken over the same minutes (the one to quote on a "
-              "machine whose speed drifts), ours / our plain the ratio to the plain mode's own process. Ours: ngram k={result['ngram_k']}, draft k={result['draft_k']}; llama.cpp: "
+              "machine whose speed drifts), ours / our plain the ratio to the plain mode's own process. "
+              f"Ours: ngram k={result['ngram_k']}, draft k={result['draft_k']}; llama.cpp: "
               f"--spec-draft-n-max {result['draft_k']}, its ngram types with their defaults (ngram-mod's n-gram pool "
               "is shared across requests; ours is per request)."]
     picked = result.get("llama_ngram", {}).get("tried")

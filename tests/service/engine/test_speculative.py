@@ -169,10 +169,12 @@ def test_a_draft_that_looks_up_its_own_steps_drafts_the_same_tokens_in_fewer_ste
     assert 0 < counts[True][1] < 0.75 * counts[False][1]  # the text repeats (here 27 steps against 50)
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "draft", "wide draft"])
 @pytest.mark.parametrize("prefix_mib", [0.0, 1.0])
-def test_preemption_chunked_prefill_and_prefix_hits_keep_the_tokens(prefix_mib: float) -> None:
+def test_preemption_chunked_prefill_and_prefix_hits_keep_the_tokens(prefix_mib: float, drafter: str) -> None:
     """A pool too small for every request (preemption and recomputation), prompts longer than a chunk,
-    and prompts sharing their beginning (prefix hits): the tokens of the same run without drafts."""
+    and prompts sharing their beginning (prefix hits): the tokens of the same run without drafts, by
+    prompt lookup and by a draft model (one writing the model's cache, and one with a cache of its own)."""
     model, tok = tiny_model("decoder")
     shared = "the cat sat on the mat, " * 2
     prompts = [tok.encode(shared + f"request {i} " + "and so on, " * (i % 3), add_special_tokens=False) for i in range(4)]
@@ -182,9 +184,17 @@ def test_preemption_chunked_prefill_and_prefix_hits_keep_the_tokens(prefix_mib: 
               SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=1.1, seed=3, frequency_penalty=0.7)]
     config = dict(max_running=4, kv_cache_mib=mib_for_blocks(model, 12), prefix_cache_mib=prefix_mib, prefill_chunk=40)
     plain, plain_history = run(model, tok, prompts, params, **config)
-    spec, history = run(model, tok, prompts, params, speculative=NGRAM, **config)
+    if drafter == "ngram":
+        spec, history = run(model, tok, prompts, params, speculative=NGRAM, **config)
+    else:
+        draft = tiny_model("decoder" if drafter == "draft" else "decoder-wide")[0]  # seed 0: "draft" is the model
+        spec, history = run(model, tok, prompts, params, draft=draft, **config,
+                            speculative=SpeculativeConfig(method="draft", max_draft_tokens=4, draft={"source": "tiny"},
+                                                          adaptive=False))
     same(spec, plain)
-    assert history[-1].preempted > 0 and history[-1].spec_accepted > 0
+    last = history[-1]
+    assert last.preempted > 0 and last.spec_steps > 10
+    assert last.spec_accepted > 0 or drafter == "wide draft"  # another random model's drafts: mostly rejected
     if prefix_mib:
         assert history[-1].cached_prompt_tokens > 0
 
