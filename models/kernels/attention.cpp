@@ -169,6 +169,15 @@ TS_TARGET void attend(const float* q, const E* k_pool, const E* v_pool, const in
   }
 }
 
+// The next n slots of `slots` (n <= LANES) as float32 rows of DV into buf (LANES, DV).
+template <int DV, typename E>
+TS_TARGET inline void widen_next(Slots<E>& slots, int64_t n, float* buf) {
+  for (int64_t t = 0; t < n; ++t) {
+    const E* p = slots.next();
+    for (int i = 0; i < DV / LANES; ++i) store(buf + t * DV + LANES * i, widen(p + LANES * i));
+  }
+}
+
 // attend_fixed()'s sums for the queries of entries [b0, b1) that share a block table (one row's entries;
 // lengths may differ) and query heads [g0, g1) of key/value head kh, each LANES keys (then values)
 // widened once into float32 scratch for all of them: each query's result is bitwise attend_fixed's.
@@ -188,11 +197,7 @@ TS_TARGET void attend_shared(const float* q, const E* k_pool, const E* v_pool, c
   auto at = [&](int64_t j) { return ((b0 + j / NG) * H + kh * G + g0 + j % NG) * DV; };
   Slots<E> keys{k_pool, table, K, kh, BS, DV};
   for (int64_t s0 = 0; s0 < S; s0 += LANES) {
-    const int64_t n = std::min<int64_t>(LANES, S - s0);
-    for (int64_t t = 0; t < n; ++t) {
-      const E* kp = keys.next();
-      for (int i = 0; i < NV; ++i) store(buf + t * DV + LANES * i, widen(kp + LANES * i));
-    }
+    widen_next<DV>(keys, std::min<int64_t>(LANES, S - s0), buf);
     for (int64_t j = 0; j < Q; ++j) {
       const int64_t m = std::min<int64_t>(LANES, len[b0 + j / NG] - s0);
       if (m <= 0) continue;
@@ -219,11 +224,7 @@ TS_TARGET void attend_shared(const float* q, const E* k_pool, const E* v_pool, c
   }
   Slots<E> values{v_pool, table, K, kh, BS, DV};
   for (int64_t s0 = 0; s0 < S; s0 += LANES) {
-    const int64_t n = std::min<int64_t>(LANES, S - s0);
-    for (int64_t t = 0; t < n; ++t) {
-      const E* vp = values.next();
-      for (int i = 0; i < NV; ++i) store(buf + t * DV + LANES * i, widen(vp + LANES * i));
-    }
+    widen_next<DV>(values, std::min<int64_t>(LANES, S - s0), buf);
     for (int64_t j = 0; j < Q; ++j) {
       const int64_t m = std::min<int64_t>(LANES, len[b0 + j / NG] - s0);
       if (m <= 0) continue;
