@@ -192,8 +192,9 @@ class PagedKVCache(RowLengths):
         return list(self.host_lengths)
 
     def usage(self) -> float:
-        """Blocks in use / blocks rows can hold."""
-        return 1.0 - len(self._free) / self.blocks_total
+        """Blocks the rows hold / blocks rows can hold: a block shared by rows counts once, and one
+        only another holder keeps (a prefix cache, which gives it up on demand) counts as free."""
+        return len({b for table in self.host_tables for b in table}) / self.blocks_total
 
     def view(self, start: int = 0, stop: int | None = None) -> PagedCacheView:
         return PagedCacheView(self, start, self.rows if stop is None else stop)

@@ -107,6 +107,23 @@ class Blocks:
                 self.cache.advance(padded.lengths, row, row + 1)
                 done = end
 
+    def keep_outputs(self, rows: list[int]) -> None:
+        """Offer the prefix cache the full blocks of rows `rows`, about to be freed: their prompt and
+        output as far as the row holds them (never the pending token, nor a stop token a step launched
+        ahead fed), so that a request repeating them (a chat's next turn, whose history holds this
+        answer) prefills only what follows. Not a request that ended in an error (its step may have
+        failed mid-way). With a prompt model the blocks hold the keys as first computed, the answer's
+        by the decode weights (as a preempted request's recomputation computes them)."""
+        if self.prefix is None:
+            return
+        for row in rows:
+            seq = self.rows[row]
+            if seq.reason == "error":
+                continue
+            held = min(self.cache.host_lengths[row], len(seq.prompt) + len(seq.tokens))
+            if held // BLOCK > len(seq.context) // BLOCK:  # a full block its prompt's store did not cover
+                self.prefix.store((seq.prompt + seq.tokens)[:held], row, seq.salt)
+
     def cached(self, seq: SeqState) -> int:
         """Tokens of seq's context (its prompt, unless preempted) the prefix cache holds now (0 without
         one); with a prompt model, of a preempted request's prompt only (its output is recomputed as

@@ -89,8 +89,8 @@ class EngineConfig:
     # prefill rate computes in this time (at least one request, at most prefill_tokens), so on a slow CPU
     # running streams do not wait seconds behind new prompts; None: prefill_tokens alone
     prefill_step_ms: float | None = None
-    # prompt blocks' keys/values kept by content (engine/prefix_cache.py): a prompt that begins like an
-    # earlier one (a system prompt, a chat history) prefills only the rest; 0: off
+    # full blocks' keys/values of prompts and finished answers kept by content (engine/prefix_cache.py): a
+    # prompt that begins like an earlier one (a system prompt, a chat history) prefills only the rest; 0: off
     prefix_cache_mib: float = 256.0
     # decode steps as captured CUDA graphs, one per bucket of rows x key blocks (models/execution/graphs.py),
     # captured at warm-up; None: on CUDA with a paged cache. True on a CPU runs the same padded steps

@@ -1,5 +1,6 @@
-"""Automatic prefix caching: the keys/values of prompt blocks already computed, kept by content, so a
-request with the same beginning (a system prompt, a chat history, n > 1 siblings) prefills only the rest.
+"""Automatic prefix caching: the keys/values of blocks already computed (prompts, and finished requests'
+answers: engine/blocks.py `keep_outputs`), kept by content, so a request with the same beginning (a
+system prompt, a chat history, n > 1 siblings) prefills only the rest.
 
 A full block of BLOCK tokens is keyed by a chain hash (128-bit BLAKE2b of its parent's key and its
 tokens: no client can craft a collision), so it is reused only after the same whole prefix, and within
@@ -54,7 +55,7 @@ class _Entry:
 
 
 class PrefixCache:
-    """Full prompt blocks' keys/values, content-addressed, LRU within `budget_bytes`."""
+    """Full blocks' keys/values, content-addressed, LRU within `budget_bytes`."""
 
     def __init__(self, cache: KVCache, budget_bytes: int) -> None:
         self.cache = cache

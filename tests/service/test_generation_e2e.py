@@ -1051,7 +1051,8 @@ def test_smollm2_a_long_shared_system_prompt_is_chunked_then_cached(smollm2: Clu
     """On the shipped generator: a ~400-token system prompt seen for the first time is prefilled in
     chunks (shipped prefill_chunk 256); the same conversation again finds its blocks in the prefix
     cache (the card's cached_prompt_tokens grows by nearly the whole prompt) and answers the same,
-    token for token (greedy); a second question under the same system prompt reuses them too."""
+    token for token (greedy); a second question under the same system prompt reuses them too, and
+    a next turn also the blocks of the first answer."""
     client = smollm2.openai("/smollm2")
     model = "smollm2-135m-instruct"
     system = ("You are the help desk of the city library of Lyon. " * 3 +
@@ -1078,3 +1079,7 @@ def test_smollm2_a_long_shared_system_prompt_is_chunked_then_cached(smollm2: Clu
     third = cached()
     ask(second)
     assert cached() - third >= len(system) // 8  # the shared system prompt's blocks (~4 characters a token)
+    fourth = cached()
+    turn = [*first, {"role": "assistant", "content": miss}, {"role": "user", "content": "And on Monday?"}]
+    ask(turn)  # the first turn's answer left its blocks: the block after the first prompt's comes too
+    assert cached() - fourth >= prompt_tokens // 16 * 16 + 16

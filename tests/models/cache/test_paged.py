@@ -32,6 +32,7 @@ def test_blocks_are_taken_as_rows_grow_and_come_back_on_reset() -> None:
     cache.ensure(0, 5)  # 2 blocks of 4
     cache.ensure(1, 4)
     assert [len(t) for t in cache.host_tables[:2]] == [2, 1] and cache.blocks_free == 4
+    assert cache.usage() == 3 / 7
     assert 0 not in cache.host_tables[0] + cache.host_tables[1]
     assert cache.tables[0, :2].tolist() == cache.host_tables[0] and cache.tables[0, 2:].eq(0).all()
     cache.ensure(0, 8)  # still 2 blocks
@@ -56,8 +57,11 @@ def test_a_copied_row_shares_its_full_blocks_and_copies_the_last_one() -> None:
     assert cache.refs(full) == 2 and cache.refs(last) == 1
     assert all(t.eq(7.0).all() for t in cache.block_kv(cache.host_tables[1][1]))
     assert cache.host_lengths[:2] == [6, 6]
+    assert cache.usage() == 3 / 7  # the shared block counts once
+    cache.ref(last)  # another holder (a prefix cache) keeps row 0's last block
     cache.reset(0, 1)
-    assert cache.refs(full) == 1 and cache.blocks_free == 5  # the shared block stays with row 1
+    assert cache.refs(full) == 1 and cache.blocks_free == 4  # the shared block stays with row 1
+    assert cache.usage() == 2 / 7  # a block no row holds is not in use: its holder gives it up on demand
 
 
 def test_relocate_moves_the_table_without_copying() -> None:

@@ -193,3 +193,47 @@ def test_a_hit_that_would_not_fit_beside_a_long_prompt_is_prefilled_whole(
     assert engine.stats().cached_prompt_tokens == 0
     run_until_idle(engine)
     assert [list(read(h)[1].token_ids) for h in handles] == [reference(model, tok, p, params)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "dense"])
+def test_a_next_turn_reuses_the_previous_answer_and_gives_the_same_tokens(
+        tiny: tuple[nn.Module, TextTokenizer], paged: bool) -> None:
+    """A finished request leaves its prompt and output blocks in the cache: a chat's next turn (the
+    earlier prompt, its answer, a new question) computes only the blocks after them, and still gives
+    the tokens of offline decoding."""
+    model, tok = tiny
+    spy = FaultyLM(model, lambda ids, cache: False)
+    engine = make(spy, tok, max_running=4, paged=paged)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    first = engine.submit(SYSTEM + [60, 61, 62], params)  # 43 tokens: 2 full prompt blocks
+    run_until_idle(engine)
+    answer = list(read(first)[1].token_ids)
+    assert len(answer) == 40  # the row held 43 + 39 tokens: 5 full blocks, 3 of them output
+    assert engine.stats().cached_prompt_tokens == 0
+    turn = SYSTEM + [60, 61, 62] + answer + [70, 71, 72, 73]  # 87 tokens
+    spy.calls.clear()
+    second = engine.submit(turn, params)
+    run_until_idle(engine)
+    assert engine.stats().cached_prompt_tokens == 5 * BLOCK
+    assert [int(ids.size(1)) for ids in spy.calls if ids.size(1) > 1] == [8]  # its last 7 tokens (padded to 8)
+    assert list(read(second)[1].token_ids) == reference(model, tok, turn, params)[0]
+
+
+
+def test_a_failed_request_leaves_only_its_prompt_blocks(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """A request its decode step failed (after 34 tokens: 16 + 34 fed, 3 full blocks) keeps no output
+    block in the cache; the same request finished keeps them."""
+    model, tok = tiny
+    decodes: list[int] = []
+
+    def fails(ids: torch.Tensor, cache: object) -> bool:
+        decodes.extend([1] if ids.size(1) == 1 else [])
+        return len(decodes) == 35
+
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for spy, kept in ((FaultyLM(model, fails), 1), (model, 3)):
+        engine = make(spy, tok, max_running=4)
+        handle = engine.submit(SYSTEM[:16] + [60], params)
+        run_until_idle(engine)
+        assert read(handle)[1].finish_reason == ("error" if kept == 1 else "length")
+        assert len(engine._batch.prefix) == kept  # the prompt's block (and the output's two)

@@ -112,3 +112,43 @@ def test_a_preempted_request_recomputes_its_prompt_and_output_with_the_models_th
     assert history[-1].preempted >= 2
     assert [list(read(h)[1].token_ids) for h in handles] == [two_models(prompt_model, model, p, 60) for p in asked]
     assert engine.cache.blocks_free + len(engine._batch.prefix) == engine.cache.blocks_total
+
+
+
+def as_first_computed(parts: list[tuple[nn.Module, list[int]]], model: nn.Module, new: int) -> list[int]:
+    """Greedy: each part's tokens through its model (a prompt model's in one forward, the decode
+    model's one at a time, as decode steps computed them), then `new` tokens through model."""
+    cache = KVCache.for_model(model.cfg, 1, sum(len(t) for _, t in parts) + new)
+    with torch.inference_mode():
+        for part, tokens in parts:
+            for piece in ([tokens] if part is not model else [[t] for t in tokens]):
+                logits = part(torch.tensor([piece]), cache=cache.view(0, 1))[0, -1]  # (V,)
+                cache.advance(len(piece), 0, 1)
+        out = [int(logits.argmax())]
+        while len(out) < new:
+            logits = model(torch.tensor([[out[-1]]]), cache=cache.view(0, 1))[0, -1]  # (V,)
+            cache.advance(1, 0, 1)
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_a_next_turn_reuses_an_answer_with_the_keys_its_decode_steps_computed(
+        models: tuple[nn.Module, nn.Module, TextTokenizer]) -> None:
+    """A finished request's blocks hold its prompt's keys from the prompt model and its answer's from
+    the decode model: a next turn (prompt, answer, question) finds 3 blocks and computes only the
+    rest with the prompt model, giving the tokens of that mix; a request never cached gives others."""
+    model, prompt_model, tok = models
+    engine = engine_for(model, prompt_model, tok, prefix_cache_mib=1.0)
+    prompt = list(range(30, 47))  # 17 tokens: one full block
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    handle = engine.submit(prompt, params)
+    run_until_idle(engine)
+    answer = list(read(handle)[1].token_ids)
+    assert answer == two_models(prompt_model, model, prompt, 40)
+    turn = prompt + answer + [60, 61, 62, 63]  # the row held 17 + 39 tokens: 3 full blocks
+    assert engine._batch.prefix.lookup(turn) == 3 * BLOCK
+    handle = engine.submit(turn, params)
+    run_until_idle(engine)
+    want = as_first_computed([(prompt_model, prompt), (model, answer[:31]), (prompt_model, turn[48:])], model, 40)
+    assert list(read(handle)[1].token_ids) == want
+    assert want != two_models(prompt_model, model, turn, 40)  # the mix is what the test tells apart
