@@ -49,7 +49,9 @@ class Blocks:
         return sum(cache.blocks_needed(row, cache.host_lengths[row] + 1) for row in range(len(self.rows)))
 
     def preempt(self, row: int) -> SeqState:
-        """Take a running request out (its blocks freed): it is recomputed by `restore` when admitted again."""
+        """Take a running request out: its full blocks go to the prefix cache (`keep_outputs`), which gives
+        them up on demand, and `restore` recomputes, when it is admitted again, only what is gone."""
+        self.keep_outputs([row])
         seq = self.remove([row])[0]
         seq.resume = True
         return seq
@@ -111,7 +113,7 @@ class Blocks:
         """Offer the prefix cache the full blocks of rows `rows`, about to be freed: their prompt and
         output as far as the row holds them (never the pending token, nor a stop token a step launched
         ahead fed), so that a request repeating them (a chat's next turn, whose history holds this
-        answer) prefills only what follows. Not a request that ended in an error (its step may have
+        answer; a preempted request coming back) prefills only what follows. Not a request that ended in an error (its step may have
         failed mid-way). With a prompt model the blocks hold the keys as first computed, the answer's
         by the decode weights (as a preempted request's recomputation computes them)."""
         if self.prefix is None:

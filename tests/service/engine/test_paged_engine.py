@@ -354,3 +354,34 @@ def test_an_urgent_request_takes_the_row_of_a_less_urgent_running_one(tiny: tupl
     alone = [roomy.submit(p, long) for p in prompts[:2]]
     run_until_idle(roomy)
     assert [list(read(h)[1].token_ids) for h in low] == [list(read(h)[1].token_ids) for h in alone]
+
+
+def test_a_preempted_request_comes_back_on_the_blocks_it_left(tiny: tuple[nn.Module, TextTokenizer]) -> None:
+    """A request preempted for an urgent one leaves its full blocks in the prefix cache: back on a row
+    while they are still there, it computes only the tokens after them (not its whole prompt and
+    output again), and gives the tokens of an uninterrupted run; without a prefix cache it computes
+    them all."""
+    from service.engine.core import Submission
+
+    from .test_engine import FaultyLM
+
+    model, tok = tiny
+    long = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    prompt = list(range(3, 23))  # 20 tokens
+    widths = {}
+    for mib in (1.0, 0.0):
+        spy = FaultyLM(model, lambda ids, cache: False)
+        engine = make(spy, tok, max_running=1, prefix_cache_mib=mib)
+        low = engine.submit_many([Submission(prompt, long)])[0]
+        for _ in range(30):  # its prompt, then 29 decode steps: 20 + 29 tokens in its row
+            engine.step()
+        urgent = engine.submit_many([Submission([7, 8, 9], SamplingParams(max_new_tokens=3, ignore_eos=True),
+                                                priority=-1)])[0]
+        spy.calls.clear()
+        history = run_until_idle(engine)
+        assert history[-1].preempted == 1 and read(urgent)[1].finish_reason == "length"
+        widths[mib] = [int(ids.size(1)) for ids in spy.calls if ids.size(1) > 1]  # prompt forwards
+        assert list(read(low)[1].token_ids) == reference(model, tok, prompt, long)[0]
+    # the urgent prompt (3 tokens, padded to 4), then the preempted row's 20 + 30 - 1 tokens: from the
+    # cache all but the 1 after its 3 full blocks (padded to 2), or all 49 (padded to 50)
+    assert widths == {1.0: [4, 2], 0.0: [4, 50]}
