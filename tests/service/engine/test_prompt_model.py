@@ -46,16 +46,7 @@ def models() -> tuple[nn.Module, nn.Module, TextTokenizer]:
 
 def two_models(prompt_model: nn.Module, model: nn.Module, prompt: list[int], new: int) -> list[int]:
     """Greedy: the prompt through prompt_model, then one token at a time through model (one row)."""
-    cache = KVCache.for_model(model.cfg, 1, len(prompt) + new)
-    with torch.inference_mode():
-        logits = prompt_model(torch.tensor([prompt]), cache=cache.view(0, 1))[0, -1]  # (V,)
-        cache.advance(len(prompt), 0, 1)
-        out = [int(logits.argmax())]
-        while len(out) < new:
-            logits = model(torch.tensor([[out[-1]]]), cache=cache.view(0, 1))[0, -1]  # (V,)
-            cache.advance(1, 0, 1)
-            out.append(int(logits.argmax()))
-    return out
+    return as_first_computed([(prompt_model, prompt)], model, new)
 
 
 def engine_for(model: nn.Module, prompt_model: nn.Module, tok: TextTokenizer, **config: object) -> GenerationEngine:
