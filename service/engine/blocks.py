@@ -113,9 +113,10 @@ class Blocks:
         """Offer the prefix cache the full blocks of rows `rows`, about to be freed: their prompt and
         output as far as the row holds them (never the pending token, nor a stop token a step launched
         ahead fed), so that a request repeating them (a chat's next turn, whose history holds this
-        answer; a preempted request coming back) prefills only what follows. Not a request that ended in an error (its step may have
-        failed mid-way). With a prompt model the blocks hold the keys as first computed, the answer's
-        by the decode weights (as a preempted request's recomputation computes them)."""
+        answer; a preempted request coming back) prefills only what follows. Not a request that ended
+        in an error (its step may have failed mid-way). With a prompt model the blocks hold the keys
+        as first computed, the answer's by the decode weights (as a preempted request's recomputation
+        computes them)."""
         if self.prefix is None:
             return
         for row in rows:
