@@ -181,7 +181,9 @@ class RunningBatch(Prefill, Blocks, LookAhead, Verify):
             raise
 
     def remove(self, dead: list[int]) -> list[SeqState]:
-        """Free rows `dead` (ascending): the last live rows move into the holes, the tail is reset."""
+        """Free rows `dead` (ascending), their full blocks first offered to the prefix cache
+        (`keep_outputs`): the last live rows move into the holes, the tail is reset."""
+        self.keep_outputs(dead)
         gone, n = set(dead), len(self.rows)
         removed = [self.rows[i] for i in dead]
         keep_n = n - len(gone)

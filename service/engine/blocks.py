@@ -49,9 +49,8 @@ class Blocks:
         return sum(cache.blocks_needed(row, cache.host_lengths[row] + 1) for row in range(len(self.rows)))
 
     def preempt(self, row: int) -> SeqState:
-        """Take a running request out: its full blocks go to the prefix cache (`keep_outputs`), which gives
-        them up on demand, and `restore` recomputes, when it is admitted again, only what is gone."""
-        self.keep_outputs([row])
+        """Take a running request out: its full blocks go to the prefix cache (`remove`), which gives them
+        up on demand, and `restore` recomputes, when it is admitted again, only what is gone."""
         seq = self.remove([row])[0]
         seq.resume = True
         return seq

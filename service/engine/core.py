@@ -629,7 +629,6 @@ class GenerationEngine(StepLoop):
             self._batch.drop_partial()
         elif not dead:
             return
-        self._batch.keep_outputs(dead)
         removed = self._batch.remove(dead) + ([partial] if partial is not None and partial.done else [])
         with self._cond:  # running drops before the Finished events go out (usage follows at step end)
             self._snapshot = (self._batch.held, self._snapshot[1])

@@ -18,7 +18,7 @@ from models.text import TextTokenizer
 from models.tiny import tiny_model
 from service.engine.prefix_cache import BLOCK
 
-from .test_engine import make, read, reference, run_until_idle
+from .test_engine import FaultyLM, make, read, reference, run_until_idle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -362,8 +362,6 @@ def test_a_preempted_request_comes_back_on_the_blocks_it_left(tiny: tuple[nn.Mod
     output again), and gives the tokens of an uninterrupted run; without a prefix cache it computes
     them all."""
     from service.engine.core import Submission
-
-    from .test_engine import FaultyLM
 
     model, tok = tiny
     long = SamplingParams(max_new_tokens=60, ignore_eos=True)

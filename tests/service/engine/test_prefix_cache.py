@@ -219,7 +219,6 @@ def test_a_next_turn_reuses_the_previous_answer_and_gives_the_same_tokens(
     assert list(read(second)[1].token_ids) == reference(model, tok, turn, params)[0]
 
 
-
 def test_a_failed_request_leaves_only_its_prompt_blocks(tiny: tuple[nn.Module, TextTokenizer]) -> None:
     """A request its decode step failed (after 34 tokens: 16 + 34 fed, 3 full blocks) keeps no output
     block in the cache; the same request finished keeps them."""
