@@ -185,7 +185,8 @@ def test_preemption_chunked_prefill_and_prefix_hits_keep_the_tokens(prefix_mib: 
     config = dict(max_running=4, kv_cache_mib=mib_for_blocks(model, 12), prefix_cache_mib=prefix_mib, prefill_chunk=40)
     plain, plain_history = run(model, tok, prompts, params, **config)
     if drafter == "ngram":
-        spec, history = run(model, tok, prompts, params, speculative=NGRAM, **config)
+        spec, history = run(model, tok, prompts, params, **config,  # fixed k: no step timing decides the steps
+                            speculative=SpeculativeConfig(method="ngram", max_draft_tokens=6, adaptive=False))
     else:
         draft = tiny_model("decoder" if drafter == "draft" else "decoder-wide")[0]  # seed 0: "draft" is the model
         spec, history = run(model, tok, prompts, params, draft=draft, **config,
