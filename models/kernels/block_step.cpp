@@ -156,7 +156,7 @@ struct Layer {
     if (adapters == nullptr || !lora[which].a.defined()) {
       return ts::project(kind, x, weights[which], biases[which], outs[which], parts[which]);
     }
-    if (lora_fuses(x, outs[which], lora[which], adapters)) {
+    if (lora_fuses(x, lora[which], adapters)) {
       const LoraAfter after(x, lora[which], adapters);
       return ts::project(kind, x, weights[which], biases[which], outs[which], parts[which], &after);
     }
@@ -383,22 +383,8 @@ ts::Blocks::Blocks(std::vector<at::Tensor> norms_, std::vector<c10::optional<at:
 void ts::Blocks::set_lora(int64_t index, at::Tensor a, at::Tensor bt, at::Tensor ranks, std::vector<int64_t> bounds,
                           int64_t rank, at::Tensor scales) {
   TORCH_CHECK(index >= 0 && static_cast<size_t>(index) < lora.size(), "projection ", index, " outside the stack");
-  const int64_t P = static_cast<int64_t>(bounds.size()) - 1;
-  TORCH_CHECK(P >= 1 && rank >= 1 && rank <= 256 && bounds.front() == 0 && bounds.back() == outs[index],
-              "bounds must cover the outputs, and a part has 1 to 256 ranks");
-  TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.scalar_type() == bt.scalar_type() &&
-                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kChar) &&
-                  a.is_contiguous() && bt.is_contiguous() && a.size(0) == bt.size(0) && a.size(1) == P * rank &&
-                  bt.size(1) == P * rank && bt.size(2) == outs[index],
-              "adapter factors must be contiguous float32, bfloat16 or int8 (N, P r, I) and (N, P r, O)");
-  TORCH_CHECK(a.scalar_type() != at::kChar || (scales.dim() == 2 && scales.scalar_type() == at::kFloat &&
-                                               scales.is_contiguous() && scales.size(0) == a.size(0) &&
-                                               scales.size(1) == P * rank),
-              "int8 adapter factors need their scales: a contiguous (N, P r) float32 tensor");
-  TORCH_CHECK(ranks.dim() == 2 && ranks.scalar_type() == at::kLong && ranks.is_contiguous() && ranks.size(0) == a.size(0) &&
-                  ranks.size(1) == P,
-              "adapter ranks must be a contiguous (N, P) int64 tensor");
-  lora[index] = Lora{std::move(a), std::move(bt), std::move(ranks), std::move(scales), std::move(bounds), rank};
+  lora[index] = make_lora(std::move(a), std::move(bt), std::move(ranks), std::move(bounds), rank, std::move(scales),
+                          outs[index]);
 }
 
 // A causal stack's whole decode step in one call: each row's token embedding (scaled, plus its

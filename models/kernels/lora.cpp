@@ -139,7 +139,7 @@ inline void scale_firsts(float* t, int64_t stride, int64_t n, const float* scale
 
 // a slot's scales (N, P r) at [slot, lo), or null for float factors
 inline const float* scales_at(const Lora& l, int64_t slot, int64_t lo) {
-  return l.a.scalar_type() == at::kChar ? l.scales.data_ptr<float>() + slot * l.a.size(1) + lo : nullptr;
+  return l.sp == nullptr ? nullptr : l.sp + slot * l.PR + lo;
 }
 
 // Outputs one item of the second product takes: a slot's rows and a part are split in column ranges so
@@ -204,8 +204,7 @@ struct Plan {
 
 template <typename W>
 void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int64_t* slots) {
-  const int64_t R = x.size(0), I = x.size(1), O = y.size(1), PR = l.a.size(1);
-  const int64_t P = static_cast<int64_t>(l.bounds.size()) - 1;
+  const int64_t R = x.size(0), I = l.I, O = l.O, PR = l.PR, P = l.P;
   // the plan's lists live from call to call on each calling thread: a decode step's hundred calls at a
   // few rows allocate nothing
   thread_local Plan plan;
@@ -214,7 +213,7 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
   const std::vector<std::pair<int64_t, int64_t>>& chunks = plan.chunks;
   if (order.empty()) return;
   const int64_t n_rows = static_cast<int64_t>(order.size());
-  const int64_t* ranks = l.ranks.data_ptr<int64_t>();
+  const int64_t* ranks = l.rp;
   std::vector<Item>& firsts = plan.firsts;
   std::vector<Item>& seconds = plan.seconds;
   firsts.clear();
@@ -233,8 +232,8 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
   if (firsts.empty()) return;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const W* ap = reinterpret_cast<const W*>(l.a.data_ptr());
-  const W* btp = reinterpret_cast<const W*>(l.bt.data_ptr());
+  const W* ap = static_cast<const W*>(l.ap);
+  const W* btp = static_cast<const W*>(l.btp);
   // t[u * PR + p * rank + j]: the first product of row order[u], part p, rank j
   std::vector<float>& t = plan.t;
   t.resize(static_cast<size_t>(n_rows * PR));
@@ -284,27 +283,20 @@ void lora_add_typed(const at::Tensor& x, at::Tensor& y, const Lora& l, const int
 // Rows with an adapter at or below which the updates run inside the projection's region (LoraAfter)
 constexpr int64_t FUSED_ROWS = 2;
 
-// the checks of lora_add, on the calling thread (not inside a parallel region)
-void check_fits(const at::Tensor& x, int64_t O, const Lora& l, const int64_t* slots) {
-  TORCH_CHECK(l.a.size(2) == x.size(1) && l.bt.size(2) == O && l.bt.size(1) == l.a.size(1) &&
-                  l.a.size(1) == (static_cast<int64_t>(l.bounds.size()) - 1) * l.rank,
-              "an adapter's factors do not fit the projection");
-  TORCH_CHECK(l.a.scalar_type() != at::kChar ||
-                  (l.scales.defined() && l.scales.scalar_type() == at::kFloat && l.scales.is_contiguous() &&
-                   l.scales.dim() == 2 && l.scales.size(0) == l.a.size(0) && l.scales.size(1) == l.a.size(1)),
-              "int8 adapter factors need their (N, P r) float32 scales");
+// the checks of lora_add and lora_fuses, on the calling thread (not inside a parallel region): the
+// factors' shapes were checked by make_lora
+void check_fits(const at::Tensor& x, const Lora& l, const int64_t* slots) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == l.I, "an adapter's factors do not fit the projection's input");
   for (int64_t b = 0; b < x.size(0); ++b)
-    TORCH_CHECK(slots[b] < l.a.size(0), "adapter slot ", slots[b], " outside the ", l.a.size(0), " slots");
+    TORCH_CHECK(slots[b] < l.N, "adapter slot ", slots[b], " outside the ", l.N, " slots");
 }
 
 template <typename W>
 void after_typed(const at::Tensor& x, float* yp, const Lora& l, const int64_t* slots, int64_t o0, int64_t o1) {
-  const int64_t R = x.size(0), I = x.size(1), O = l.bt.size(2), PR = l.a.size(1);
-  const int64_t P = static_cast<int64_t>(l.bounds.size()) - 1;
-  const int64_t* ranks = l.ranks.data_ptr<int64_t>();
+  const int64_t R = x.size(0), I = l.I, O = l.O, PR = l.PR, P = l.P;
   const float* xp = x.data_ptr<float>();
-  const W* ap = reinterpret_cast<const W*>(l.a.data_ptr());
-  const W* btp = reinterpret_cast<const W*>(l.bt.data_ptr());
+  const W* ap = static_cast<const W*>(l.ap);
+  const W* btp = static_cast<const W*>(l.btp);
   thread_local std::vector<float> t;  // t[q * rank + j]: row q of a chunk, rank j of the part at hand
   thread_local std::vector<int64_t> order;
   thread_local std::vector<std::pair<int64_t, int64_t>> chunks;
@@ -321,7 +313,7 @@ void after_typed(const at::Tensor& x, float* yp, const Lora& l, const int64_t* s
       ts[q] = t.data() + q * l.rank;
     }
     for (int64_t p = 0; p < P; ++p) {
-      const int64_t begin = std::max(o0, l.bounds[p]), end = std::min(o1, l.bounds[p + 1]), used = ranks[s * P + p];
+      const int64_t begin = std::max(o0, l.bounds[p]), end = std::min(o1, l.bounds[p + 1]), used = l.rp[s * P + p];
       if (begin >= end || used == 0) continue;
       const W* a = ap + (s * PR + p * l.rank) * I;  // (used, I)
       for (int64_t j = 0; j < used; j += KB)
@@ -334,18 +326,55 @@ void after_typed(const at::Tensor& x, float* yp, const Lora& l, const int64_t* s
 
 }  // namespace
 
-bool ts::lora_fuses(const at::Tensor& x, int64_t outputs, const Lora& l, const int64_t* slots) {
+ts::Lora ts::make_lora(at::Tensor a, at::Tensor bt, at::Tensor ranks, std::vector<int64_t> bounds, int64_t rank,
+                       at::Tensor scales, int64_t outputs) {
+  const int64_t P = static_cast<int64_t>(bounds.size()) - 1;
+  TORCH_CHECK(P >= 1 && rank >= 1 && rank <= 256 && bounds.front() == 0 && bounds.back() == outputs,
+              "bounds must cover the outputs, and a part has 1 to 256 ranks");
+  TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.scalar_type() == bt.scalar_type() &&
+                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kChar) &&
+                  a.is_contiguous() && bt.is_contiguous() && a.size(0) == bt.size(0) && a.size(1) == P * rank &&
+                  bt.size(1) == P * rank && bt.size(2) == outputs,
+              "adapter factors must be contiguous float32, bfloat16 or int8 (N, P r, I) and (N, P r, O)");
+  TORCH_CHECK(a.scalar_type() != at::kChar || (scales.defined() && scales.dim() == 2 &&
+                                               scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                                               scales.size(0) == a.size(0) && scales.size(1) == P * rank),
+              "int8 adapter factors need their scales: a contiguous (N, P r) float32 tensor");
+  TORCH_CHECK(ranks.dim() == 2 && ranks.scalar_type() == at::kLong && ranks.is_contiguous() && ranks.size(0) == a.size(0) &&
+                  ranks.size(1) == P,
+              "adapter ranks must be a contiguous (N, P) int64 tensor");
+  Lora l;
+  l.dtype = a.scalar_type();
+  l.ap = a.data_ptr();
+  l.btp = bt.data_ptr();
+  l.rp = ranks.data_ptr<int64_t>();
+  l.sp = l.dtype == at::kChar ? scales.data_ptr<float>() : nullptr;
+  l.N = a.size(0);
+  l.PR = P * rank;
+  l.I = a.size(2);
+  l.O = outputs;
+  l.P = P;
+  l.a = std::move(a);
+  l.bt = std::move(bt);
+  l.ranks = std::move(ranks);
+  l.scales = std::move(scales);
+  l.bounds = std::move(bounds);
+  l.rank = rank;
+  return l;
+}
+
+bool ts::lora_fuses(const at::Tensor& x, const Lora& l, const int64_t* slots) {
   int64_t n = 0;
   for (int64_t b = 0; b < x.size(0); ++b) n += slots[b] >= 0;
   if (n < 1 || n > FUSED_ROWS) return false;
-  check_fits(x, outputs, l, slots);
+  check_fits(x, l, slots);
   return true;
 }
 
 void ts::LoraAfter::operator()(float* y, int64_t o0, int64_t o1) const {
-  if (lora.a.scalar_type() == at::kBFloat16) {
+  if (lora.dtype == at::kBFloat16) {
     after_typed<uint16_t>(x, y, lora, slots, o0, o1);
-  } else if (lora.a.scalar_type() == at::kChar) {
+  } else if (lora.dtype == at::kChar) {
     after_typed<int8_t>(x, y, lora, slots, o0, o1);
   } else {
     after_typed<float>(x, y, lora, slots, o0, o1);
@@ -353,10 +382,11 @@ void ts::LoraAfter::operator()(float* y, int64_t o0, int64_t o1) const {
 }
 
 void ts::lora_add(const at::Tensor& x, at::Tensor& y, const Lora& l, const int64_t* slots) {
-  check_fits(x, y.size(1), l, slots);
-  if (l.a.scalar_type() == at::kBFloat16) {
+  check_fits(x, l, slots);
+  TORCH_CHECK(y.size(1) == l.O, "an adapter's factors do not fit the projection's outputs");
+  if (l.dtype == at::kBFloat16) {
     lora_add_typed<uint16_t>(x, y, l, slots);
-  } else if (l.a.scalar_type() == at::kChar) {
+  } else if (l.dtype == at::kChar) {
     lora_add_typed<int8_t>(x, y, l, slots);
   } else {
     lora_add_typed<float>(x, y, l, slots);
@@ -376,13 +406,8 @@ void lora_update_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const
               "x and y must be (M, I) and (M, O) contiguous float32");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == M,
               "slots must be a contiguous (M,) int64 tensor");
-  TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.scalar_type() == bt.scalar_type() &&
-                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kChar) &&
-                  a.is_contiguous() && bt.is_contiguous() && ranks.scalar_type() == at::kLong && ranks.is_contiguous() &&
-                  rank >= 1 && rank <= 256 && !bounds.empty() && bounds.front() == 0 && bounds.back() == y.size(1),
-              "adapter factors, ranks and bounds as Blocks::set_lora takes them");
-  const Lora l{a, bt, ranks, scales.has_value() ? *scales : at::Tensor(), std::vector<int64_t>(bounds.begin(), bounds.end()),
-               rank};
+  const Lora l = make_lora(a, bt, ranks, std::vector<int64_t>(bounds.begin(), bounds.end()), rank,
+                           scales.has_value() ? *scales : at::Tensor(), y.size(1));
   lora_add(x, y, l, slots.data_ptr<int64_t>());
 }
 

@@ -62,12 +62,23 @@ void copy_blocks(const at::Tensor& pool, const std::vector<int64_t>& src, const 
 // One projection's adapter slots (models/adapters/lora.py's LoraLinear): a (N, P r, I) and bt (N, P r, O)
 // float32, bfloat16 or int8, ranks (N, P) int64 the ranks each part of a slot uses, bounds (P + 1,) the parts'
 // outputs, r (`rank`) ranks a part; int8 factors have `scales` (N, P r) float32, a rank's first product's
-// scale times its second's (empty otherwise). Undefined `a`: the projection carries no adapters.
+// scale times its second's (empty otherwise). Undefined `a`: the projection carries no adapters. Built by
+// make_lora (the checks), which also keeps the raw views the kernels read: the tensors are written in place
+// when a slot is loaded, never reallocated.
 struct Lora {
   at::Tensor a, bt, ranks, scales;
   std::vector<int64_t> bounds;
   int64_t rank = 0;
+  at::ScalarType dtype = at::kFloat;
+  const void* ap = nullptr;
+  const void* btp = nullptr;
+  const int64_t* rp = nullptr;  // ranks
+  const float* sp = nullptr;    // scales, or null for float factors
+  int64_t N = 0, PR = 0, I = 0, O = 0, P = 0;
 };
+// a Lora over these tensors, checked (shapes, dtypes, layout); `outputs` the projection's
+Lora make_lora(at::Tensor a, at::Tensor bt, at::Tensor ranks, std::vector<int64_t> bounds, int64_t rank,
+               at::Tensor scales, int64_t outputs);
 
 // y (R, O) += each row's adapter update from x (R, I), slots[b] the row's slot (-1: none) (lora.cpp)
 void lora_add(const at::Tensor& x, at::Tensor& y, const Lora& lora, const int64_t* slots);
@@ -83,9 +94,9 @@ struct LoraAfter : After {
   LoraAfter(const at::Tensor& x_, const Lora& lora_, const int64_t* slots_) : x(x_), lora(lora_), slots(slots_) {}
   void operator()(float* y, int64_t o0, int64_t o1) const override;
 };
-// whether a projection of x (R, I) to `outputs` takes its rows' updates as a LoraAfter: one or two rows have an
-// adapter (the checks of lora_add first)
-bool lora_fuses(const at::Tensor& x, int64_t outputs, const Lora& lora, const int64_t* slots);
+// whether a projection of x (R, I) takes its rows' updates as a LoraAfter: one or two rows have an adapter
+// (the checks of lora_add first)
+bool lora_fuses(const at::Tensor& x, const Lora& lora, const int64_t* slots);
 
 // A stack's parameters, held once (models/execution/native.py builds one per stack, through module.cpp):
 // each block's norms and projections in turn (qkv, o, [cross q, cross o,] up or gate/up, down; the
