@@ -7,7 +7,8 @@ A local Ray + Serve (on this machine's CPUs) serves the shipped generator (deplo
 model and engine settings) on `--replicas` replicas of one CPU and one torch thread each; for each
 routing policy the app is deployed afresh (empty prefix caches) and `--chats` conversations run at
 once, `--turns` turns each: a tenant's system prompt of about `--system-tokens` tokens (each tenant
-its own), then the growing history (greedy answers of `--answer-tokens`). Each request streams; the
+its own), then the growing history (greedy answers of `--answer-tokens`; past the model's context, the
+oldest turns dropped, as chat apps do: counted under the table). Each request streams; the
 table has the prefix hit rate (cached prompt tokens / prompt tokens from /metrics), time to first
 token p50 / p95, the routing decisions, and the whole run's time. Requests are the same for both.
 """
@@ -20,6 +21,7 @@ import json
 import re
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,25 +55,61 @@ def app_args(policy: str, replicas: int, autoscaling: dict[str, Any] | None = No
     return {**args, "deployments": {"generator": gen}, "log_json": False}
 
 
-async def chat(client: httpx.AsyncClient, system: str, chat_id: int, turns: int, answer_tokens: int,
+QUESTION_TOKENS = 32  # a turn's question with its template tokens, at most (the window's margin)
+
+
+@dataclass
+class Window:
+    """A chat's history kept within the model's context, as chat apps keep theirs: the system prompt,
+    then the newest turns; the oldest question and answer go first. `costs` holds each kept turn's
+    tokens (its question's margin plus its answer's count); `prompt` the last request's prompt tokens."""
+
+    context: int  # the model's prompt + output tokens per request (/tokenize's max_model_len)
+    answer_tokens: int
+    costs: list[int] = field(default_factory=list)
+    prompt: int = 0
+    dropped: int = 0
+
+    def answered(self, prompt_tokens: int, answer_tokens: int) -> None:
+        self.prompt = prompt_tokens
+        self.costs.append(QUESTION_TOKENS + answer_tokens)
+
+    def trim(self, history: list[dict[str, str]]) -> None:
+        """Drop the oldest turns of `history` (system, user, assistant, ..., the new user message) until
+        the next request's prompt and answer fit."""
+        need = self.prompt + (self.costs[-1] if self.costs else 0) + self.answer_tokens
+        while self.costs and need > self.context and len(history) > 3:
+            del history[1:3]
+            need -= self.costs.pop(0)
+            self.dropped += 1
+
+
+async def chat(client: httpx.AsyncClient, system: str, chat_id: int, turns: int, window: Window,
                ttfts: list[float]) -> None:
     history = [{"role": "system", "content": system}]
     for turn in range(turns):
         history.append({"role": "user", "content": f"Chat {chat_id}, question {turn}: what should I do next?"})
-        started, first, text = time.perf_counter(), None, []
+        window.trim(history)
+        started, first, text, usage = time.perf_counter(), None, [], None
         async with client.stream("POST", "/v1/chat/completions", json={
-                "messages": history, "max_tokens": answer_tokens, "temperature": 0, "stream": True}) as r:
+                "messages": history, "max_tokens": window.answer_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"{r.status_code}: {(await r.aread())!r}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                delta = json.loads(line[6:])["choices"]
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                delta = chunk["choices"]
                 if delta and delta[0]["delta"].get("content"):
                     first = first or time.perf_counter()
                     text.append(delta[0]["delta"]["content"])
         ttfts.append((first or time.perf_counter()) - started)
         history.append({"role": "assistant", "content": "".join(text)})
+        if usage is None:
+            raise RuntimeError("the stream ended without its usage chunk")
+        window.answered(usage["prompt_tokens"], usage["completion_tokens"])
 
 
 def counters(url: str) -> dict[str, float]:
@@ -100,13 +138,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run_chats(url: str, args: argparse.Namespace) -> tuple[list[float], float]:
+async def run_chats(url: str, args: argparse.Namespace, context: int) -> tuple[list[float], float, int]:
+    """Every chat at once: times to first token, the run's seconds, and the turns dropped to fit."""
     ttfts: list[float] = []
+    windows = [Window(context, args.answer_tokens) for _ in range(args.chats)]
     started = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await asyncio.gather(*(chat(client, system_prompt(i % args.tenants, args.system_tokens), i, args.turns,
-                                    args.answer_tokens, ttfts) for i in range(args.chats)))
-    return ttfts, time.perf_counter() - started
+                                    windows[i], ttfts) for i in range(args.chats)))
+    return ttfts, time.perf_counter() - started, sum(w.dropped for w in windows)
 
 
 def measure(policy: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -115,15 +155,16 @@ def measure(policy: str, args: argparse.Namespace) -> dict[str, Any]:
     with local_cluster(num_cpus=args.replicas + 1) as url:
         deploy(app_args(policy, args.replicas), name="fleet")
         wait_for(url, "/readyz", 200, timeout_s=600)
+        context = httpx.post(f"{url}/tokenize", json={"prompt": "a"}, timeout=60).json()["max_model_len"]
         before = counters(url)
-        ttfts, seconds = asyncio.run(run_chats(url, args))
+        ttfts, seconds, dropped = asyncio.run(run_chats(url, args, context))
         after = counters(url)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     replicas = sorted(k.removeprefix("prompt@") for k in delta if k.startswith("prompt@") and delta[k])
     return {"policy": policy, "hit_rate": delta.get("cached", 0.0) / max(delta.get("prompt", 0.0), 1),
             "ttft_p50": percentile(ttfts, 0.5), "ttft_p95": percentile(ttfts, 0.95), "seconds": seconds,
-            "requests": len(ttfts), "routed": {k.removeprefix("routed_"): int(v) for k, v in delta.items()
-                                               if k.startswith("routed_") and v},
+            "requests": len(ttfts), "dropped": dropped,
+            "routed": {k.removeprefix("routed_"): int(v) for k, v in delta.items() if k.startswith("routed_") and v},
             "replicas": [(delta[f"prompt@{r}"] / max(delta.get("prompt", 0.0), 1),
                           delta.get(f"cached@{r}", 0.0) / delta[f"prompt@{r}"]) for r in replicas]}
 
@@ -136,6 +177,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         per = "; ".join(f"{share:.2f}, {hit:.2f}" for share, hit in r["replicas"])
         lines.append(f"| {r['policy']} | {r['hit_rate']:.2f} | {per} | {r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | "
                      f"{r['seconds']:.1f} | {r['requests']} | {decided} |")
+    dropped = {r["policy"]: r["dropped"] for r in rows if r.get("dropped")}
+    if dropped:
+        lines.append("\nOldest turns dropped to fit the context: "
+                     + ", ".join(f"{policy} {n}" for policy, n in dropped.items()))
     if len(rows) == 2 and rows[0]["ttft_p50"] > 0:
         lines.append(f"\nTTFT p50 power_of_two / prefix: {rows[1]['ttft_p50'] / rows[0]['ttft_p50']:.2f}x")
     return "\n".join(lines)
